@@ -1,0 +1,5 @@
+import sys
+
+from harness.present.cli import main
+
+sys.exit(main())

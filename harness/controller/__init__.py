@@ -1,0 +1,1 @@
+"""Controller: lease ports, launch ranks, watch them, collect their results."""

@@ -1,0 +1,144 @@
+"""Collect what each rank left behind and decide, rank by rank, whether the run succeeded.
+
+mlx.launch exits 0 even when ranks fail, so its status is never used. A run succeeds only when
+every rank wrote a result with status "ok", exited 0, and the watchdog did not stop it.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from harness import schema
+from harness.controller.watch import WatchReport
+
+_WARN = re.compile(r"Node with rank (\d+) (?:exited with code (-?\d+)|(was killed))")
+TAIL_LINES = 12
+
+
+@dataclass
+class RankOutcome:
+    rank: int
+    exit_code: int | None  # None: unknown (e.g. killed by the launcher or the watchdog)
+    killed: bool
+    result: dict[str, Any] | None
+    events: list[dict[str, Any]]
+    stderr_tail: str
+
+    @property
+    def ok(self) -> bool:
+        return (
+            self.result is not None
+            and self.result.get("status") == "ok"
+            and self.exit_code in (0, None)
+            and not self.killed
+        )
+
+
+@dataclass
+class RunOutcome:
+    """Everything the judge and the reports need from one run."""
+
+    name: str
+    world_size: int
+    backend: str | None
+    ok: bool
+    failure: str | None
+    ranks: list[RankOutcome]
+    watch: WatchReport
+    params: dict[str, Any] | None = None
+    artifacts: Path | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def result(self, rank: int = 0) -> dict[str, Any]:
+        res = self.ranks[rank].result
+        if res is None:
+            raise KeyError(f"rank {rank} of run {self.name!r} wrote no result")
+        return res
+
+    def steps(self, rank: int = 0) -> list[dict[str, Any]]:
+        return [e for e in self.ranks[rank].events if e.get("kind") == "step"]
+
+
+def _tail(path: Path, lines: int = TAIL_LINES) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except FileNotFoundError:
+        return ""
+    return "\n".join(text.rstrip().splitlines()[-lines:])
+
+
+def _launcher_statuses(run_dir: Path) -> dict[int, tuple[int | None, bool]]:
+    """rank -> (exit code, killed by launcher) from mlx.launch's [WARN] lines."""
+    out: dict[int, tuple[int | None, bool]] = {}
+    log = run_dir / "launcher.log"
+    if log.exists():
+        for m in _WARN.finditer(log.read_text(errors="replace")):
+            rank = int(m.group(1))
+            out[rank] = (None, True) if m.group(3) else (int(m.group(2)), False)
+    return out
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "an unknown status"
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
+def collect(run_dir: Path, world_size: int, report: WatchReport) -> list[RankOutcome]:
+    statuses = _launcher_statuses(run_dir) if world_size > 1 else {}
+    ranks = []
+    for r in range(world_size):
+        if world_size == 1:
+            code, killed = report.returncode, False
+            if report.limit:
+                code, killed = None, True
+        else:
+            code, killed = statuses.get(r, (0, False))
+        result = None
+        rp = schema.result_path(run_dir, r)
+        if rp.exists():
+            try:
+                result = schema.read_json(rp)
+            except schema.SchemaError as e:
+                result = {"status": "error", "error": str(e)}
+        try:
+            events = list(schema.read_events(schema.events_path(run_dir, r)))
+        except schema.SchemaError:
+            events = []
+        ranks.append(RankOutcome(r, code, killed, result, events, _tail(schema.stderr_path(run_dir, r))))
+    return ranks
+
+
+def failure_reason(ranks: list[RankOutcome], report: WatchReport) -> str | None:
+    """One message naming the first failing rank and its cause, or None when all is well."""
+    reasons = []
+    for o in ranks:
+        if o.result is not None and o.result.get("status") != "ok":
+            reasons.append(f"rank {o.rank} failed: {o.result.get('error', 'unknown error')}")
+    for o in ranks:
+        if o.exit_code not in (0, None) and not (o.result and o.result.get("status") != "ok"):
+            tail = f"; stderr tail:\n{o.stderr_tail}" if o.stderr_tail else ""
+            why = " (mlx.launch stops the other ranks when one fails)" if o.exit_code == -15 else ""
+            reasons.append(f"rank {o.rank} ended with {describe_exit(o.exit_code)}{why}{tail}")
+    for o in ranks:
+        if o.result is None and o.exit_code in (0, None) and not o.killed and not report.limit:
+            tail = f"; stderr tail:\n{o.stderr_tail}" if o.stderr_tail else ""
+            reasons.append(f"rank {o.rank} exited without writing a result{tail}")
+    if report.limit:
+        stacks = " (rank stacks dumped to their stderr)" if report.stacks_dumped else ""
+        reasons.insert(0, f"watchdog: {report.limit_detail}; process group killed{stacks}")
+    if not reasons and not all(o.ok for o in ranks):
+        bad = next(o for o in ranks if not o.ok)
+        reasons.append(f"rank {bad.rank} was killed by the launcher after a peer failed")
+    if report.survivors:
+        reasons.append(f"processes survived the kill: {report.survivors}")
+    return "\n".join(reasons) if reasons else None

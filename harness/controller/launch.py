@@ -1,0 +1,134 @@
+"""Start the rank processes of one run: a plain process for world size 1, mlx.launch otherwise.
+
+Each launch runs in its own process group (so the watchdog can kill everything it started), with
+stdin from /dev/null, a hostfile (mode 0600) and all temporary files inside the run directory,
+and each rank's stdout/stderr redirected to its own files from the moment the interpreter starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from harness.controller.ports import PortLease, lease_ports
+
+OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
+RANK_MODULE = "harness.rank"
+TMPDIR_VAR = "MLX_DDP_HARNESS_TMPDIR"
+
+
+def default_backend() -> str:
+    """What mlx.launch itself would pick: nccl where CUDA is available, ring otherwise."""
+    import mlx.core as mx
+
+    return "nccl" if mx.cuda.is_available() else "ring"
+
+
+def blas_preload() -> str | None:
+    """Debian's OpenBLAS to preload into Linux CPU ranks (25x the bundled BLAS), if installed.
+
+    Off with ``MLX_DDP_HARNESS_BLAS=bundled``.
+    """
+    if os.environ.get("MLX_DDP_HARNESS_BLAS", "auto") == "bundled":
+        return None
+    if sys.platform.startswith("linux") and os.path.exists(OPENBLAS):
+        return OPENBLAS
+    return None
+
+
+def find_launcher() -> list[str]:
+    """The ``mlx.launch`` of the running interpreter's environment."""
+    here = Path(sys.executable).parent / "mlx.launch"
+    found = str(here) if here.exists() else shutil.which("mlx.launch")
+    if found:
+        return [found]
+    return [sys.executable, "-c", "import sys; from mlx._distributed_utils.launch import main; sys.exit(main())"]
+
+
+@dataclass
+class Launch:
+    """A started run: its process (group leader), directory and leased ports."""
+
+    proc: subprocess.Popen
+    run_dir: Path
+    world_size: int
+    backend: str | None
+    lease: PortLease | None
+    command: list[str]
+
+    @property
+    def pgid(self) -> int:
+        return self.proc.pid
+
+
+def _rank_env(run_dir: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLX_") or k.startswith("MLX_DDP_HARNESS")}
+    pkg_root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
+    env[TMPDIR_VAR] = tempfile.gettempdir()
+    env["TMPDIR"] = str(run_dir / "tmp")
+    env["PYTHONUNBUFFERED"] = "1"
+    preload = blas_preload()
+    if preload:
+        env["LD_PRELOAD"] = os.pathsep.join(p for p in (preload, env.get("LD_PRELOAD")) if p)
+        env.setdefault("OPENBLAS_NUM_THREADS", "1")
+    return env
+
+
+def write_hostfile(run_dir: Path, world_size: int, backend: str) -> Path:
+    """A launcher hostfile of ``world_size`` local hosts, readable by the owner only."""
+    path = run_dir / "hostfile.json"
+    hosts = [{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]} for _ in range(world_size)]
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"backend": backend, "hosts": hosts}, f)
+    return path
+
+
+def start(run_dir: Path, world_size: int, backend: str | None = None) -> Launch:
+    """Start the ranks of ``run_dir``'s job; the job file must already be there."""
+    (run_dir / "tmp").mkdir(exist_ok=True)
+    env = _rank_env(run_dir)
+    common = dict(stdin=subprocess.DEVNULL, env=env, start_new_session=True, cwd=str(run_dir))
+    if world_size == 1:
+        cmd = [sys.executable, "-m", RANK_MODULE, str(run_dir)]
+        with open(run_dir / "rank0.stdout", "wb") as out, open(run_dir / "rank0.stderr", "wb") as err:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=err, **common)
+        return Launch(proc, run_dir, 1, None, None, cmd)
+
+    backend = backend or default_backend()
+    lease = lease_ports(world_size + 1)  # one port per ring rank, the last for NCCL's rendezvous
+    try:
+        hostfile = write_hostfile(run_dir, world_size, backend)
+        # exec keeps the launcher's pidfile pointing at the Python rank itself.
+        rank_cmd = (
+            'exec "$0" -m ' + RANK_MODULE + ' "$1" >"$1/rank$MLX_RANK.stdout" 2>"$1/rank$MLX_RANK.stderr"'
+        )
+        cmd = [
+            *find_launcher(),
+            "--hostfile", str(hostfile),
+            "--backend", backend,
+            "--starting-port", str(lease.start),
+            "--nccl-port", str(lease.start + world_size),
+            # mlx.launch assigns CUDA_VISIBLE_DEVICES = rank % n for nccl: one GPU per rank.
+            "-n", str(world_size),
+            "--cwd", str(run_dir),
+            "--", "/bin/sh", "-c", rank_cmd, sys.executable, str(run_dir),
+        ]
+        with open(run_dir / "launcher.log", "wb") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, **common)
+    except BaseException:
+        lease.release()
+        raise
+    return Launch(proc, run_dir, world_size, backend, lease, cmd)
+
+
+def describe(cmd: list[str]) -> str:
+    return shlex.join(cmd)

@@ -1,0 +1,117 @@
+"""Blocks of free consecutive TCP ports, leased so concurrent launches never share one.
+
+MLX's ring backend binds with SO_REUSEPORT and never checks that its ports are free: two jobs
+on the same ports bind without error and silently exchange data. A probe alone is not enough
+(two controllers can probe the same free block at the same moment), so every lease is recorded
+in a directory shared by all controllers on the machine, under an exclusive file lock. A lease
+whose owner process is gone is reclaimed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import random
+import socket
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+LOW, HIGH = 20000, 32000  # below Linux's ephemeral range (32768+), where outgoing sockets land
+
+
+class PortError(RuntimeError):
+    """No free block of ports could be leased."""
+
+
+def lease_dir() -> Path:
+    d = Path(os.environ.get("MLX_DDP_HARNESS_PORT_DIR", Path(tempfile.gettempdir()) / "mlx-ddp-harness-ports"))
+    d.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return d
+
+
+@dataclass
+class PortLease:
+    """Ports ``start .. start+count-1``, held until ``release``."""
+
+    start: int
+    count: int
+    file: Path
+
+    @property
+    def ports(self) -> range:
+        return range(self.start, self.start + self.count)
+
+    def release(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.file.unlink()
+
+    def __enter__(self) -> PortLease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _active_leases(d: Path) -> list[tuple[int, int]]:
+    """(start, end) of leases whose owner is alive; stale lease files are removed."""
+    active = []
+    for f in d.glob("lease-*"):
+        try:
+            _, start, count, pid = f.name.split("-")
+            start_i, count_i, pid_i = int(start), int(count), int(pid)
+        except ValueError:
+            continue
+        if _pid_alive(pid_i):
+            active.append((start_i, start_i + count_i))
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                f.unlink()
+    return active
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError as e:
+            if e.errno in (errno.EADDRINUSE, errno.EACCES):
+                return False
+            raise
+    return True
+
+
+def lease_ports(count: int, attempts: int = 200, rng: random.Random | None = None) -> PortLease:
+    """Lease ``count`` free consecutive ports on 127.0.0.1 for this process."""
+    if count < 1:
+        raise ValueError("count must be >= 1")
+    rng = rng or random.Random()
+    d = lease_dir()
+    with open(d / ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            taken = _active_leases(d)
+            for _ in range(attempts):
+                start = rng.randrange(LOW, HIGH - count)
+                end = start + count
+                if any(start < e and s < end for s, e in taken):
+                    continue
+                if all(_bindable(p) for p in range(start, end)):
+                    f = d / f"lease-{start}-{count}-{os.getpid()}"
+                    f.touch()
+                    return PortLease(start, count, f)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    raise PortError(f"no block of {count} free ports in {LOW}-{HIGH} after {attempts} tries")

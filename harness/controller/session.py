@@ -1,0 +1,82 @@
+"""Run one job end to end: make a run directory, launch, watch, collect, clean up."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from harness import schema
+from harness.controller import launch as launcher
+from harness.controller.collect import RunOutcome, collect, failure_reason
+from harness.controller.watch import watch
+
+KEEP_SUFFIXES = (".events.jsonl", ".result.json", ".stdout", ".stderr", ".log")
+
+
+class LaunchError(RuntimeError):
+    """The ranks could not be started at all."""
+
+
+def _load_params(path: Path) -> dict[str, Any] | None:
+    if not path.exists():
+        return None
+    import mlx.core as mx
+    import numpy as np
+
+    return {k: np.array(v.astype(mx.float32)) for k, v in mx.load(str(path)).items()}
+
+
+def _keep(run_dir: Path, dest: Path) -> None:
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in run_dir.iterdir():
+        if f.is_file() and f.name.endswith(KEEP_SUFFIXES):
+            shutil.copy2(f, dest / f.name)
+
+
+def execute(
+    name: str,
+    job: dict[str, Any],
+    world_size: int,
+    *,
+    backend: str | None = None,
+    wall_s: float = 600.0,
+    no_progress_s: float = 120.0,
+    keep_to: Path | None = None,
+) -> RunOutcome:
+    """Launch ``job`` on ``world_size`` ranks and return what happened.
+
+    The run directory lives under the system temp dir and is removed before returning; rank
+    logs, events and results are copied to ``keep_to`` first when it is given.
+    """
+    run_dir = Path(tempfile.mkdtemp(prefix="mlx-ddp-harness-run-"))
+    try:
+        schema.write_json_atomic(run_dir / schema.JOB_FILE, schema.stamp({**job, "world_size": world_size}))
+        try:
+            started = launcher.start(run_dir, world_size, backend)
+        except OSError as e:
+            raise LaunchError(f"could not start ranks for run {name!r}: {e}") from e
+        try:
+            report = watch(started, wall_s, no_progress_s)
+        finally:
+            if started.lease:
+                started.lease.release()
+        ranks = collect(run_dir, world_size, report)
+        failure = failure_reason(ranks, report)
+        outcome = RunOutcome(
+            name=name,
+            world_size=world_size,
+            backend=started.backend,
+            ok=failure is None,
+            failure=failure,
+            ranks=ranks,
+            watch=report,
+            params=_load_params(schema.params_path(run_dir)) if failure is None else None,
+        )
+        if keep_to is not None:
+            _keep(run_dir, keep_to)
+            outcome.artifacts = keep_to
+        return outcome
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)

@@ -1,0 +1,1 @@
+"""Judgement: checks that turn collected runs into pass/fail with measured values and limits."""

@@ -1,0 +1,1 @@
+"""Presentation: the command line, tables and reports."""

@@ -1,0 +1,136 @@
+"""Command line: ``mlx-ddp-harness run | list | doctor``.
+
+Exit codes of ``run``: 0 all checks passed, 1 a check failed, 2 bad input, 3 infrastructure
+failure (a rank crashed or hung, or the launch failed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from harness.present.results import EXIT_BAD_INPUT, EXIT_INFRA
+from harness.scenario import Scenario, ScenarioError, discover, load_scenario
+
+
+def default_scenario_dir() -> Path:
+    """``./scenarios`` when it exists, else the scenarios shipped beside the package."""
+    here = Path.cwd() / "scenarios"
+    return here if here.is_dir() else Path(__file__).resolve().parents[2] / "scenarios"
+
+
+def resolve_scenarios(paths: list[str]) -> list[Scenario]:
+    """Files are taken as given; a directory (or nothing: the default dir) gives its default set."""
+    if not paths:
+        paths = [str(default_scenario_dir())]
+    out: list[Scenario] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            found = [load_scenario(f) for f in discover(p)]
+            chosen = [s for s in found if s.default]
+            if not chosen:
+                raise ScenarioError(f"{p}: no scenario with default = true")
+            out.extend(chosen)
+        else:
+            out.append(load_scenario(p))
+    names = [s.name for s in out]
+    dup = next((n for n in names if names.count(n) > 1), None)
+    if dup:
+        raise ScenarioError(f"scenario name {dup!r} is used by more than one file")
+    return out
+
+
+def _check_out(out: Path | None) -> None:
+    if out is not None and out.exists() and not out.is_dir():
+        raise ScenarioError(f"{out}: --out must be a directory, and this is a file")
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from harness.controller.environment import environment
+    from harness.controller.ports import PortError
+    from harness.controller.session import LaunchError
+    from harness.controller.suite import run_scenario
+    from harness.judge.checks import judge
+    from harness.present.report import write_outputs
+    from harness.present.results import document, scenario_summary
+    from harness.present.tables import scenario_text
+
+    scenarios = resolve_scenarios(args.scenarios)
+    out = Path(args.out) if args.out else None
+    _check_out(out)
+
+    def progress(run):  # noqa: ANN001
+        status = "ok" if run.ok else "FAILED"
+        print(f"  run {run.name} (world size {run.world_size}): {status} in {run.watch.wall_s:.1f}s",
+              file=sys.stderr, flush=True)
+
+    summaries = []
+    try:
+        for s in scenarios:
+            print(f"scenario {s.name} ({s.path})", file=sys.stderr, flush=True)
+            runs = run_scenario(s, out / "runs" if out else None, progress)
+            checks = judge(s, runs) if all(r.ok for r in runs) else []
+            summary = scenario_summary(s, runs, checks)
+            summaries.append(summary)
+            print(scenario_text(summary, args.format) + "\n", flush=True)
+    except (LaunchError, PortError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_INFRA
+    doc = document(summaries, environment())
+    if out is not None:
+        for f in write_outputs(out, doc):
+            print(f"wrote {f}", file=sys.stderr)
+    return doc["exit_code"]
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    from tabulate import tabulate
+
+    directory = Path(args.directory) if args.directory else default_scenario_dir()
+    if not directory.is_dir():
+        raise ScenarioError(f"{directory}: not a directory")
+    rows = []
+    for f in discover(directory):
+        s = load_scenario(f)
+        sizes = ", ".join(str(r.world_size) for r in s.runs)
+        rows.append([s.name, f.name, "yes" if s.default else "", sizes, s.description])
+    print(tabulate(rows, headers=["Scenario", "File", "Default", "World sizes", "Description"]))
+    return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from harness.present import doctor
+
+    rows = doctor.checks()
+    print(doctor.render(rows))
+    essential = {"distributed backends", "default backend", "loopback ports"}
+    return 0 if all(ok for what, _, ok in rows if what in essential) else 1
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mlx-ddp-harness", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run scenarios (default: the default set in scenarios/)")
+    run.add_argument("scenarios", nargs="*", help="scenario files or directories")
+    run.add_argument("--out", help="directory for result.json, report.md and rank logs")
+    run.add_argument("--format", choices=("plain", "github"), default="plain", help="table format")
+    run.set_defaults(func=cmd_run)
+    ls = sub.add_parser("list", help="list scenarios")
+    ls.add_argument("directory", nargs="?", help="scenario directory (default: scenarios/)")
+    ls.set_defaults(func=cmd_list)
+    doc = sub.add_parser("doctor", help="check mlx, backends, ports and BLAS on this machine")
+    doc.set_defaults(func=cmd_doctor)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ScenarioError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

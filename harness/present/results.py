@@ -1,0 +1,97 @@
+"""The result document (``result.json``): scenarios, their runs' figures and their checks."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from harness import schema
+from harness.controller.collect import RunOutcome
+from harness.judge.checks import Check
+from harness.scenario import Scenario
+
+EXIT_PASS, EXIT_CHECK_FAILED, EXIT_BAD_INPUT, EXIT_INFRA = 0, 1, 2, 3
+
+
+def median_after_first(values: list[float]) -> float | None:
+    """Median of a per-step series without step 1 (graph building, first allocations)."""
+    tail = values[1:] if len(values) > 1 else values
+    return statistics.median(tail) if tail else None
+
+
+def per_rank_batch(global_batch: int, world_size: int) -> str:
+    lo, hi = global_batch // world_size, -(-global_batch // world_size)
+    return str(lo) if lo == hi else f"{lo}-{hi}"
+
+
+def rank_summary(o: Any) -> dict[str, Any]:
+    r = o.result or {}
+    keys = ("host", "pid", "device", "startup_s", "runtime_s", "tokens_local", "tok_s_local",
+            "step_times_s", "mlx_peak_bytes", "rss_peak_bytes", "error")
+    return {"rank": o.rank, "exit_code": o.exit_code, "status": r.get("status", "missing"),
+            **{k: r[k] for k in keys if k in r}}
+
+
+def run_summary(run: RunOutcome, s: Scenario, ref: RunOutcome | None) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "name": run.name,
+        "world_size": run.world_size,
+        "backend": run.backend or "none",
+        "ok": run.ok,
+        "failure": run.failure,
+        "wall_s": run.watch.wall_s,
+        "per_rank_batch": per_rank_batch(s.train.global_batch, run.world_size),
+        "global_batch": s.train.global_batch,
+        "ranks": [rank_summary(o) for o in run.ranks],
+        "artifacts": str(run.artifacts) if run.artifacts else None,
+    }
+    if not run.ok:
+        return out
+    r0 = run.result(0)
+    losses = r0["losses"]
+    runtime = max(o.result["runtime_s"] for o in run.ranks if o.result)
+    out.update(
+        losses=losses,
+        steps=len(losses),
+        avg_loss=statistics.fmean(losses),
+        final_loss=losses[-1],
+        runtime_s=runtime,
+        launch_overhead_s=run.watch.wall_s - runtime,
+        tokens_global=r0["tokens_global"],
+        median_tok_s=median_after_first(r0["tok_s_global"]),
+        mlx_peak_bytes=[rk["mlx_peak_bytes"] for rk in out["ranks"]],
+        rss_peak_bytes=[rk["rss_peak_bytes"] for rk in out["ranks"]],
+        final_digest=r0["final_digest"],
+    )
+    if ref is not None and ref.ok and ref is not run:
+        out["final_loss_delta"] = losses[-1] - ref.result(0)["losses"][-1]
+    return out
+
+
+def scenario_summary(s: Scenario, runs: list[RunOutcome], checks: list[Check]) -> dict[str, Any]:
+    ref = next((r for r in runs if r.name == s.checks.reference), None)
+    infra = [r for r in runs if not r.ok]
+    status = "error" if infra else ("passed" if all(c.passed for c in checks) else "failed")
+    return {
+        "name": s.name,
+        "path": s.path,
+        "description": s.description,
+        "reference": s.checks.reference,
+        "status": status,
+        "passed": status == "passed",
+        "checks": [c.to_dict() for c in checks],
+        "runs": [run_summary(r, s, ref) for r in runs],
+    }
+
+
+def exit_code(scenarios: list[dict[str, Any]]) -> int:
+    statuses = {s["status"] for s in scenarios}
+    if "error" in statuses:
+        return EXIT_INFRA
+    return EXIT_CHECK_FAILED if "failed" in statuses else EXIT_PASS
+
+
+def document(scenarios: list[dict[str, Any]], env: dict[str, Any]) -> dict[str, Any]:
+    code = exit_code(scenarios)
+    return schema.stamp({"passed": code == EXIT_PASS, "exit_code": code, "environment": env,
+                         "scenarios": scenarios})

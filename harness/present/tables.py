@@ -1,0 +1,76 @@
+"""Tables in the shape of the seed DDP parity table, and the checks table, through tabulate."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tabulate import tabulate
+
+FORMATS = {"plain": "simple", "github": "github"}
+MB = 1024 * 1024
+
+PARITY_HEADERS = [
+    "Run", "World size", "Per-rank batch", "Runtime", "Post-step-1 median tok/s", "Avg loss",
+    "Final loss", "Final-loss delta vs {ref}", "Peak MLX MB per rank", "Peak RSS MB per rank",
+]
+
+
+def _mb(values: list[int] | None) -> str:
+    return " / ".join(f"{v / MB:.0f}" for v in values) if values else "-"
+
+
+def parity_rows(scenario: dict[str, Any]) -> list[list[Any]]:
+    rows = []
+    for r in scenario["runs"]:
+        if not r["ok"]:
+            rows.append([r["name"], r["world_size"], r["per_rank_batch"], "FAILED", "-", "-", "-", "-", "-", "-"])
+            continue
+        delta = r.get("final_loss_delta")
+        rows.append([
+            r["name"],
+            r["world_size"],
+            r["per_rank_batch"],
+            f"{r['runtime_s']:.3f}s",
+            f"{r['median_tok_s']:.1f}",
+            f"{r['avg_loss']:.6f}",
+            f"{r['final_loss']:.6f}",
+            "-" if delta is None else f"{delta:+.6f}",
+            _mb(r["mlx_peak_bytes"]),
+            _mb(r["rss_peak_bytes"]),
+        ])
+    return rows
+
+
+def parity_table(scenario: dict[str, Any], fmt: str = "plain") -> str:
+    ref = scenario.get("reference") or "reference"
+    headers = [h.format(ref=ref) for h in PARITY_HEADERS]
+    return tabulate(parity_rows(scenario), headers=headers, tablefmt=FORMATS[fmt], disable_numparse=True)
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.3g}" if (v != 0 and (abs(v) < 1e-3 or abs(v) >= 1e5)) else f"{v:.4g}"
+    return str(v)
+
+
+def checks_table(scenario: dict[str, Any], fmt: str = "plain") -> str:
+    rows = [[c["name"], c["run"], _fmt(c["value"]), _fmt(c["limit"]), "pass" if c["passed"] else "FAIL",
+             c["detail"]] for c in scenario["checks"]]
+    return tabulate(rows, headers=["Check", "Run", "Value", "Limit", "Result", "Detail"],
+                    tablefmt=FORMATS[fmt], disable_numparse=True)
+
+
+def failures(scenario: dict[str, Any]) -> list[str]:
+    return [f"run {r['name']} (world size {r['world_size']}): {r['failure']}"
+            for r in scenario["runs"] if not r["ok"]]
+
+
+def scenario_text(scenario: dict[str, Any], fmt: str = "plain") -> str:
+    """The table block the CLI prints for one scenario."""
+    parts = [f"{scenario['name']}: {scenario['status'].upper()}", parity_table(scenario, fmt)]
+    if scenario["checks"]:
+        parts.append(checks_table(scenario, fmt))
+    parts.extend(failures(scenario))
+    return "\n\n".join(parts)

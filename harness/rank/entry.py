@@ -1,0 +1,152 @@
+"""Rank entry point: ``python -m harness.rank RUN_DIR``.
+
+Reads the job file, joins the distributed group (none for world size 1), announces itself with a
+``start`` event, runs the job and writes its result. A failure is written as an error result and
+the process exits 1, so the controller learns the cause from the rank itself.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from harness import schema
+from harness.scenario import FaultSpec
+
+TMPDIR_VAR = "MLX_DDP_HARNESS_TMPDIR"
+
+
+@dataclass
+class RankContext:
+    """What a job needs to know about the process it runs in."""
+
+    run_dir: Path
+    job: dict[str, Any]
+    rank: int
+    world_size: int
+    group: Any
+    backend: str
+    events: schema.EventWriter
+    faults: list[FaultSpec] = field(default_factory=list)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def phase(self, name: str) -> None:
+        """Heartbeat between steps, so the watchdog sees progress through long phases."""
+        self.events.emit("phase", name=name, rank=self.rank)
+
+    def maybe_fault(self, step: int) -> None:
+        """Misbehave as the job's fault specs say, when this rank reaches ``step``."""
+        for f in self.faults:
+            if f.rank == self.rank and f.step == step:
+                inject(f)
+
+
+def inject(f: FaultSpec) -> None:
+    if f.action == "raise":
+        raise RuntimeError(f"injected fault at step {f.step}")
+    if f.action == "exit":
+        os._exit(f.code)
+    if f.action == "exit0":
+        os._exit(0)
+    if f.action == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if f.action == "segfault":
+        faulthandler.disable()
+        import ctypes
+
+        ctypes.string_at(0)
+    if f.action == "hang":
+        while True:
+            time.sleep(3600)
+
+
+def _peak_rss_bytes() -> int:
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def runtime_figures() -> dict[str, Any]:
+    """Memory figures every result carries."""
+    import mlx.core as mx
+
+    return {"mlx_peak_bytes": int(mx.get_peak_memory()), "rss_peak_bytes": _peak_rss_bytes()}
+
+
+def _job_runner(kind: str) -> Callable[[RankContext], dict[str, Any]]:
+    import importlib
+
+    modules = {"allsum": "harness.rank.probe", "train": "harness.rank.trainer"}
+    if kind not in modules:
+        raise ValueError(f"unknown job kind {kind!r}")
+    return importlib.import_module(modules[kind]).run
+
+
+def _init_group(world_size: int, backend: str | None) -> tuple[Any, str]:
+    import mlx.core as mx
+
+    if world_size == 1:
+        return mx.distributed.init(), "none"
+    group = mx.distributed.init(strict=True, backend=backend or "any")
+    return group, backend or "any"
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python -m harness.rank RUN_DIR", file=sys.stderr)
+        return 2
+    # mlx.launch's temp files live in the run dir; ranks go back to the real temp dir so MLX's
+    # compile cache ($TMPDIR/mlx) is shared across runs.
+    if TMPDIR_VAR in os.environ:
+        os.environ["TMPDIR"] = os.environ[TMPDIR_VAR]
+        tempfile.tempdir = None
+    faulthandler.enable()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    run_dir = Path(argv[0])
+    rank = int(os.environ.get("MLX_RANK", "0"))
+    events = schema.EventWriter(schema.events_path(run_dir, rank))
+    result: dict[str, Any] = {"rank": rank, "pid": os.getpid(), "host": socket.gethostname()}
+    code = 0
+    try:
+        job = schema.read_json(run_dir / schema.JOB_FILE)
+        world_size = int(job["world_size"])
+        group, backend = _init_group(world_size, job.get("backend"))
+        if group.size() != world_size or group.rank() != rank:
+            raise RuntimeError(
+                f"distributed group is rank {group.rank()} of {group.size()}, "
+                f"expected rank {rank} of {world_size}"
+            )
+        import mlx.core as mx
+        import psutil
+
+        startup_s = time.time() - psutil.Process().create_time()
+        device = str(mx.default_device())
+        events.emit("start", rank=rank, world_size=world_size, host=result["host"], pid=os.getpid(),
+                    device=device, backend=backend, startup_s=startup_s)
+        ctx = RankContext(run_dir, job, rank, world_size, group, backend, events,
+                          [FaultSpec(**f) for f in job.get("faults", [])])
+        payload = _job_runner(job["kind"])(ctx)
+        result.update(status="ok", world_size=world_size, backend=backend, device=device,
+                      is_main=rank == 0, startup_s=startup_s, **runtime_figures(), **payload)
+    except BaseException as e:  # noqa: BLE001 - every failure must reach the controller
+        code = 1
+        result.update(status="error", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
+        traceback.print_exc()
+    events.emit("end", rank=rank, status=result["status"])
+    events.close()
+    schema.write_json_atomic(schema.result_path(run_dir, rank), schema.stamp(result))
+    return code

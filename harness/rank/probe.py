@@ -1,0 +1,32 @@
+"""A minimal collective job: each round all-sums this job's own value, and records the sums.
+
+Used to prove that concurrent launches stay isolated (a cross-talk shows as a wrong sum) and to
+exercise failure handling without a model.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from harness.rank.entry import RankContext
+
+
+def run(ctx: RankContext) -> dict[str, Any]:
+    import mlx.core as mx
+
+    value = float(ctx.job["value"])
+    rounds = int(ctx.job.get("rounds", 5))
+    pause = float(ctx.job.get("pause_s", 0.05))
+    sums = []
+    for step in range(1, rounds + 1):
+        ctx.maybe_fault(step)
+        t0 = time.perf_counter()
+        x = mx.full((4096,), value * step + ctx.rank, dtype=mx.float32)
+        s = mx.distributed.all_sum(x, group=ctx.group)
+        mx.eval(s)
+        lo, hi = float(s.min()), float(s.max())
+        sums.append(lo if lo == hi else [lo, hi])
+        ctx.events.emit("step", step=step, rank=ctx.rank, step_time_s=time.perf_counter() - t0)
+        time.sleep(pause)
+    return {"sums": sums}
