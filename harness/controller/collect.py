@@ -118,27 +118,34 @@ def collect(run_dir: Path, world_size: int, report: WatchReport) -> list[RankOut
     return ranks
 
 
+PEER_LOST = "connection to a peer was lost"
+
+
 def failure_reason(ranks: list[RankOutcome], report: WatchReport) -> str | None:
-    """One message naming the first failing rank and its cause, or None when all is well."""
-    reasons = []
+    """One message per failing rank, the causes first and their consequences after.
+
+    A rank that lost its peer, or that mlx.launch stopped with SIGTERM because another rank
+    failed, is a consequence; the rank that raised, exited or died first is the cause.
+    """
+    found: list[tuple[bool, int, str]] = []  # (is a consequence, rank, message)
     for o in ranks:
+        tail = f"; stderr tail:\n{o.stderr_tail}" if o.stderr_tail else ""
         if o.result is not None and o.result.get("status") != "ok":
-            reasons.append(f"rank {o.rank} failed: {o.result.get('error', 'unknown error')}")
-    for o in ranks:
-        if o.exit_code not in (0, None) and not (o.result and o.result.get("status") != "ok"):
-            tail = f"; stderr tail:\n{o.stderr_tail}" if o.stderr_tail else ""
-            why = " (mlx.launch stops the other ranks when one fails)" if o.exit_code == -15 else ""
-            reasons.append(f"rank {o.rank} ended with {describe_exit(o.exit_code)}{why}{tail}")
-    for o in ranks:
-        if o.result is None and o.exit_code in (0, None) and not o.killed and not report.limit:
-            tail = f"; stderr tail:\n{o.stderr_tail}" if o.stderr_tail else ""
-            reasons.append(f"rank {o.rank} exited without writing a result{tail}")
+            error = str(o.result.get("error", "unknown error"))
+            found.append((PEER_LOST in error, o.rank, f"rank {o.rank} failed: {error}"))
+        elif o.exit_code not in (0, None):
+            sigterm = o.exit_code == -15
+            why = " (mlx.launch stops the other ranks when one fails)" if sigterm else ""
+            detail = why if sigterm else tail
+            found.append((sigterm, o.rank, f"rank {o.rank} ended with {describe_exit(o.exit_code)}{detail}"))
+        elif o.result is None and not o.killed and not report.limit:
+            found.append((False, o.rank, f"rank {o.rank} exited without writing a result{tail}"))
+        elif not o.ok:
+            found.append((True, o.rank, f"rank {o.rank} was stopped before it finished"))
+    reasons = [msg for _, _, msg in sorted(found)]
     if report.limit:
         stacks = " (rank stacks dumped to their stderr)" if report.stacks_dumped else ""
         reasons.insert(0, f"watchdog: {report.limit_detail}; process group killed{stacks}")
-    if not reasons and not all(o.ok for o in ranks):
-        bad = next(o for o in ranks if not o.ok)
-        reasons.append(f"rank {bad.rank} was killed by the launcher after a peer failed")
     if report.survivors:
         reasons.append(f"processes survived the kill: {report.survivors}")
     return "\n".join(reasons) if reasons else None

@@ -27,7 +27,9 @@ class PortError(RuntimeError):
 
 
 def lease_dir() -> Path:
-    d = Path(os.environ.get("MLX_DDP_HARNESS_PORT_DIR", Path(tempfile.gettempdir()) / "mlx-ddp-harness-ports"))
+    """One directory per user and machine, whatever TMPDIR a controller runs with."""
+    base = Path("/tmp") if Path("/tmp").is_dir() else Path(tempfile.gettempdir())
+    d = Path(os.environ.get("MLX_DDP_HARNESS_PORT_DIR") or base / f"mlx-ddp-harness-ports-{os.getuid()}")
     d.mkdir(mode=0o700, parents=True, exist_ok=True)
     return d
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -50,9 +51,15 @@ def execute(
     The run directory lives under the system temp dir and is removed before returning; rank
     logs, events and results are copied to ``keep_to`` first when it is given.
     """
+    if world_size > 1:
+        backend = backend or launcher.default_backend()
+    else:
+        backend = None
     run_dir = Path(tempfile.mkdtemp(prefix="mlx-ddp-harness-run-"))
     try:
-        schema.write_json_atomic(run_dir / schema.JOB_FILE, schema.stamp({**job, "world_size": world_size}))
+        # launched_at lets each rank measure its startup (launch to joined group) on one clock.
+        job = {**job, "world_size": world_size, "backend": backend, "launched_at": time.time()}
+        schema.write_json_atomic(run_dir / schema.JOB_FILE, schema.stamp(job))
         try:
             started = launcher.start(run_dir, world_size, backend)
         except OSError as e:

@@ -101,8 +101,9 @@ def _init_group(world_size: int, backend: str | None) -> tuple[Any, str]:
 
     if world_size == 1:
         return mx.distributed.init(), "none"
-    group = mx.distributed.init(strict=True, backend=backend or "any")
-    return group, backend or "any"
+    if not backend:
+        raise ValueError("the job names no distributed backend")
+    return mx.distributed.init(strict=True, backend=backend), backend
 
 
 def main(argv: list[str]) -> int:
@@ -131,9 +132,8 @@ def main(argv: list[str]) -> int:
                 f"expected rank {rank} of {world_size}"
             )
         import mlx.core as mx
-        import psutil
 
-        startup_s = time.time() - psutil.Process().create_time()
+        startup_s = time.time() - float(job.get("launched_at", time.time()))
         device = str(mx.default_device())
         events.emit("start", rank=rank, world_size=world_size, host=result["host"], pid=os.getpid(),
                     device=device, backend=backend, startup_s=startup_s)

@@ -27,6 +27,9 @@ def run(ctx: RankContext) -> dict[str, Any]:
         mx.eval(s)
         lo, hi = float(s.min()), float(s.max())
         sums.append(lo if lo == hi else [lo, hi])
+        print(f"rank {ctx.rank} round {step} sum {sums[-1]}", flush=True)
         ctx.events.emit("step", step=step, rank=ctx.rank, step_time_s=time.perf_counter() - t0)
         time.sleep(pause)
-    return {"sums": sums}
+    import os
+
+    return {"sums": sums, "mlx_env": sorted(k for k in os.environ if k.startswith("MLX_") and "HARNESS" not in k)}

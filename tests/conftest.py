@@ -1,0 +1,66 @@
+"""Shared helpers: small scenario files, and the CLI run as a real subprocess."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+# A small, fast scenario body; tests add [[runs]] and override keys as they need.
+SMALL = """
+[scenario]
+name = "{name}"
+description = "small test scenario"
+seed = 7
+
+[model]
+arch = "qwen3"
+
+[data]
+rows = 21
+max_chars = 60
+
+[train]
+steps = {steps}
+global_batch = 6
+digest_every = 2
+
+[checks]
+reference = "single"
+loss_tolerance = 1e-5
+param_tolerance = 1e-4
+{checks}
+
+[limits]
+wall_s = 240
+no_progress_s = 90
+"""
+
+
+def write_scenario(tmp: Path, name: str, world_sizes: tuple[int, ...] = (1, 2), steps: int = 4,
+                   checks: str = "", extra: str = "") -> Path:
+    runs = "".join(
+        f'\n[[runs]]\nname = "{"single" if ws == 1 else f"ddp{ws}"}"\nworld_size = {ws}\n' for ws in world_sizes
+    )
+    body = textwrap.dedent(SMALL).format(name=name, steps=steps, checks=checks) + runs + extra
+    path = tmp / f"{name}.toml"
+    path.write_text(body)
+    return path
+
+
+def cli(*args: str, cwd: Path | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``python -m harness ARGS`` in a fresh process."""
+    return subprocess.run([sys.executable, "-m", "harness", *args], capture_output=True, text=True,
+                          cwd=cwd or REPO, timeout=timeout)
+
+
+@pytest.fixture
+def scenario_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "scenarios"
+    d.mkdir()
+    return d

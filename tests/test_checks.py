@@ -1,0 +1,85 @@
+"""The judge's checks fail on doctored figures, naming the metric, value and limit."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from harness.controller.collect import RankOutcome, RunOutcome
+from harness.controller.watch import WatchReport
+from harness.judge.checks import judge, loss_parity, param_parity, replica_consistency, token_accounting
+from harness.present.results import exit_code, median_after_first, per_rank_batch
+from harness.present.tables import parity_table
+from harness.scenario import CheckSpec, RunSpec, Scenario
+
+MB = 1024 * 1024
+
+
+def _run(name: str, ws: int, losses: list[float], digests: list[str], params: float = 0.0,
+         rss_mb: float = 100, tokens: list[int] | None = None) -> RunOutcome:
+    tokens = tokens or [100 // ws] * ws
+    ranks = [
+        RankOutcome(r, 0, False, {
+            "status": "ok", "losses": losses, "digests": {"0": digests[r], "4": digests[r]},
+            "tokens_local": tokens[r], "tokens_global": sum(tokens), "rss_peak_bytes": int(rss_mb * MB),
+            "mlx_peak_bytes": 10 * MB, "runtime_s": 1.0, "tok_s_global": [1.0, 2.0, 3.0], "final_digest": "d",
+        }, [], "")
+        for r in range(ws)
+    ]
+    return RunOutcome(name, ws, "ring", True, None, ranks, WatchReport(2.0, 0),
+                      params={"w": np.full((2, 2), params, dtype=np.float32)})
+
+
+def test_loss_parity_fails_beyond_tolerance() -> None:
+    ref = _run("single", 1, [3.0, 2.0], ["a"])
+    ok = loss_parity(_run("ddp2", 2, [3.0, 2.000004], ["a", "a"]), ref, 1e-5)
+    bad = loss_parity(_run("ddp2", 2, [3.0, 2.001], ["a", "a"]), ref, 1e-5)
+    assert ok.passed and abs(ok.value - 4e-6) < 1e-9
+    assert not bad.passed and abs(bad.value - 1e-3) < 1e-9 and bad.limit == 1e-5
+    assert "worst at step 2" in bad.detail
+
+
+def test_param_parity_fails_beyond_tolerance() -> None:
+    ref = _run("single", 1, [1.0], ["a"])
+    assert param_parity(_run("d", 2, [1.0], ["a", "a"], params=5e-5), ref, 1e-4).passed
+    bad = param_parity(_run("d", 2, [1.0], ["a", "a"], params=2e-4), ref, 1e-4)
+    assert not bad.passed and bad.value > 1e-4 and "w" in bad.detail
+
+
+def test_replica_consistency_fails_when_a_rank_differs() -> None:
+    assert replica_consistency(_run("d", 2, [1.0], ["a", "a"])).passed
+    bad = replica_consistency(_run("d", 2, [1.0], ["a", "b"]))
+    assert not bad.passed and bad.value == 2 and "differ at steps 0, 4" in bad.detail
+
+
+def test_token_accounting_fails_on_mismatch_with_reference() -> None:
+    ref = _run("single", 1, [1.0], ["a"], tokens=[100])
+    assert token_accounting(_run("d", 2, [1.0], ["a", "a"], tokens=[60, 40]), ref).passed
+    assert not token_accounting(_run("d", 2, [1.0], ["a", "a"], tokens=[60, 41]), ref).passed
+
+
+def test_memory_ceiling_fails_and_names_the_metric() -> None:
+    s = Scenario(name="m", runs=[RunSpec("single", 1), RunSpec("ddp2", 2)],
+                 checks=CheckSpec(reference="single", max_rss_mb=150, max_total_rss_mb=250))
+    checks = judge(s, [_run("single", 1, [1.0], ["a"]), _run("ddp2", 2, [1.0], ["a", "a"], rss_mb=200)])
+    failed = {(c.name, c.run) for c in checks if not c.passed}
+    assert failed == {("memory_rss_per_rank_mb", "ddp2"), ("memory_rss_total_mb", "ddp2")}
+
+
+def test_figures_and_exit_codes() -> None:
+    assert median_after_first([100.0, 1.0, 3.0, 2.0]) == 2.0
+    assert per_rank_batch(8, 4) == "2" and per_rank_batch(6, 4) == "1-2"
+    assert exit_code([{"status": "passed"}]) == 0
+    assert exit_code([{"status": "passed"}, {"status": "failed"}]) == 1
+    assert exit_code([{"status": "failed"}, {"status": "error"}]) == 3
+
+
+def test_parity_table_shape() -> None:
+    scenario = {"reference": "single", "runs": [
+        {"name": "single", "world_size": 1, "per_rank_batch": "8", "ok": True, "runtime_s": 1.5,
+         "median_tok_s": 1234.5, "avg_loss": 3.2, "final_loss": 2.9, "mlx_peak_bytes": [27 * MB],
+         "rss_peak_bytes": [150 * MB]},
+        {"name": "ddp2", "world_size": 2, "per_rank_batch": "4", "ok": False},
+    ]}
+    text = parity_table(scenario)
+    assert "Final-loss delta vs single" in text and "Post-step-1 median tok/s" in text
+    assert "1234.5" in text and "FAILED" in text

@@ -1,0 +1,118 @@
+"""The command line end to end, with real ranks: exit codes 0/1/2/3, tables, result.json, report.md."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, cli, write_scenario
+
+
+@pytest.mark.ranks
+def test_text_parity_scenario_passes_and_reports(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    p = cli("run", "scenarios/text_parity.toml", "--out", str(out))
+    assert p.returncode == 0, p.stdout + p.stderr
+    for header in ("Run", "World size", "Per-rank batch", "Runtime", "Post-step-1 median tok/s", "Avg loss",
+                   "Final loss", "Final-loss delta vs single", "Peak MLX MB per rank"):
+        assert header in p.stdout
+    doc = json.loads((out / "result.json").read_text())
+    assert doc["passed"] and doc["exit_code"] == 0 and doc["schema_version"] == 1
+    assert {"mlx_version", "device", "default_backend", "platform", "python", "blas"} <= doc["environment"].keys()
+    (s,) = doc["scenarios"]
+    runs = {r["name"]: r for r in s["runs"]}
+    assert [runs[n]["world_size"] for n in ("single", "ddp2", "ddp4")] == [1, 2, 4]
+    for r in runs.values():
+        assert len(r["losses"]) == 20 and len(r["ranks"]) == r["world_size"]
+        assert all(rk["host"] and rk["pid"] and rk["rss_peak_bytes"] > 0 for rk in r["ranks"])
+        assert r["losses"][-1] < r["losses"][0] - 1.0  # the model learns
+    names = {(c["name"], c["run"]) for c in s["checks"]}
+    for run in ("ddp2", "ddp4"):
+        assert {("loss_parity", run), ("param_parity", run), ("replica_consistency", run),
+                ("memory_rss_per_rank_mb", run), ("memory_mlx_total_mb", run)} <= names
+    for c in s["checks"]:
+        assert c["passed"] and c["limit"] is not None and c["value"] is not None
+        if c["name"] == "loss_parity":
+            assert c["value"] <= 1e-5
+    report = (out / "report.md").read_text()
+    assert "| ddp4 " in report and "loss_parity" in report
+    assert (out / "runs" / "text_parity" / "ddp4" / "rank3.events.jsonl").exists()
+
+
+@pytest.mark.ranks
+def test_memory_ceiling_breach_exits_1(scenario_dir: Path) -> None:
+    path = write_scenario(scenario_dir, "tight", checks="max_rss_mb = 1\nmax_total_mlx_mb = 1000")
+    p = cli("run", str(path))
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "tight: FAILED" in p.stdout
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("memory_rss_per_rank_mb")]
+    assert len(lines) == 2 and all("FAIL" in ln and " 1 " in ln for ln in lines)
+    assert any(ln.startswith("loss_parity") and "pass" in ln for ln in p.stdout.splitlines())
+
+
+@pytest.mark.ranks
+def test_rank_crash_exits_3_naming_rank(scenario_dir: Path, tmp_path: Path) -> None:
+    fault = '\n[[faults]]\nrank = 1\nstep = 2\naction = "raise"\n'
+    path = write_scenario(scenario_dir, "crash", world_sizes=(2,), extra=fault)
+    path.write_text(path.read_text().replace('reference = "single"\n', ""))
+    p = cli("run", str(path), "--out", str(tmp_path / "o"))
+    assert p.returncode == 3, p.stdout + p.stderr
+    assert "rank 1 failed: RuntimeError: injected fault at step 2" in p.stdout
+    doc = json.loads((tmp_path / "o" / "result.json").read_text())
+    assert doc["exit_code"] == 3 and doc["scenarios"][0]["status"] == "error"
+
+
+@pytest.mark.parametrize(
+    ("make", "needle"),
+    [
+        (lambda d: d / "missing.toml", "missing.toml: scenario file not found"),
+        (lambda d: (d / "bad.toml").write_text("[scenario]\nname = \n") and d / "bad.toml", "malformed TOML"),
+        (lambda d: write_scenario(d, "ws", world_sizes=(1, 9)), "[[runs]][1].world_size: 9 exceeds"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line_and_keeps_old_outputs(
+    scenario_dir: Path, tmp_path: Path, make, needle: str  # noqa: ANN001
+) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "result.json").write_text("previous")
+    p = cli("run", str(make(scenario_dir)), "--out", str(out))
+    assert p.returncode == 2
+    assert p.stderr.count("\n") == 1 and needle in p.stderr and p.stderr.startswith("error: ")
+    assert (out / "result.json").read_text() == "previous"
+
+
+def test_run_without_argument_takes_the_default_set(tmp_path: Path) -> None:
+    d = tmp_path / "scenarios"
+    d.mkdir()
+    write_scenario(d, "other")
+    p = cli("run", cwd=tmp_path)
+    assert p.returncode == 2 and "no scenario with default = true" in p.stderr
+    path = write_scenario(d, "chosen", world_sizes=(1,), steps=2)
+    path.write_text(path.read_text().replace("seed = 7", "seed = 7\ndefault = true"))
+    p = cli("run", cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "chosen: PASSED" in p.stdout and "other" not in p.stdout
+
+
+def test_list_and_doctor() -> None:
+    p = cli("list")
+    assert p.returncode == 0 and "text_parity" in p.stdout and "1, 2, 4" in p.stdout
+    p = cli("doctor")
+    assert p.returncode == 0, p.stdout + p.stderr
+    for what in ("mlx version", "distributed backends", "loopback ports", "BLAS"):
+        assert what in p.stdout
+    assert "ring" in p.stdout
+
+
+def test_console_script_is_installed() -> None:
+    script = Path(sys.executable).parent / "mlx-ddp-harness"
+    found = str(script) if script.exists() else shutil.which("mlx-ddp-harness")
+    assert found, "the mlx-ddp-harness console script is not installed"
+    p = subprocess.run([found, "list"], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert p.returncode == 0 and "text_parity" in p.stdout

@@ -1,0 +1,139 @@
+"""The controller against real ranks: isolation of concurrent launches, failures, watchdog, cleanup.
+
+Every test here starts real rank processes (plain Python for world size 1, mlx.launch otherwise).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import psutil
+import pytest
+
+from harness.controller.launch import write_hostfile
+from harness.controller.session import execute
+
+pytestmark = pytest.mark.ranks
+
+
+def probe(value: float, world_size: int, *, rounds: int = 4, faults: list[dict] | None = None,
+          keep: Path | None = None, wall_s: float = 120, no_progress_s: float = 60):
+    job = {"kind": "allsum", "value": value, "rounds": rounds, "faults": faults or []}
+    return execute(f"probe{value}", job, world_size, wall_s=wall_s, no_progress_s=no_progress_s, keep_to=keep)
+
+
+def expected_sums(value: float, world_size: int, rounds: int) -> list[float]:
+    return [world_size * value * s + sum(range(world_size)) for s in range(1, rounds + 1)]
+
+
+def assert_clean(outcome) -> None:  # noqa: ANN001
+    """No process of the run survives, and its run directory is gone."""
+    assert outcome.watch.survivors == []
+    for pid in outcome.watch.rank_pids.values():
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_world_size_one_is_a_plain_process_without_mlx_env(tmp_path: Path) -> None:
+    out = probe(3.0, 1, keep=tmp_path)
+    assert out.ok, out.failure
+    res = out.result(0)
+    assert res["sums"] == expected_sums(3.0, 1, 4)
+    assert res["mlx_env"] == [] and res["world_size"] == 1 and res["backend"] == "none"
+    assert "launcher.log" not in os.listdir(tmp_path)
+    assert "rank 0 round 4" in (tmp_path / "rank0.stdout").read_text()
+    assert_clean(out)
+
+
+_JOB = """
+import json, sys
+from harness.controller.session import execute
+v, ws, rounds = float(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+o = execute("c", {"kind": "allsum", "value": v, "rounds": rounds, "pause_s": 0.1}, ws, wall_s=240, no_progress_s=120)
+print(json.dumps({"ok": o.ok, "failure": o.failure, "sums": [r.result and r.result.get("sums") for r in o.ranks]}))
+"""
+
+
+def test_concurrent_launches_never_share_ports() -> None:
+    """Four 2-rank jobs started at once from four controller processes each get their own sums."""
+    rounds = 6
+    values = [11.0, 23.0, 37.0, 51.0]
+    procs = [subprocess.Popen([sys.executable, "-c", _JOB, str(v), "2", str(rounds)], stdout=subprocess.PIPE,
+                              text=True) for v in values]
+    for v, p in zip(values, procs, strict=True):
+        out, _ = p.communicate(timeout=300)
+        got = json.loads(out.strip().splitlines()[-1])
+        assert got["ok"], got["failure"]
+        want = expected_sums(v, 2, rounds)
+        assert got["sums"] == [want, want], f"job {v} got another job's sums: {got['sums']}"
+
+
+def test_two_and_four_ranks_sum_and_capture_output_per_rank(tmp_path: Path) -> None:
+    for ws in (2, 4):
+        keep = tmp_path / f"ws{ws}"
+        out = probe(5.0, ws, keep=keep)
+        assert out.ok, out.failure
+        assert [o.result["sums"] for o in out.ranks] == [expected_sums(5.0, ws, 4)] * ws
+        assert {o.result["backend"] for o in out.ranks} == {"ring"}
+        for r in range(ws):
+            assert f"rank {r} round 4" in (keep / f"rank{r}.stdout").read_text()
+        assert_clean(out)
+
+
+@pytest.mark.parametrize(
+    ("action", "expect"),
+    [
+        ("raise", "rank 1 failed: RuntimeError: injected fault at step 2"),
+        ("exit", "rank 1 ended with exit code 3"),
+        ("sigkill", "rank 1 ended with signal SIGKILL"),
+        ("segfault", "rank 1 ended with signal SIGSEGV"),
+        ("exit0", "rank 1 exited without writing a result"),
+    ],
+)
+def test_a_failing_rank_fails_the_run_with_rank_and_cause(action: str, expect: str) -> None:
+    out = probe(1.0, 2, faults=[{"rank": 1, "step": 2, "action": action, "code": 3}])
+    assert not out.ok
+    assert out.failure.splitlines()[0].startswith(expect), out.failure
+    assert_clean(out)
+
+
+def test_hang_is_caught_by_no_progress_limit_with_stacks(tmp_path: Path) -> None:
+    out = probe(1.0, 2, rounds=50, faults=[{"rank": 1, "step": 3, "action": "hang", "code": 0}],
+                keep=tmp_path, no_progress_s=4)
+    assert not out.ok
+    assert out.watch.limit == "no_progress" and out.watch.stacks_dumped
+    assert out.failure.startswith("watchdog: no progress from any rank for 4 s")
+    stderr = (tmp_path / "rank1.stderr").read_text()
+    assert "most recent call first" in stderr and "inject" in stderr
+    assert_clean(out)
+
+
+def test_wall_clock_limit_kills_single_process() -> None:
+    out = probe(1.0, 1, rounds=50, faults=[{"rank": 0, "step": 2, "action": "hang", "code": 0}],
+                wall_s=3, no_progress_s=60)
+    assert not out.ok and out.watch.limit == "wall"
+    assert "wall-clock limit of 3 s exceeded" in out.failure
+    assert_clean(out)
+
+
+def test_no_temp_files_left(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run dirs, hostfiles and mlx.launch's pidfiles all live under TMPDIR and are removed."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    ok = probe(2.0, 2)
+    bad = probe(2.0, 2, faults=[{"rank": 0, "step": 2, "action": "sigkill", "code": 0}])
+    assert ok.ok and not bad.ok
+    assert [p for p in tmp_path.iterdir() if p.name != "mlx"] == []
+
+
+def test_hostfile_is_private(tmp_path: Path) -> None:
+    path = write_hostfile(tmp_path, 3, "ring")
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    data = json.loads(path.read_text())
+    assert data["backend"] == "ring" and len(data["hosts"]) == 3
+    assert all(h == {"ssh": "127.0.0.1", "ips": ["127.0.0.1"]} for h in data["hosts"])

@@ -1,0 +1,65 @@
+"""Scenario parsing: valid files load; every bad input names the file and the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from harness.scenario import Scenario, ScenarioError, load_scenario
+from tests.conftest import REPO, write_scenario
+
+
+def test_shipped_text_parity_scenario_loads() -> None:
+    s = load_scenario(REPO / "scenarios" / "text_parity.toml")
+    assert [r.world_size for r in s.runs] == [1, 2, 4]
+    assert s.train.steps == 20 and s.default
+    assert s.checks.reference == "single" and s.checks.loss_tolerance == 1e-5
+
+
+def test_round_trips_through_job_dict(scenario_dir: Path) -> None:
+    s = load_scenario(write_scenario(scenario_dir, "rt"))
+    assert Scenario.from_dict(s.to_dict()) == s
+
+
+@pytest.mark.parametrize(
+    ("patch", "expected_key"),
+    [
+        (("steps = 4", "steps = 0"), "[train].steps"),
+        (("steps = 4", 'steps = "four"'), "[train].steps"),
+        (("rows = 21", "rowz = 21"), "[data].rowz"),
+        (('arch = "qwen3"', 'arch = "gpt9"'), "[model].arch"),
+        (('reference = "single"', 'reference = "nope"'), "[checks].reference"),
+        (("world_size = 2", "world_size = 0"), "[[runs]][1].world_size"),
+        (("world_size = 2", "world_size = 7"), "[[runs]][1].world_size"),
+        (("seed = 7", "seed = -1"), "[scenario].seed"),
+        (("[limits]", "[limitz]"), "[limitz]"),
+    ],
+)
+def test_bad_key_names_file_and_key(scenario_dir: Path, patch: tuple[str, str], expected_key: str) -> None:
+    path = write_scenario(scenario_dir, "bad")
+    path.write_text(path.read_text().replace(*patch, 1))
+    with pytest.raises(ScenarioError) as e:
+        load_scenario(path)
+    msg = str(e.value)
+    assert str(path) in msg and expected_key in msg
+    assert "\n" not in msg
+
+
+def test_malformed_toml(scenario_dir: Path) -> None:
+    path = scenario_dir / "broken.toml"
+    path.write_text("[scenario\nname = 'x'\n")
+    with pytest.raises(ScenarioError, match=r"broken\.toml: malformed TOML"):
+        load_scenario(path)
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ScenarioError, match="scenario file not found"):
+        load_scenario(tmp_path / "nope.toml")
+
+
+def test_missing_data_path_is_named(scenario_dir: Path) -> None:
+    path = write_scenario(scenario_dir, "nodata")
+    path.write_text(path.read_text().replace("rows = 21", 'rows = 21\nsource = "jsonl"\npath = "rows.jsonl"'))
+    with pytest.raises(ScenarioError, match=r"\[data\]\.path: path does not exist: .*rows\.jsonl"):
+        load_scenario(path)
