@@ -31,7 +31,7 @@ global_batch = 6
 digest_every = 2
 
 [checks]
-reference = "single"
+{reference}
 loss_tolerance = 1e-5
 param_tolerance = 1e-4
 {checks}
@@ -47,7 +47,8 @@ def write_scenario(tmp: Path, name: str, world_sizes: tuple[int, ...] = (1, 2), 
     runs = "".join(
         f'\n[[runs]]\nname = "{"single" if ws == 1 else f"ddp{ws}"}"\nworld_size = {ws}\n' for ws in world_sizes
     )
-    body = textwrap.dedent(SMALL).format(name=name, steps=steps, checks=checks) + runs + extra
+    reference = 'reference = "single"' if 1 in world_sizes else ""
+    body = textwrap.dedent(SMALL).format(name=name, steps=steps, checks=checks, reference=reference) + runs + extra
     path = tmp / f"{name}.toml"
     path.write_text(body)
     return path

@@ -59,7 +59,6 @@ def test_memory_ceiling_breach_exits_1(scenario_dir: Path) -> None:
 def test_rank_crash_exits_3_naming_rank(scenario_dir: Path, tmp_path: Path) -> None:
     fault = '\n[[faults]]\nrank = 1\nstep = 2\naction = "raise"\n'
     path = write_scenario(scenario_dir, "crash", world_sizes=(2,), extra=fault)
-    path.write_text(path.read_text().replace('reference = "single"\n', ""))
     p = cli("run", str(path), "--out", str(tmp_path / "o"))
     assert p.returncode == 3, p.stdout + p.stderr
     assert "rank 1 failed: RuntimeError: injected fault at step 2" in p.stdout

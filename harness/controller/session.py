@@ -11,7 +11,7 @@ from typing import Any
 from harness import schema
 from harness.controller import launch as launcher
 from harness.controller.collect import RunOutcome, collect, failure_reason
-from harness.controller.watch import watch
+from harness.controller.watch import kill_group, watch
 
 KEEP_SUFFIXES = (".events.jsonl", ".result.json", ".stdout", ".stderr", ".log")
 
@@ -66,6 +66,9 @@ def execute(
             raise LaunchError(f"could not start ranks for run {name!r}: {e}") from e
         try:
             report = watch(started, wall_s, no_progress_s)
+        except BaseException:  # interrupted: leave nothing of the run behind
+            kill_group(started)
+            raise
         finally:
             if started.lease:
                 started.lease.release()

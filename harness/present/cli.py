@@ -7,6 +7,7 @@ failure (a rank crashed or hung, or the launch failed).
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
@@ -124,8 +125,13 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _terminated(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # unwinds through the controller, which kills its ranks
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, _terminated)
     try:
         return args.func(args)
     except ScenarioError as e:

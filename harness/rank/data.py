@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 
@@ -172,12 +172,3 @@ def collate(rows: list[list[int]], pad_id: int) -> LocalBatch:
         targets[i, :n] = r[1:]
         mask[i, :n] = 1.0
     return LocalBatch(inputs, targets, mask)
-
-
-def data_bytes(rows: list[list[int]]) -> int:
-    """Approximate bytes this rank holds for its token rows (int32 ids)."""
-    return sum(len(r) for r in rows) * 4
-
-
-def describe(spec: DataSpec, n_rows: int) -> dict[str, Any]:
-    return {"source": spec.source, "rows": n_rows, "tokenizer": spec.tokenizer}

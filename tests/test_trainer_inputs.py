@@ -1,0 +1,93 @@
+"""The reference trainer's inputs under real ranks: a local model directory, a local tokenizer.json,
+and determinism (same seed, same bits)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from harness.controller.session import execute
+from harness.controller.suite import train_job
+from harness.judge.checks import judge
+from harness.rank.data import load_texts
+from harness.scenario import DataSpec, load_scenario
+from tests.conftest import write_scenario
+
+pytestmark = pytest.mark.ranks
+
+
+def run_all(path: Path):  # noqa: ANN201
+    s = load_scenario(path)
+    runs = [execute(r.name, train_job(s, r.backend), r.world_size, wall_s=240, no_progress_s=90) for r in s.runs]
+    for r in runs:
+        assert r.ok, r.failure
+    return s, runs
+
+
+def assert_checks_pass(s, runs) -> None:  # noqa: ANN001
+    failed = [c for c in judge(s, runs) if not c.passed]
+    assert not failed, failed
+
+
+def make_model_dir(dest: Path, seed: int) -> None:
+    """A local mlx-lm model directory (config.json + model.safetensors) with seed-``seed`` weights."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from harness.rank.models import build_model
+    from harness.scenario import ModelSpec
+
+    model, config = build_model(ModelSpec(arch="qwen3"), 259, seed)
+    dest.mkdir()
+    (dest / "config.json").write_text(json.dumps(config))
+    mx.save_safetensors(str(dest / "model.safetensors"), dict(tree_flatten(model.parameters())))
+
+
+def test_local_model_directory_is_loaded_and_trains_in_parity(scenario_dir: Path) -> None:
+    make_model_dir(scenario_dir / "tiny-model", seed=99)
+    path = write_scenario(scenario_dir, "from_dir", world_sizes=(1, 2))
+    path.write_text(path.read_text().replace('arch = "qwen3"', 'arch = "qwen3"\npath = "tiny-model"'))
+    s, runs = run_all(path)
+    assert_checks_pass(s, runs)
+    # The weights came from the directory (seed 99), not from the scenario seed (7).
+    seed99 = write_scenario(scenario_dir, "seed99", world_sizes=(1,))
+    seed99.write_text(seed99.read_text().replace("seed = 7", "seed = 99"))
+    seed7 = write_scenario(scenario_dir, "seed7", world_sizes=(1,))
+    _, (r99,) = run_all(seed99)
+    _, (r7,) = run_all(seed7)
+    # Same data (seed 7 rows) is not guaranteed for seed 99, so compare the initial weights' digest.
+    assert runs[0].result()["digests"]["0"] == r99.result()["digests"]["0"]
+    assert runs[0].result()["digests"]["0"] != r7.result()["digests"]["0"]
+
+
+def test_local_tokenizer_json_is_used(scenario_dir: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<pad>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(load_texts(DataSpec(rows=300), 3), trainer)
+    tok.save(str(scenario_dir / "tokenizer.json"))
+
+    bpe = write_scenario(scenario_dir, "bpe", world_sizes=(1, 2))
+    bpe.write_text(bpe.read_text().replace("max_chars = 60", 'max_chars = 60\ntokenizer = "tokenizer.json"'))
+    s, runs = run_all(bpe)
+    assert_checks_pass(s, runs)
+    assert runs[0].result()["model_config"]["vocab_size"] == tok.get_vocab_size()
+    _, (byte_run,) = run_all(write_scenario(scenario_dir, "bytes", world_sizes=(1,)))
+    assert runs[0].result()["tokens_global"] < byte_run.result()["tokens_global"]  # BPE merges bytes
+
+
+def test_same_seed_same_bits_and_other_seed_differs(scenario_dir: Path) -> None:
+    a = run_all(write_scenario(scenario_dir, "a", world_sizes=(2,)))[1][0]
+    b = run_all(write_scenario(scenario_dir, "b", world_sizes=(2,)))[1][0]
+    other = write_scenario(scenario_dir, "c", world_sizes=(2,))
+    other.write_text(other.read_text().replace("seed = 7", "seed = 8"))
+    c = run_all(other)[1][0]
+    assert a.result()["losses"] == b.result()["losses"]
+    assert a.result()["final_digest"] == b.result()["final_digest"]
+    assert a.result()["losses"] != c.result()["losses"]
