@@ -47,12 +47,14 @@ def test_text_parity_scenario_passes_and_reports(tmp_path: Path) -> None:
 @pytest.mark.ranks
 def test_memory_ceiling_breach_exits_1(scenario_dir: Path) -> None:
     path = write_scenario(scenario_dir, "tight", checks="max_rss_mb = 1\nmax_total_mlx_mb = 1000")
-    p = cli("run", str(path))
+    p = cli("run", str(path), "--format", "github")
     assert p.returncode == 1, p.stdout + p.stderr
     assert "tight: FAILED" in p.stdout
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("memory_rss_per_rank_mb")]
-    assert len(lines) == 2 and all("FAIL" in ln and " 1 " in ln for ln in lines)
-    assert any(ln.startswith("loss_parity") and "pass" in ln for ln in p.stdout.splitlines())
+    rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in p.stdout.splitlines() if ln.startswith("| memory")]
+    rss = [r for r in rows if r[0] == "memory_rss_per_rank_mb"]
+    assert [(r[1], r[3], r[4]) for r in rss] == [("single", "1", "FAIL"), ("ddp2", "1", "FAIL")]
+    assert all(float(r[2]) > 1 for r in rss)
+    assert any(ln.startswith("| loss_parity") and "| pass" in ln for ln in p.stdout.splitlines())
 
 
 @pytest.mark.ranks

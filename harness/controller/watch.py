@@ -37,19 +37,16 @@ class WatchReport:
 
 
 def _rank_pids(launch: Launch) -> dict[int, int]:
+    """rank -> pid, from each rank's first event (``start``)."""
     pids = {}
     for r in range(launch.world_size):
-        for ev in _safe_events(launch, r):
-            if ev.get("kind") == "start":
-                pids[r] = int(ev["pid"])
+        try:
+            first = next(schema.read_events(schema.events_path(launch.run_dir, r)), None)
+        except schema.SchemaError:
+            first = None
+        if first and first.get("kind") == "start":
+            pids[r] = int(first["pid"])
     return pids
-
-
-def _safe_events(launch: Launch, rank: int) -> list[dict]:
-    try:
-        return list(schema.read_events(schema.events_path(launch.run_dir, rank)))
-    except schema.SchemaError:
-        return []
 
 
 def _progress_mark(launch: Launch) -> tuple[int, ...]:
@@ -141,7 +138,8 @@ def watch(launch: Launch, wall_s: float, no_progress_s: float) -> WatchReport:
         mark = _progress_mark(launch)
         if mark != last_mark:
             last_mark, last_progress = mark, now
-            pids = _rank_pids(launch)
+            if len(pids) < launch.world_size:  # each rank announces its pid once, in its first event
+                pids = _rank_pids(launch)
         if failed_since is None and _rank_failed(launch, pids):
             failed_since = now
         if now - t0 > wall_s:
