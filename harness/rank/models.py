@@ -69,10 +69,32 @@ def seeded_init(model: Any, seed: int) -> None:
     model.update(tree_unflatten(new))
 
 
+def architecture(arch: str) -> Any:
+    """mlx-lm's module for ``arch`` (``Model`` and ``ModelArgs``).
+
+    ``import mlx_lm`` runs its package ``__init__``, which imports transformers for conversion and
+    generation (about 1.2 s per rank, more when ranks share cores); the architecture modules
+    need none of it. When no one has imported mlx_lm yet, the package is registered from its
+    location without running that ``__init__``, and only ``mlx_lm.models.<arch>`` is imported.
+    """
+    import importlib
+    import importlib.util
+    import sys
+    import types
+
+    if "mlx_lm" not in sys.modules:
+        spec = importlib.util.find_spec("mlx_lm")
+        if spec is None or not spec.submodule_search_locations:
+            raise ImportError("mlx-lm is not installed")
+        pkg = types.ModuleType("mlx_lm")
+        pkg.__path__ = list(spec.submodule_search_locations)
+        pkg.__spec__ = spec
+        sys.modules["mlx_lm"] = pkg
+    return importlib.import_module(f"mlx_lm.models.{arch}")
+
+
 def build_model(spec: ModelSpec, vocab_size: int, seed: int) -> tuple[Any, dict[str, Any]]:
     """The scenario's model (float parameters cast to ``spec.dtype``) and its config."""
-    import importlib
-
     import mlx.core as mx
     from mlx.utils import tree_map
 
@@ -86,7 +108,7 @@ def build_model(spec: ModelSpec, vocab_size: int, seed: int) -> tuple[Any, dict[
             )
     else:
         config = model_config(spec, vocab_size)
-        arch = importlib.import_module(f"mlx_lm.models.{spec.arch}")
+        arch = architecture(spec.arch)
         model = arch.Model(arch.ModelArgs.from_dict(config))
         seeded_init(model, seed)
     dtype = getattr(mx, spec.dtype)
