@@ -17,6 +17,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from harness import schema
 from harness.controller.ports import PortLease, lease_ports
 
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
@@ -93,17 +94,22 @@ def write_hostfile(run_dir: Path, world_size: int, backend: str) -> Path:
 
 
 def start(run_dir: Path, world_size: int, backend: str | None = None) -> Launch:
-    """Start the ranks of ``run_dir``'s job; the job file must already be there."""
+    """Start the ranks of ``run_dir``'s job; the job file must already be there.
+
+    The per-rank file names in the shell redirection below are those of ``schema.stdout_path``
+    and ``schema.stderr_path``.
+    """
     (run_dir / "tmp").mkdir(exist_ok=True)
     env = _rank_env(run_dir)
     common = dict(stdin=subprocess.DEVNULL, env=env, start_new_session=True, cwd=str(run_dir))
     if world_size == 1:
         cmd = [sys.executable, "-m", RANK_MODULE, str(run_dir)]
-        with open(run_dir / "rank0.stdout", "wb") as out, open(run_dir / "rank0.stderr", "wb") as err:
+        with open(schema.stdout_path(run_dir, 0), "wb") as out, open(schema.stderr_path(run_dir, 0), "wb") as err:
             proc = subprocess.Popen(cmd, stdout=out, stderr=err, **common)
         return Launch(proc, run_dir, 1, None, None, cmd)
 
-    backend = backend or default_backend()
+    if not backend:
+        raise ValueError("a launch of more than one rank needs a backend")
     lease = lease_ports(world_size + 1)  # one port per ring rank, the last for NCCL's rendezvous
     try:
         hostfile = write_hostfile(run_dir, world_size, backend)
