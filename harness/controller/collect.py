@@ -59,9 +59,6 @@ class RunOutcome:
             raise KeyError(f"rank {rank} of run {self.name!r} wrote no result")
         return res
 
-    def steps(self, rank: int = 0) -> list[dict[str, Any]]:
-        return [e for e in self.ranks[rank].events if e.get("kind") == "step"]
-
 
 def _tail(path: Path, lines: int = TAIL_LINES) -> str:
     try:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import shutil
 import subprocess
 import sys
@@ -62,7 +61,6 @@ class Launch:
     world_size: int
     backend: str | None
     lease: PortLease | None
-    command: list[str]
 
     @property
     def pgid(self) -> int:
@@ -106,7 +104,7 @@ def start(run_dir: Path, world_size: int, backend: str | None = None) -> Launch:
         cmd = [sys.executable, "-m", RANK_MODULE, str(run_dir)]
         with open(schema.stdout_path(run_dir, 0), "wb") as out, open(schema.stderr_path(run_dir, 0), "wb") as err:
             proc = subprocess.Popen(cmd, stdout=out, stderr=err, **common)
-        return Launch(proc, run_dir, 1, None, None, cmd)
+        return Launch(proc, run_dir, 1, None, None)
 
     if not backend:
         raise ValueError("a launch of more than one rank needs a backend")
@@ -133,8 +131,5 @@ def start(run_dir: Path, world_size: int, backend: str | None = None) -> Launch:
     except BaseException:
         lease.release()
         raise
-    return Launch(proc, run_dir, world_size, backend, lease, cmd)
+    return Launch(proc, run_dir, world_size, backend, lease)
 
-
-def describe(cmd: list[str]) -> str:
-    return shlex.join(cmd)

@@ -6,6 +6,7 @@ exercise failure handling without a model.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -30,6 +31,4 @@ def run(ctx: RankContext) -> dict[str, Any]:
         print(f"rank {ctx.rank} round {step} sum {sums[-1]}", flush=True)
         ctx.events.emit("step", step=step, rank=ctx.rank, step_time_s=time.perf_counter() - t0)
         time.sleep(pause)
-    import os
-
     return {"sums": sums, "mlx_env": sorted(k for k in os.environ if k.startswith("MLX_") and "HARNESS" not in k)}
