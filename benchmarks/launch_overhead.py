@@ -49,7 +49,7 @@ def harness_probe() -> float:
 def text_ddp2() -> tuple[float, float]:
     s = load_scenario(REPO / "scenarios" / "text_parity.toml")
     spec = s.run("ddp2")
-    out = execute(spec.name, train_job(s, spec.backend), spec.world_size)
+    out = execute(spec.name, train_job(s, spec), spec.world_size)
     assert out.ok, out.failure
     train = max(o.result["runtime_s"] for o in out.ranks)
     return out.watch.wall_s, train

@@ -14,7 +14,12 @@ from typing import Any
 ARCHS = ("qwen3", "llama")
 DTYPES = ("float32", "bfloat16", "float16")
 BACKENDS = ("ring", "nccl", "mpi", "jaccl")
-FAULT_ACTIONS = ("raise", "exit", "sigkill", "segfault", "hang", "exit0")
+FAULT_ACTIONS = ("raise", "exit", "sigkill", "segfault", "hang", "exit0", "stop", "compile_error")
+FAULT_PHASES = ("fetch", "step", "update", "eval", "save")
+DATA_FORMATS = ("auto", "text", "prompt_completion", "chat")
+ORDERS = ("ordered", "shuffled", "length_sorted")
+COMPILE_MODES = ("off", "strict", "best_effort")
+LR_SCHEDULES = ("constant", "cosine", "linear")
 
 
 class ScenarioError(ValueError):
@@ -33,40 +38,75 @@ class ModelSpec:
 
 @dataclass
 class DataSpec:
-    """Training rows: the built-in generated corpus, or local JSONL ``{"text": ...}`` rows."""
+    """Training and eval rows: the built-in generated corpus, or local JSONL rows.
+
+    ``format`` is the row form: ``text`` (``{"text"}``), ``prompt_completion``
+    (``{"prompt", "completion"}``) or ``chat`` (``{"messages": [{"role", "content"}]}``); ``auto``
+    means ``text`` for generated data and the first row's form for JSONL. ``response_only`` puts
+    the loss on completion / assistant tokens only.
+    """
 
     source: str = "generated"
     path: str | None = None
+    format: str = "auto"
+    response_only: bool = True
     rows: int = 96
     min_chars: int = 24
     max_chars: int = 120
     max_seq_len: int = 160
     tokenizer: str = "byte"
+    order: str = "ordered"
+    streaming: bool = False
+    eval_rows: int = 0
+    eval_path: str | None = None
 
 
 @dataclass
 class TrainSpec:
-    """The optimisation: global batch (split across ranks), steps and optimizer."""
+    """The optimisation: global batch (split across ranks and ``grad_accum`` micro-steps), steps,
+    AdamW with an optional warmup + decay schedule and gradient clipping (``max_grad_norm`` > 0),
+    the compile mode and how often to evaluate."""
 
     steps: int = 20
     global_batch: int = 8
+    grad_accum: int = 1
     learning_rate: float = 3e-3
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1
     weight_decay: float = 0.0
+    max_grad_norm: float = 0.0
+    input_dropout: float = 0.0
+    compile: str = "off"
+    eval_every: int = 0
+    eval_batch: int = 4
     digest_every: int = 0
 
 
 @dataclass
 class RunSpec:
-    """One launch of the scenario at a given world size."""
+    """One launch of the scenario at a given world size.
+
+    ``train`` and ``data`` override keys of the scenario's sections for this run only (for
+    example ``train = { compile = "strict" }``). ``expect_error`` makes the run an expected
+    failure: it passes when the run fails with a message containing that text.
+    """
 
     name: str
     world_size: int
     backend: str | None = None
+    train: dict[str, Any] = field(default_factory=dict)
+    data: dict[str, Any] = field(default_factory=dict)
+    expect_error: str | None = None
 
 
 @dataclass
 class CheckSpec:
-    """Tolerances and ceilings the judge applies; ``None`` ceilings are not checked."""
+    """Tolerances and ceilings the judge applies; ``None`` ceilings are not checked.
+
+    ``data_share_slack``: a rank of an N-rank run may hold at most (1 + slack) / N of the data
+    bytes the reference run's rank holds (uneven row lengths and padding rows need the slack).
+    """
 
     reference: str | None = None
     loss_tolerance: float = 1e-5
@@ -75,6 +115,8 @@ class CheckSpec:
     max_mlx_mb: float | None = None
     max_total_rss_mb: float | None = None
     max_total_mlx_mb: float | None = None
+    eval_tolerance: float = 1e-5
+    data_share_slack: float = 0.5
 
 
 @dataclass
@@ -87,12 +129,18 @@ class LimitSpec:
 
 @dataclass
 class FaultSpec:
-    """Make ``rank`` misbehave at optimizer step ``step`` (used to prove failure handling)."""
+    """Make ``rank`` misbehave at optimizer step ``step`` in ``phase`` (to prove failure handling).
+
+    ``stop`` requests an early stop as a callback would; ``compile_error`` makes the rank's
+    compiled step fail to trace (eager still works).
+    """
 
     rank: int
     step: int
     action: str
     code: int = 3
+    phase: str = "step"
+    runs: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -138,6 +186,15 @@ class Scenario:
                 return r
         raise KeyError(name)
 
+    def for_run(self, run: RunSpec) -> Scenario:
+        """This scenario as one run sees it: the run's overrides applied, its faults only."""
+        return dataclasses.replace(
+            self,
+            data=dataclasses.replace(self.data, **run.data),
+            train=dataclasses.replace(self.train, **run.train),
+            faults=[f for f in self.faults if not f.runs or run.name in f.runs],
+        )
+
 
 def _type_ok(value: Any, annotation: str) -> bool:
     kinds = {
@@ -146,6 +203,7 @@ def _type_ok(value: Any, annotation: str) -> bool:
         "float": (int, float),
         "bool": (bool,),
         "dict[str, Any]": (dict,),
+        "list[str]": (list,),
     }
     optional = annotation.endswith(" | None")
     base = annotation.removesuffix(" | None")
@@ -153,10 +211,13 @@ def _type_ok(value: Any, annotation: str) -> bool:
         return optional
     if isinstance(value, bool) and base != "bool":
         return False
+    if base == "list[str]":
+        return isinstance(value, list) and all(isinstance(v, str) for v in value)
     return isinstance(value, kinds[base])
 
 
-def _build(cls: type, table: Any, where: str, src: str) -> Any:
+def _coerce(cls: type, table: Any, where: str, src: str) -> dict[str, Any]:
+    """Check a TOML table's keys and value types against ``cls``'s fields."""
     if not isinstance(table, dict):
         raise ScenarioError(f"{src}: {where} must be a table")
     known = {f.name: f for f in fields(cls)}
@@ -165,10 +226,13 @@ def _build(cls: type, table: Any, where: str, src: str) -> Any:
         if key not in known:
             raise ScenarioError(f"{src}: {where}.{key}: unknown key (known: {', '.join(known)})")
         if not _type_ok(value, str(known[key].type)):
-            raise ScenarioError(
-                f"{src}: {where}.{key}: expected {known[key].type}, got {value!r}"
-            )
+            raise ScenarioError(f"{src}: {where}.{key}: expected {known[key].type}, got {value!r}")
         kwargs[key] = float(value) if known[key].type.startswith("float") and value is not None else value
+    return kwargs
+
+
+def _build(cls: type, table: Any, where: str, src: str) -> Any:
+    kwargs = _coerce(cls, table, where, src)
     missing = [
         f.name
         for f in fields(cls)
@@ -189,48 +253,89 @@ def _require(cond: bool, src: str, key: str, msg: str) -> None:
 def _resolve(path: str | None, base: Path, src: str, key: str) -> str | None:
     if path is None:
         return None
+    _require("{rank}" not in path, src, key,
+             f"{path!r} is sharded per rank by the caller; give the whole dataset (each rank takes its own share)")
     p = (base / path).resolve() if not Path(path).is_absolute() else Path(path)
     _require(p.exists(), src, key, f"path does not exist: {p}")
     return str(p)
 
 
-def _validate(s: Scenario, src: str) -> None:
-    _require(s.model.arch in ARCHS, src, "[model].arch", f"must be one of {ARCHS}")
-    _require(s.model.dtype in DTYPES, src, "[model].dtype", f"must be one of {DTYPES}")
-    _require(s.data.source in ("generated", "jsonl"), src, "[data].source",
-             "must be 'generated' or 'jsonl'")
-    _require(s.data.source != "jsonl" or s.data.path is not None, src, "[data].path",
-             "required when source = 'jsonl'")
+def _one_of(value: Any, allowed: tuple[str, ...], src: str, key: str) -> None:
+    _require(value in allowed, src, key, f"must be one of {allowed}, got {value!r}")
+
+
+def _validate_data(d: DataSpec, src: str, where: str) -> None:
+    _one_of(d.source, ("generated", "jsonl"), src, f"{where}.source")
+    _one_of(d.format, DATA_FORMATS, src, f"{where}.format")
+    _one_of(d.order, ORDERS, src, f"{where}.order")
+    _require(d.source != "jsonl" or d.path is not None, src, f"{where}.path", "required when source = 'jsonl'")
     for key in ("rows", "min_chars", "max_chars", "max_seq_len"):
-        _require(getattr(s.data, key) > 0, src, f"[data].{key}", "must be positive")
-    _require(s.data.min_chars <= s.data.max_chars, src, "[data].min_chars",
-             "must not exceed max_chars")
-    _require(s.train.steps > 0, src, "[train].steps", "must be positive")
-    _require(s.train.global_batch > 0, src, "[train].global_batch", "must be positive")
-    _require(s.train.learning_rate > 0, src, "[train].learning_rate", "must be positive")
-    _require(s.train.digest_every >= 0, src, "[train].digest_every", "must be >= 0")
+        _require(getattr(d, key) > 0, src, f"{where}.{key}", "must be positive")
+    _require(d.max_seq_len >= 2, src, f"{where}.max_seq_len", "must be at least 2")
+    _require(d.min_chars <= d.max_chars, src, f"{where}.min_chars", "must not exceed max_chars")
+    _require(d.eval_rows >= 0, src, f"{where}.eval_rows", "must be >= 0")
+    _require(not d.streaming or d.order == "ordered", src, f"{where}.order",
+             "a streaming source is read in order: use order = 'ordered'")
+
+
+def _validate_train(t: TrainSpec, d: DataSpec, src: str, where: str) -> None:
+    _require(t.steps > 0, src, f"{where}.steps", "must be positive")
+    _require(t.global_batch > 0, src, f"{where}.global_batch", "must be positive")
+    _require(t.grad_accum >= 1, src, f"{where}.grad_accum", "must be >= 1")
+    _require(t.global_batch % t.grad_accum == 0, src, f"{where}.grad_accum",
+             f"global_batch {t.global_batch} does not divide into {t.grad_accum} micro-steps")
+    _require(t.learning_rate > 0, src, f"{where}.learning_rate", "must be positive")
+    _one_of(t.lr_schedule, LR_SCHEDULES, src, f"{where}.lr_schedule")
+    _require(0 <= t.warmup_steps <= t.steps, src, f"{where}.warmup_steps", "must be between 0 and steps")
+    _require(0 <= t.min_lr_ratio <= 1, src, f"{where}.min_lr_ratio", "must be between 0 and 1")
+    _require(t.max_grad_norm >= 0, src, f"{where}.max_grad_norm", "must be >= 0 (0: no clipping)")
+    _require(0 <= t.input_dropout < 1, src, f"{where}.input_dropout", "must be in [0, 1)")
+    _one_of(t.compile, COMPILE_MODES, src, f"{where}.compile")
+    _require(t.digest_every >= 0, src, f"{where}.digest_every", "must be >= 0")
+    _require(t.eval_every >= 0, src, f"{where}.eval_every", "must be >= 0")
+    _require(t.eval_batch >= 1, src, f"{where}.eval_batch", "must be >= 1")
+    _require(t.eval_every == 0 or d.eval_rows > 0 or d.eval_path is not None, src, f"{where}.eval_every",
+             "needs eval rows: set [data].eval_rows or [data].eval_path")
+
+
+def _validate(s: Scenario, src: str) -> None:
+    _one_of(s.model.arch, ARCHS, src, "[model].arch")
+    _one_of(s.model.dtype, DTYPES, src, "[model].dtype")
+    _validate_data(s.data, src, "[data]")
+    _validate_train(s.train, s.data, src, "[train]")
     _require(len(s.runs) > 0, src, "[[runs]]", "at least one run is required")
     names = [r.name for r in s.runs]
     _require(len(set(names)) == len(names), src, "[[runs]].name", "run names must be unique")
     for i, r in enumerate(s.runs):
-        key = f"[[runs]][{i}].world_size"
+        where = f"[[runs]][{i}]"
+        key = f"{where}.world_size"
         _require(r.world_size >= 1, src, key, f"must be >= 1, got {r.world_size}")
-        _require(r.world_size <= s.train.global_batch, src, key,
-                 f"{r.world_size} exceeds [train].global_batch {s.train.global_batch}: "
-                 "a rank would get no rows")
-        _require(r.backend is None or r.backend in BACKENDS, src, f"[[runs]][{i}].backend",
-                 f"must be one of {BACKENDS}")
+        _require(r.backend is None or r.backend in BACKENDS, src, f"{where}.backend", f"must be one of {BACKENDS}")
+        eff = s.for_run(r)
+        _validate_data(eff.data, src, f"{where}.data")
+        _validate_train(eff.train, eff.data, src, f"{where}.train")
+        micro = eff.train.global_batch // eff.train.grad_accum
+        _require(r.world_size <= micro, src, key,
+                 f"{r.world_size} exceeds the {micro} rows of each micro-step "
+                 f"([train].global_batch / grad_accum): a rank would get no rows")
     ref = s.checks.reference
     _require(ref is None or ref in names, src, "[checks].reference",
              f"{ref!r} is not a run name ({', '.join(names)})")
-    for key in ("loss_tolerance", "param_tolerance"):
+    for key in ("loss_tolerance", "param_tolerance", "eval_tolerance", "data_share_slack"):
         _require(getattr(s.checks, key) >= 0, src, f"[checks].{key}", "must be >= 0")
     _require(s.limits.wall_s > 0 and s.limits.no_progress_s > 0, src, "[limits]",
              "limits must be positive")
     for i, f in enumerate(s.faults):
-        _require(f.action in FAULT_ACTIONS, src, f"[[faults]][{i}].action",
-                 f"must be one of {FAULT_ACTIONS}")
+        _one_of(f.action, FAULT_ACTIONS, src, f"[[faults]][{i}].action")
+        _one_of(f.phase, FAULT_PHASES, src, f"[[faults]][{i}].phase")
         _require(f.step >= 1, src, f"[[faults]][{i}].step", "must be >= 1")
+        _require(f.rank >= 0, src, f"[[faults]][{i}].rank", "must be >= 0")
+        _require(f.action != "stop" or f.phase in ("step", "eval"), src, f"[[faults]][{i}].phase",
+                 "a stop is requested after a step or after eval: use phase 'step' or 'eval'")
+        _require(f.action != "compile_error" or f.phase == "step", src, f"[[faults]][{i}].phase",
+                 "compile_error happens in the step phase")
+        unknown = [n for n in f.runs if n not in names]
+        _require(not unknown, src, f"[[faults]][{i}].runs", f"unknown run names {unknown}")
 
 
 def parse_scenario(data: dict[str, Any], src: str, base: Path) -> Scenario:
@@ -273,8 +378,15 @@ def parse_scenario(data: dict[str, Any], src: str, base: Path) -> Scenario:
         faults=many("faults", FaultSpec),
         path=src,
     )
+    for i, r in enumerate(s.runs):
+        r.train = _coerce(TrainSpec, r.train, f"[[runs]][{i}].train", src)
+        r.data = _coerce(DataSpec, r.data, f"[[runs]][{i}].data", src)
+        for key in ("path", "eval_path", "tokenizer"):
+            if key in r.data and r.data[key] != "byte":
+                r.data[key] = _resolve(r.data[key], base, src, f"[[runs]][{i}].data.{key}")
     s.model.path = _resolve(s.model.path, base, src, "[model].path")
     s.data.path = _resolve(s.data.path, base, src, "[data].path")
+    s.data.eval_path = _resolve(s.data.eval_path, base, src, "[data].eval_path")
     if s.data.tokenizer != "byte":
         s.data.tokenizer = _resolve(s.data.tokenizer, base, src, "[data].tokenizer")
     _validate(s, src)

@@ -63,7 +63,10 @@ def test_rank_crash_exits_3_naming_rank(scenario_dir: Path, tmp_path: Path) -> N
     path = write_scenario(scenario_dir, "crash", world_sizes=(2,), extra=fault)
     p = cli("run", str(path), "--out", str(tmp_path / "o"))
     assert p.returncode == 3, p.stdout + p.stderr
-    assert "rank 1 failed: RuntimeError: injected fault at step 2" in p.stdout
+    cause = "rank 1 failed while running a training step at step 2: RuntimeError: injected error in the model's"
+    assert cause in p.stdout
+    assert "rank 0: a peer rank failed: rank 1 failed while running a training step at step 2" in p.stdout
+    assert p.stdout.index(cause) < p.stdout.index("rank 0: a peer rank failed")  # the cause comes first
     doc = json.loads((tmp_path / "o" / "result.json").read_text())
     assert doc["exit_code"] == 3 and doc["scenarios"][0]["status"] == "error"
 

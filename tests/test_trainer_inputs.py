@@ -6,13 +6,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from harness.controller.session import execute
 from harness.controller.suite import train_job
 from harness.judge.checks import judge
-from harness.rank.data import load_texts
-from harness.scenario import DataSpec, load_scenario
+from harness.rank.sources import generated_text
+from harness.scenario import load_scenario
 from tests.conftest import write_scenario
 
 pytestmark = pytest.mark.ranks
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.ranks
 
 def run_all(path: Path):  # noqa: ANN201
     s = load_scenario(path)
-    runs = [execute(r.name, train_job(s, r.backend), r.world_size, wall_s=240, no_progress_s=90) for r in s.runs]
+    runs = [execute(r.name, train_job(s, r), r.world_size, wall_s=240, no_progress_s=90) for r in s.runs]
     for r in runs:
         assert r.ok, r.failure
     return s, runs
@@ -70,7 +71,8 @@ def test_local_tokenizer_json_is_used(scenario_dir: Path) -> None:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<pad>", "<s>", "</s>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(load_texts(DataSpec(rows=300), 3), trainer)
+    rng = np.random.default_rng(3)
+    tok.train_from_iterator([generated_text(rng, 24, 120) for _ in range(300)], trainer)
     tok.save(str(scenario_dir / "tokenizer.json"))
 
     bpe = write_scenario(scenario_dir, "bpe", world_sizes=(1, 2))

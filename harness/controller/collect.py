@@ -116,6 +116,7 @@ def collect(run_dir: Path, world_size: int, report: WatchReport) -> list[RankOut
 
 
 PEER_LOST = "connection to a peer was lost"
+PEER_FAILED = "a peer rank failed"
 
 
 def failure_reason(ranks: list[RankOutcome], report: WatchReport) -> str | None:
@@ -129,7 +130,12 @@ def failure_reason(ranks: list[RankOutcome], report: WatchReport) -> str | None:
         tail = f"; stderr tail:\n{o.stderr_tail}" if o.stderr_tail else ""
         if o.result is not None and o.result.get("status") != "ok":
             error = str(o.result.get("error", "unknown error"))
-            found.append((PEER_LOST in error, o.rank, f"rank {o.rank} failed: {error}"))
+            peer = PEER_LOST in error or error.startswith(PEER_FAILED)
+            if error.startswith(f"rank {o.rank} failed"):
+                msg = error
+            else:
+                msg = f"rank {o.rank}: {error}" if peer else f"rank {o.rank} failed: {error}"
+            found.append((peer, o.rank, msg))
         elif o.exit_code not in (0, None):
             sigterm = o.exit_code == -15
             why = " (mlx.launch stops the other ranks when one fails)" if sigterm else ""

@@ -8,16 +8,18 @@ from pathlib import Path
 
 from harness.controller.collect import RunOutcome
 from harness.controller.session import execute
-from harness.scenario import Scenario
+from harness.scenario import RunSpec, Scenario
 
 
-def train_job(s: Scenario, backend: str | None) -> dict:
-    """The job file every rank of one run reads."""
+def train_job(s: Scenario, run: RunSpec) -> dict:
+    """The job file every rank of one run reads: the scenario as this run sees it."""
+    eff = s.for_run(run)
     return {
         "kind": "train",
-        "scenario": s.to_dict(),
-        "backend": backend,
-        "faults": [dataclasses.asdict(f) for f in s.faults],
+        "run": run.name,
+        "scenario": eff.to_dict(),
+        "backend": run.backend,
+        "faults": [dataclasses.asdict(f) for f in eff.faults],
     }
 
 
@@ -32,7 +34,7 @@ def run_scenario(
         keep = artifacts / s.name / spec.name if artifacts else None
         outcome = execute(
             spec.name,
-            train_job(s, spec.backend),
+            train_job(s, spec),
             spec.world_size,
             backend=spec.backend,
             wall_s=s.limits.wall_s,

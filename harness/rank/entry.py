@@ -38,6 +38,7 @@ class RankContext:
     backend: str
     events: schema.EventWriter
     faults: list[FaultSpec] = field(default_factory=list)
+    host: str = field(default_factory=socket.gethostname)
 
     @property
     def is_main(self) -> bool:
@@ -47,16 +48,24 @@ class RankContext:
         """Heartbeat between steps, so the watchdog sees progress through long phases."""
         self.events.emit("phase", name=name, rank=self.rank)
 
-    def maybe_fault(self, step: int) -> None:
-        """Misbehave as the job's fault specs say, when this rank reaches ``step``."""
+    def maybe_fault(self, phase: str, step: int) -> str | None:
+        """Misbehave as the job's fault specs say, when this rank reaches ``phase`` of ``step``.
+
+        Process-level faults happen here. ``stop`` is returned for the caller to request a stop;
+        in the ``step`` phase, ``raise`` and ``compile_error`` are returned too, for the model's
+        forward to raise them (so they happen inside a compiled function when there is one).
+        """
         for f in self.faults:
-            if f.rank == self.rank and f.step == step:
+            if f.rank == self.rank and f.step == step and f.phase == phase:
+                if f.action == "stop" or (phase == "step" and f.action in ("raise", "compile_error")):
+                    return f.action
                 inject(f)
+        return None
 
 
 def inject(f: FaultSpec) -> None:
     if f.action == "raise":
-        raise RuntimeError(f"injected fault at step {f.step}")
+        raise RuntimeError(f"injected fault in phase {f.phase} at step {f.step}")
     if f.action == "exit":
         os._exit(f.code)
     if f.action == "exit0":
@@ -144,7 +153,10 @@ def main(argv: list[str]) -> int:
                       is_main=rank == 0, startup_s=startup_s, **runtime_figures(), **payload)
     except BaseException as e:  # noqa: BLE001 - every failure must reach the controller
         code = 1
-        result.update(status="error", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
+        # Agreed failures already say which rank failed and why; other errors carry their type.
+        agreed = type(e).__name__ in ("RankFailure", "PeerFailure", "AgreedStop")
+        error = str(e) if agreed else f"{type(e).__name__}: {e}"
+        result.update(status="error", error=error, traceback=traceback.format_exc())
         traceback.print_exc()
     events.emit("end", rank=rank, status=result["status"])
     events.close()

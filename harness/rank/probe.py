@@ -21,7 +21,8 @@ def run(ctx: RankContext) -> dict[str, Any]:
     pause = float(ctx.job.get("pause_s", 0.05))
     sums = []
     for step in range(1, rounds + 1):
-        ctx.maybe_fault(step)
+        if ctx.maybe_fault("step", step) == "raise":
+            raise RuntimeError(f"injected fault at step {step}")
         t0 = time.perf_counter()
         x = mx.full((4096,), value * step + ctx.rank, dtype=mx.float32)
         s = mx.distributed.all_sum(x, group=ctx.group)

@@ -1,127 +1,305 @@
 """The reference DDP trainer for text: one readable loop, token-weighted across ranks.
 
 Each optimizer step, every rank:
-  1. takes its rows of the global batch (``data.shard``) and pads them locally;
-  2. all-sums its supervised token count into the global count T;
-  3. computes the gradient of (sum of its token losses) * N / T;
-  4. averages gradients with ``nn.average_gradients`` (sum / N), which leaves
-     sum over all ranks' token-loss gradients / T: exactly the single-process update of the
-     same global batch;
-  5. all-sums its loss sum for the logged global loss, sum / T.
+  1. fetches its rows of each of the step's ``grad_accum`` micro-batches (``batching``);
+  2. agrees with its peers (``consensus``): any rank's failure so far, stop requests, and the
+     step's global supervised token count T (zero stops every rank with the same message);
+  3. computes, per micro-batch, the gradient of (its token-loss sum) x N / T, compiled or eager
+     (``step``), and accumulates them; agrees again (a failure or a compile fallback);
+  4. averages gradients with ``nn.average_gradients`` (sum / N), which leaves the sum of every
+     rank's token-loss gradients over T: one process's update of the same global batch;
+  5. clips and applies the update; all-sums its loss sum for the logged loss, sum / T;
+  6. on rank 0 only, runs callbacks and logs; evaluates when due (``evaluate``).
+Then rank 0 saves the parameters, and every rank agrees that the save worked.
 """
 
 from __future__ import annotations
 
+import json
 import time
+from dataclasses import dataclass
 from typing import Any
 
-from harness.rank import data as rank_data
+from harness.rank.batching import LocalBatch, RankShare, StreamShare, collate, eval_share, materialize
+from harness.rank.consensus import AgreedStop, Coordinator, PeerFailure, RankFailure
+from harness.rank.effects import MainRankEffects
 from harness.rank.entry import RankContext
+from harness.rank.evaluate import evaluate
 from harness.rank.models import build_model, param_count, param_digest
+from harness.rank.sources import Encoder, row_source
+from harness.rank.step import CompileFailed, LocalStep, build_optimizer
+from harness.rank.tokenizers import Tokenizer, load_tokenizer
 from harness.scenario import Scenario
 
 
-def _save_params(model: Any, ctx: RankContext) -> None:
-    """Rank 0 writes the final parameters; a reader never sees a partial file."""
-    import os
+@dataclass
+class RankData:
+    tok: Tokenizer
+    train: RankShare | StreamShare
+    evals: Any  # EvalShare | None
 
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
 
-    from harness import schema
+def load_data(s: Scenario, rank: int, world_size: int) -> RankData:
+    """This rank's share of the train rows (materialized or streamed) and of the eval rows."""
+    d, t = s.data, s.train
+    tok = load_tokenizer(d)
+    source = row_source(d, s.seed, "train")
+    if d.streaming:
+        train: RankShare | StreamShare = StreamShare(source, Encoder(tok, d), t.global_batch, t.grad_accum,
+                                                     rank, world_size)
+    else:
+        train = materialize(source, Encoder(tok, d), t.global_batch, t.grad_accum, d.order, s.seed, rank,
+                            world_size)
+    evals = None
+    if d.eval_rows or d.eval_path:
+        evals = eval_share(row_source(d, s.seed, "eval"), Encoder(tok, d), t.eval_batch, rank, world_size,
+                           tok.pad_id)
+    return RankData(tok, train, evals)
 
-    final = schema.params_path(ctx.run_dir)
-    tmp = final.with_name(".rank0.params.tmp.safetensors")
-    mx.save_safetensors(str(tmp), dict(tree_flatten(model.parameters())))
-    os.replace(tmp, final)
+
+class Trainer:
+    def __init__(self, ctx: RankContext):
+        import psutil
+
+        self.ctx = ctx
+        self.s = Scenario.from_dict(ctx.job["scenario"])
+        self.spec, self.N = self.s.train, ctx.world_size
+        self.coord = Coordinator(ctx.group, ctx.rank, ctx.world_size)
+        self.effects = MainRankEffects(ctx.run_dir, ctx.rank)
+        self.proc = psutil.Process()
+        self.history: dict[str, list[Any]] = {k: [] for k in (
+            "losses", "step_times_s", "tok_s_local", "tok_s_global", "tokens_local_steps", "grad_norms",
+            "learning_rates")}
+        self.evals: list[dict[str, Any]] = []
+        self.digests: dict[int, str] = {}
+        self.tokens_local = self.tokens_global = 0
+        self.rss_peak = self.proc.memory_info().rss
+        self.stop: dict[str, Any] | None = None
+
+    # -- phases ---------------------------------------------------------------------------------
+
+    def fetch(self, step: int) -> list[LocalBatch]:
+        self.ctx.maybe_fault("fetch", step)
+        pad, seed, drop = self.data.tok.pad_id, self.s.seed, self.spec.input_dropout
+        return [collate([e for _, e in rows], pad, drop, [(seed, step, i) for i, _ in rows])
+                for rows in self.data.train.micro_batches(step)]
+
+    def compute(self, micros: list[LocalBatch], scale: Any, fault: str | None) -> tuple[Any, Any, Any]:
+        """Local loss sum and accumulated gradients (None after a full-step update) of the step."""
+        import mlx.core as mx
+        from mlx.utils import tree_map
+
+        if self.runner.compiled and self.runner.full_step:
+            b = micros[0]
+            loss_sum, norm = self.runner.full(mx.array(b.inputs), mx.array(b.targets), mx.array(b.mask), scale,
+                                              fault)
+            return loss_sum, None, norm
+        loss_total, acc = None, None
+        for m, b in enumerate(micros):
+            loss_sum, grads = self.runner.grad(mx.array(b.inputs), mx.array(b.targets), mx.array(b.mask), scale,
+                                               fault if m == 0 else None)
+            loss_total = loss_sum if loss_total is None else loss_total + loss_sum
+            acc = grads if acc is None else tree_map(lambda a, g: a + g, acc, grads)
+        return loss_total, acc, None
+
+    def local_step(self, step: int, micros: list[LocalBatch], scale: Any, fault: str | None) -> Any:
+        """Compute the step; on a compile failure anywhere, strict fails and best-effort re-runs eagerly."""
+        out = self.coord.attempt("step", step, self._compute_or_compile_error, step, micros, scale, fault)
+        agreed = self.coord.agree()
+        if not agreed.compile_failures:
+            return out
+        first = min(agreed.compile_failures)
+        reason = f"rank {first}: {agreed.compile_failures[first]}"
+        if self.spec.compile == "strict":
+            if self.ctx.rank in agreed.compile_failures:
+                raise RankFailure(f"rank {self.ctx.rank} failed while {agreed.compile_failures[self.ctx.rank]}")
+            raise PeerFailure(f"a peer rank failed: {reason}")
+        self.runner.fall_back(reason)
+        self.ctx.events.emit("compile_fallback", step=step, rank=self.ctx.rank, reason=reason)
+        out = self.coord.attempt("step", step, self.compute, micros, scale, fault)
+        self.coord.agree()
+        return out
+
+    def _compute_or_compile_error(self, step: int, micros: list[LocalBatch], scale: Any, fault: str | None) -> Any:
+        try:
+            return self.compute(micros, scale, fault)
+        except CompileFailed as e:
+            self.coord.fail_later("compile", step, e)
+            return None
+
+    def apply(self, step: int, out: tuple[Any, Any, Any], tokens: int) -> tuple[float, float]:
+        """All-reduce gradients and the loss, then update (a local failure waits for the next agreement)."""
+        import mlx.core as mx
+        import mlx.nn as nn
+
+        loss_sum, grads, norm = out
+        global_loss = mx.distributed.all_sum(loss_sum, group=self.ctx.group) / tokens
+        if grads is not None:
+            grads = nn.average_gradients(grads, group=self.ctx.group)
+            mx.eval(grads, global_loss)
+
+            def update() -> Any:
+                self.ctx.maybe_fault("update", step)
+                n = self.runner.update(grads)
+                mx.eval(self.model.parameters(), self.optimizer.state, n)
+                return n
+
+            norm = self.coord.attempt("update", step, update)
+        mx.eval(global_loss)
+        return float(global_loss.item()), float(norm.item()) if norm is not None else float("nan")
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        import mlx.core as mx
+
+        ctx, spec, coord = self.ctx, self.spec, self.coord
+        ctx.phase("data")
+        rss0 = self.proc.memory_info().rss
+        self.data = coord.attempt("data", 0, load_data, self.s, ctx.rank, self.N)
+        coord.agree()
+        data_rss = self.proc.memory_info().rss - rss0
+
+        ctx.phase("model")
+        built = coord.attempt("model", 0, build_model, self.s.model, self.data.tok.vocab_size, self.s.seed)
+        coord.agree()
+        self.model, self.config = built
+        self.optimizer = build_optimizer(spec)
+        self.runner = LocalStep(self.model, self.optimizer, spec, self.N)
+        self.digests[0] = param_digest(self.model)
+
+        ctx.phase("train")
+        t_train = time.perf_counter()
+        last = 0
+        for step in range(1, spec.steps + 1):
+            t0 = time.perf_counter()
+            micros = coord.attempt("fetch", step, self.fetch, step)
+            agreed = coord.agree([sum(b.tokens for b in micros) if micros else 0])
+            if agreed.stop_ranks:
+                self._stopped(agreed.stop_ranks, last)
+                break
+            tokens = agreed.values[0]
+            if tokens == 0:
+                raise AgreedStop(f"step {step}: the global batch has zero supervised tokens across all {self.N} ranks")
+            action = ctx.maybe_fault("step", step)
+            fault = action if action in ("raise", "compile_error") else None
+            out = self.local_step(step, micros, mx.array(self.N / tokens, dtype=mx.float32), fault)
+            loss, norm = self.apply(step, out, tokens)
+            last = step
+            self._record(step, micros, tokens, loss, norm, time.perf_counter() - t0)
+            if action == "stop":
+                coord.stop_requested = True
+            if spec.eval_every and step % spec.eval_every == 0:
+                self._evaluate(step)
+        runtime = time.perf_counter() - t_train
+
+        agreed = coord.agree()  # a failed last update, or a stop requested after the last step
+        if agreed.stop_ranks and self.stop is None:
+            self._stopped(agreed.stop_ranks, last)
+        if self.data.evals is not None and (not self.evals or self.evals[-1]["step"] != last):
+            self._evaluate(last)
+        ctx.phase("save")
+
+        def save() -> None:
+            ctx.maybe_fault("save", last)
+            self.effects.save_params(self.model)
+
+        coord.attempt("save", last, save)
+        coord.agree()
+        self.digests[last] = param_digest(self.model)
+        return self._result(last, runtime, data_rss)
+
+    # -- bookkeeping ----------------------------------------------------------------------------
+
+    def _evaluate(self, step: int) -> None:
+        ctx = self.ctx
+
+        def before() -> str | None:
+            return ctx.maybe_fault("eval", step)
+
+        metrics = evaluate(self.model, self.data.evals, self.data.tok.pad_id, self.coord, step, before)
+        if metrics.pop("requested") == "stop":
+            self.coord.stop_requested = True
+        self.evals.append(metrics)
+        ctx.events.emit("eval", rank=ctx.rank, **metrics)
+        self.coord.attempt("callback", step, self.effects.callback, "eval", metrics)
+
+    def _stopped(self, ranks: list[int], step: int) -> None:
+        self.stop = {"step": step, "requested_by": ranks}
+        self.ctx.events.emit("stop", rank=self.ctx.rank, **self.stop)
+        self.effects.log("stop", self.stop)
+
+    def _record(self, step: int, micros: list[LocalBatch], tokens: int, loss: float, norm: float, dt: float) -> None:
+        import mlx.core as mx
+
+        ctx, h = self.ctx, self.history
+        local = sum(b.tokens for b in micros)
+        rss = self.proc.memory_info().rss
+        self.rss_peak = max(self.rss_peak, rss)
+        lr = float(self.optimizer.learning_rate.item())
+        for key, value in (("losses", loss), ("step_times_s", dt), ("tok_s_local", local / dt),
+                           ("tok_s_global", tokens / dt), ("tokens_local_steps", local), ("grad_norms", norm),
+                           ("learning_rates", lr)):
+            h[key].append(value)
+        self.tokens_local += local
+        self.tokens_global += tokens
+        event: dict[str, Any] = dict(
+            step=step, rank=ctx.rank, loss=loss, tokens_global=tokens, tokens_local=local,
+            rows_local=sum(len(b.inputs) for b in micros), step_time_s=dt, grad_norm=norm, lr=lr,
+            mlx_peak_bytes=int(mx.get_peak_memory()), rss_bytes=rss,
+        )
+        if self.spec.digest_every and step % self.spec.digest_every == 0:
+            self.digests[step] = event["digest"] = param_digest(self.model)
+        ctx.events.emit("step", **event)
+        self.coord.attempt("callback", step, self.effects.callback, "step",
+                           {"step": step, "loss": loss, "tokens": tokens, "lr": lr})
+
+    def _result(self, last: int, runtime: float, data_rss: int) -> dict[str, Any]:
+        import mlx.core as mx
+
+        ctx, train = self.ctx, self.data.train
+        own = {"rank": ctx.rank, "host": ctx.host, "runtime_s": round(runtime, 4), "tokens": self.tokens_local,
+               "mlx_peak_bytes": int(mx.get_peak_memory()), "rss_peak_bytes": self.rss_peak,
+               "data_bytes": train.nbytes}
+        per_rank = [json.loads(t) for t in self.coord.exchange(json.dumps(own, separators=(",", ":")))]
+        hosts: dict[str, list[int]] = {}
+        for r in per_rank:
+            hosts.setdefault(r["host"], []).append(r["rank"])
+        streaming = isinstance(train, StreamShare)
+        return {
+            "steps": last,
+            "steps_planned": self.spec.steps,
+            **{k: v for k, v in self.history.items() if k != "tokens_local_steps"},
+            "tokens_local_per_step": self.history["tokens_local_steps"],
+            "tokens_local": self.tokens_local,
+            "tokens_global": self.tokens_global,
+            "runtime_s": runtime,
+            "rss_step_peak_bytes": self.rss_peak,
+            "digests": {str(k): v for k, v in self.digests.items()},
+            "final_digest": self.digests[last],
+            "param_count": param_count(self.model),
+            "model_config": self.config,
+            "stop": self.stop,
+            "evals": self.evals,
+            "compile": {"mode": self.spec.compile, "scope": self.runner.scope,
+                        "fallback_reason": self.runner.fallback_reason},
+            "side_effects": self.effects.counts,
+            "data": {
+                "streaming": streaming,
+                "rows_total": None if streaming else train.total_rows,
+                "rows_held": None if streaming else len(train.rows),
+                "rows_read": train.rows_read if streaming else None,
+                "bytes_held": train.nbytes,
+                "rss_delta_bytes": data_rss,
+                "eval_rows_local": self.data.evals.real_rows if self.data.evals else 0,
+                "eval_pad_rows_local": self.data.evals.pad_rows if self.data.evals else 0,
+            },
+            "rows_per_rank_step": sum(len(p) for p in train.positions),
+            "per_rank": per_rank,
+            "host_rank_map": hosts,
+            "collectives": self.coord.collectives,
+        }
 
 
 def run(ctx: RankContext) -> dict[str, Any]:
-    import mlx.core as mx
-    import mlx.nn as nn
-    import mlx.optimizers as optim
-    import psutil
-
-    scenario = Scenario.from_dict(ctx.job["scenario"])
-    spec, N, proc = scenario.train, ctx.world_size, psutil.Process()
-
-    ctx.phase("data")
-    tok = rank_data.load_tokenizer(scenario.data)
-    texts = rank_data.load_texts(scenario.data, scenario.seed)
-    rows = rank_data.tokenize(texts, tok, scenario.data.max_seq_len)
-    plan = rank_data.global_batches(len(rows), spec.global_batch, spec.steps)
-
-    ctx.phase("model")
-    model, config = build_model(scenario.model, tok.vocab_size, scenario.seed)
-    optimizer = optim.AdamW(learning_rate=spec.learning_rate, weight_decay=spec.weight_decay)
-    digests = {0: param_digest(model)}
-
-    def loss_fn(model: Any, inputs: Any, targets: Any, mask: Any, scale: Any) -> tuple[Any, Any]:
-        logits = model(inputs).astype(mx.float32)
-        token_loss = nn.losses.cross_entropy(logits, targets, reduction="none") * mask
-        loss_sum = token_loss.sum()
-        return loss_sum * scale, loss_sum
-
-    value_and_grad = nn.value_and_grad(model, loss_fn)
-
-    ctx.phase("train")
-    losses, step_times, local_tok_s, global_tok_s = [], [], [], []
-    tokens_local_total = tokens_global_total = 0
-    rss_peak = proc.memory_info().rss
-    t_train = time.perf_counter()
-    for step in range(1, spec.steps + 1):
-        ctx.maybe_fault(step)
-        t0 = time.perf_counter()
-        local_rows = rank_data.shard(plan[step - 1], ctx.rank, N)
-        batch = rank_data.collate([rows[i] for i in local_rows], tok.pad_id)
-        tokens_global = int(mx.distributed.all_sum(mx.array(batch.tokens), group=ctx.group).item())
-        scale = mx.array(N / tokens_global, dtype=mx.float32)
-        (_, loss_sum), grads = value_and_grad(
-            model, mx.array(batch.inputs), mx.array(batch.targets), mx.array(batch.mask), scale
-        )
-        grads = nn.average_gradients(grads, group=ctx.group)
-        optimizer.update(model, grads)
-        global_loss = mx.distributed.all_sum(loss_sum, group=ctx.group) / tokens_global
-        mx.eval(model.parameters(), optimizer.state, global_loss)
-        dt = time.perf_counter() - t0
-
-        loss = float(global_loss.item())
-        rss = proc.memory_info().rss
-        rss_peak = max(rss_peak, rss)
-        losses.append(loss)
-        step_times.append(dt)
-        local_tok_s.append(batch.tokens / dt)
-        global_tok_s.append(tokens_global / dt)
-        tokens_local_total += batch.tokens
-        tokens_global_total += tokens_global
-        event: dict[str, Any] = dict(
-            step=step, rank=ctx.rank, loss=loss, tokens_global=tokens_global,
-            tokens_local=batch.tokens, rows_local=len(local_rows), step_time_s=dt,
-            mlx_peak_bytes=int(mx.get_peak_memory()), rss_bytes=rss,
-        )
-        if spec.digest_every and step % spec.digest_every == 0:
-            digests[step] = event["digest"] = param_digest(model)
-        ctx.events.emit("step", **event)
-    runtime = time.perf_counter() - t_train
-
-    ctx.phase("save")
-    digests[spec.steps] = param_digest(model)
-    if ctx.is_main:
-        _save_params(model, ctx)
-    return {
-        "steps": spec.steps,
-        "losses": losses,
-        "step_times_s": step_times,
-        "tok_s_local": local_tok_s,
-        "tok_s_global": global_tok_s,
-        "tokens_local": tokens_local_total,
-        "tokens_global": tokens_global_total,
-        "runtime_s": runtime,
-        "rss_step_peak_bytes": rss_peak,
-        "digests": {str(k): v for k, v in digests.items()},
-        "final_digest": digests[spec.steps],
-        "param_count": param_count(model),
-        "model_config": config,
-        "rows": len(rows),
-        "rows_per_rank_step": len(rank_data.shard(plan[0], ctx.rank, N)),
-    }
+    return Trainer(ctx).run()

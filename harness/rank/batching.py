@@ -1,0 +1,228 @@
+"""Global batch plans, each rank's share of them, streaming shares, eval shares and collation.
+
+Global batches are cut once: rows in file order (``ordered``), permuted once by a local RNG from
+the scenario seed (``shuffled``), or sorted by length so batches hold similar lengths
+(``length_sorted``). The last batch is padded by repeating real rows from the start. Each epoch
+visits the fixed batches in order (``ordered``) or in an order permuted by a per-epoch local RNG.
+Because the batches are fixed, a rank's rows are the same every epoch, and it keeps only those.
+
+Each optimizer step's global batch is split into ``grad_accum`` micro-batches; rank r takes
+positions r, r+N, ... of each micro-batch. None of this depends on the world size, so N ranks
+see exactly the rows one process sees.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from harness.rank.sources import Example, RowSource, empty_example
+
+PLAN_STREAM, EPOCH_STREAM, DROPOUT_STREAM = 2, 3, 5
+
+
+@dataclass
+class Plan:
+    """Fixed global batches of row indices, visited per epoch."""
+
+    batches: list[list[int]]
+    seed: int | None = None  # None: the same batch order every epoch
+
+    def batch(self, step: int) -> list[int]:
+        """Row indices of optimizer step ``step`` (1-based)."""
+        epoch, k = divmod(step - 1, len(self.batches))
+        if self.seed is None:
+            return self.batches[k]
+        order = np.random.default_rng([self.seed, EPOCH_STREAM, epoch]).permutation(len(self.batches))
+        return self.batches[int(order[k])]
+
+
+def make_plan(lengths: list[int], global_batch: int, order: str, seed: int) -> Plan:
+    n = len(lengths)
+    if order == "ordered":
+        idx = list(range(n))
+    elif order == "shuffled":
+        idx = np.random.default_rng([seed, PLAN_STREAM]).permutation(n).tolist()
+    else:
+        idx = np.argsort(np.asarray(lengths), kind="stable").tolist()
+    batches = []
+    for start in range(0, n, global_batch):
+        batch = idx[start : start + global_batch]
+        batch += [idx[j % n] for j in range(global_batch - len(batch))]  # repeat real rows
+        batches.append(batch)
+    return Plan(batches, None if order == "ordered" else seed)
+
+
+def local_positions(global_batch: int, grad_accum: int, rank: int, world_size: int) -> list[list[int]]:
+    """Positions in the global batch that ``rank`` computes, per micro-step."""
+    micro = global_batch // grad_accum
+    return [list(range(m * micro, (m + 1) * micro))[rank::world_size] for m in range(grad_accum)]
+
+
+def owned_rows(plan: Plan, grad_accum: int, rank: int, world_size: int) -> set[int]:
+    pos = [p for micro in local_positions(len(plan.batches[0]), grad_accum, rank, world_size) for p in micro]
+    return {b[p] for b in plan.batches for p in pos}
+
+
+@dataclass
+class RankShare:
+    """The rows this rank holds (only its own) and how to find each step's micro-batches."""
+
+    plan: Plan
+    rows: dict[int, Example]
+    positions: list[list[int]]
+    total_rows: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.rows.values())
+
+    def micro_batches(self, step: int) -> list[list[tuple[int, Example]]]:
+        batch = self.plan.batch(step)
+        return [[(batch[p], self.rows[batch[p]]) for p in micro] for micro in self.positions]
+
+
+def materialize(source: RowSource, encode: Callable[[str, object], Example], global_batch: int,
+                grad_accum: int, order: str, seed: int, rank: int, world_size: int) -> RankShare:
+    """Read the source twice: lengths (or a row count) first, then only this rank's rows."""
+    if order == "length_sorted":
+        lengths = [len(encode(where, row).ids) for where, row in source()]
+    else:
+        lengths = [0 for _ in source()]
+    if not lengths:
+        raise ValueError("the dataset has no rows")
+    plan = make_plan(lengths, global_batch, order, seed)
+    mine = owned_rows(plan, grad_accum, rank, world_size)
+    rows = {i: encode(where, row) for i, (where, row) in enumerate(source()) if i in mine}
+    return RankShare(plan, rows, local_positions(global_batch, grad_accum, rank, world_size), len(lengths))
+
+
+@dataclass
+class StreamShare:
+    """This rank's share of a stream, read in order without materializing it.
+
+    Every rank reads the same stream and encodes only the rows at its own positions (plus the
+    epoch's first global batch, kept to pad the epoch's last, short batch the way ``make_plan``
+    does). Memory stays at about two global batches whatever the stream's length.
+    """
+
+    source: RowSource
+    encode: Callable[[str, object], Example]
+    global_batch: int
+    grad_accum: int
+    rank: int
+    world_size: int
+    peak_nbytes: int = 0
+    rows_read: int = 0
+    _it: Iterator | None = None
+    _first: list[Example] = field(default_factory=list)
+    _index: int = 0
+
+    def __post_init__(self) -> None:
+        self.positions = local_positions(self.global_batch, self.grad_accum, self.rank, self.world_size)
+        self._mine = {p for micro in self.positions for p in micro}
+
+    def micro_batches(self, step: int) -> list[list[tuple[int, Example]]]:
+        """The next global batch's micro-batches for this rank (steps come in order)."""
+        got: dict[int, Example] = {}
+        count = 0
+        for _ in range(2):  # at most one epoch boundary per batch
+            if self._it is None:
+                self._it, self._first, self._index = iter(self.source()), [], 0
+            for where, row in self._it:
+                first = self._index < self.global_batch
+                if first or count in self._mine:
+                    ex = self.encode(where, row)
+                    if first:
+                        self._first.append(ex)
+                    got[count] = ex
+                self._index += 1
+                self.rows_read += 1
+                count += 1
+                if count == self.global_batch:
+                    break
+            else:
+                self._it = None  # the epoch ended
+                if self._index == 0:
+                    raise ValueError("the stream yielded no rows")
+                if count:
+                    for p in range(count, self.global_batch):  # pad with the epoch's first rows
+                        got[p] = self._first[(p - count) % len(self._first)]
+                    count = self.global_batch
+            if count == self.global_batch:
+                break
+        held = sum(e.nbytes for e in self._first) + sum(got[p].nbytes for p in self._mine if p in got)
+        self.peak_nbytes = max(self.peak_nbytes, held)
+        base = (step - 1) * self.global_batch
+        return [[(base + p, got[p]) for p in micro] for micro in self.positions]
+
+    @property
+    def nbytes(self) -> int:
+        return self.peak_nbytes
+
+
+@dataclass
+class EvalShare:
+    """This rank's eval rows (r, r+N, ...), padded with empty rows to the longest rank's count."""
+
+    batches: list[list[Example]]
+    real_rows: int
+    pad_rows: int
+    total_rows: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for b in self.batches for e in b)
+
+
+def eval_share(source: RowSource, encode: Callable[[str, object], Example], batch: int, rank: int,
+               world_size: int, pad_id: int) -> EvalShare:
+    mine, total = [], 0
+    for i, (where, row) in enumerate(source()):
+        total += 1
+        if i % world_size == rank:
+            mine.append(encode(where, row))
+    if total == 0:
+        raise ValueError("the eval set has no rows")
+    per_rank = -(-total // world_size)
+    pads = per_rank - len(mine)
+    rows = mine + [empty_example(pad_id) for _ in range(pads)]
+    return EvalShare([rows[i : i + batch] for i in range(0, len(rows), batch)], len(mine), pads, total)
+
+
+@dataclass
+class LocalBatch:
+    """Inputs, targets and a loss mask of one rank's rows, padded to the longest of them."""
+
+    inputs: np.ndarray
+    targets: np.ndarray
+    mask: np.ndarray
+
+    @property
+    def tokens(self) -> int:
+        return int(self.mask.sum())
+
+
+def collate(rows: list[Example], pad_id: int, dropout: float = 0.0, keys: list[tuple[int, ...]] | None = None
+            ) -> LocalBatch:
+    """Pad with the tokenizer's pad id; mask padding and unsupervised targets.
+
+    ``dropout`` replaces that fraction of input tokens with the pad id, drawn from a generator
+    keyed by each row's ``keys`` entry (seed, step, row), so any rank, and any re-run, draws the
+    same tokens for the same row.
+    """
+    width = max(len(r.ids) for r in rows) - 1
+    inputs = np.full((len(rows), width), pad_id, dtype=np.int32)
+    targets = np.full((len(rows), width), pad_id, dtype=np.int32)
+    mask = np.zeros((len(rows), width), dtype=np.float32)
+    for i, r in enumerate(rows):
+        n = len(r.ids) - 1
+        inputs[i, :n] = r.ids[:-1]
+        targets[i, :n] = r.ids[1:]
+        mask[i, :n] = r.supervised[1:]
+        if dropout > 0 and keys is not None:
+            drop = np.random.default_rng([*keys[i], DROPOUT_STREAM]).random(n) < dropout
+            inputs[i, :n][drop] = pad_id
+    return LocalBatch(inputs, targets, mask)

@@ -1,0 +1,134 @@
+"""Failure consensus: every rank calls the same collectives in the same order, always.
+
+A rank never raises on its own between collectives. Each phase (fetching a batch, the local
+step, the optimizer update, eval, a save) runs under ``Coordinator.attempt``, which catches the
+rank's error and keeps it. The next ``agree`` all-sums one small vector: one slot per rank (0,
+or the code of the phase that failed there), one slot per rank for stop requests, then the
+caller's integers. If any rank failed, every rank also exchanges the failure texts and raises:
+the failing rank ``RankFailure("rank 1 failed while fetching a batch at step 3: ...")``, its
+peers ``PeerFailure("a peer rank failed: rank 1 failed while ...")``. So no rank is left
+waiting in a collective that a failed peer will never call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+PHASES = {
+    "data": "loading the data",
+    "model": "building the model",
+    "fetch": "fetching a batch",
+    "step": "running a training step",
+    "compile": "compiling the local step",
+    "update": "applying the optimizer update",
+    "callback": "running a rank-0 callback",
+    "eval": "evaluating",
+    "save": "saving",
+    "finish": "finishing",
+}
+_CODES = {name: i + 1 for i, name in enumerate(PHASES)}
+_NAMES = {code: name for name, code in _CODES.items()}
+TEXT_BYTES = 512
+
+
+class RankFailure(RuntimeError):
+    """This rank failed; every peer raises ``PeerFailure`` at the same point."""
+
+
+class PeerFailure(RuntimeError):
+    """Another rank failed; this rank stops with it."""
+
+
+class AgreedStop(RuntimeError):
+    """Every rank saw the same condition (e.g. zero supervised tokens) and stops with one message."""
+
+
+@dataclass
+class Pending:
+    """A failure caught on this rank, waiting for the next agreement."""
+
+    phase: str
+    step: int
+    error: BaseException
+
+    def text(self) -> str:
+        return f"{PHASES[self.phase]} at step {self.step}: {type(self.error).__name__}: {self.error}"
+
+
+@dataclass
+class Agreement:
+    """What every rank learned from one ``agree``: summed values and who asked to stop."""
+
+    values: list[int]
+    stop_ranks: list[int]
+    compile_failures: dict[int, str]
+
+
+class Coordinator:
+    """The only place where ranks agree on failures, stops and small integer sums."""
+
+    def __init__(self, group: Any, rank: int, world_size: int):
+        self.group, self.rank, self.world_size = group, rank, world_size
+        self.pending: Pending | None = None
+        self.stop_requested = False
+        self.collectives = 0
+
+    def attempt(self, phase: str, step: int, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn``; an exception is kept for the next ``agree`` instead of raised."""
+        if self.pending is not None:
+            return None
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - reported to every rank at the next agreement
+            self.pending = Pending(phase, step, e)
+            return None
+
+    def fail_later(self, phase: str, step: int, error: BaseException) -> None:
+        if self.pending is None:
+            self.pending = Pending(phase, step, error)
+
+    def agree(self, values: list[int] | None = None) -> Agreement:
+        """All-sum failures, stop requests and ``values``; raise on every rank if any rank failed."""
+        import mlx.core as mx
+
+        n = self.world_size
+        values = list(values or [])
+        vec = np.zeros(2 * n + len(values), dtype=np.int32)
+        if self.pending is not None:
+            vec[self.rank] = _CODES[self.pending.phase]
+        vec[n + self.rank] = int(self.stop_requested)
+        vec[2 * n :] = values
+        total = np.array(mx.distributed.all_sum(mx.array(vec), group=self.group)).tolist()
+        self.collectives += 1
+        codes, stops = total[:n], total[n : 2 * n]
+        failed = [r for r in range(n) if codes[r]]
+        compile_only = failed and all(_NAMES[codes[r]] == "compile" for r in failed)
+        texts = self.exchange(self.pending.text() if self.pending else "") if failed else []
+        if failed and not compile_only:
+            self._raise(failed, codes, texts)
+        compile_failures = {r: texts[r] for r in failed} if compile_only else {}
+        if self.pending is not None and self.pending.phase == "compile":
+            self.pending = None
+        return Agreement(total[2 * n :], [r for r in range(n) if stops[r]], compile_failures)
+
+    def _raise(self, failed: list[int], codes: list[int], texts: list[str]) -> None:
+        if self.pending is not None and self.pending.phase != "compile":
+            msg = f"rank {self.rank} failed while {self.pending.text()}"
+            raise RankFailure(msg) from self.pending.error
+        first = next(r for r in failed if _NAMES[codes[r]] != "compile")
+        others = f" (and ranks {[r for r in failed if r != first]})" if len(failed) > 1 else ""
+        raise PeerFailure(f"a peer rank failed: rank {first} failed while {texts[first]}{others}")
+
+    def exchange(self, text: str) -> list[str]:
+        """Every rank's ``text`` (UTF-8, cut to 512 bytes), on every rank: one all-sum."""
+        import mlx.core as mx
+
+        buf = np.zeros((self.world_size, TEXT_BYTES), dtype=np.int32)
+        raw = text.encode("utf-8")[:TEXT_BYTES]
+        buf[self.rank, : len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+        total = np.array(mx.distributed.all_sum(mx.array(buf), group=self.group))
+        self.collectives += 1
+        return [bytes(row[row > 0].astype(np.uint8)).decode("utf-8", errors="replace") for row in total]
