@@ -19,6 +19,7 @@ FAULT_PHASES = ("fetch", "step", "update", "eval", "save")
 DATA_FORMATS = ("auto", "text", "prompt_completion", "chat")
 ORDERS = ("ordered", "shuffled", "length_sorted")
 COMPILE_MODES = ("off", "strict", "best_effort")
+COMPILE_SCOPES = ("none", "local-grad", "full-step", "fallback-eager")
 LR_SCHEDULES = ("constant", "cosine", "linear")
 
 
@@ -90,6 +91,7 @@ class RunSpec:
     ``train`` and ``data`` override keys of the scenario's sections for this run only (for
     example ``train = { compile = "strict" }``). ``expect_error`` makes the run an expected
     failure: it passes when the run fails with a message containing that text.
+    ``expect_compile_scope`` and ``expect_stop_step`` are what every rank must report.
     """
 
     name: str
@@ -98,6 +100,8 @@ class RunSpec:
     train: dict[str, Any] = field(default_factory=dict)
     data: dict[str, Any] = field(default_factory=dict)
     expect_error: str | None = None
+    expect_compile_scope: str | None = None
+    expect_stop_step: int | None = None
 
 
 @dataclass
@@ -311,6 +315,8 @@ def _validate(s: Scenario, src: str) -> None:
         key = f"{where}.world_size"
         _require(r.world_size >= 1, src, key, f"must be >= 1, got {r.world_size}")
         _require(r.backend is None or r.backend in BACKENDS, src, f"{where}.backend", f"must be one of {BACKENDS}")
+        _require(r.expect_compile_scope is None or r.expect_compile_scope in COMPILE_SCOPES, src,
+                 f"{where}.expect_compile_scope", f"must be one of {COMPILE_SCOPES}")
         eff = s.for_run(r)
         _validate_data(eff.data, src, f"{where}.data")
         _validate_train(eff.train, eff.data, src, f"{where}.train")

@@ -6,7 +6,18 @@ import numpy as np
 
 from harness.controller.collect import RankOutcome, RunOutcome
 from harness.controller.watch import WatchReport
-from harness.judge.checks import judge, loss_parity, param_parity, replica_consistency, token_accounting
+from harness.judge.checks import (
+    data_share,
+    eval_parity,
+    expected_failure,
+    judge,
+    loss_parity,
+    param_parity,
+    rank0_side_effects,
+    ranks_agree,
+    replica_consistency,
+    token_accounting,
+)
 from harness.present.results import exit_code, median_after_first, per_rank_batch
 from harness.present.tables import parity_table
 from harness.scenario import CheckSpec, RunSpec, Scenario
@@ -22,6 +33,11 @@ def _run(name: str, ws: int, losses: list[float], digests: list[str], params: fl
             "status": "ok", "losses": losses, "digests": {"0": digests[r], "4": digests[r]},
             "tokens_local": tokens[r], "tokens_global": sum(tokens), "rss_peak_bytes": int(rss_mb * MB),
             "mlx_peak_bytes": 10 * MB, "runtime_s": 1.0, "tok_s_global": [1.0, 2.0, 3.0], "final_digest": "d",
+            "steps": len(losses), "stop": None, "compile": {"scope": "none"},
+            "evals": [{"step": len(losses), "loss": losses[-1] + 0.5, "tokens": 50, "tokens_local": 50 // ws}],
+            "side_effects": {"callbacks": len(losses), "log_lines": len(losses), "saves": 1} if r == 0
+            else {"callbacks": 0, "log_lines": 0, "saves": 0},
+            "data": {"bytes_held": 1000 // ws, "streaming": False}, "global_rng_untouched": True,
         }, [], "")
         for r in range(ws)
     ]
@@ -83,3 +99,46 @@ def test_parity_table_shape() -> None:
     text = parity_table(scenario)
     assert "Final-loss delta vs single" in text and "Post-step-1 median tok/s" in text
     assert "1234.5" in text and "FAILED" in text
+
+
+def test_ranks_agree_fails_when_one_rank_saw_another_stop_or_eval() -> None:
+    run = _run("d", 2, [1.0, 0.5], ["a", "a"])
+    assert ranks_agree(run).passed
+    run.ranks[1].result["stop"] = {"step": 1, "requested_by": [1]}
+    run.ranks[1].result["evals"] = [{"step": 2, "loss": 9.0, "tokens": 50}]
+    bad = ranks_agree(run)
+    assert not bad.passed and bad.value == 2 and "stop, evals" in bad.detail
+
+
+def test_side_effects_on_a_non_main_rank_fail() -> None:
+    run = _run("d", 2, [1.0], ["a", "a"])
+    assert rank0_side_effects(run).passed
+    run.ranks[1].result["side_effects"]["saves"] = 1
+    assert not rank0_side_effects(run).passed
+    run = _run("d", 2, [1.0], ["a", "a"])
+    run.ranks[0].result["side_effects"]["saves"] = 0  # rank 0 must have saved
+    assert not rank0_side_effects(run).passed
+
+
+def test_data_share_fails_when_a_rank_holds_the_whole_dataset() -> None:
+    ref = _run("single", 1, [1.0], ["a"])
+    assert data_share(_run("d", 2, [1.0], ["a", "a"]), ref, 0.5).passed
+    whole = _run("d", 2, [1.0], ["a", "a"])
+    whole.ranks[1].result["data"]["bytes_held"] = 1000
+    bad = data_share(whole, ref, 0.5)
+    assert not bad.passed and bad.value == 1000 and bad.limit == 750
+
+
+def test_eval_parity_fails_beyond_tolerance_or_on_other_steps() -> None:
+    ref = _run("single", 1, [1.0, 2.0], ["a"])
+    assert eval_parity(_run("d", 2, [1.0, 2.0], ["a", "a"]), ref, 1e-5).passed
+    assert not eval_parity(_run("d", 2, [1.0, 2.001], ["a", "a"]), ref, 1e-5).passed
+    assert not eval_parity(_run("d", 2, [1.0, 2.0, 3.0], ["a", "a"]), ref, 1e-5).passed
+
+
+def test_expected_failure_passes_only_on_the_expected_message() -> None:
+    run = _run("d", 2, [1.0], ["a", "a"])
+    assert not expected_failure(run, "rank 1 failed").passed  # it passed: unexpected
+    run.ok, run.failure = False, "rank 1 failed while fetching a batch at step 2: boom"
+    assert expected_failure(run, "rank 1 failed while fetching").passed
+    assert not expected_failure(run, "rank 0 failed").passed

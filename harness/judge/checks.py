@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from harness.controller.collect import RunOutcome
-from harness.scenario import Scenario
+from harness.scenario import RunSpec, Scenario
 
 MB = 1024 * 1024
 
@@ -115,16 +115,115 @@ def memory_ceilings(run: RunOutcome, s: Scenario) -> list[Check]:
     return out
 
 
+def eval_parity(run: RunOutcome, ref: RunOutcome, tol: float) -> Check:
+    """Eval losses of ``run`` vs the reference's, at the same steps: max |delta| <= tol."""
+    a = {e["step"]: e["loss"] for e in run.result().get("evals", [])}
+    b = {e["step"]: e["loss"] for e in ref.result().get("evals", [])}
+    if not a or a.keys() != b.keys():
+        return Check("eval_parity", run.name, False, None, tol, f"eval steps {sorted(a)} vs {sorted(b)}")
+    d = max(abs(a[k] - b[k]) for k in a)
+    return Check("eval_parity", run.name, d <= tol, d, tol, f"vs {ref.name} at steps {sorted(a)}")
+
+
+AGREED_FIELDS = ("steps", "losses", "stop", "evals", "compile", "tokens_global")
+
+
+def ranks_agree(run: RunOutcome) -> Check:
+    """Every rank reports the same steps, losses, stop, eval metrics (bitwise) and compile state."""
+    results = [o.result or {} for o in run.ranks]
+    differ = []
+    for key in AGREED_FIELDS:
+        values = [r.get(key) for r in results]
+        if key == "evals":  # per-rank figures (local tokens and rows) legitimately differ
+            values = [[{k: e[k] for k in ("step", "loss", "tokens")} for e in v or []] for v in values]
+        if any(v != values[0] for v in values[1:]):
+            differ.append(key)
+    detail = f"{run.world_size} ranks; " + (f"differ in {', '.join(differ)}" if differ else
+                                            f"same {', '.join(AGREED_FIELDS)}")
+    return Check("ranks_agree", run.name, not differ, len(differ), 0, detail)
+
+
+def rank0_side_effects(run: RunOutcome) -> Check:
+    """Callbacks, log lines and saves happened on rank 0 only (and did happen there)."""
+    counts = [(o.result or {}).get("side_effects", {}) for o in run.ranks]
+    others = sum(sum(c.values()) for c in counts[1:])
+    main = counts[0]
+    ok = others == 0 and main.get("saves") == 1 and main.get("callbacks", 0) > 0
+    detail = f"rank 0: {main}; other ranks: {others} side effects"
+    return Check("rank0_side_effects", run.name, ok, others, 0, detail)
+
+
+def global_rng_untouched(run: RunOutcome) -> Check:
+    """No rank changed numpy's or MLX's global RNG state (all randomness is local and seeded)."""
+    touched = [o.rank for o in run.ranks if (o.result or {}).get("global_rng_untouched") is not True]
+    return Check("global_rng_untouched", run.name, not touched, len(touched), 0,
+                 f"ranks that changed it: {touched}" if touched else "numpy and MLX global RNG unchanged on every rank")
+
+
+def data_share(run: RunOutcome, ref: RunOutcome, slack: float) -> Check:
+    """Each rank holds about 1/N of the data bytes one process holds (seed 003's criterion)."""
+    held = [int((o.result or {}).get("data", {}).get("bytes_held", -1)) for o in run.ranks]
+    whole = int(ref.result().get("data", {}).get("bytes_held", 0))
+    limit = whole * (1 + slack) / run.world_size
+    worst = max(held)
+    return Check("data_share_bytes", run.name, 0 <= worst <= limit, worst, round(limit),
+                 f"per rank: {', '.join(map(str, held))}; {ref.name} holds {whole}")
+
+
+def expected_failure(run: RunOutcome, expect: str) -> Check:
+    """A run that must fail: it did, with ``expect`` in its message, and left no process behind."""
+    if run.ok:
+        return Check("expected_failure", run.name, False, None, None, f"run passed; expected an error with {expect!r}")
+    failure = run.failure or ""
+    ok = expect in failure and not run.watch.survivors
+    first = failure.splitlines()[0] if failure else ""
+    return Check("expected_failure", run.name, ok, None, None, f"expected {expect!r}; got: {first}")
+
+
+def expectations(run: RunOutcome, spec: RunSpec) -> list[Check]:
+    """What the scenario says every rank of this run must report (compile scope, stop step)."""
+    out = []
+    results = [o.result or {} for o in run.ranks]
+    if spec.expect_compile_scope is not None:
+        scopes = [r.get("compile", {}).get("scope") for r in results]
+        reasons = {r.get("compile", {}).get("fallback_reason") for r in results}
+        ok = all(sc == spec.expect_compile_scope for sc in scopes) and len(reasons) == 1
+        detail = f"per rank: {', '.join(map(str, scopes))}; fallback reason: {sorted(map(str, reasons))[0]}"
+        out.append(Check("compile_scope", run.name, ok, scopes[0], spec.expect_compile_scope, detail))
+    if spec.expect_stop_step is not None:
+        stops = [(r.get("stop") or {}).get("step") for r in results]
+        ok = all(st == spec.expect_stop_step for st in stops)
+        who = (results[0].get("stop") or {}).get("requested_by")
+        out.append(Check("stop_step", run.name, ok, stops[0], spec.expect_stop_step,
+                         f"per rank: {', '.join(map(str, stops))}; requested by ranks {who}"))
+    return out
+
+
 def judge(s: Scenario, runs: list[RunOutcome]) -> list[Check]:
-    """All checks of a scenario whose runs all succeeded."""
+    """All checks of a scenario; runs expected to fail get only the expected-failure check."""
     by_name = {r.name: r for r in runs}
     ref = by_name.get(s.checks.reference) if s.checks.reference else None
     checks: list[Check] = []
     for run in runs:
-        if ref is not None and run is not ref:
+        expect = s.run(run.name).expect_error
+        if expect is not None:
+            checks.append(expected_failure(run, expect))
+            continue
+        if not run.ok:
+            continue
+        evals = bool(run.result().get("evals"))
+        if ref is not None and run is not ref and ref.ok:
             checks.append(loss_parity(run, ref, s.checks.loss_tolerance))
             checks.append(param_parity(run, ref, s.checks.param_tolerance))
-        checks.append(token_accounting(run, ref))
+            if evals:
+                checks.append(eval_parity(run, ref, s.checks.eval_tolerance))
+            if run.world_size > ref.world_size and not run.result().get("data", {}).get("streaming"):
+                checks.append(data_share(run, ref, s.checks.data_share_slack))
+        checks.append(token_accounting(run, ref if ref is not None and ref.ok else None))
         checks.append(replica_consistency(run))
+        checks.append(ranks_agree(run))
+        checks.append(rank0_side_effects(run))
+        checks.append(global_rng_untouched(run))
+        checks.extend(expectations(run, s.run(run.name)))
         checks.extend(memory_ceilings(run, s))
     return checks

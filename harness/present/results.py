@@ -33,6 +33,8 @@ def rank_summary(o: Any) -> dict[str, Any]:
 
 
 def run_summary(run: RunOutcome, s: Scenario, ref: RunOutcome | None) -> dict[str, Any]:
+    train = s.for_run(s.run(run.name)).train
+    micro = per_rank_batch(train.global_batch // train.grad_accum, run.world_size)
     out: dict[str, Any] = {
         "name": run.name,
         "world_size": run.world_size,
@@ -40,10 +42,11 @@ def run_summary(run: RunOutcome, s: Scenario, ref: RunOutcome | None) -> dict[st
         "ok": run.ok,
         "failure": run.failure,
         "wall_s": run.watch.wall_s,
-        "per_rank_batch": per_rank_batch(s.train.global_batch, run.world_size),
-        "global_batch": s.train.global_batch,
+        "per_rank_batch": micro if train.grad_accum == 1 else f"{micro} x {train.grad_accum} accum",
+        "global_batch": train.global_batch,
         "ranks": [rank_summary(o) for o in run.ranks],
         "artifacts": str(run.artifacts) if run.artifacts else None,
+        "expect_error": s.run(run.name).expect_error,
     }
     if not run.ok:
         return out
@@ -62,6 +65,14 @@ def run_summary(run: RunOutcome, s: Scenario, ref: RunOutcome | None) -> dict[st
         mlx_peak_bytes=[rk["mlx_peak_bytes"] for rk in out["ranks"]],
         rss_peak_bytes=[rk["rss_peak_bytes"] for rk in out["ranks"]],
         final_digest=r0["final_digest"],
+        compile=r0.get("compile"),
+        stop=r0.get("stop"),
+        evals=[{k: e[k] for k in ("step", "loss", "tokens")} for e in r0.get("evals", [])],
+        data=[(o.result or {}).get("data") for o in run.ranks],
+        side_effects=[(o.result or {}).get("side_effects") for o in run.ranks],
+        host_rank_map=r0.get("host_rank_map"),
+        grad_norms=r0.get("grad_norms"),
+        learning_rates=r0.get("learning_rates"),
     )
     if ref is not None and ref.ok and ref is not run:
         out["final_loss_delta"] = losses[-1] - ref.result(0)["losses"][-1]
@@ -70,7 +81,7 @@ def run_summary(run: RunOutcome, s: Scenario, ref: RunOutcome | None) -> dict[st
 
 def scenario_summary(s: Scenario, runs: list[RunOutcome], checks: list[Check]) -> dict[str, Any]:
     ref = next((r for r in runs if r.name == s.checks.reference), None)
-    infra = [r for r in runs if not r.ok]
+    infra = [r for r in runs if not r.ok and s.run(r.name).expect_error is None]
     status = "error" if infra else ("passed" if all(c.passed for c in checks) else "failed")
     return {
         "name": s.name,

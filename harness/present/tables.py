@@ -23,7 +23,8 @@ def parity_rows(scenario: dict[str, Any]) -> list[list[Any]]:
     rows = []
     for r in scenario["runs"]:
         if not r["ok"]:
-            rows.append([r["name"], r["world_size"], r["per_rank_batch"], "FAILED", "-", "-", "-", "-", "-", "-"])
+            status = "FAILED (expected)" if r.get("expect_error") else "FAILED"
+            rows.append([r["name"], r["world_size"], r["per_rank_batch"], status, "-", "-", "-", "-", "-", "-"])
             continue
         delta = r.get("final_loss_delta")
         rows.append([
@@ -63,8 +64,8 @@ def checks_table(scenario: dict[str, Any], fmt: str = "plain") -> str:
 
 
 def failures(scenario: dict[str, Any]) -> list[str]:
-    return [f"run {r['name']} (world size {r['world_size']}): {r['failure']}"
-            for r in scenario["runs"] if not r["ok"]]
+    return [f"run {r['name']} (world size {r['world_size']}){' as expected' if r.get('expect_error') else ''}: "
+            f"{r['failure']}" for r in scenario["runs"] if not r["ok"]]
 
 
 def scenario_text(scenario: dict[str, Any], fmt: str = "plain") -> str:

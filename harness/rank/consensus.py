@@ -55,7 +55,9 @@ class Pending:
     error: BaseException
 
     def text(self) -> str:
-        return f"{PHASES[self.phase]} at step {self.step}: {type(self.error).__name__}: {self.error}"
+        error = str(self.error) if getattr(self.error, "wraps_error", False) else \
+            f"{type(self.error).__name__}: {self.error}"
+        return f"{PHASES[self.phase]} at step {self.step}: {error}"
 
 
 @dataclass

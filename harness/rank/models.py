@@ -1,13 +1,15 @@
 """Models: mlx-lm architectures built from a config with seeded weights, or loaded from disk.
 
-Constructing an mlx-lm module draws its default initial weights from MLX's global RNG; every
-such weight is then replaced by a draw from a key derived from the scenario seed, so the result
-depends on the seed alone and the harness never seeds or reads the global RNG.
+Modules are constructed with placeholder zeros (mlx.nn's default init would draw from MLX's
+global RNG); every weight is then drawn from a key derived from the scenario seed, so the result
+depends on the seed alone and the harness never seeds, reads or advances the global RNG.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +71,32 @@ def seeded_init(model: Any, seed: int) -> None:
     model.update(tree_unflatten(new))
 
 
+@contextlib.contextmanager
+def _placeholder_init() -> Iterator[None]:
+    """Layer constructors get zeros instead of drawing from MLX's global RNG.
+
+    mlx.nn layers initialise their weights from the global RNG, and MLX cannot restore that
+    state. Every weight is replaced by ``seeded_init`` anyway, so construction uses zeros and
+    the global RNG is never advanced.
+    """
+    import mlx.core as mx
+
+    names = ("uniform", "normal", "truncated_normal")
+    saved = {n: getattr(mx.random, n) for n in names}
+
+    def zeros(*args: Any, shape: Any = None, dtype: Any = None, **kwargs: Any) -> Any:
+        shape = shape if shape is not None else next((a for a in args if isinstance(a, list | tuple)), ())
+        return mx.zeros(shape, dtype=dtype or mx.float32)
+
+    try:
+        for n in names:
+            setattr(mx.random, n, zeros)
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(mx.random, n, f)
+
+
 def architecture(arch: str) -> Any:
     """mlx-lm's module for ``arch`` (``Model`` and ``ModelArgs``).
 
@@ -109,7 +137,8 @@ def build_model(spec: ModelSpec, vocab_size: int, seed: int) -> tuple[Any, dict[
     else:
         config = model_config(spec, vocab_size)
         arch = architecture(spec.arch)
-        model = arch.Model(arch.ModelArgs.from_dict(config))
+        with _placeholder_init():
+            model = arch.Model(arch.ModelArgs.from_dict(config))
         seeded_init(model, seed)
     dtype = getattr(mx, spec.dtype)
     model.update(tree_map(lambda p: p.astype(dtype) if mx.issubdtype(p.dtype, mx.floating) else p,

@@ -20,7 +20,9 @@ from harness.scenario import TrainSpec
 
 
 class CompileFailed(RuntimeError):
-    """``mx.compile`` could not compile a step that runs eagerly."""
+    """``mx.compile`` could not compile a step that runs eagerly; the message is the compiler's error."""
+
+    wraps_error = True
 
 
 def build_optimizer(spec: TrainSpec) -> Any:

@@ -109,7 +109,7 @@ class Trainer:
         if not agreed.compile_failures:
             return out
         first = min(agreed.compile_failures)
-        reason = f"rank {first}: {agreed.compile_failures[first]}"
+        reason = f"rank {first} failed while {agreed.compile_failures[first]}"
         if self.spec.compile == "strict":
             if self.ctx.rank in agreed.compile_failures:
                 raise RankFailure(f"rank {self.ctx.rank} failed while {agreed.compile_failures[self.ctx.rank]}")
@@ -154,6 +154,7 @@ class Trainer:
         import mlx.core as mx
 
         ctx, spec, coord = self.ctx, self.spec, self.coord
+        rng_before = _global_rng_digest()
         ctx.phase("data")
         rss0 = self.proc.memory_info().rss
         self.data = coord.attempt("data", 0, load_data, self.s, ctx.rank, self.N)
@@ -207,7 +208,9 @@ class Trainer:
         coord.attempt("save", last, save)
         coord.agree()
         self.digests[last] = param_digest(self.model)
-        return self._result(last, runtime, data_rss)
+        result = self._result(last, runtime, data_rss)
+        result["global_rng_untouched"] = _global_rng_digest() == rng_before
+        return result
 
     # -- bookkeeping ----------------------------------------------------------------------------
 
@@ -299,6 +302,18 @@ class Trainer:
             "host_rank_map": hosts,
             "collectives": self.coord.collectives,
         }
+
+
+def _global_rng_digest() -> str:
+    """A digest of numpy's and MLX's global RNG states: training must leave both untouched."""
+    import hashlib
+
+    import mlx.core as mx
+    import numpy as np
+
+    h = hashlib.sha256(np.random.get_state()[1].tobytes())
+    h.update(np.array(mx.random.state[0]).tobytes())
+    return h.hexdigest()
 
 
 def run(ctx: RankContext) -> dict[str, Any]:
