@@ -141,14 +141,16 @@ def failure_reason(ranks: list[RankOutcome], report: WatchReport) -> str | None:
             why = " (mlx.launch stops the other ranks when one fails)" if sigterm else ""
             detail = why if sigterm else tail
             found.append((sigterm, o.rank, f"rank {o.rank} ended with {describe_exit(o.exit_code)}{detail}"))
-        elif o.result is None and not o.killed and not report.limit:
+        elif o.result is None and (o.rank in report.exited_early or (not o.killed and not report.limit)):
             found.append((False, o.rank, f"rank {o.rank} exited without writing a result{tail}"))
         elif not o.ok:
             found.append((True, o.rank, f"rank {o.rank} was stopped before it finished"))
     reasons = [msg for _, _, msg in sorted(found)]
     if report.limit:
         stacks = " (rank stacks dumped to their stderr)" if report.stacks_dumped else ""
-        reasons.insert(0, f"watchdog: {report.limit_detail}; process group killed{stacks}")
+        line = f"watchdog: {report.limit_detail}; process group killed{stacks}"
+        # After a rank failed, the watchdog's kill is a consequence; a time limit is the cause.
+        reasons.insert(len(reasons) if report.limit == "peer_failed" and reasons else 0, line)
     if report.survivors:
         reasons.append(f"processes survived the kill: {report.survivors}")
     return "\n".join(reasons) if reasons else None

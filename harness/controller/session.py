@@ -13,7 +13,7 @@ from harness.controller import launch as launcher
 from harness.controller.collect import RunOutcome, collect, failure_reason
 from harness.controller.watch import kill_group, watch
 
-KEEP_SUFFIXES = (".events.jsonl", ".result.json", ".stdout", ".stderr", ".log")
+KEEP_SUFFIXES = (".events.jsonl", ".result.json", ".callbacks.jsonl", ".stdout", ".stderr", ".log")
 
 
 class LaunchError(RuntimeError):

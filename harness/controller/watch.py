@@ -34,6 +34,7 @@ class WatchReport:
     stacks_dumped: bool = False
     survivors: list[int] = field(default_factory=list)
     rank_pids: dict[int, int] = field(default_factory=dict)
+    exited_early: list[int] = field(default_factory=list)  # gone without a result before a limit fired
 
 
 def _rank_pids(launch: Launch) -> dict[int, int]:
@@ -59,6 +60,12 @@ def _progress_mark(launch: Launch) -> tuple[int, ...]:
     return tuple(marks)
 
 
+def _exited_early(launch: Launch, pids: dict[int, int]) -> list[int]:
+    """Ranks whose process is gone without having written a result."""
+    return [r for r in range(launch.world_size)
+            if not schema.result_path(launch.run_dir, r).exists() and r in pids and not _alive(pids[r])]
+
+
 def _rank_failed(launch: Launch, pids: dict[int, int]) -> bool:
     """A rank wrote an error result, or its process is gone without a result."""
     for r in range(launch.world_size):
@@ -69,9 +76,7 @@ def _rank_failed(launch: Launch, pids: dict[int, int]) -> bool:
                     return True
             except schema.SchemaError:
                 return True
-        elif r in pids and not _alive(pids[r]):
-            return True
-    return False
+    return bool(_exited_early(launch, pids))
 
 
 def _alive(pid: int) -> bool:
@@ -151,6 +156,7 @@ def watch(launch: Launch, wall_s: float, no_progress_s: float) -> WatchReport:
             report.limit = "peer_failed"
             report.limit_detail = f"ranks still running {PEER_GRACE_S:g} s after a rank failed"
         if report.limit:
+            report.exited_early = _exited_early(launch, _rank_pids(launch))
             report.stacks_dumped = dump_stacks(_rank_pids(launch))
             break
     report.returncode = launch.proc.poll()

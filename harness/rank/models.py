@@ -76,8 +76,8 @@ def _placeholder_init() -> Iterator[None]:
     """Layer constructors get zeros instead of drawing from MLX's global RNG.
 
     mlx.nn layers initialise their weights from the global RNG, and MLX cannot restore that
-    state. Every weight is replaced by ``seeded_init`` anyway, so construction uses zeros and
-    the global RNG is never advanced.
+    state. Every weight is replaced afterwards (``seeded_init`` or the model directory's
+    weights), so construction uses zeros and the global RNG is never advanced.
     """
     import mlx.core as mx
 
@@ -129,7 +129,8 @@ def build_model(spec: ModelSpec, vocab_size: int, seed: int) -> tuple[Any, dict[
     if spec.path:
         from mlx_lm.utils import load_model
 
-        model, config = load_model(Path(spec.path))
+        with _placeholder_init():  # every weight comes from the directory
+            model, config = load_model(Path(spec.path))
         if config.get("vocab_size", 0) < vocab_size:
             raise ValueError(
                 f"{spec.path}: vocab_size {config.get('vocab_size')} is smaller than the tokenizer's {vocab_size}"
