@@ -49,6 +49,9 @@ def test_text_parity_scenario_passes_and_reports(tmp_path: Path) -> None:
     assert [e["step"] for e in runs["ddp4"]["evals"]] == [10, 20] and runs["ddp4"]["evals"][0]["tokens"] > 0
     assert runs["ddp4"]["evals"] == [dict(e) for e in runs["ddp4"]["evals"]]
     assert all(e["loss"] == e["loss"] for e in runs["ddp4"]["evals"])  # not NaN
+    lrs = runs["ddp2"]["learning_rates"]  # warmup over 2 steps, then cosine decay to 0.1 x 3e-3
+    assert lrs[0] < lrs[1] and max(lrs) == pytest.approx(3e-3) and lrs[-1] < lrs[5] < max(lrs)
+    assert lrs == runs["single"]["learning_rates"] and max(runs["ddp2"]["grad_norms"]) > 0
     report = (out / "report.md").read_text()
     assert "| ddp4 " in report and "loss_parity" in report
     assert (out / "runs" / "text_parity" / "ddp4" / "rank3.events.jsonl").exists()

@@ -91,6 +91,11 @@ def test_presharded_sources_are_rejected() -> None:
     with pytest.raises(ValueError, match="already sharded per rank"):
         reject_presharded(Sharded())
     reject_presharded([{"text": "fine"}])
+    rows = [(f"row {i}", {"text": f"row number {i}"}) for i in range(5)]
+    with pytest.raises(ValueError, match="already sharded per rank"):
+        StreamShare(Sharded(rows), Encoder(TOK, DataSpec()), 2, 1, 0, 2)
+    whole = StreamShare(rows, Encoder(TOK, DataSpec()), 2, 1, 1, 2)  # a plain re-iterable works
+    assert [[i for i, _ in m] for m in whole.micro_batches(1)] == [[1]]
 
 
 def test_eval_share_pads_short_ranks_with_zero_token_rows() -> None:

@@ -63,7 +63,8 @@ def test_local_model_directory_is_loaded_and_trains_in_parity(scenario_dir: Path
     assert runs[0].result()["digests"]["0"] != r7.result()["digests"]["0"]
 
 
-def test_local_tokenizer_json_is_used(scenario_dir: Path) -> None:
+def make_tokenizer(dest: Path):  # noqa: ANN201
+    """A byte-level BPE trained offline on generated text, with <pad>, <s> and </s>."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE(unk_token=None))
@@ -73,7 +74,12 @@ def test_local_tokenizer_json_is_used(scenario_dir: Path) -> None:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     rng = np.random.default_rng(3)
     tok.train_from_iterator([generated_text(rng, 24, 120) for _ in range(300)], trainer)
-    tok.save(str(scenario_dir / "tokenizer.json"))
+    tok.save(str(dest))
+    return tok
+
+
+def test_local_tokenizer_json_is_used(scenario_dir: Path) -> None:
+    tok = make_tokenizer(scenario_dir / "tokenizer.json")
 
     bpe = write_scenario(scenario_dir, "bpe", world_sizes=(1, 2))
     bpe.write_text(bpe.read_text().replace("max_chars = 60", 'max_chars = 60\ntokenizer = "tokenizer.json"'))
@@ -93,3 +99,20 @@ def test_same_seed_same_bits_and_other_seed_differs(scenario_dir: Path) -> None:
     assert a.result()["losses"] == b.result()["losses"]
     assert a.result()["final_digest"] == b.result()["final_digest"]
     assert a.result()["losses"] != c.result()["losses"]
+
+
+@pytest.mark.parametrize("form", ["text", "prompt_completion"])
+def test_jsonl_rows_with_tokenizer_json_pad_id_and_parity(scenario_dir: Path, form: str) -> None:
+    tok = make_tokenizer(scenario_dir / "tokenizer.json")
+    rng = np.random.default_rng(4)
+    rows = [generated_text(rng, 20, 90) for _ in range(18)]
+    recs = [{"text": t} if form == "text" else {"prompt": t[:15], "completion": t[15:]} for t in rows]
+    (scenario_dir / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    path = write_scenario(scenario_dir, f"jsonl_{form}", world_sizes=(1, 2))
+    path.write_text(path.read_text().replace(
+        "rows = 21", 'source = "jsonl"\npath = "rows.jsonl"\ntokenizer = "tokenizer.json"\nrows = 18'))
+    s, runs = run_all(path)
+    assert_checks_pass(s, runs)
+    for run in runs:
+        assert all(o.result["data"]["pad_id"] == tok.token_to_id("<pad>") for o in run.ranks)
+        assert sum(o.result["data"]["rows_held"] for o in run.ranks) == 18  # each rank holds its share

@@ -13,12 +13,12 @@ see exactly the rows one process sees.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from harness.rank.sources import Example, RowSource, empty_example
+from harness.rank.sources import Example, RowSource, empty_example, reject_presharded
 
 PLAN_STREAM, EPOCH_STREAM, DROPOUT_STREAM = 2, 3, 5
 
@@ -105,10 +105,12 @@ class StreamShare:
 
     Every rank reads the same stream and encodes only the rows at its own positions (plus the
     epoch's first global batch, kept to pad the epoch's last, short batch the way ``make_plan``
-    does). Memory stays at about two global batches whatever the stream's length.
+    does). Memory stays at about two global batches whatever the stream's length. ``source`` is a
+    function that opens the stream, or a re-iterable object of ``(where, row)`` pairs; one that
+    was already split per rank is refused.
     """
 
-    source: RowSource
+    source: RowSource | Iterable[tuple[str, object]]
     encode: Callable[[str, object], Example]
     global_batch: int
     grad_accum: int
@@ -121,6 +123,7 @@ class StreamShare:
     _index: int = 0
 
     def __post_init__(self) -> None:
+        reject_presharded(self.source)
         self.positions = local_positions(self.global_batch, self.grad_accum, self.rank, self.world_size)
         self._mine = {p for micro in self.positions for p in micro}
 
@@ -130,7 +133,8 @@ class StreamShare:
         count = 0
         for _ in range(2):  # at most one epoch boundary per batch
             if self._it is None:
-                self._it, self._first, self._index = iter(self.source()), [], 0
+                rows = self.source() if callable(self.source) else self.source
+                self._it, self._first, self._index = iter(rows), [], 0
             for where, row in self._it:
                 first = self._index < self.global_batch
                 if first or count in self._mine:

@@ -289,6 +289,7 @@ class Trainer:
             "side_effects": self.effects.counts,
             "data": {
                 "streaming": streaming,
+                "pad_id": self.data.tok.pad_id,
                 "rows_total": None if streaming else train.total_rows,
                 "rows_held": None if streaming else len(train.rows),
                 "rows_read": train.rows_read if streaming else None,
