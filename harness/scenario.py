@@ -108,8 +108,9 @@ class RunSpec:
 class CheckSpec:
     """Tolerances and ceilings the judge applies; ``None`` ceilings are not checked.
 
-    ``data_share_slack``: a rank of an N-rank run may hold at most (1 + slack) / N of the data
-    bytes the reference run's rank holds (uneven row lengths and padding rows need the slack).
+    ``data_share_slack``: a rank of an N-rank run may hold at most (1 + slack) x its share (1/N,
+    or ceil(m/N)/m for micro-batches of m rows) of the data bytes the reference run's rank holds
+    (uneven row lengths and padding rows need the slack).
     """
 
     reference: str | None = None

@@ -127,6 +127,8 @@ def test_data_share_fails_when_a_rank_holds_the_whole_dataset() -> None:
     whole.ranks[1].result["data"]["bytes_held"] = 1000
     bad = data_share(whole, ref, 0.5)
     assert not bad.passed and bad.value == 1000 and bad.limit == 750
+    uneven = data_share(_run("d", 4, [1.0], ["a"] * 4), ref, 0.5, micro_rows=6)  # 2/2/1/1 rows
+    assert uneven.limit == 500 and uneven.passed
 
 
 def test_eval_parity_fails_beyond_tolerance_or_on_other_steps() -> None:

@@ -160,11 +160,15 @@ def global_rng_untouched(run: RunOutcome) -> Check:
                  f"ranks that changed it: {touched}" if touched else "numpy and MLX global RNG unchanged on every rank")
 
 
-def data_share(run: RunOutcome, ref: RunOutcome, slack: float) -> Check:
-    """Each rank holds about 1/N of the data bytes one process holds (seed 003's criterion)."""
+def data_share(run: RunOutcome, ref: RunOutcome, slack: float, micro_rows: int | None = None) -> Check:
+    """Each rank holds about its share of the data bytes one process holds (seed 003's criterion).
+
+    The share is 1/N, or ceil(m/N)/m when the m rows of a micro-batch do not divide by N.
+    """
     held = [int((o.result or {}).get("data", {}).get("bytes_held", -1)) for o in run.ranks]
     whole = int(ref.result().get("data", {}).get("bytes_held", 0))
-    limit = whole * (1 + slack) / run.world_size
+    m = micro_rows or run.world_size
+    limit = whole * (1 + slack) * -(-m // run.world_size) / m
     worst = max(held)
     return Check("data_share_bytes", run.name, 0 <= worst <= limit, worst, round(limit),
                  f"per rank: {', '.join(map(str, held))}; {ref.name} holds {whole}")
@@ -218,7 +222,9 @@ def judge(s: Scenario, runs: list[RunOutcome]) -> list[Check]:
             if evals:
                 checks.append(eval_parity(run, ref, s.checks.eval_tolerance))
             if run.world_size > ref.world_size and not run.result().get("data", {}).get("streaming"):
-                checks.append(data_share(run, ref, s.checks.data_share_slack))
+                train = s.for_run(s.run(run.name)).train
+                micro = train.global_batch // train.grad_accum
+                checks.append(data_share(run, ref, s.checks.data_share_slack, micro))
         checks.append(token_accounting(run, ref if ref is not None and ref.ok else None))
         checks.append(replica_consistency(run))
         checks.append(ranks_agree(run))
