@@ -163,3 +163,14 @@ def test_generated_rows_are_seeded_variable_and_leave_global_rng_alone() -> None
     assert a == b and a != c
     assert all(20 <= len(t) <= 80 for t in a) and len({len(t) for t in a}) > 3
     assert (np.random.get_state()[1] == before).all()
+
+
+def test_golden_shards_for_five_rows_local_batch_two_two_ranks() -> None:
+    """The seed PR's golden case: 5 rows, local batch 2, 2 ranks (global batch 4)."""
+    spec = DataSpec(rows=5)
+    source, enc = row_source(spec, 0), Encoder(TOK, spec)
+    shares = [materialize(source, enc, 4, 1, "ordered", 0, r, 2) for r in range(2)]
+    rows = [[[i for i, _ in m] for m in s.micro_batches(step)] for step in (1, 2) for s in shares]
+    # step 1: rows 0-3; step 2: row 4 then rows 0, 1, 2 repeated to fill the batch
+    assert rows == [[[0, 2]], [[1, 3]], [[4, 1]], [[0, 2]]]
+    assert sorted(shares[0].rows) == [0, 1, 2, 4] and sorted(shares[1].rows) == [0, 1, 2, 3]
