@@ -13,9 +13,11 @@ waiting in a collective that a failed peer will never call.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
+
+from harness.rank.entry import ReportedFailure
 
 PHASES = {
     "data": "loading the data",
@@ -34,15 +36,15 @@ _NAMES = {code: name for name, code in _CODES.items()}
 TEXT_BYTES = 512
 
 
-class RankFailure(RuntimeError):
+class RankFailure(ReportedFailure):
     """This rank failed; every peer raises ``PeerFailure`` at the same point."""
 
 
-class PeerFailure(RuntimeError):
+class PeerFailure(ReportedFailure):
     """Another rank failed; this rank stops with it."""
 
 
-class AgreedStop(RuntimeError):
+class AgreedStop(ReportedFailure):
     """Every rank saw the same condition (e.g. zero supervised tokens) and stops with one message."""
 
 
@@ -55,9 +57,7 @@ class Pending:
     error: BaseException
 
     def text(self) -> str:
-        error = str(self.error) if getattr(self.error, "wraps_error", False) else \
-            f"{type(self.error).__name__}: {self.error}"
-        return f"{PHASES[self.phase]} at step {self.step}: {error}"
+        return f"{PHASES[self.phase]} at step {self.step}: {type(self.error).__name__}: {self.error}"
 
 
 @dataclass
@@ -110,19 +110,20 @@ class Coordinator:
         compile_only = failed and all(_NAMES[codes[r]] == "compile" for r in failed)
         texts = self.exchange(self.pending.text() if self.pending else "") if failed else []
         if failed and not compile_only:
-            self._raise(failed, codes, texts)
+            self.fail_all({r: texts[r] for r in failed if _NAMES[codes[r]] != "compile"})
         compile_failures = {r: texts[r] for r in failed} if compile_only else {}
         if self.pending is not None and self.pending.phase == "compile":
             self.pending = None
         return Agreement(total[2 * n :], [r for r in range(n) if stops[r]], compile_failures)
 
-    def _raise(self, failed: list[int], codes: list[int], texts: list[str]) -> None:
-        if self.pending is not None and self.pending.phase != "compile":
-            msg = f"rank {self.rank} failed while {self.pending.text()}"
-            raise RankFailure(msg) from self.pending.error
-        first = next(r for r in failed if _NAMES[codes[r]] != "compile")
-        others = f" (and ranks {[r for r in failed if r != first]})" if len(failed) > 1 else ""
-        raise PeerFailure(f"a peer rank failed: rank {first} failed while {texts[first]}{others}")
+    def fail_all(self, failures: dict[int, str]) -> NoReturn:
+        """Stop this rank for agreed ``failures`` (rank -> what it was doing and its error)."""
+        if self.rank in failures:
+            cause = self.pending.error if self.pending is not None else None
+            raise RankFailure(f"rank {self.rank} failed while {failures[self.rank]}") from cause
+        first = min(failures)
+        others = f" (and ranks {sorted(set(failures) - {first})})" if len(failures) > 1 else ""
+        raise PeerFailure(f"a peer rank failed: rank {first} failed while {failures[first]}{others}")
 
     def exchange(self, text: str) -> list[str]:
         """Every rank's ``text`` (UTF-8, cut to 512 bytes), on every rank: one all-sum."""

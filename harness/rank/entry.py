@@ -26,6 +26,10 @@ from harness.scenario import FaultSpec
 TMPDIR_VAR = "MLX_DDP_HARNESS_TMPDIR"
 
 
+class ReportedFailure(RuntimeError):
+    """An error whose message already names the rank and the cause; written to the result as is."""
+
+
 @dataclass
 class RankContext:
     """What a job needs to know about the process it runs in."""
@@ -154,8 +158,7 @@ def main(argv: list[str]) -> int:
     except BaseException as e:  # noqa: BLE001 - every failure must reach the controller
         code = 1
         # Agreed failures already say which rank failed and why; other errors carry their type.
-        agreed = type(e).__name__ in ("RankFailure", "PeerFailure", "AgreedStop")
-        error = str(e) if agreed else f"{type(e).__name__}: {e}"
+        error = str(e) if isinstance(e, ReportedFailure) else f"{type(e).__name__}: {e}"
         result.update(status="error", error=error, traceback=traceback.format_exc())
         traceback.print_exc()
     events.emit("end", rank=rank, status=result["status"])

@@ -13,18 +13,17 @@ from typing import Any
 
 from harness.rank.batching import EvalShare, collate
 from harness.rank.consensus import AgreedStop, Coordinator
+from harness.rank.step import loss_fn
 
 
 def _local(model: Any, share: EvalShare, pad_id: int) -> tuple[Any, int]:
     import mlx.core as mx
-    import mlx.nn as nn
 
     total, tokens = mx.array(0.0, dtype=mx.float32), 0
     for rows in share.batches:
         b = collate(rows, pad_id)
-        logits = model(mx.array(b.inputs)).astype(mx.float32)
-        loss = nn.losses.cross_entropy(logits, mx.array(b.targets), reduction="none") * mx.array(b.mask)
-        total = total + loss.sum()
+        _, loss_sum = loss_fn(model, mx.array(b.inputs), mx.array(b.targets), mx.array(b.mask), 1.0, None)
+        total = total + loss_sum
         tokens += b.tokens
         mx.eval(total)
     return total, tokens

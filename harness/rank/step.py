@@ -20,9 +20,7 @@ from harness.scenario import TrainSpec
 
 
 class CompileFailed(RuntimeError):
-    """``mx.compile`` could not compile a step that runs eagerly; the message is the compiler's error."""
-
-    wraps_error = True
+    """``mx.compile`` could not compile a step that runs eagerly; the compiler's error is the cause."""
 
 
 def build_optimizer(spec: TrainSpec) -> Any:
@@ -127,18 +125,19 @@ class LocalStep:
         from mlx.utils import tree_map
 
         params = self.model.parameters()
-        opt_state = tree_map(lambda a: a, self.optimizer.state)
+        # Only the full step updates the optimizer inside the compiled call.
+        opt_state = tree_map(lambda a: a, self.optimizer.state) if compiled is self._full_c else None
         try:
             out = compiled(*args)
             mx.eval(out)
             return out
         except Exception as compile_error:  # noqa: BLE001 - classified just below
             self.model.update(params)
-            _restore(self.optimizer.state, opt_state)
+            if opt_state is not None:
+                _restore(self.optimizer.state, opt_state)
             eager = self._grad(*args)  # the model's own error propagates from here
             mx.eval(eager)
-            reason = f"{type(compile_error).__name__}: {compile_error}"
-            raise CompileFailed(reason) from compile_error
+            raise CompileFailed(str(compile_error)) from compile_error
 
     def grad(self, inputs: Any, targets: Any, mask: Any, scale: Any, fault: str | None) -> tuple[Any, Any]:
         """(token-loss sum, gradients of sum x scale) of one micro-batch, evaluated."""

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from harness.rank.batching import LocalBatch, RankShare, StreamShare, collate, eval_share, materialize
-from harness.rank.consensus import AgreedStop, Coordinator, PeerFailure, RankFailure
+from harness.rank.consensus import AgreedStop, Coordinator
 from harness.rank.effects import MainRankEffects
 from harness.rank.entry import RankContext
 from harness.rank.evaluate import evaluate
@@ -68,7 +68,7 @@ class Trainer:
         self.effects = MainRankEffects(ctx.run_dir, ctx.rank)
         self.proc = psutil.Process()
         self.history: dict[str, list[Any]] = {k: [] for k in (
-            "losses", "step_times_s", "tok_s_local", "tok_s_global", "tokens_local_steps", "grad_norms",
+            "losses", "step_times_s", "tok_s_local", "tok_s_global", "tokens_local_per_step", "grad_norms",
             "learning_rates")}
         self.evals: list[dict[str, Any]] = []
         self.digests: dict[int, str] = {}
@@ -108,12 +108,10 @@ class Trainer:
         agreed = self.coord.agree()
         if not agreed.compile_failures:
             return out
+        if self.spec.compile == "strict":
+            self.coord.fail_all(agreed.compile_failures)
         first = min(agreed.compile_failures)
         reason = f"rank {first} failed while {agreed.compile_failures[first]}"
-        if self.spec.compile == "strict":
-            if self.ctx.rank in agreed.compile_failures:
-                raise RankFailure(f"rank {self.ctx.rank} failed while {agreed.compile_failures[self.ctx.rank]}")
-            raise PeerFailure(f"a peer rank failed: {reason}")
         self.runner.fall_back(reason)
         self.ctx.events.emit("compile_fallback", step=step, rank=self.ctx.rank, reason=reason)
         out = self.coord.attempt("step", step, self.compute, micros, scale, fault)
@@ -123,8 +121,8 @@ class Trainer:
     def _compute_or_compile_error(self, step: int, micros: list[LocalBatch], scale: Any, fault: str | None) -> Any:
         try:
             return self.compute(micros, scale, fault)
-        except CompileFailed as e:
-            self.coord.fail_later("compile", step, e)
+        except CompileFailed as e:  # reported as the compiler's own error
+            self.coord.fail_later("compile", step, e.__cause__ or e)
             return None
 
     def apply(self, step: int, out: tuple[Any, Any, Any], tokens: int) -> tuple[float, float]:
@@ -241,7 +239,7 @@ class Trainer:
         self.rss_peak = max(self.rss_peak, rss)
         lr = float(self.optimizer.learning_rate.item())
         for key, value in (("losses", loss), ("step_times_s", dt), ("tok_s_local", local / dt),
-                           ("tok_s_global", tokens / dt), ("tokens_local_steps", local), ("grad_norms", norm),
+                           ("tok_s_global", tokens / dt), ("tokens_local_per_step", local), ("grad_norms", norm),
                            ("learning_rates", lr)):
             h[key].append(value)
         self.tokens_local += local
@@ -272,8 +270,7 @@ class Trainer:
         return {
             "steps": last,
             "steps_planned": self.spec.steps,
-            **{k: v for k, v in self.history.items() if k != "tokens_local_steps"},
-            "tokens_local_per_step": self.history["tokens_local_steps"],
+            **self.history,
             "tokens_local": self.tokens_local,
             "tokens_global": self.tokens_global,
             "runtime_s": runtime,
