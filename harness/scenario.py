@@ -14,8 +14,11 @@ from typing import Any
 ARCHS = ("qwen3", "llama")
 DTYPES = ("float32", "bfloat16", "float16")
 BACKENDS = ("ring", "nccl", "mpi", "jaccl")
-FAULT_ACTIONS = ("raise", "exit", "sigkill", "segfault", "hang", "exit0", "stop", "compile_error")
-FAULT_PHASES = ("fetch", "step", "update", "eval", "save")
+FAULT_ACTIONS = ("raise", "exit", "sigkill", "segfault", "hang", "exit0", "stop", "compile_error",
+                 "truncate", "corrupt", "delete", "stale_view")
+FAULT_PHASES = ("fetch", "step", "update", "eval", "checkpoint", "resume", "save")
+DAMAGE_ACTIONS = ("truncate", "corrupt", "delete")
+CHECKPOINT_FILES = ("model.safetensors", "optimizer.safetensors", "trainer.json", "manifest.json")
 DATA_FORMATS = ("auto", "text", "prompt_completion", "chat")
 ORDERS = ("ordered", "shuffled", "length_sorted")
 COMPILE_MODES = ("off", "strict", "best_effort")
@@ -66,7 +69,8 @@ class DataSpec:
 class TrainSpec:
     """The optimisation: global batch (split across ranks and ``grad_accum`` micro-steps), steps,
     AdamW with an optional warmup + decay schedule and gradient clipping (``max_grad_norm`` > 0),
-    the compile mode and how often to evaluate."""
+    the compile mode, how often to evaluate, and how often to write a checkpoint (``checkpoint_every``
+    steps, keeping the newest ``keep_last``; 0 keeps all)."""
 
     steps: int = 20
     global_batch: int = 8
@@ -82,6 +86,8 @@ class TrainSpec:
     eval_every: int = 0
     eval_batch: int = 4
     digest_every: int = 0
+    checkpoint_every: int = 0
+    keep_last: int = 2
 
 
 @dataclass
@@ -92,6 +98,13 @@ class RunSpec:
     example ``train = { compile = "strict" }``). ``expect_error`` makes the run an expected
     failure: it passes when the run fails with a message containing that text.
     ``expect_compile_scope`` and ``expect_stop_step`` are what every rank must report.
+
+    Resume: ``stop_after`` ends the run cleanly after that step of its plan, with a checkpoint.
+    ``resume_from`` names an earlier run of this scenario (its checkpoints) or a checkpoint
+    directory; ``resume_step`` picks a checkpoint (default: the newest complete one), and
+    ``expect_resume_step`` is the step every rank must have resumed from. ``compare_to`` names
+    the run whose per-step losses, final parameters and token counts this run must reproduce.
+    ``seed`` replaces the scenario seed for this run (a resumed run keeps its checkpoint's).
     """
 
     name: str
@@ -102,6 +115,12 @@ class RunSpec:
     expect_error: str | None = None
     expect_compile_scope: str | None = None
     expect_stop_step: int | None = None
+    seed: int | None = None
+    stop_after: int | None = None
+    resume_from: str | None = None
+    resume_step: int | None = None
+    expect_resume_step: int | None = None
+    compare_to: str | None = None
 
 
 @dataclass
@@ -111,6 +130,11 @@ class CheckSpec:
     ``data_share_slack``: a rank of an N-rank run may hold at most (1 + slack) x its share (1/N,
     or ceil(m/N)/m for micro-batches of m rows) of the data bytes the reference run's rank holds
     (uneven row lengths and padding rows need the slack).
+
+    ``resume_tolerance``: max |delta| of losses and parameters between a resumed run and the run
+    it must reproduce when both have the same world size (0: bitwise); across world sizes the
+    parity tolerances apply. ``resume_tok_s_factor``: the resumed run's median tok/s must be
+    within this factor of that run's.
     """
 
     reference: str | None = None
@@ -122,6 +146,8 @@ class CheckSpec:
     max_total_mlx_mb: float | None = None
     eval_tolerance: float = 1e-5
     data_share_slack: float = 0.5
+    resume_tolerance: float = 0.0
+    resume_tok_s_factor: float = 3.0
 
 
 @dataclass
@@ -137,7 +163,10 @@ class FaultSpec:
     """Make ``rank`` misbehave at optimizer step ``step`` in ``phase`` (to prove failure handling).
 
     ``stop`` requests an early stop as a callback would; ``compile_error`` makes the rank's
-    compiled step fail to trace (eager still works).
+    compiled step fail to trace (eager still works). In the ``checkpoint`` phase a kill happens
+    mid-write (after the first file); ``truncate``, ``corrupt`` and ``delete`` damage ``file`` of
+    the checkpoint just written, as failing storage would. In the ``resume`` phase (``step``: the
+    checkpoint's step) ``stale_view`` makes the rank miss the newest checkpoint.
     """
 
     rank: int
@@ -146,6 +175,7 @@ class FaultSpec:
     code: int = 3
     phase: str = "step"
     runs: list[str] = field(default_factory=list)
+    file: str = "model.safetensors"
 
 
 @dataclass
@@ -195,6 +225,7 @@ class Scenario:
         """This scenario as one run sees it: the run's overrides applied, its faults only."""
         return dataclasses.replace(
             self,
+            seed=self.seed if run.seed is None else run.seed,
             data=dataclasses.replace(self.data, **run.data),
             train=dataclasses.replace(self.train, **run.train),
             faults=[f for f in self.faults if not f.runs or run.name in f.runs],
@@ -299,8 +330,47 @@ def _validate_train(t: TrainSpec, d: DataSpec, src: str, where: str) -> None:
     _require(t.digest_every >= 0, src, f"{where}.digest_every", "must be >= 0")
     _require(t.eval_every >= 0, src, f"{where}.eval_every", "must be >= 0")
     _require(t.eval_batch >= 1, src, f"{where}.eval_batch", "must be >= 1")
+    _require(t.checkpoint_every >= 0, src, f"{where}.checkpoint_every", "must be >= 0 (0: no periodic checkpoints)")
+    _require(t.keep_last >= 0, src, f"{where}.keep_last", "must be >= 0 (0: keep every checkpoint)")
     _require(t.eval_every == 0 or d.eval_rows > 0 or d.eval_path is not None, src, f"{where}.eval_every",
              "needs eval rows: set [data].eval_rows or [data].eval_path")
+
+
+def writes_checkpoints(s: Scenario, run: RunSpec) -> bool:
+    return run.stop_after is not None or s.for_run(run).train.checkpoint_every > 0
+
+
+def _validate_resume(s: Scenario, i: int, r: RunSpec, names: list[str], src: str) -> None:
+    where = f"[[runs]][{i}]"
+    steps = s.for_run(r).train.steps
+    _require(r.seed is None or r.seed >= 0, src, f"{where}.seed", "must be a non-negative integer")
+    _require(r.stop_after is None or 1 <= r.stop_after < steps, src, f"{where}.stop_after",
+             f"must be between 1 and {steps - 1} (the run's steps - 1)")
+    if r.resume_from in names:
+        j = names.index(r.resume_from)
+        _require(j < i, src, f"{where}.resume_from", f"run {r.resume_from!r} must come before this run")
+        _require(writes_checkpoints(s, s.runs[j]), src, f"{where}.resume_from",
+                 f"run {r.resume_from!r} writes no checkpoints (set checkpoint_every or stop_after)")
+    for key in ("resume_step", "expect_resume_step"):
+        value = getattr(r, key)
+        _require(value is None or r.resume_from is not None, src, f"{where}.{key}", "needs resume_from")
+        _require(value is None or 1 <= value < steps, src, f"{where}.{key}", f"must be between 1 and {steps - 1}")
+    _require(r.compare_to is None or (r.compare_to in names and r.compare_to != r.name), src,
+             f"{where}.compare_to", f"{r.compare_to!r} is not another run's name ({', '.join(names)})")
+
+
+def _validate_fault(f: FaultSpec, where: str, src: str) -> None:
+    _one_of(f.action, FAULT_ACTIONS, src, f"{where}.action")
+    _one_of(f.phase, FAULT_PHASES, src, f"{where}.phase")
+    _one_of(f.file, CHECKPOINT_FILES, src, f"{where}.file")
+    _require(f.action != "stop" or f.phase in ("step", "eval"), src, f"{where}.phase",
+             "a stop is requested after a step or after eval: use phase 'step' or 'eval'")
+    _require(f.action != "compile_error" or f.phase == "step", src, f"{where}.phase",
+             "compile_error happens in the step phase")
+    _require(f.action not in DAMAGE_ACTIONS or f.phase == "checkpoint", src, f"{where}.phase",
+             f"{f.action} damages a checkpoint just written: use phase 'checkpoint'")
+    _require(f.action != "stale_view" or f.phase == "resume", src, f"{where}.phase",
+             "stale_view happens while resuming: use phase 'resume'")
 
 
 def _validate(s: Scenario, src: str) -> None:
@@ -325,6 +395,7 @@ def _validate(s: Scenario, src: str) -> None:
         _require(r.world_size <= micro, src, key,
                  f"{r.world_size} exceeds the {micro} rows of each micro-step "
                  f"([train].global_batch / grad_accum): a rank would get no rows")
+        _validate_resume(s, i, r, names, src)
     ref = s.checks.reference
     _require(ref is None or ref in names, src, "[checks].reference",
              f"{ref!r} is not a run name ({', '.join(names)})")
@@ -333,14 +404,9 @@ def _validate(s: Scenario, src: str) -> None:
     _require(s.limits.wall_s > 0 and s.limits.no_progress_s > 0, src, "[limits]",
              "limits must be positive")
     for i, f in enumerate(s.faults):
-        _one_of(f.action, FAULT_ACTIONS, src, f"[[faults]][{i}].action")
-        _one_of(f.phase, FAULT_PHASES, src, f"[[faults]][{i}].phase")
+        _validate_fault(f, f"[[faults]][{i}]", src)
         _require(f.step >= 1, src, f"[[faults]][{i}].step", "must be >= 1")
         _require(f.rank >= 0, src, f"[[faults]][{i}].rank", "must be >= 0")
-        _require(f.action != "stop" or f.phase in ("step", "eval"), src, f"[[faults]][{i}].phase",
-                 "a stop is requested after a step or after eval: use phase 'step' or 'eval'")
-        _require(f.action != "compile_error" or f.phase == "step", src, f"[[faults]][{i}].phase",
-                 "compile_error happens in the step phase")
         unknown = [n for n in f.runs if n not in names]
         _require(not unknown, src, f"[[faults]][{i}].runs", f"unknown run names {unknown}")
 
@@ -391,6 +457,8 @@ def parse_scenario(data: dict[str, Any], src: str, base: Path) -> Scenario:
         for key in ("path", "eval_path", "tokenizer"):
             if key in r.data and r.data[key] != "byte":
                 r.data[key] = _resolve(r.data[key], base, src, f"[[runs]][{i}].data.{key}")
+        if r.resume_from is not None and r.resume_from not in [run.name for run in s.runs]:
+            r.resume_from = _resolve(r.resume_from, base, src, f"[[runs]][{i}].resume_from")
     s.model.path = _resolve(s.model.path, base, src, "[model].path")
     s.data.path = _resolve(s.data.path, base, src, "[data].path")
     s.data.eval_path = _resolve(s.data.eval_path, base, src, "[data].eval_path")

@@ -104,6 +104,33 @@ def test_bad_input_exits_2_with_one_line_and_keeps_old_outputs(
     assert (out / "result.json").read_text() == "previous"
 
 
+def test_kept_checkpoints_resume_from_their_path_and_a_damaged_one_is_bad_input(
+    scenario_dir: Path, tmp_path: Path
+) -> None:
+    first = write_scenario(scenario_dir, "makes", world_sizes=(2,),
+                           extra='\n[[runs]]\nname = "part"\nworld_size = 2\nstop_after = 2\n')
+    out = tmp_path / "out"
+    p = cli("run", str(first), "--out", str(out), "--keep-checkpoints")
+    assert p.returncode == 0, p.stdout + p.stderr
+    kept = out / "runs" / "makes" / "part" / "checkpoints"
+    assert sorted(f.name for f in (kept / "step-00000002").iterdir()) == [
+        "manifest.json", "model.safetensors", "optimizer.safetensors", "trainer.json"]
+    later = write_scenario(scenario_dir, "continues", world_sizes=(1,),
+                           extra=f'\n[[runs]]\nname = "resumed"\nworld_size = 2\nresume_from = "{kept}"\n'
+                                 f'expect_resume_step = 2\n')
+    p = cli("run", str(later))
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert f"{kept} @ step 2" in p.stdout  # the resume table's row
+    damaged = kept / "step-00000002" / "model.safetensors"
+    damaged.write_bytes(damaged.read_bytes()[:100])
+    p = cli("run", str(later), "--out", str(out))
+    assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
+    assert p.stderr.startswith(f"error: {later}: [[runs]][1].resume_from: {damaged}: 100 bytes, the manifest says")
+    assert json.loads((out / "result.json").read_text())["passed"]  # the earlier result is untouched
+    p = cli("run", str(first), "--keep-checkpoints")
+    assert p.returncode == 2 and "--keep-checkpoints needs --out" in p.stderr
+
+
 def test_run_without_argument_takes_the_default_set(tmp_path: Path) -> None:
     d = tmp_path / "scenarios"
     d.mkdir()

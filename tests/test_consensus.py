@@ -71,7 +71,7 @@ def test_a_bad_row_seen_by_one_rank_stops_every_rank(scenario_dir: Path) -> None
     out = train(path, "ddp2")
     assert not out.ok
     first, second = out.failure.splitlines()[:2]
-    assert first.startswith("rank 1 failed while loading the data at step 0: ValueError: ") and "rows.jsonl:6" in first
+    assert first.startswith("rank 1 failed while loading the data: ValueError: ") and "rows.jsonl:6" in first
     assert second.startswith("rank 0: a peer rank failed: rank 1 failed while loading the data")
     assert_clean(out)
 

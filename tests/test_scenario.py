@@ -63,3 +63,55 @@ def test_missing_data_path_is_named(scenario_dir: Path) -> None:
     path.write_text(path.read_text().replace("rows = 21", 'rows = 21\nsource = "jsonl"\npath = "rows.jsonl"'))
     with pytest.raises(ScenarioError, match=r"\[data\]\.path: path does not exist: .*rows\.jsonl"):
         load_scenario(path)
+
+
+RESUME_RUNS = """
+[[runs]]
+name = "part"
+world_size = 2
+stop_after = 2
+
+[[runs]]
+name = "resumed"
+world_size = 2
+resume_from = "part"
+compare_to = "ddp2"
+"""
+
+
+def test_resume_runs_load(scenario_dir: Path) -> None:
+    s = load_scenario(write_scenario(scenario_dir, "res", extra=RESUME_RUNS))
+    assert s.run("part").stop_after == 2 and s.run("resumed").resume_from == "part"
+    assert Scenario.from_dict(s.to_dict()) == s
+
+
+@pytest.mark.parametrize(
+    ("patch", "expected_key", "message"),
+    [
+        (("stop_after = 2", "stop_after = 4"), "[[runs]][2].stop_after", "between 1 and 3"),
+        (("stop_after = 2", "stop_after = 2\nresume_from = \"resumed\""), "[[runs]][2].resume_from",
+         "must come before this run"),
+        (("stop_after = 2", ""), "[[runs]][3].resume_from", "writes no checkpoints"),
+        (('resume_from = "part"', 'resume_from = "elsewhere"'), "[[runs]][3].resume_from", "path does not exist"),
+        (('compare_to = "ddp2"', 'compare_to = "resumed"'), "[[runs]][3].compare_to", "not another run's name"),
+        (('compare_to = "ddp2"', "expect_resume_step = 9"), "[[runs]][3].expect_resume_step", "between 1 and 3"),
+        (('world_size = 2\nstop_after = 2', 'world_size = 2\nstop_after = 2\nresume_step = 1'),
+         "[[runs]][2].resume_step", "needs resume_from"),
+        (("[limits]", '[[faults]]\nrank = 0\nstep = 2\naction = "corrupt"\n\n[limits]'), "[[faults]][0].phase",
+         "use phase 'checkpoint'"),
+        (("[limits]", '[[faults]]\nrank = 0\nstep = 2\naction = "stale_view"\n\n[limits]'), "[[faults]][0].phase",
+         "use phase 'resume'"),
+        (("[limits]", '[[faults]]\nrank = 0\nstep = 2\nphase = "checkpoint"\naction = "delete"\nfile = "x.bin"'
+                      '\n\n[limits]'), "[[faults]][0].file", "must be one of"),
+        (("digest_every = 2", "digest_every = 2\nkeep_last = -1"), "[train].keep_last", "must be >= 0"),
+    ],
+)
+def test_bad_resume_keys_are_named(scenario_dir: Path, patch: tuple[str, str], expected_key: str,
+                                   message: str) -> None:
+    path = write_scenario(scenario_dir, "badres", extra=RESUME_RUNS)
+    text = path.read_text()
+    assert patch[0] in text
+    path.write_text(text.replace(*patch, 1))
+    with pytest.raises(ScenarioError) as e:
+        load_scenario(path)
+    assert str(path) in str(e.value) and expected_key in str(e.value) and message in str(e.value), str(e.value)

@@ -94,9 +94,66 @@ def chat_jsonl(runs: dict, checks: dict, out: Path) -> None:
     assert checks[("loss_parity", "ddp2")]["passed"] and runs["single"]["losses"][-1] < runs["single"]["losses"][0]
 
 
+def _bitwise_resume(runs: dict, checks: dict, resumed: str, full: str, step: int) -> None:
+    for name in ("resume_loss_parity", "resume_param_parity", "resume_eval_parity"):
+        assert checks[(name, resumed)]["value"] == 0.0 and checks[(name, resumed)]["limit"] == 0.0
+    a, b = runs[resumed], runs[full]
+    for key in ("losses", "final_digest", "evals", "tokens_global", "tokens_global_per_step", "grad_norms",
+                "learning_rates"):
+        assert a[key] == b[key], key
+    assert a["steps_start"] == step + 1 and checks[("resume_step", resumed)]["value"] == step
+    assert [r["tokens_local"] for r in a["ranks"]] == [r["tokens_local"] for r in b["ranks"]]
+
+
+def resume_parity(runs: dict, checks: dict, out: Path) -> None:
+    for n in (1, 2, 4):
+        part, resumed = runs[f"part{n}"], runs[f"resumed{n}"]
+        _bitwise_resume(runs, checks, f"resumed{n}", f"full{n}", 6)
+        assert part["steps"] == 6 and [c["step"] for c in part["checkpoints"]] == [4, 6]
+        assert resumed["resume"]["seed_scenario"] == 99 and resumed["seed_used"] == 4321  # the checkpoint's seed
+        assert resumed["tok_s_global"][:6] == part["tok_s_global"]  # restored, not re-measured
+        # the resumed run checkpoints at 8, 12, 16 into its own directory, keeping the newest 2
+        assert [(c["step"], c["removed"]) for c in resumed["checkpoints"]] == [
+            (8, []), (12, []), (16, ["step-00000008"])]
+        kept = out / "runs" / "resume_parity" / f"part{n}" / "checkpoints" / "step-00000006"
+        assert sorted(p.name for p in kept.iterdir()) == ["manifest.json", "trainer.json"]
+    report = (out / "report.md").read_text()
+    assert "### Resume" in report and "| resumed4 " in report and "part4 @ step 6" in report
+
+
+def resume_after_kill(runs: dict, checks: dict, out: Path) -> None:
+    assert runs["killed2"]["failure"].splitlines()[0] == "rank 1 ended with signal SIGKILL"
+    _bitwise_resume(runs, checks, "after_kill2", "full2", 8)
+    # rank 0 died inside the step-8 write: that checkpoint never became complete, and was skipped
+    assert runs["write_killed2"]["failure"].splitlines()[0] == "rank 0 ended with signal SIGKILL"
+    _bitwise_resume(runs, checks, "after_write_kill2", "full2", 4)
+    skipped = runs["after_write_kill2"]["resume"]["skipped_partials"]
+    assert len(skipped) == 1 and skipped[0].startswith(".partial-step-00000008-")
+    kept = out / "runs" / "resume_after_kill" / "write_killed2" / "checkpoints"
+    assert sorted(p.name for p in kept.iterdir()) == ["step-00000004"]  # only manifests of complete ones
+
+
+def resume_validation(runs: dict, checks: dict, out: Path) -> None:
+    refused = runs["refuse_corrupt"]["failure"].splitlines()
+    assert len(refused) == 2 and all("/part2/checkpoints/step-00000008/optimizer.safetensors: SHA-256" in line
+                                     for line in refused)
+    _bitwise_resume(runs, checks, "from_previous", "full2", 4)
+    for name in ("to4", "to1_accum"):  # another world size: resumed, within the parity tolerances
+        assert runs[name]["resume"]["world_size_changed"] and not runs[name]["resume"]["local_tokens_restored"]
+        assert 0 < checks[("resume_loss_parity", name)]["value"] <= 1e-5
+        assert checks[("resume_loss_parity", name)]["limit"] == 1e-5
+        assert checks[("token_accounting", name)]["passed"]
+    assert "refusing to resume" in runs["refuse_batch"]["failure"]
+    disagree = runs["disagree"]["failure"]
+    assert "rank 0: step-00000008" in disagree and "rank 1: step-00000004" in disagree
+    lines = runs["not_visible"]["failure"].splitlines()
+    assert lines[0].startswith("rank 1 failed while resuming from a checkpoint")
+    assert lines[1].startswith("rank 0: a peer rank failed: rank 1 failed while resuming")
+
+
 SPECIFIC: dict[str, Callable[[dict, dict, Path], None]] = {
     f.__name__: f for f in (compile_modes, failure_consensus, early_stop, streaming, response_only, grad_accum,
-                            chat_jsonl)
+                            chat_jsonl, resume_parity, resume_after_kill, resume_validation)
 }
 
 

@@ -6,6 +6,7 @@ scenario, and a run that is missing its figures fails the check rather than skip
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -13,6 +14,12 @@ from harness.controller.collect import RunOutcome
 from harness.scenario import RunSpec, Scenario
 
 MB = 1024 * 1024
+
+
+def median_after_first(values: list[float]) -> float | None:
+    """Median of a per-step series without step 1 (graph building, first allocations)."""
+    tail = values[1:] if len(values) > 1 else values
+    return statistics.median(tail) if tail else None
 
 
 @dataclass
@@ -34,33 +41,40 @@ def _max_abs_delta(a: list[float], b: list[float]) -> float:
     return max((abs(x - y) for x, y in zip(a, b, strict=True)), default=0.0)
 
 
-def loss_parity(run: RunOutcome, ref: RunOutcome, tol: float) -> Check:
-    """Per-step global loss of ``run`` vs the reference run: max |delta| <= tol."""
+def loss_parity(run: RunOutcome, ref: RunOutcome, tol: float, name: str = "loss_parity",
+                prefix: bool = False) -> Check:
+    """Per-step global loss of ``run`` vs the reference run: max |delta| <= tol (``prefix``: over
+    ``run``'s steps only, for a run that stopped early by design)."""
     a, b = run.result().get("losses", []), ref.result().get("losses", [])
+    if prefix:
+        b = b[: len(a)]
     d = _max_abs_delta(a, b)
     worst = max(range(len(a)), key=lambda i: abs(a[i] - b[i])) + 1 if len(a) == len(b) and a else None
-    detail = f"{len(a)} vs {len(b)} steps; worst at step {worst}" if worst else f"{len(a)} vs {len(b)} steps"
-    return Check("loss_parity", run.name, d <= tol, d, tol, f"vs {ref.name}: {detail}")
+    detail = f"{len(a)} vs {len(b)} steps"
+    if worst:
+        detail += "; bitwise identical" if d == 0 else f"; worst at step {worst}"
+    return Check(name, run.name, d <= tol, d, tol, f"vs {ref.name}: {detail}")
 
 
-def param_parity(run: RunOutcome, ref: RunOutcome, tol: float) -> Check:
+def param_parity(run: RunOutcome, ref: RunOutcome, tol: float, name: str = "param_parity") -> Check:
     """Final parameters (rank 0) vs the reference's: max |delta| over every element <= tol."""
     import numpy as np
 
     if run.params is None or ref.params is None:
-        return Check("param_parity", run.name, False, None, tol, "final parameters missing")
+        return Check(name, run.name, False, None, tol, "final parameters missing")
     if run.params.keys() != ref.params.keys():
         diff = sorted(run.params.keys() ^ ref.params.keys())
-        return Check("param_parity", run.name, False, None, tol, f"parameter names differ: {diff[:3]}")
+        return Check(name, run.name, False, None, tol, f"parameter names differ: {diff[:3]}")
     worst, where = 0.0, ""
     for k in sorted(run.params):
         a, b = run.params[k], ref.params[k]
         if a.shape != b.shape:
-            return Check("param_parity", run.name, False, None, tol, f"{k}: shape {a.shape} vs {b.shape}")
+            return Check(name, run.name, False, None, tol, f"{k}: shape {a.shape} vs {b.shape}")
         d = float(np.max(np.abs(a - b))) if a.size else 0.0
         if d > worst or not where:
             worst, where = d, k
-    return Check("param_parity", run.name, worst <= tol, worst, tol, f"vs {ref.name}; worst in {where}")
+    where = "bitwise identical" if worst == 0 else f"worst in {where}"
+    return Check(name, run.name, worst <= tol, worst, tol, f"vs {ref.name}; {where}")
 
 
 def replica_consistency(run: RunOutcome) -> Check:
@@ -77,14 +91,16 @@ def replica_consistency(run: RunOutcome) -> Check:
 
 
 def token_accounting(run: RunOutcome, ref: RunOutcome | None) -> Check:
-    """Ranks' local tokens add up to the global count, which equals the reference's."""
+    """Ranks' local tokens add up to the global count, which equals the reference's over the
+    same steps. Tokens a resumed run restored at another world size belong to no current rank."""
     results = [o.result or {} for o in run.ranks]
-    local = sum(int(r.get("tokens_local", 0)) for r in results)
+    local = sum(int(r.get("tokens_local", 0)) for r in results) + int(results[0].get("tokens_local_unattributed", 0))
     glob = {int(r.get("tokens_global", -1)) for r in results}
     ok = len(glob) == 1 and local == next(iter(glob))
     detail = f"sum of rank tokens {local}, global {sorted(glob)}"
     if ref is not None and ref is not run:
-        ref_tokens = int(ref.result().get("tokens_global", -1))
+        steps = int(results[0].get("steps", 0))
+        ref_tokens = sum(ref.result().get("tokens_global_per_step", [])[:steps])
         ok = ok and ref_tokens in glob
         detail += f", {ref.name} {ref_tokens}"
     return Check("token_accounting", run.name, ok, local, next(iter(glob)) if len(glob) == 1 else None, detail)
@@ -115,14 +131,14 @@ def memory_ceilings(run: RunOutcome, s: Scenario) -> list[Check]:
     return out
 
 
-def eval_parity(run: RunOutcome, ref: RunOutcome, tol: float) -> Check:
+def eval_parity(run: RunOutcome, ref: RunOutcome, tol: float, name: str = "eval_parity") -> Check:
     """Eval losses of ``run`` vs the reference's, at the same steps: max |delta| <= tol."""
     a = {e["step"]: e["loss"] for e in run.result().get("evals", [])}
     b = {e["step"]: e["loss"] for e in ref.result().get("evals", [])}
     if not a or a.keys() != b.keys():
-        return Check("eval_parity", run.name, False, None, tol, f"eval steps {sorted(a)} vs {sorted(b)}")
+        return Check(name, run.name, False, None, tol, f"eval steps {sorted(a)} vs {sorted(b)}")
     d = max(abs(a[k] - b[k]) for k in a)
-    return Check("eval_parity", run.name, d <= tol, d, tol, f"vs {ref.name} at steps {sorted(a)}")
+    return Check(name, run.name, d <= tol, d, tol, f"vs {ref.name} at steps {sorted(a)}")
 
 
 AGREED_FIELDS = ("steps", "losses", "stop", "evals", "compile", "tokens_global")
@@ -205,6 +221,8 @@ def expectations(run: RunOutcome, spec: RunSpec) -> list[Check]:
 
 def judge(s: Scenario, runs: list[RunOutcome]) -> list[Check]:
     """All checks of a scenario; runs expected to fail get only the expected-failure check."""
+    from harness.judge.resume_checks import judge_resume
+
     by_name = {r.name: r for r in runs}
     ref = by_name.get(s.checks.reference) if s.checks.reference else None
     checks: list[Check] = []
@@ -216,10 +234,12 @@ def judge(s: Scenario, runs: list[RunOutcome]) -> list[Check]:
         if not run.ok:
             continue
         evals = bool(run.result().get("evals"))
+        partial = s.run(run.name).stop_after is not None  # stopped early by design: compare its steps
         if ref is not None and run is not ref and ref.ok:
-            checks.append(loss_parity(run, ref, s.checks.loss_tolerance))
-            checks.append(param_parity(run, ref, s.checks.param_tolerance))
-            if evals:
+            checks.append(loss_parity(run, ref, s.checks.loss_tolerance, prefix=partial))
+            if not partial:
+                checks.append(param_parity(run, ref, s.checks.param_tolerance))
+            if evals and not partial:
                 checks.append(eval_parity(run, ref, s.checks.eval_tolerance))
             if run.world_size > ref.world_size and not run.result().get("data", {}).get("streaming"):
                 train = s.for_run(s.run(run.name)).train
@@ -231,5 +251,6 @@ def judge(s: Scenario, runs: list[RunOutcome]) -> list[Check]:
         checks.append(rank0_side_effects(run))
         checks.append(global_rng_untouched(run))
         checks.extend(expectations(run, s.run(run.name)))
+        checks.extend(judge_resume(s, run, by_name))
         checks.extend(memory_ceilings(run, s))
     return checks

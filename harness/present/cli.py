@@ -42,6 +42,21 @@ def resolve_scenarios(paths: list[str]) -> list[Scenario]:
     return out
 
 
+def check_resume_sources(s: Scenario) -> None:
+    """A checkpoint directory a run resumes from must be complete and intact before anything starts
+    (checkpoints made by earlier runs of the scenario are verified by the ranks)."""
+    from harness.rank.checkpoint import CheckpointError, resolve, verify
+
+    names = {r.name for r in s.runs}
+    for i, r in enumerate(s.runs):
+        if r.resume_from is None or r.resume_from in names or r.expect_error is not None:
+            continue
+        try:
+            verify(resolve(Path(r.resume_from), r.resume_step))
+        except CheckpointError as e:
+            raise ScenarioError(f"{s.path}: [[runs]][{i}].resume_from: {e}") from e
+
+
 def _check_out(out: Path | None) -> None:
     if out is not None and out.exists() and not out.is_dir():
         raise ScenarioError(f"{out}: --out must be a directory, and this is a file")
@@ -58,8 +73,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     from harness.present.tables import scenario_text
 
     scenarios = resolve_scenarios(args.scenarios)
+    for s in scenarios:
+        check_resume_sources(s)
     out = Path(args.out) if args.out else None
     _check_out(out)
+    if args.keep_checkpoints and out is None:
+        raise ScenarioError("--keep-checkpoints needs --out (the checkpoints go under OUT/runs)")
 
     def progress(run):  # noqa: ANN001
         status = "ok" if run.ok else "FAILED"
@@ -70,7 +89,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         for s in scenarios:
             print(f"scenario {s.name} ({s.path})", file=sys.stderr, flush=True)
-            runs = run_scenario(s, out / "runs" if out else None, progress)
+            runs = run_scenario(s, out / "runs" if out else None, progress, args.keep_checkpoints)
             checks = judge(s, runs)
             summary = scenario_summary(s, runs, checks)
             summaries.append(summary)
@@ -116,6 +135,8 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("scenarios", nargs="*", help="scenario files or directories")
     run.add_argument("--out", help="directory for result.json, report.md and rank logs")
     run.add_argument("--format", choices=("plain", "github"), default="plain", help="table format")
+    run.add_argument("--keep-checkpoints", action="store_true",
+                     help="keep whole checkpoints under OUT/runs (default: their manifests and trainer state)")
     run.set_defaults(func=cmd_run)
     ls = sub.add_parser("list", help="list scenarios")
     ls.add_argument("directory", nargs="?", help="scenario directory (default: scenarios/)")

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import schema
-from harness.present.tables import checks_table, failures, parity_table
+from harness.present.tables import checks_table, failures, parity_table, resume_rows, resume_table
 
 
 def markdown(doc: dict[str, Any]) -> str:
@@ -21,6 +21,8 @@ def markdown(doc: dict[str, Any]) -> str:
         if s["description"]:
             lines += [s["description"], ""]
         lines += ["### DDP parity at equal global batch", "", parity_table(s, "github"), ""]
+        if resume_rows(s):
+            lines += ["### Resume", "", resume_table(s, "github"), ""]
         if s["checks"]:
             lines += ["### Checks", "", checks_table(s, "github"), ""]
         for f in failures(s):

@@ -7,16 +7,10 @@ from typing import Any
 
 from harness import schema
 from harness.controller.collect import RunOutcome
-from harness.judge.checks import Check
+from harness.judge.checks import Check, median_after_first
 from harness.scenario import Scenario
 
 EXIT_PASS, EXIT_CHECK_FAILED, EXIT_BAD_INPUT, EXIT_INFRA = 0, 1, 2, 3
-
-
-def median_after_first(values: list[float]) -> float | None:
-    """Median of a per-step series without step 1 (graph building, first allocations)."""
-    tail = values[1:] if len(values) > 1 else values
-    return statistics.median(tail) if tail else None
 
 
 def per_rank_batch(global_batch: int, world_size: int) -> str:
@@ -47,6 +41,7 @@ def run_summary(run: RunOutcome, s: Scenario, ref: RunOutcome | None) -> dict[st
         "ranks": [rank_summary(o) for o in run.ranks],
         "artifacts": str(run.artifacts) if run.artifacts else None,
         "expect_error": s.run(run.name).expect_error,
+        "resume_from": s.run(run.name).resume_from,
     }
     if not run.ok:
         return out
@@ -73,9 +68,18 @@ def run_summary(run: RunOutcome, s: Scenario, ref: RunOutcome | None) -> dict[st
         host_rank_map=r0.get("host_rank_map"),
         grad_norms=r0.get("grad_norms"),
         learning_rates=r0.get("learning_rates"),
+        tokens_global_per_step=r0.get("tokens_global_per_step"),
+        tok_s_global=r0.get("tok_s_global"),
+        steps_start=r0.get("steps_start", 1),
+        train_time_s_total=r0.get("train_time_s_total"),
+        seed_used=r0.get("seed_used"),
+        resume=r0.get("resume"),
+        checkpoints=[{k: c[k] for k in ("step", "bytes", "write_s", "removed") if k in c}
+                     for c in r0.get("checkpoints", [])],
     )
-    if ref is not None and ref.ok and ref is not run:
-        out["final_loss_delta"] = losses[-1] - ref.result(0)["losses"][-1]
+    ref_losses = ref.result(0)["losses"] if ref is not None and ref.ok and ref is not run else []
+    if len(ref_losses) >= len(losses):  # at the same step (a run stopped early is compared there)
+        out["final_loss_delta"] = losses[-1] - ref_losses[len(losses) - 1]
     return out
 
 

@@ -68,9 +68,43 @@ def failures(scenario: dict[str, Any]) -> list[str]:
             f"{r['failure']}" for r in scenario["runs"] if not r["ok"]]
 
 
+RESUME_HEADERS = ["Run", "World size", "Resumed from", "Seed (scenario -> used)", "Steps (restored + run)",
+                  "Tokens", "Loss max |delta|", "Param max |delta|", "tok/s ratio", "vs"]
+
+
+def resume_rows(scenario: dict[str, Any]) -> list[list[Any]]:
+    """One row per run that resumed from a checkpoint, with its resume checks' measured values."""
+    checks = {(c["run"], c["name"]): c for c in scenario["checks"]}
+    rows = []
+    for r in scenario["runs"]:
+        info = r.get("resume")
+        if not r["ok"] or not info:
+            continue
+
+        def value(name: str, run: str = r["name"]) -> str:
+            c = checks.get((run, name))
+            return "-" if c is None else _fmt(c["value"]) + ("" if c["passed"] else " FAIL")
+
+        target = checks.get((r["name"], "resume_loss_parity"), {}).get("detail", "").split(":")[0].removeprefix("vs ")
+        restored = info["step"]
+        rows.append([
+            r["name"], r["world_size"], f"{r.get('resume_from')} @ step {restored}",
+            f"{info.get('seed_scenario')} -> {r.get('seed_used')}", f"{restored} + {r['steps'] - restored}",
+            r["tokens_global"], value("resume_loss_parity"), value("resume_param_parity"),
+            value("resume_accounting"), target or "-",
+        ])
+    return rows
+
+
+def resume_table(scenario: dict[str, Any], fmt: str = "plain") -> str:
+    return tabulate(resume_rows(scenario), headers=RESUME_HEADERS, tablefmt=FORMATS[fmt], disable_numparse=True)
+
+
 def scenario_text(scenario: dict[str, Any], fmt: str = "plain") -> str:
     """The table block the CLI prints for one scenario."""
     parts = [f"{scenario['name']}: {scenario['status'].upper()}", parity_table(scenario, fmt)]
+    if resume_rows(scenario):
+        parts.append(resume_table(scenario, fmt))
     if scenario["checks"]:
         parts.append(checks_table(scenario, fmt))
     parts.extend(failures(scenario))

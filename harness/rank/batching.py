@@ -162,6 +162,11 @@ class StreamShare:
         base = (step - 1) * self.global_batch
         return [[(base + p, got[p]) for p in micro] for micro in self.positions]
 
+    def skip(self, steps: int) -> None:
+        """Read past the first ``steps`` global batches: a resumed run continues after them."""
+        for step in range(1, steps + 1):
+            self.micro_batches(step)
+
     @property
     def nbytes(self) -> int:
         return self.peak_nbytes

@@ -28,6 +28,8 @@ PHASES = {
     "update": "applying the optimizer update",
     "callback": "running a rank-0 callback",
     "eval": "evaluating",
+    "checkpoint": "writing a checkpoint",
+    "resume": "resuming from a checkpoint",
     "save": "saving",
     "finish": "finishing",
 }
@@ -57,7 +59,8 @@ class Pending:
     error: BaseException
 
     def text(self) -> str:
-        return f"{PHASES[self.phase]} at step {self.step}: {type(self.error).__name__}: {self.error}"
+        at = f" at step {self.step}" if self.step else ""
+        return f"{PHASES[self.phase]}{at}: {type(self.error).__name__}: {self.error}"
 
 
 @dataclass
@@ -124,6 +127,16 @@ class Coordinator:
         first = min(failures)
         others = f" (and ranks {sorted(set(failures) - {first})})" if len(failures) > 1 else ""
         raise PeerFailure(f"a peer rank failed: rank {first} failed while {failures[first]}{others}")
+
+    def gather(self, values: list[float]) -> list[list[float]]:
+        """Every rank's ``values`` (float32, the same length on every rank), on every rank."""
+        import mlx.core as mx
+
+        buf = np.zeros((self.world_size, len(values)), dtype=np.float32)
+        buf[self.rank] = values
+        total = np.array(mx.distributed.all_sum(mx.array(buf), group=self.group)) if self.world_size > 1 else buf
+        self.collectives += 1
+        return total.tolist()
 
     def exchange(self, text: str) -> list[str]:
         """Every rank's ``text`` (UTF-8, cut to 512 bytes), on every rank: one all-sum."""

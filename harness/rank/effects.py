@@ -16,7 +16,7 @@ from harness import schema
 class MainRankEffects:
     def __init__(self, run_dir: Any, rank: int):
         self.run_dir, self.rank = run_dir, rank
-        self.counts = {"callbacks": 0, "log_lines": 0, "saves": 0}
+        self.counts = {"callbacks": 0, "log_lines": 0, "saves": 0, "checkpoints": 0}
 
     @property
     def active(self) -> bool:
@@ -38,6 +38,14 @@ class MainRankEffects:
         with open(self.run_dir / "train.log", "a") as f:
             f.write(f"{kind} {fields}\n")
         self.counts["log_lines"] += 1
+
+    def checkpoint(self, write: Any) -> Any:
+        """Rank 0 writes a checkpoint with ``write()``; returns what it wrote (None elsewhere)."""
+        if not self.active:
+            return None
+        info = write()
+        self.counts["checkpoints"] += 1
+        return info
 
     def save_params(self, model: Any) -> None:
         """Rank 0 writes the final parameters atomically: a reader never sees a partial file."""

@@ -52,19 +52,28 @@ class RankContext:
         """Heartbeat between steps, so the watchdog sees progress through long phases."""
         self.events.emit("phase", name=name, rank=self.rank)
 
-    def maybe_fault(self, phase: str, step: int) -> str | None:
+    def maybe_fault(self, phase: str, step: int) -> FaultSpec | None:
         """Misbehave as the job's fault specs say, when this rank reaches ``phase`` of ``step``.
 
-        Process-level faults happen here. ``stop`` is returned for the caller to request a stop;
-        in the ``step`` phase, ``raise`` and ``compile_error`` are returned too, for the model's
-        forward to raise them (so they happen inside a compiled function when there is one).
+        Process-level faults happen here. Faults the caller must act out are returned: ``stop``
+        (request a stop); in the ``step`` phase ``raise`` and ``compile_error`` (for the model's
+        forward to raise them, inside a compiled function when there is one); checkpoint damage;
+        ``stale_view`` while resuming.
         """
         for f in self.faults:
             if f.rank == self.rank and f.step == step and f.phase == phase:
-                if f.action == "stop" or (phase == "step" and f.action in ("raise", "compile_error")):
-                    return f.action
+                if f.action in RETURNED.get(phase, ()):
+                    return f
                 inject(f)
         return None
+
+
+RETURNED = {
+    "step": ("stop", "raise", "compile_error"),
+    "eval": ("stop",),
+    "checkpoint": ("truncate", "corrupt", "delete"),
+    "resume": ("stale_view",),
+}
 
 
 def inject(f: FaultSpec) -> None:

@@ -21,7 +21,8 @@ def run(ctx: RankContext) -> dict[str, Any]:
     pause = float(ctx.job.get("pause_s", 0.05))
     sums = []
     for step in range(1, rounds + 1):
-        if ctx.maybe_fault("step", step) == "raise":
+        fault = ctx.maybe_fault("step", step)
+        if fault is not None and fault.action == "raise":
             raise RuntimeError(f"injected fault at step {step}")
         t0 = time.perf_counter()
         x = mx.full((4096,), value * step + ctx.rank, dtype=mx.float32)

@@ -42,12 +42,12 @@ def build_optimizer(spec: TrainSpec) -> Any:
     return optim.AdamW(learning_rate=schedule, weight_decay=spec.weight_decay)
 
 
-def _restore(dst: Any, src: Any) -> None:
+def restore_in_place(dst: Any, src: Any) -> None:
     """Put ``src``'s arrays back into ``dst``'s containers in place (compile holds references)."""
     items = src.items() if isinstance(src, dict) else enumerate(src)
     for k, v in items:
         if isinstance(v, dict | list):
-            _restore(dst[k], v)
+            restore_in_place(dst[k], v)
         else:
             dst[k] = v
 
@@ -134,7 +134,7 @@ class LocalStep:
         except Exception as compile_error:  # noqa: BLE001 - classified just below
             self.model.update(params)
             if opt_state is not None:
-                _restore(self.optimizer.state, opt_state)
+                restore_in_place(self.optimizer.state, opt_state)
             eager = self._grad(*args)  # the model's own error propagates from here
             mx.eval(eager)
             raise CompileFailed(str(compile_error)) from compile_error

@@ -10,6 +10,9 @@ Each optimizer step, every rank:
      rank's token-loss gradients over T: one process's update of the same global batch;
   5. clips and applies the update; all-sums its loss sum for the logged loss, sum / T;
   6. on rank 0 only, runs callbacks and logs; evaluates when due (``evaluate``).
+Every ``checkpoint_every`` steps (and at the run's last step) rank 0 writes a checkpoint
+(``checkpoint``, ``resume``); a resumed run verifies it on every rank, agrees that every rank
+resolved the same one, and continues from the step after it.
 Then rank 0 saves the parameters, and every rank agrees that the save worked.
 """
 
@@ -18,8 +21,10 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from harness.rank import resume
 from harness.rank.batching import LocalBatch, RankShare, StreamShare, collate, eval_share, materialize
 from harness.rank.consensus import AgreedStop, Coordinator
 from harness.rank.effects import MainRankEffects
@@ -39,14 +44,16 @@ class RankData:
     evals: Any  # EvalShare | None
 
 
-def load_data(s: Scenario, rank: int, world_size: int) -> RankData:
-    """This rank's share of the train rows (materialized or streamed) and of the eval rows."""
+def load_data(s: Scenario, rank: int, world_size: int, done_steps: int = 0) -> RankData:
+    """This rank's share of the train rows (materialized or streamed) and of the eval rows; a
+    stream is read past the ``done_steps`` batches a resumed run has already trained on."""
     d, t = s.data, s.train
     tok = load_tokenizer(d)
     source = row_source(d, s.seed, "train")
     if d.streaming:
-        train: RankShare | StreamShare = StreamShare(source, Encoder(tok, d), t.global_batch, t.grad_accum,
-                                                     rank, world_size)
+        stream = StreamShare(source, Encoder(tok, d), t.global_batch, t.grad_accum, rank, world_size)
+        stream.skip(done_steps)
+        train: RankShare | StreamShare = stream
     else:
         train = materialize(source, Encoder(tok, d), t.global_batch, t.grad_accum, d.order, s.seed, rank,
                             world_size)
@@ -69,12 +76,21 @@ class Trainer:
         self.proc = psutil.Process()
         self.history: dict[str, list[Any]] = {k: [] for k in (
             "losses", "step_times_s", "tok_s_local", "tok_s_global", "tokens_local_per_step", "grad_norms",
-            "learning_rates")}
+            "learning_rates", "tokens_global_per_step")}
         self.evals: list[dict[str, Any]] = []
         self.digests: dict[int, str] = {}
-        self.tokens_local = self.tokens_global = 0
+        self.tokens_local = self.tokens_global = self.tokens_unattributed = 0
         self.rss_peak = self.proc.memory_info().rss
         self.stop: dict[str, Any] | None = None
+        self.ckpt_root = Path(ctx.job["checkpoint_dir"]) if ctx.job.get("checkpoint_dir") else None
+        self.end_step = int(ctx.job.get("stop_after") or self.spec.steps)
+        self.checkpointing = self.ckpt_root is not None and (
+            self.spec.checkpoint_every > 0 or self.end_step < self.spec.steps)
+        self.checkpoints: list[dict[str, Any]] = []
+        self.last_checkpoint = 0
+        self.resumed: dict[str, Any] | None = None
+        self.start_step, self.train_time_before, self.t_train = 1, 0.0, time.perf_counter()
+        self.segments: list[dict[str, Any]] = []
 
     # -- phases ---------------------------------------------------------------------------------
 
@@ -153,9 +169,11 @@ class Trainer:
 
         ctx, spec, coord = self.ctx, self.spec, self.coord
         rng_before = _global_rng_digest()
+        loaded = resume.open_checkpoint(self) if ctx.job.get("resume") else None
         ctx.phase("data")
         rss0 = self.proc.memory_info().rss
-        self.data = coord.attempt("data", 0, load_data, self.s, ctx.rank, self.N)
+        done = loaded[2]["step"] if loaded else 0
+        self.data = coord.attempt("data", 0, load_data, self.s, ctx.rank, self.N, done)
         coord.agree()
         data_rss = self.proc.memory_info().rss - rss0
 
@@ -165,12 +183,17 @@ class Trainer:
         self.model, self.config = built
         self.optimizer = build_optimizer(spec)
         self.runner = LocalStep(self.model, self.optimizer, spec, self.N)
-        self.digests[0] = param_digest(self.model)
+        if loaded:
+            restored = coord.attempt("resume", done, resume.restore_checkpoint, self, *loaded)
+            coord.agree()
+            self.resumed = {**self.resumed, **restored}
+            self.start_step = done + 1
+        self.digests[self.start_step - 1] = param_digest(self.model)
 
         ctx.phase("train")
-        t_train = time.perf_counter()
-        last = 0
-        for step in range(1, spec.steps + 1):
+        self.t_train = time.perf_counter()
+        last = self.start_step - 1
+        for step in range(self.start_step, self.end_step + 1):
             t0 = time.perf_counter()
             micros = coord.attempt("fetch", step, self.fetch, step)
             agreed = coord.agree([sum(b.tokens for b in micros) if micros else 0])
@@ -180,9 +203,10 @@ class Trainer:
             tokens = agreed.values[0]
             if tokens == 0:
                 raise AgreedStop(f"step {step}: the global batch has zero supervised tokens across all {self.N} ranks")
-            action = ctx.maybe_fault("step", step)
-            fault = action if action in ("raise", "compile_error") else None
-            out = self.local_step(step, micros, mx.array(self.N / tokens, dtype=mx.float32), fault)
+            fault = ctx.maybe_fault("step", step)
+            action = fault.action if fault is not None else None
+            out = self.local_step(step, micros, mx.array(self.N / tokens, dtype=mx.float32),
+                                  action if action in ("raise", "compile_error") else None)
             loss, norm = self.apply(step, out, tokens)
             last = step
             self._record(step, micros, tokens, loss, norm, time.perf_counter() - t0)
@@ -190,11 +214,16 @@ class Trainer:
                 coord.stop_requested = True
             if spec.eval_every and step % spec.eval_every == 0:
                 self._evaluate(step)
-        runtime = time.perf_counter() - t_train
+            every = spec.checkpoint_every
+            if self.checkpointing and (step == self.end_step or (every and step % every == 0)):
+                resume.write_checkpoint(self, step)
+        runtime = self.train_clock()
 
         agreed = coord.agree()  # a failed last update, or a stop requested after the last step
         if agreed.stop_ranks and self.stop is None:
             self._stopped(agreed.stop_ranks, last)
+        if self.checkpointing and last >= self.start_step and self.last_checkpoint != last:
+            resume.write_checkpoint(self, last)  # a stopped run can be resumed too
         if self.data.evals is not None and (not self.evals or self.evals[-1]["step"] != last):
             self._evaluate(last)
         ctx.phase("save")
@@ -210,13 +239,17 @@ class Trainer:
         result["global_rng_untouched"] = _global_rng_digest() == rng_before
         return result
 
+    def train_clock(self) -> float:
+        return time.perf_counter() - self.t_train
+
     # -- bookkeeping ----------------------------------------------------------------------------
 
     def _evaluate(self, step: int) -> None:
         ctx = self.ctx
 
         def before() -> str | None:
-            return ctx.maybe_fault("eval", step)
+            fault = ctx.maybe_fault("eval", step)
+            return fault.action if fault is not None else None
 
         metrics = evaluate(self.model, self.data.evals, self.data.tok.pad_id, self.coord, step, before)
         if metrics.pop("requested") == "stop":
@@ -240,7 +273,7 @@ class Trainer:
         lr = float(self.optimizer.learning_rate.item())
         for key, value in (("losses", loss), ("step_times_s", dt), ("tok_s_local", local / dt),
                            ("tok_s_global", tokens / dt), ("tokens_local_per_step", local), ("grad_norms", norm),
-                           ("learning_rates", lr)):
+                           ("learning_rates", lr), ("tokens_global_per_step", tokens)):
             h[key].append(value)
         self.tokens_local += local
         self.tokens_global += tokens
@@ -274,6 +307,14 @@ class Trainer:
             "tokens_local": self.tokens_local,
             "tokens_global": self.tokens_global,
             "runtime_s": runtime,
+            "train_time_s_total": self.train_time_before + runtime,
+            "steps_start": self.start_step,
+            "stop_after": self.end_step if self.end_step < self.spec.steps else None,
+            "tokens_local_unattributed": self.tokens_unattributed,
+            "resume": self.resumed,
+            "seed_used": self.s.seed,
+            "segments": [*self.segments, {"steps": [self.start_step, last], "world_size": self.N}],
+            "checkpoints": self.checkpoints,
             "rss_step_peak_bytes": self.rss_peak,
             "digests": {str(k): v for k, v in self.digests.items()},
             "final_digest": self.digests[last],

@@ -1,0 +1,91 @@
+"""Checks of resumed runs: parity with the run they must reproduce, accounting, and which
+checkpoint every rank resumed from."""
+
+from __future__ import annotations
+
+from harness.controller.collect import RunOutcome
+from harness.judge.checks import Check, eval_parity, loss_parity, median_after_first, param_parity
+from harness.scenario import RunSpec, Scenario
+
+
+def resume_parity(run: RunOutcome, target: RunOutcome, s: Scenario) -> list[Check]:
+    """Per-step losses, final parameters and eval losses vs ``target``: bitwise (or the scenario's
+    ``resume_tolerance``) at the same world size and compile mode, else the parity tolerances."""
+    c = s.checks
+    same = run.world_size == target.world_size and (
+        s.for_run(s.run(run.name)).train.compile == s.for_run(s.run(target.name)).train.compile)
+    loss_tol = c.resume_tolerance if same else c.loss_tolerance
+    param_tol = c.resume_tolerance if same else c.param_tolerance
+    eval_tol = c.resume_tolerance if same else c.eval_tolerance
+    out = [loss_parity(run, target, loss_tol, "resume_loss_parity"),
+           param_parity(run, target, param_tol, "resume_param_parity")]
+    if run.result().get("evals") or target.result().get("evals"):
+        out.append(eval_parity(run, target, eval_tol, "resume_eval_parity"))
+    return out
+
+
+def resume_accounting(run: RunOutcome, target: RunOutcome, source: RunOutcome | None, factor: float) -> Check:
+    """Steps, tokens (global, per step and per rank) equal ``target``'s; the steps before the
+    checkpoint keep the throughput the source run measured; median tok/s within ``factor``."""
+    r, t = run.result(), target.result()
+    problems = []
+    for key in ("steps", "tokens_global", "tokens_global_per_step"):
+        if r.get(key) != t.get(key):
+            problems.append(f"{key} differs")
+    if run.world_size == target.world_size:
+        mine = [o.result.get("tokens_local") for o in run.ranks if o.result]
+        theirs = [o.result.get("tokens_local") for o in target.ranks if o.result]
+        if mine != theirs:
+            problems.append(f"per-rank tokens {mine} vs {theirs}")
+    k = (r.get("resume") or {}).get("step") or 0
+    if source is not None and source.ok and k:
+        if r.get("tok_s_global", [])[:k] != source.result().get("tok_s_global", [])[:k]:
+            problems.append(f"the restored tok/s of steps 1-{k} differ from {source.name}'s")
+    a, b = median_after_first(r.get("tok_s_global", [])), median_after_first(t.get("tok_s_global", []))
+    ratio = a / b if a and b else None
+    same_world = run.world_size == target.world_size
+    if same_world and (ratio is None or not 1 / factor <= ratio <= factor):
+        problems.append(f"median tok/s {a} vs {b}")
+    detail = (f"vs {target.name}: {r.get('steps')} steps, {r.get('tokens_global')} tokens; median tok/s "
+              f"{a or 0:.0f} vs {b or 0:.0f}" + ("" if same_world else " (other world size: not compared)"))
+    if problems:
+        detail += "; " + "; ".join(problems)
+    return Check("resume_accounting", run.name, not problems, None if ratio is None else round(ratio, 3), factor,
+                 detail)
+
+
+def resume_source(run: RunOutcome, spec: RunSpec) -> Check:
+    """Every rank resumed from the same checkpoint, of the expected step."""
+    infos = [(o.result or {}).get("resume") or {} for o in run.ranks]
+    steps = [i.get("step") for i in infos]
+    same = len({i.get("identity") for i in infos}) == 1
+    ok = same and all(st == spec.expect_resume_step for st in steps)
+    first = infos[0]
+    detail = f"{first.get('identity', 'no checkpoint')} of {spec.resume_from}" if first else "did not resume"
+    if first:
+        detail += (f"; seed {first.get('seed_scenario')} in the scenario, {first.get('seed_checkpoint')} from the "
+                   f"checkpoint (used)")
+        if first.get("skipped_partials"):
+            detail += f"; unfinished, not used: {', '.join(first['skipped_partials'])}"
+        if first.get("world_size_changed"):
+            detail += f"; made with {first['made_with']['world_size']} ranks"
+    if not same:
+        detail += "; ranks resumed from different checkpoints"
+    return Check("resume_step", run.name, ok, steps[0], spec.expect_resume_step, detail)
+
+
+def judge_resume(s: Scenario, run: RunOutcome, by_name: dict[str, RunOutcome]) -> list[Check]:
+    """The resume checks of one run (none when it neither resumes nor names a run to reproduce)."""
+    spec = s.run(run.name)
+    out = []
+    if spec.expect_resume_step is not None:
+        out.append(resume_source(run, spec))
+    target = by_name.get(spec.compare_to) if spec.compare_to else None
+    if spec.compare_to is not None:
+        if target is None or not target.ok:
+            return [*out, Check("resume_loss_parity", run.name, False, None, None,
+                                f"{spec.compare_to} did not complete: nothing to compare with")]
+        out.extend(resume_parity(run, target, s))
+        source = by_name.get(spec.resume_from) if spec.resume_from else None
+        out.append(resume_accounting(run, target, source, s.checks.resume_tok_s_factor))
+    return out

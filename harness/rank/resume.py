@@ -1,0 +1,215 @@
+"""What a checkpoint holds of the trainer, and whether a run may continue from it.
+
+A resumed run must continue exactly as if it had never stopped. The checkpoint therefore holds,
+besides parameters and optimizer state (which carries the optimizer step, and so the
+learning-rate schedule's position), the trainer state: the seed every random draw is keyed
+from, the data position, token counters, the loss/eval/throughput history, the replica digests
+and the compile state. Everything that decides the trajectory (model, data, global batch,
+optimizer settings, schedule length) must be what the checkpoint was made with, or the resume
+is refused naming the first setting that differs. The world size, gradient accumulation at
+the same global batch, eval and checkpoint cadence may change: the data plan and the
+token-weighted step do not depend on them.
+
+``write_checkpoint``, ``open_checkpoint`` and ``restore_checkpoint`` are the trainer's three
+moments: every rank takes part in each, under failure consensus.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from harness.rank import checkpoint
+from harness.rank.checkpoint import FORMAT, CheckpointError
+from harness.rank.consensus import AgreedStop
+from harness.rank.step import restore_in_place
+from harness.scenario import Scenario
+
+TRAJECTORY_TRAIN = ("steps", "learning_rate", "lr_schedule", "warmup_steps", "min_lr_ratio", "weight_decay",
+                    "max_grad_norm", "input_dropout")
+TRAJECTORY_DATA = ("source", "path", "format", "response_only", "rows", "min_chars", "max_chars", "max_seq_len",
+                   "tokenizer", "order", "streaming", "eval_rows", "eval_path")
+GLOBAL_HISTORY = ("losses", "grad_norms", "learning_rates", "tok_s_global", "tokens_global_per_step")
+LOCAL_HISTORY = ("tokens_local_per_step", "tok_s_local", "step_times_s")
+# Every draw is keyed by the seed (no generator carries state between steps), so the seed and
+# the step restore them all.
+RNG_KEYS = {"train rows": "[seed, 1]", "eval rows": "[seed, 4]", "batch plan": "[seed, 2]",
+            "epoch order": "[seed, 3, epoch]", "input dropout": "[seed, step, row, 5]", "init": "key(seed)"}
+
+
+def fingerprint(s: Scenario) -> dict[str, Any]:
+    """The settings that decide the training trajectory."""
+    return {
+        "model": dataclasses.asdict(s.model),
+        "global_batch": s.train.global_batch,
+        **{f"train.{k}": getattr(s.train, k) for k in TRAJECTORY_TRAIN},
+        **{f"data.{k}": getattr(s.data, k) for k in TRAJECTORY_DATA},
+    }
+
+
+def check_fits(state: dict[str, Any], s: Scenario, where: str) -> None:
+    """Refuse a checkpoint this run cannot continue exactly; ``where`` names its trainer.json."""
+    if state.get("format") != FORMAT:
+        raise CheckpointError(f"{where}: format {state.get('format')!r}, expected {FORMAT}")
+    then, now = state["fingerprint"], fingerprint(s)
+    gb_then, gb_now = then.get("global_batch"), now["global_batch"]
+    if gb_then != gb_now:
+        raise CheckpointError(
+            f"{where}: made with global_batch {gb_then}, this run has {gb_now}; refusing to resume, because "
+            f"the remaining steps would see different rows and the per-step update would change "
+            f"(resume with global_batch = {gb_then}; the world size and grad_accum may change)")
+    for key in sorted(set(then) | set(now)):
+        if then.get(key) != now.get(key):
+            raise CheckpointError(f"{where}: made with {key} = {then.get(key)!r}, this run has {now.get(key)!r}; "
+                                  f"refusing to resume a different training run")
+
+
+def trainer_state(t: Any, step: int, by_rank: list[list[float]]) -> dict[str, Any]:
+    """The trainer's state after optimizer step ``step`` (``by_rank``: every rank's local history)."""
+    k = len(t.history["losses"])
+    per_rank = [{key: row[i * k:(i + 1) * k] for i, key in enumerate(LOCAL_HISTORY)} for row in by_rank]
+    train = t.data.train
+    batches = len(train.plan.batches) if hasattr(train, "plan") else None
+    return {
+        "format": FORMAT,
+        "step": step,
+        "seed": t.s.seed,
+        "rng": {"seed": t.s.seed, "streams": RNG_KEYS},
+        "data": {"next_step": step + 1, "rows_consumed": step * t.spec.global_batch, "batches_per_epoch": batches,
+                 "epoch": step // batches if batches else None,
+                 "batch_in_epoch": step % batches if batches else None,
+                 "rows_total": getattr(train, "total_rows", None)},
+        "made_with": {"world_size": t.N, "global_batch": t.spec.global_batch, "grad_accum": t.spec.grad_accum,
+                      "compile": t.spec.compile},
+        "fingerprint": fingerprint(t.s),
+        "tokens": {"global": t.tokens_global, "unattributed": t.tokens_unattributed,
+                   "local_by_rank": [int(sum(r["tokens_local_per_step"])) for r in per_rank]},
+        "history": {key: t.history[key] for key in GLOBAL_HISTORY},
+        "history_by_rank": per_rank,
+        "evals": [{key: e[key] for key in ("step", "loss", "ppl", "tokens")} for e in t.evals],
+        "digests": {str(s): d for s, d in t.digests.items()},
+        "compile": {"mode": t.spec.compile, "scope": t.runner.scope, "fallback_reason": t.runner.fallback_reason},
+        "train_time_s": t.train_time_before + t.train_clock(),
+        "segments": [*t.segments, {"steps": [t.start_step, step], "world_size": t.N}],
+    }
+
+
+def restore(t: Any, state: dict[str, Any]) -> dict[str, Any]:
+    """Put a checkpoint's trainer state into trainer ``t``; returns what the result reports."""
+    made = state["made_with"]
+    same_world = made["world_size"] == t.N
+    for key in GLOBAL_HISTORY:
+        t.history[key] = list(state["history"][key])
+    if same_world:
+        mine = state["history_by_rank"][t.ctx.rank]
+        for key in LOCAL_HISTORY:
+            t.history[key] = list(mine[key])
+    else:  # no rank of this run did the earlier steps: no local work, rank 0's step times
+        k = len(t.history["losses"])
+        t.history["tokens_local_per_step"], t.history["tok_s_local"] = [0] * k, [0.0] * k
+        t.history["step_times_s"] = list(state["history_by_rank"][0]["step_times_s"])
+    t.tokens_global = state["tokens"]["global"]
+    if same_world:
+        t.tokens_local = state["tokens"]["local_by_rank"][t.ctx.rank]
+        t.tokens_unattributed = state["tokens"]["unattributed"]
+    else:  # the earlier ranks' shares do not map onto this run's ranks
+        t.tokens_local, t.tokens_unattributed = 0, state["tokens"]["global"]
+    t.evals = [dict(e) for e in state["evals"]]
+    t.digests = {int(s): d for s, d in state["digests"].items()}
+    compile_state = state["compile"]
+    if compile_state["fallback_reason"] and compile_state["mode"] == t.spec.compile:
+        t.runner.fall_back(f"{compile_state['fallback_reason']} (before the checkpoint of step {state['step']})")
+    t.train_time_before = state["train_time_s"]
+    t.segments = state["segments"]
+    return {"step": state["step"], "seed_checkpoint": state["seed"], "made_with": made,
+            "world_size_changed": not same_world, "local_tokens_restored": same_world}
+
+
+def write_checkpoint(t: Any, step: int) -> None:
+    """Rank 0 writes a checkpoint of trainer ``t`` at step ``step``; every rank agrees that it worked."""
+    from mlx.utils import tree_flatten
+
+    ctx = t.ctx
+    by_rank = t.coord.gather([v for key in LOCAL_HISTORY for v in t.history[key]])
+
+    def write() -> dict[str, Any]:
+        damage = []
+
+        def between(name: str) -> None:  # a kill here leaves a partial checkpoint behind
+            if name == checkpoint.MODEL and (f := ctx.maybe_fault("checkpoint", step)) is not None:
+                damage.append(f)
+
+        info = checkpoint.write(t.ckpt_root, step, dict(tree_flatten(t.model.parameters())),
+                                dict(tree_flatten(t.optimizer.state)), trainer_state(t, step, by_rank),
+                                t.spec.keep_last, between)
+        for f in damage:  # storage failing after the checkpoint was complete
+            checkpoint.damage(Path(info["path"]) / f.file, f.action)
+            info["damaged"] = f"{f.file} ({f.action})"
+        return info
+
+    def attempt() -> dict[str, Any] | None:
+        if not ctx.is_main:
+            ctx.maybe_fault("checkpoint", step)
+        return t.effects.checkpoint(write)
+
+    info = t.coord.attempt("checkpoint", step, attempt)
+    t.coord.agree()
+    t.last_checkpoint = step
+    if info is not None:
+        t.checkpoints.append(info)
+    ctx.events.emit("checkpoint", step=step, rank=ctx.rank, **({"bytes": info["bytes"]} if info else {}))
+
+
+def open_checkpoint(t: Any) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """Find, agree on and verify the checkpoint to resume from, on every rank."""
+    ctx, coord = t.ctx, t.coord
+    ctx.phase("resume")
+    source, wanted = Path(ctx.job["resume"]["from"]), ctx.job["resume"].get("step")
+
+    def find() -> checkpoint.Checkpoint:
+        ck = checkpoint.resolve(source, wanted)
+        if ctx.maybe_fault("resume", ck.step) is not None:  # stale_view
+            ck = checkpoint.resolve(source, None, hide_newest=True)
+        return ck
+
+    ck = coord.attempt("resume", 0, find)
+    coord.agree()
+    seen = coord.exchange(ck.identity)
+    if len(set(seen)) > 1:
+        raise AgreedStop("ranks resolved different checkpoints (every rank must see the same files): "
+                         + "; ".join(f"rank {r}: {text}" for r, text in enumerate(seen)))
+
+    def read() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+        checkpoint.verify(ck)
+        params, opt, state = checkpoint.read(ck)
+        check_fits(state, t.s, str(ck.path / checkpoint.TRAINER))
+        return params, opt, state
+
+    loaded = coord.attempt("resume", ck.step, read)
+    coord.agree()
+    t.resumed = {"from": str(ck.path), "identity": ck.identity, "skipped_partials": ck.skipped_partials,
+                 "seed_scenario": t.s.seed}
+    t.s = dataclasses.replace(t.s, seed=loaded[2]["seed"])  # every draw continues as before
+    return loaded
+
+
+def restore_checkpoint(t: Any, params: dict[str, Any], opt: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
+    """Load a verified checkpoint into ``t``'s model (names and shapes must fit), optimizer state
+    (in place: compiled steps hold it) and trainer state."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    where = Path(t.resumed["from"])
+    try:
+        t.model.load_weights(list(params.items()), strict=True)
+    except ValueError as e:
+        raise CheckpointError(f"{where / checkpoint.MODEL}: does not fit the model ({e})") from e
+    have = {k: v.shape for k, v in tree_flatten(t.optimizer.state)}
+    got = {k: v.shape for k, v in opt.items()}
+    if have != got:
+        diff = sorted(set(have) ^ set(got)) or sorted(k for k in have if have[k] != got[k])
+        raise CheckpointError(f"{where / checkpoint.OPTIMIZER}: does not fit the optimizer (at {diff[0]})")
+    restore_in_place(t.optimizer.state, tree_unflatten(list(opt.items())))
+    mx.eval(t.model.parameters(), t.optimizer.state)
+    return restore(t, state)
