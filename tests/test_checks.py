@@ -144,3 +144,30 @@ def test_expected_failure_passes_only_on_the_expected_message() -> None:
     run.ok, run.failure = False, "rank 1 failed while fetching a batch at step 2: boom"
     assert expected_failure(run, "rank 1 failed while fetching").passed
     assert not expected_failure(run, "rank 0 failed").passed
+
+
+def test_resume_checks_fail_on_doctored_accounting_and_disagreeing_ranks() -> None:
+    from harness.judge.resume_checks import resume_accounting, resume_source
+
+    full = _run("full2", 2, [3.0, 2.0, 1.5], ["a", "a"])
+    source = _run("part2", 2, [3.0], ["a", "a"])
+    resumed = _run("resumed2", 2, [3.0, 2.0, 1.5], ["a", "a"])
+    for o in resumed.ranks:
+        o.result["resume"] = {"step": 1, "identity": "step-00000001 manifest sha256 ab", "seed_scenario": 9,
+                              "seed_checkpoint": 1, "skipped_partials": []}
+    source.ranks[0].result["tok_s_global"] = [1.0]
+    assert resume_accounting(resumed, full, source, 3.0).passed
+    spec = RunSpec("resumed2", 2, resume_from="part2", expect_resume_step=1)
+    assert resume_source(resumed, spec).passed
+
+    source.ranks[0].result["tok_s_global"] = [7.0]  # re-measured instead of restored
+    bad = resume_accounting(resumed, full, source, 3.0)
+    assert not bad.passed and "restored tok/s of steps 1-1 differ from part2's" in bad.detail
+    slow = _run("resumed2", 2, [3.0, 2.0, 1.5], ["a", "a"], tokens=[50, 49])
+    for o in slow.ranks:
+        o.result["tok_s_global"] = [0.1, 0.2, 0.3]
+    bad = resume_accounting(slow, full, None, 3.0)
+    assert not bad.passed and "tokens_global differs" in bad.detail and bad.value == 0.1
+    resumed.ranks[1].result["resume"] = {**resumed.ranks[0].result["resume"], "identity": "step-2", "step": 2}
+    bad = resume_source(resumed, spec)
+    assert not bad.passed and "ranks resumed from different checkpoints" in bad.detail

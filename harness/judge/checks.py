@@ -99,8 +99,9 @@ def token_accounting(run: RunOutcome, ref: RunOutcome | None) -> Check:
     ok = len(glob) == 1 and local == next(iter(glob))
     detail = f"sum of rank tokens {local}, global {sorted(glob)}"
     if ref is not None and ref is not run:
-        steps = int(results[0].get("steps", 0))
-        ref_tokens = sum(ref.result().get("tokens_global_per_step", [])[:steps])
+        steps, per_step = results[0].get("steps"), ref.result().get("tokens_global_per_step") or []
+        early = steps is not None and steps < len(per_step)  # a run stopped early: the reference's first steps
+        ref_tokens = sum(per_step[:steps]) if early else int(ref.result().get("tokens_global", -1))
         ok = ok and ref_tokens in glob
         detail += f", {ref.name} {ref_tokens}"
     return Check("token_accounting", run.name, ok, local, next(iter(glob)) if len(glob) == 1 else None, detail)
