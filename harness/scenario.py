@@ -132,7 +132,8 @@ class CheckSpec:
     (uneven row lengths and padding rows need the slack).
 
     ``resume_tolerance``: max |delta| of losses and parameters between a resumed run and the run
-    it must reproduce when both have the same world size (0: bitwise); across world sizes the
+    it must reproduce when both have the same world size (0: bitwise); on a GPU, whose kernels
+    are not run-to-run deterministic, ``resume_tolerance_gpu`` instead; across world sizes the
     parity tolerances apply. ``resume_tok_s_factor``: the resumed run's median tok/s must be
     within this factor of that run's.
     """
@@ -147,6 +148,7 @@ class CheckSpec:
     eval_tolerance: float = 1e-5
     data_share_slack: float = 0.5
     resume_tolerance: float = 0.0
+    resume_tolerance_gpu: float = 3e-4
     resume_tok_s_factor: float = 3.0
 
 
@@ -399,7 +401,8 @@ def _validate(s: Scenario, src: str) -> None:
     ref = s.checks.reference
     _require(ref is None or ref in names, src, "[checks].reference",
              f"{ref!r} is not a run name ({', '.join(names)})")
-    for key in ("loss_tolerance", "param_tolerance", "eval_tolerance", "data_share_slack"):
+    for key in ("loss_tolerance", "param_tolerance", "eval_tolerance", "data_share_slack", "resume_tolerance",
+                "resume_tolerance_gpu"):
         _require(getattr(s.checks, key) >= 0, src, f"[checks].{key}", "must be >= 0")
     _require(s.limits.wall_s > 0 and s.limits.no_progress_s > 0, src, "[limits]",
              "limits must be positive")

@@ -10,13 +10,16 @@ from harness.scenario import RunSpec, Scenario
 
 def resume_parity(run: RunOutcome, target: RunOutcome, s: Scenario) -> list[Check]:
     """Per-step losses, final parameters and eval losses vs ``target``: bitwise (or the scenario's
-    ``resume_tolerance``) at the same world size and compile mode, else the parity tolerances."""
+    ``resume_tolerance``; ``resume_tolerance_gpu`` on a GPU) at the same world size and compile
+    mode, else the parity tolerances."""
     c = s.checks
     same = run.world_size == target.world_size and (
         s.for_run(s.run(run.name)).train.compile == s.for_run(s.run(target.name)).train.compile)
-    loss_tol = c.resume_tolerance if same else c.loss_tolerance
-    param_tol = c.resume_tolerance if same else c.param_tolerance
-    eval_tol = c.resume_tolerance if same else c.eval_tolerance
+    gpu = any("gpu" in str((o.result or {}).get("device", "")) for o in (*run.ranks, *target.ranks))
+    exact = c.resume_tolerance_gpu if gpu else c.resume_tolerance
+    loss_tol = exact if same else c.loss_tolerance
+    param_tol = exact if same else c.param_tolerance
+    eval_tol = exact if same else c.eval_tolerance
     out = [loss_parity(run, target, loss_tol, "resume_loss_parity"),
            param_parity(run, target, param_tol, "resume_param_parity")]
     if run.result().get("evals") or target.result().get("evals"):
