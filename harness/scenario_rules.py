@@ -1,0 +1,142 @@
+"""The rules a scenario must satisfy beyond key names and types: value ranges, which keys go
+together, and what each run may refer to. Every violation is a ``ScenarioError`` naming the
+file and the key."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from harness.scenario import (
+    ARCHS,
+    BACKENDS,
+    CHECKPOINT_FILES,
+    COMPILE_MODES,
+    COMPILE_SCOPES,
+    DAMAGE_ACTIONS,
+    DATA_FORMATS,
+    DTYPES,
+    FAULT_ACTIONS,
+    FAULT_PHASES,
+    LR_SCHEDULES,
+    ORDERS,
+    DataSpec,
+    FaultSpec,
+    RunSpec,
+    Scenario,
+    TrainSpec,
+    require,
+    writes_checkpoints,
+)
+
+
+def _one_of(value: Any, allowed: tuple[str, ...], src: str, key: str) -> None:
+    require(value in allowed, src, key, f"must be one of {allowed}, got {value!r}")
+
+
+def _validate_data(d: DataSpec, src: str, where: str) -> None:
+    _one_of(d.source, ("generated", "jsonl"), src, f"{where}.source")
+    _one_of(d.format, DATA_FORMATS, src, f"{where}.format")
+    _one_of(d.order, ORDERS, src, f"{where}.order")
+    require(d.source != "jsonl" or d.path is not None, src, f"{where}.path", "required when source = 'jsonl'")
+    for key in ("rows", "min_chars", "max_chars", "max_seq_len"):
+        require(getattr(d, key) > 0, src, f"{where}.{key}", "must be positive")
+    require(d.max_seq_len >= 2, src, f"{where}.max_seq_len", "must be at least 2")
+    require(d.min_chars <= d.max_chars, src, f"{where}.min_chars", "must not exceed max_chars")
+    require(d.eval_rows >= 0, src, f"{where}.eval_rows", "must be >= 0")
+    require(not d.streaming or d.order == "ordered", src, f"{where}.order",
+             "a streaming source is read in order: use order = 'ordered'")
+
+
+def _validate_train(t: TrainSpec, d: DataSpec, src: str, where: str) -> None:
+    require(t.steps > 0, src, f"{where}.steps", "must be positive")
+    require(t.global_batch > 0, src, f"{where}.global_batch", "must be positive")
+    require(t.grad_accum >= 1, src, f"{where}.grad_accum", "must be >= 1")
+    require(t.global_batch % t.grad_accum == 0, src, f"{where}.grad_accum",
+             f"global_batch {t.global_batch} does not divide into {t.grad_accum} micro-steps")
+    require(t.learning_rate > 0, src, f"{where}.learning_rate", "must be positive")
+    _one_of(t.lr_schedule, LR_SCHEDULES, src, f"{where}.lr_schedule")
+    require(0 <= t.warmup_steps <= t.steps, src, f"{where}.warmup_steps", "must be between 0 and steps")
+    require(0 <= t.min_lr_ratio <= 1, src, f"{where}.min_lr_ratio", "must be between 0 and 1")
+    require(t.max_grad_norm >= 0, src, f"{where}.max_grad_norm", "must be >= 0 (0: no clipping)")
+    require(0 <= t.input_dropout < 1, src, f"{where}.input_dropout", "must be in [0, 1)")
+    _one_of(t.compile, COMPILE_MODES, src, f"{where}.compile")
+    require(t.digest_every >= 0, src, f"{where}.digest_every", "must be >= 0")
+    require(t.eval_every >= 0, src, f"{where}.eval_every", "must be >= 0")
+    require(t.eval_batch >= 1, src, f"{where}.eval_batch", "must be >= 1")
+    require(t.checkpoint_every >= 0, src, f"{where}.checkpoint_every", "must be >= 0 (0: no periodic checkpoints)")
+    require(t.keep_last >= 0, src, f"{where}.keep_last", "must be >= 0 (0: keep every checkpoint)")
+    require(t.eval_every == 0 or d.eval_rows > 0 or d.eval_path is not None, src, f"{where}.eval_every",
+             "needs eval rows: set [data].eval_rows or [data].eval_path")
+
+
+def _validate_resume(s: Scenario, i: int, r: RunSpec, names: list[str], src: str) -> None:
+    where = f"[[runs]][{i}]"
+    steps = s.for_run(r).train.steps
+    require(r.seed is None or r.seed >= 0, src, f"{where}.seed", "must be a non-negative integer")
+    require(r.stop_after is None or 1 <= r.stop_after < steps, src, f"{where}.stop_after",
+             f"must be between 1 and {steps - 1} (the run's steps - 1)")
+    if r.resume_from in names:
+        j = names.index(r.resume_from)
+        require(j < i, src, f"{where}.resume_from", f"run {r.resume_from!r} must come before this run")
+        require(writes_checkpoints(s, s.runs[j]), src, f"{where}.resume_from",
+                 f"run {r.resume_from!r} writes no checkpoints (set checkpoint_every or stop_after)")
+    for key in ("resume_step", "expect_resume_step"):
+        value = getattr(r, key)
+        require(value is None or r.resume_from is not None, src, f"{where}.{key}", "needs resume_from")
+        require(value is None or 1 <= value < steps, src, f"{where}.{key}", f"must be between 1 and {steps - 1}")
+    require(r.compare_to is None or (r.compare_to in names and r.compare_to != r.name), src,
+             f"{where}.compare_to", f"{r.compare_to!r} is not another run's name ({', '.join(names)})")
+
+
+def _validate_fault(f: FaultSpec, where: str, src: str) -> None:
+    _one_of(f.action, FAULT_ACTIONS, src, f"{where}.action")
+    _one_of(f.phase, FAULT_PHASES, src, f"{where}.phase")
+    _one_of(f.file, CHECKPOINT_FILES, src, f"{where}.file")
+    require(f.action != "stop" or f.phase in ("step", "eval"), src, f"{where}.phase",
+             "a stop is requested after a step or after eval: use phase 'step' or 'eval'")
+    require(f.action != "compile_error" or f.phase == "step", src, f"{where}.phase",
+             "compile_error happens in the step phase")
+    require(f.action not in DAMAGE_ACTIONS or f.phase == "checkpoint", src, f"{where}.phase",
+             f"{f.action} damages a checkpoint just written: use phase 'checkpoint'")
+    require(f.action != "stale_view" or f.phase == "resume", src, f"{where}.phase",
+             "stale_view happens while resuming: use phase 'resume'")
+
+
+def validate(s: Scenario, src: str) -> None:
+    """Check every rule; the first violation raises ``ScenarioError``."""
+    _one_of(s.model.arch, ARCHS, src, "[model].arch")
+    _one_of(s.model.dtype, DTYPES, src, "[model].dtype")
+    _validate_data(s.data, src, "[data]")
+    _validate_train(s.train, s.data, src, "[train]")
+    require(len(s.runs) > 0, src, "[[runs]]", "at least one run is required")
+    names = [r.name for r in s.runs]
+    require(len(set(names)) == len(names), src, "[[runs]].name", "run names must be unique")
+    for i, r in enumerate(s.runs):
+        where = f"[[runs]][{i}]"
+        key = f"{where}.world_size"
+        require(r.world_size >= 1, src, key, f"must be >= 1, got {r.world_size}")
+        require(r.backend is None or r.backend in BACKENDS, src, f"{where}.backend", f"must be one of {BACKENDS}")
+        require(r.expect_compile_scope is None or r.expect_compile_scope in COMPILE_SCOPES, src,
+                 f"{where}.expect_compile_scope", f"must be one of {COMPILE_SCOPES}")
+        eff = s.for_run(r)
+        _validate_data(eff.data, src, f"{where}.data")
+        _validate_train(eff.train, eff.data, src, f"{where}.train")
+        micro = eff.train.global_batch // eff.train.grad_accum
+        require(r.world_size <= micro, src, key,
+                 f"{r.world_size} exceeds the {micro} rows of each micro-step "
+                 f"([train].global_batch / grad_accum): a rank would get no rows")
+        _validate_resume(s, i, r, names, src)
+    ref = s.checks.reference
+    require(ref is None or ref in names, src, "[checks].reference",
+             f"{ref!r} is not a run name ({', '.join(names)})")
+    for key in ("loss_tolerance", "param_tolerance", "eval_tolerance", "data_share_slack", "resume_tolerance",
+                "resume_tolerance_gpu"):
+        require(getattr(s.checks, key) >= 0, src, f"[checks].{key}", "must be >= 0")
+    require(s.limits.wall_s > 0 and s.limits.no_progress_s > 0, src, "[limits]",
+             "limits must be positive")
+    for i, f in enumerate(s.faults):
+        _validate_fault(f, f"[[faults]][{i}]", src)
+        require(f.step >= 1, src, f"[[faults]][{i}].step", "must be >= 1")
+        require(f.rank >= 0, src, f"[[faults]][{i}].rank", "must be >= 0")
+        unknown = [n for n in f.runs if n not in names]
+        require(not unknown, src, f"[[faults]][{i}].runs", f"unknown run names {unknown}")
