@@ -73,6 +73,10 @@ def streaming(runs: dict, checks: dict, out: Path) -> None:
         data = runs[name]["data"]
         assert all(d["streaming"] and d["rows_held"] is None for d in data)
         assert all(d["bytes_held"] < whole / 2 for d in data)  # two global batches at most, not the dataset
+    _bitwise_resume(runs, checks, "stream2_resumed", "stream2", 6)
+    # the resumed ranks read past the trained batches: they read the same rows as the uninterrupted run
+    read = [[d["rows_read"] for d in runs[n]["data"]] for n in ("stream2_resumed", "stream2")]
+    assert read[0] == read[1]
 
 
 def response_only(runs: dict, checks: dict, out: Path) -> None:
@@ -95,7 +99,8 @@ def chat_jsonl(runs: dict, checks: dict, out: Path) -> None:
 
 
 def _bitwise_resume(runs: dict, checks: dict, resumed: str, full: str, step: int) -> None:
-    for name in ("resume_loss_parity", "resume_param_parity", "resume_eval_parity"):
+    names = ["resume_loss_parity", "resume_param_parity"] + (["resume_eval_parity"] if runs[full]["evals"] else [])
+    for name in names:
         assert checks[(name, resumed)]["value"] == 0.0 and checks[(name, resumed)]["limit"] == 0.0
     a, b = runs[resumed], runs[full]
     for key in ("losses", "final_digest", "evals", "tokens_global", "tokens_global_per_step", "grad_norms",
