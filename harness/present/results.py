@@ -42,6 +42,7 @@ def run_summary(run: RunOutcome, s: Scenario, ref: RunOutcome | None) -> dict[st
         "artifacts": str(run.artifacts) if run.artifacts else None,
         "expect_error": s.run(run.name).expect_error,
         "resume_from": s.run(run.name).resume_from,
+        "compare_to": s.run(run.name).compare_to,
     }
     if not run.ok:
         return out

@@ -85,13 +85,12 @@ def resume_rows(scenario: dict[str, Any]) -> list[list[Any]]:
             c = checks.get((run, name))
             return "-" if c is None else _fmt(c["value"]) + ("" if c["passed"] else " FAIL")
 
-        target = checks.get((r["name"], "resume_loss_parity"), {}).get("detail", "").split(":")[0].removeprefix("vs ")
         restored = info["step"]
         rows.append([
             r["name"], r["world_size"], f"{r.get('resume_from')} @ step {restored}",
             f"{info.get('seed_scenario')} -> {r.get('seed_used')}", f"{restored} + {r['steps'] - restored}",
             r["tokens_global"], value("resume_loss_parity"), value("resume_param_parity"),
-            value("resume_accounting"), target or "-",
+            value("resume_accounting"), r.get("compare_to") or "-",
         ])
     return rows
 

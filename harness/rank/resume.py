@@ -101,19 +101,17 @@ def restore(t: Any, state: dict[str, Any]) -> dict[str, Any]:
     same_world = made["world_size"] == t.N
     for key in GLOBAL_HISTORY:
         t.history[key] = list(state["history"][key])
+    t.tokens_global = state["tokens"]["global"]
     if same_world:
         mine = state["history_by_rank"][t.ctx.rank]
         for key in LOCAL_HISTORY:
             t.history[key] = list(mine[key])
-    else:  # no rank of this run did the earlier steps: no local work, rank 0's step times
+        t.tokens_local = state["tokens"]["local_by_rank"][t.ctx.rank]
+        t.tokens_unattributed = state["tokens"]["unattributed"]
+    else:  # the earlier ranks' shares do not map onto this run's ranks: no local work, rank 0's step times
         k = len(t.history["losses"])
         t.history["tokens_local_per_step"], t.history["tok_s_local"] = [0] * k, [0.0] * k
         t.history["step_times_s"] = list(state["history_by_rank"][0]["step_times_s"])
-    t.tokens_global = state["tokens"]["global"]
-    if same_world:
-        t.tokens_local = state["tokens"]["local_by_rank"][t.ctx.rank]
-        t.tokens_unattributed = state["tokens"]["unattributed"]
-    else:  # the earlier ranks' shares do not map onto this run's ranks
         t.tokens_local, t.tokens_unattributed = 0, state["tokens"]["global"]
     t.evals = [dict(e) for e in state["evals"]]
     t.digests = {int(s): d for s, d in state["digests"].items()}
