@@ -11,7 +11,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-ARCHS = ("qwen3", "llama")
+TEXT_ARCHS = ("qwen3", "llama")
+VLM_ARCHS = ("qwen2_vl", "paligemma")
+ARCHS = TEXT_ARCHS + VLM_ARCHS
 DTYPES = ("float32", "bfloat16", "float16")
 BACKENDS = ("ring", "nccl", "mpi", "jaccl")
 FAULT_ACTIONS = ("raise", "exit", "sigkill", "segfault", "hang", "exit0", "stop", "compile_error",
@@ -32,17 +34,26 @@ class ScenarioError(ValueError):
 
 @dataclass
 class ModelSpec:
-    """The model: an mlx-lm architecture with seeded random weights, or a local model dir."""
+    """The model: an mlx-lm (text) or mlx-vlm (vision-language) architecture with seeded random
+    weights, or a local model dir. ``config`` overrides keys of the tiny default config (for a VLM,
+    ``vision_config`` / ``text_config`` tables update those sections key by key)."""
 
     arch: str = "qwen3"
     path: str | None = None
     dtype: str = "float32"
     config: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def vision(self) -> bool:
+        return self.arch in VLM_ARCHS
+
 
 @dataclass
 class DataSpec:
-    """Training and eval rows: the built-in generated corpus, or local JSONL rows.
+    """Training and eval rows: the built-in generated corpus, generated captioned images
+    (``images``, drawn at ``image_size`` pixels), or local JSONL rows (text rows, or image rows
+    ``{"image": path, "caption" | "messages"}`` for a VLM; larger images are scaled to fit
+    ``image_size``).
 
     ``format`` is the row form: ``text`` (``{"text"}``), ``prompt_completion``
     (``{"prompt", "completion"}``) or ``chat`` (``{"messages": [{"role", "content"}]}``); ``auto``
@@ -63,6 +74,7 @@ class DataSpec:
     streaming: bool = False
     eval_rows: int = 0
     eval_path: str | None = None
+    image_size: int = 56
 
 
 @dataclass
@@ -96,7 +108,8 @@ class RunSpec:
 
     ``train`` and ``data`` override keys of the scenario's sections for this run only (for
     example ``train = { compile = "strict" }``). ``expect_error`` makes the run an expected
-    failure: it passes when the run fails with a message containing that text.
+    failure: it passes when the run fails with a message containing that text (with
+    ``expect_error_on_every_rank``, when every rank's own error contains it).
     ``expect_compile_scope`` and ``expect_stop_step`` are what every rank must report.
 
     Resume: ``stop_after`` ends the run cleanly after that step of its plan, with a checkpoint.
@@ -113,6 +126,7 @@ class RunSpec:
     train: dict[str, Any] = field(default_factory=dict)
     data: dict[str, Any] = field(default_factory=dict)
     expect_error: str | None = None
+    expect_error_on_every_rank: bool = False
     expect_compile_scope: str | None = None
     expect_stop_step: int | None = None
     seed: int | None = None
@@ -136,6 +150,11 @@ class CheckSpec:
     are not run-to-run deterministic, ``resume_tolerance_gpu`` instead; across world sizes the
     parity tolerances apply. ``resume_tok_s_factor``: the resumed run's median tok/s must be
     within this factor of that run's.
+
+    ``expected_failures``: check name -> the reason it is known to fail (for example a model
+    whose forward depends on how a batch is split). Such a check still runs and reports its
+    measured value; failing is then "xfail" and does not fail the scenario, passing is an
+    unexpected pass ("XPASS"), which does: the known problem is gone, so the marker must go too.
     """
 
     reference: str | None = None
@@ -150,6 +169,7 @@ class CheckSpec:
     resume_tolerance: float = 0.0
     resume_tolerance_gpu: float = 3e-4
     resume_tok_s_factor: float = 3.0
+    expected_failures: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

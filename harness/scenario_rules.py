@@ -19,6 +19,7 @@ from harness.scenario import (
     FAULT_PHASES,
     LR_SCHEDULES,
     ORDERS,
+    VLM_ARCHS,
     DataSpec,
     FaultSpec,
     RunSpec,
@@ -33,8 +34,13 @@ def _one_of(value: Any, allowed: tuple[str, ...], src: str, key: str) -> None:
     require(value in allowed, src, key, f"must be one of {allowed}, got {value!r}")
 
 
-def _validate_data(d: DataSpec, src: str, where: str) -> None:
-    _one_of(d.source, ("generated", "jsonl"), src, f"{where}.source")
+def _validate_data(d: DataSpec, src: str, where: str, vision: bool) -> None:
+    _one_of(d.source, ("generated", "jsonl", "images"), src, f"{where}.source")
+    require(vision or d.source != "images", src, f"{where}.source",
+             f"'images' needs a vision-language [model].arch {VLM_ARCHS}")
+    require(not vision or d.source != "generated", src, f"{where}.source",
+             "a vision-language model trains on image rows: use 'images' (generated) or 'jsonl' (local image rows)")
+    require(d.image_size >= 28, src, f"{where}.image_size", "must be at least 28 pixels")
     _one_of(d.format, DATA_FORMATS, src, f"{where}.format")
     _one_of(d.order, ORDERS, src, f"{where}.order")
     require(d.source != "jsonl" or d.path is not None, src, f"{where}.path", "required when source = 'jsonl'")
@@ -106,7 +112,8 @@ def validate(s: Scenario, src: str) -> None:
     """Check every rule; the first violation raises ``ScenarioError``."""
     _one_of(s.model.arch, ARCHS, src, "[model].arch")
     _one_of(s.model.dtype, DTYPES, src, "[model].dtype")
-    _validate_data(s.data, src, "[data]")
+    vision = s.model.vision
+    _validate_data(s.data, src, "[data]", vision)
     _validate_train(s.train, s.data, src, "[train]")
     require(len(s.runs) > 0, src, "[[runs]]", "at least one run is required")
     names = [r.name for r in s.runs]
@@ -119,7 +126,7 @@ def validate(s: Scenario, src: str) -> None:
         require(r.expect_compile_scope is None or r.expect_compile_scope in COMPILE_SCOPES, src,
                  f"{where}.expect_compile_scope", f"must be one of {COMPILE_SCOPES}")
         eff = s.for_run(r)
-        _validate_data(eff.data, src, f"{where}.data")
+        _validate_data(eff.data, src, f"{where}.data", vision)
         _validate_train(eff.train, eff.data, src, f"{where}.train")
         micro = eff.train.global_batch // eff.train.grad_accum
         require(r.world_size <= micro, src, key,
@@ -132,6 +139,13 @@ def validate(s: Scenario, src: str) -> None:
     for key in ("loss_tolerance", "param_tolerance", "eval_tolerance", "data_share_slack", "resume_tolerance",
                 "resume_tolerance_gpu"):
         require(getattr(s.checks, key) >= 0, src, f"[checks].{key}", "must be >= 0")
+    from harness.judge.checks import CHECK_NAMES
+
+    for key, reason in s.checks.expected_failures.items():
+        require(key in CHECK_NAMES, src, f"[checks].expected_failures.{key}",
+                 f"unknown check (known: {', '.join(CHECK_NAMES)})")
+        require(isinstance(reason, str) and reason.strip() != "", src, f"[checks].expected_failures.{key}",
+                 "give the reason the check is expected to fail, as a string")
     require(s.limits.wall_s > 0 and s.limits.no_progress_s > 0, src, "[limits]",
              "limits must be positive")
     for i, f in enumerate(s.faults):

@@ -101,7 +101,7 @@ def test_presharded_sources_are_rejected() -> None:
 def test_eval_share_pads_short_ranks_with_zero_token_rows() -> None:
     spec = DataSpec(eval_rows=5)
     source, enc = row_source(spec, 1, "eval"), Encoder(TOK, spec)
-    shares = [eval_share(source, enc, 2, r, 2, TOK.pad_id) for r in range(2)]
+    shares = [eval_share(source, enc, 2, r, 2) for r in range(2)]
     assert [(s.real_rows, s.pad_rows) for s in shares] == [(3, 0), (2, 1)]
     assert [len(b) for b in shares[1].batches] == [2, 1]
     assert collate(shares[1].batches[1], TOK.pad_id).tokens == 0

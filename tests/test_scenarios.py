@@ -156,9 +156,70 @@ def resume_validation(runs: dict, checks: dict, out: Path) -> None:
     assert lines[1].startswith("rank 0: a peer rank failed: rank 1 failed while resuming")
 
 
+def _learns(run: dict) -> None:
+    assert run["losses"][-1] < 0.85 * run["losses"][0]  # captions describe the images: the loss falls
+
+
+def vlm_parity(runs: dict, checks: dict, out: Path) -> None:
+    for name in ("single", "ddp2", "ddp4"):
+        r = runs[name]
+        _learns(r)
+        assert r["images_global"] == 16 * 8 and r["median_img_s"] > 0 and r["vision"]["arch"] == "qwen2_vl"
+        assert r["vision"]["image_token_counts"] == [4]  # 56 x 56: a 4 x 4 patch grid merged 2 x 2
+    for name in ("ddp2", "ddp4"):
+        for check in ("loss_parity", "param_parity", "eval_parity", "replica_consistency", "memory_rss_per_rank_mb",
+                      "memory_mlx_total_mb"):
+            assert checks[(check, name)]["result"] == "pass", check
+    # 13 eval rows over 4 ranks: 4/3/3/3, the short ranks pad with a row of no image and no target
+    assert [d["eval_pad_rows_local"] for d in runs["ddp4"]["data"]] == [0, 1, 1, 1]
+    assert "Post-step-1 median img/s" in (out / "report.md").read_text()
+
+
+def vlm_local_rows(runs: dict, checks: dict, out: Path) -> None:
+    counts = runs["single"]["vision"]["image_token_counts"]
+    assert len(counts) > 1  # images of different sizes: different patch grids in the same batches
+    assert checks[("eval_parity", "ddp2")]["passed"] and checks[("loss_parity", "ddp2")]["value"] <= 1e-5
+    _learns(runs["single"])
+
+
+def vlm_local_chat(runs: dict, checks: dict, out: Path) -> None:
+    assert checks[("loss_parity", "ddp2")]["value"] <= 1e-5 and runs["single"]["tokens_global"] > 0
+    _learns(runs["single"])
+
+
+def vlm_compile(runs: dict, checks: dict, out: Path) -> None:
+    for name in ("best_effort1", "best_effort2"):
+        assert checks[("compile_scope", name)]["value"] == "fallback-eager"
+        reason = runs[name]["compile"]["fallback_reason"]
+        assert reason.startswith("rank 0 failed while compiling the local step at step 1: ValueError: [eval]"), reason
+    assert checks[("loss_parity", "best_effort2")]["value"] == 0.0  # eager after the fallback: same bits
+    failure = runs["strict2"]["failure"].splitlines()
+    assert [line.split(" failed while compiling")[0] for line in failure] == ["rank 0", "rank 1"], failure
+    assert checks[("expected_failure", "strict2")]["detail"].endswith("on 2 of 2 ranks")
+
+
+def vlm_batch_variant(runs: dict, checks: dict, out: Path) -> None:
+    for name in ("loss_parity", "param_parity"):
+        c = checks[(name, "ddp2")]
+        assert c["result"] == "xfail" and c["value"] > 100 * c["limit"] and "expected to fail" in c["detail"]
+    assert checks[("replica_consistency", "ddp2")]["result"] == "pass"
+    assert checks[("token_accounting", "ddp2")]["result"] == "pass"
+
+
+def vlm_stream_resume(runs: dict, checks: dict, out: Path) -> None:
+    for resumed, full in (("resumed1", "materialized"), ("resumed2", "full2"), ("stream2_resumed", "stream2")):
+        _bitwise_resume(runs, checks, resumed, full, 6)
+        assert runs[resumed]["images_global"] == runs[full]["images_global"] == 12 * 8
+    whole = runs["materialized"]["data"][0]["bytes_held"]
+    for name in ("stream2", "stream4"):
+        assert checks[("loss_parity", name)]["value"] <= 1e-5
+        assert all(d["streaming"] and d["bytes_held"] < whole / 2 for d in runs[name]["data"])
+
+
 SPECIFIC: dict[str, Callable[[dict, dict, Path], None]] = {
     f.__name__: f for f in (compile_modes, failure_consensus, early_stop, streaming, response_only, grad_accum,
-                            chat_jsonl, resume_parity, resume_after_kill, resume_validation)
+                            chat_jsonl, resume_parity, resume_after_kill, resume_validation, vlm_parity,
+                            vlm_local_rows, vlm_local_chat, vlm_compile, vlm_batch_variant, vlm_stream_resume)
 }
 
 

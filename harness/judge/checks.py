@@ -14,6 +14,12 @@ from harness.controller.collect import RunOutcome
 from harness.scenario import RunSpec, Scenario
 
 MB = 1024 * 1024
+CHECK_NAMES = (
+    "loss_parity", "param_parity", "eval_parity", "data_share_bytes", "token_accounting", "replica_consistency",
+    "ranks_agree", "rank0_side_effects", "global_rng_untouched", "compile_scope", "stop_step",
+    "expected_failure", "resume_loss_parity", "resume_param_parity", "resume_eval_parity", "resume_accounting",
+    "resume_step", "memory_rss_per_rank_mb", "memory_rss_total_mb", "memory_mlx_per_rank_mb", "memory_mlx_total_mb",
+)
 
 
 def median_after_first(values: list[float]) -> float | None:
@@ -24,15 +30,35 @@ def median_after_first(values: list[float]) -> float | None:
 
 @dataclass
 class Check:
+    """One judgement. ``passed`` says whether it counts as a pass; for a check the scenario
+    expects to fail (``xfail``: the reason), a measured failure counts as a pass ("xfail") and a
+    measured pass does not ("XPASS")."""
+
     name: str
     run: str
     passed: bool
     value: float | int | None
     limit: float | int | None
     detail: str = ""
+    xfail: str | None = None
+
+    @property
+    def result(self) -> str:
+        if self.xfail is None:
+            return "pass" if self.passed else "FAIL"
+        return "xfail" if self.passed else "XPASS"
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "result": self.result}
+
+
+def mark_expected_failures(checks: list[Check], expected: dict[str, str]) -> None:
+    """Turn the checks the scenario expects to fail into xfail (failed) or XPASS (passed)."""
+    for c in checks:
+        if c.name in expected:
+            c.xfail, c.passed = expected[c.name], not c.passed
+            c.detail += f"; expected to fail: {expected[c.name]}" if c.passed else \
+                f"; expected to fail ({expected[c.name]}) but passed: remove the marker"
 
 
 def _max_abs_delta(a: list[float], b: list[float]) -> float:
@@ -191,14 +217,20 @@ def data_share(run: RunOutcome, ref: RunOutcome, slack: float, micro_rows: int |
                  f"per rank: {', '.join(map(str, held))}; {ref.name} holds {whole}")
 
 
-def expected_failure(run: RunOutcome, expect: str) -> Check:
-    """A run that must fail: it did, with ``expect`` in its message, and left no process behind."""
+def expected_failure(run: RunOutcome, expect: str, every_rank: bool = False) -> Check:
+    """A run that must fail: it did, with ``expect`` in its message (``every_rank``: in every
+    rank's own error), and left no process behind."""
     if run.ok:
         return Check("expected_failure", run.name, False, None, None, f"run passed; expected an error with {expect!r}")
     failure = run.failure or ""
     ok = expect in failure and not run.watch.survivors
     first = failure.splitlines()[0] if failure else ""
-    return Check("expected_failure", run.name, ok, None, None, f"expected {expect!r}; got: {first}")
+    detail = f"expected {expect!r}; got: {first}"
+    if every_rank:
+        hits = sum(expect in str((o.result or {}).get("error", "")) for o in run.ranks)
+        ok = ok and hits == run.world_size
+        detail += f"; on {hits} of {run.world_size} ranks"
+    return Check("expected_failure", run.name, ok, None, None, detail)
 
 
 def expectations(run: RunOutcome, spec: RunSpec) -> list[Check]:
@@ -230,7 +262,7 @@ def judge(s: Scenario, runs: list[RunOutcome]) -> list[Check]:
     for run in runs:
         expect = s.run(run.name).expect_error
         if expect is not None:
-            checks.append(expected_failure(run, expect))
+            checks.append(expected_failure(run, expect, s.run(run.name).expect_error_on_every_rank))
             continue
         if not run.ok:
             continue
@@ -254,4 +286,5 @@ def judge(s: Scenario, runs: list[RunOutcome]) -> list[Check]:
         checks.extend(expectations(run, s.run(run.name)))
         checks.extend(judge_resume(s, run, by_name))
         checks.extend(memory_ceilings(run, s))
+    mark_expected_failures(checks, s.checks.expected_failures)
     return checks

@@ -57,6 +57,30 @@ def check_resume_sources(s: Scenario) -> None:
             raise ScenarioError(f"{s.path}: [[runs]][{i}].resume_from: {e}") from e
 
 
+def check_image_rows(s: Scenario) -> None:
+    """Every image a VLM scenario's JSONL rows name must exist before any rank starts."""
+    import json
+
+    if not s.model.vision:
+        return
+    files: set[str] = set()
+    for r in s.runs:
+        d = s.for_run(r).data
+        files.update(p for p in (d.path if d.source == "jsonl" else None, d.eval_path) if p)
+    for f in sorted(files):
+        with open(f) as rows:
+            for n, line in enumerate(rows, 1):
+                try:
+                    row = json.loads(line) if line.strip() else None
+                except json.JSONDecodeError as e:
+                    raise ScenarioError(f"{f}:{n}: not JSON ({e.msg})") from e
+                image = row.get("image") if isinstance(row, dict) else None
+                if row is not None and not isinstance(image, str):
+                    raise ScenarioError(f"{f}:{n}: an image row needs an \"image\" path string")
+                if image is not None and not (Path(f).parent / image).is_file():
+                    raise ScenarioError(f"{f}:{n}: image not found: {(Path(f).parent / image).resolve()}")
+
+
 def _check_out(out: Path | None) -> None:
     if out is not None and out.exists() and not out.is_dir():
         raise ScenarioError(f"{out}: --out must be a directory, and this is a file")
@@ -75,6 +99,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     scenarios = resolve_scenarios(args.scenarios)
     for s in scenarios:
         check_resume_sources(s)
+        check_image_rows(s)
     out = Path(args.out) if args.out else None
     _check_out(out)
     if args.keep_checkpoints and out is None:

@@ -19,20 +19,31 @@ def _mb(values: list[int] | None) -> str:
     return " / ".join(f"{v / MB:.0f}" for v in values) if values else "-"
 
 
+IMAGES_HEADER = "Post-step-1 median img/s"
+
+
+def has_images(scenario: dict[str, Any]) -> bool:
+    """A vision-language scenario: its table reports images/s beside tok/s."""
+    return any(r.get("images_global") for r in scenario["runs"])
+
+
 def parity_rows(scenario: dict[str, Any]) -> list[list[Any]]:
     rows = []
+    images = has_images(scenario)
     for r in scenario["runs"]:
         if not r["ok"]:
             status = "FAILED (expected)" if r.get("expect_error") else "FAILED"
-            rows.append([r["name"], r["world_size"], r["per_rank_batch"], status, "-", "-", "-", "-", "-", "-"])
+            rows.append([r["name"], r["world_size"], r["per_rank_batch"], status] + ["-"] * (6 + images))
             continue
         delta = r.get("final_loss_delta")
+        img_s = r.get("median_img_s")
         rows.append([
             r["name"],
             r["world_size"],
             r["per_rank_batch"],
             f"{r['runtime_s']:.3f}s",
             f"{r['median_tok_s']:.1f}",
+            *([f"{img_s:.1f}" if img_s is not None else "-"] if images else []),
             f"{r['avg_loss']:.6f}",
             f"{r['final_loss']:.6f}",
             "-" if delta is None else f"{delta:+.6f}",
@@ -45,6 +56,8 @@ def parity_rows(scenario: dict[str, Any]) -> list[list[Any]]:
 def parity_table(scenario: dict[str, Any], fmt: str = "plain") -> str:
     ref = scenario.get("reference") or "reference"
     headers = [h.format(ref=ref) for h in PARITY_HEADERS]
+    if has_images(scenario):
+        headers.insert(headers.index("Post-step-1 median tok/s") + 1, IMAGES_HEADER)
     return tabulate(parity_rows(scenario), headers=headers, tablefmt=FORMATS[fmt], disable_numparse=True)
 
 
@@ -57,8 +70,8 @@ def _fmt(v: Any) -> str:
 
 
 def checks_table(scenario: dict[str, Any], fmt: str = "plain") -> str:
-    rows = [[c["name"], c["run"], _fmt(c["value"]), _fmt(c["limit"]), "pass" if c["passed"] else "FAIL",
-             c["detail"]] for c in scenario["checks"]]
+    rows = [[c["name"], c["run"], _fmt(c["value"]), _fmt(c["limit"]),
+             c.get("result", "pass" if c["passed"] else "FAIL"), c["detail"]] for c in scenario["checks"]]
     return tabulate(rows, headers=["Check", "Run", "Value", "Limit", "Result", "Detail"],
                     tablefmt=FORMATS[fmt], disable_numparse=True)
 
@@ -83,7 +96,7 @@ def resume_rows(scenario: dict[str, Any]) -> list[list[Any]]:
 
         def value(name: str, run: str = r["name"]) -> str:
             c = checks.get((run, name))
-            return "-" if c is None else _fmt(c["value"]) + ("" if c["passed"] else " FAIL")
+            return "-" if c is None else _fmt(c["value"]) + ("" if c["passed"] else " " + c.get("result", "FAIL"))
 
         restored = info["step"]
         rows.append([

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-from harness.rank.sources import Example, RowSource, empty_example, reject_presharded
+from harness.rank.sources import Example, RowSource, reject_presharded
 
 PLAN_STREAM, EPOCH_STREAM, DROPOUT_STREAM = 2, 3, 5
 
@@ -186,8 +187,8 @@ class EvalShare:
         return sum(e.nbytes for b in self.batches for e in b)
 
 
-def eval_share(source: RowSource, encode: Callable[[str, object], Example], batch: int, rank: int,
-               world_size: int, pad_id: int) -> EvalShare:
+def eval_share(source: RowSource, encode: Any, batch: int, rank: int, world_size: int) -> EvalShare:
+    """Rows r, r+N, ... of the eval set, padded with ``encode.pad_example()`` rows."""
     mine, total = [], 0
     for i, (where, row) in enumerate(source()):
         total += 1
@@ -197,41 +198,63 @@ def eval_share(source: RowSource, encode: Callable[[str, object], Example], batc
         raise ValueError("the eval set has no rows")
     per_rank = -(-total // world_size)
     pads = per_rank - len(mine)
-    rows = mine + [empty_example(pad_id) for _ in range(pads)]
+    rows = mine + [encode.pad_example() for _ in range(pads)]
     return EvalShare([rows[i : i + batch] for i in range(0, len(rows), batch)], len(mine), pads, total)
 
 
 @dataclass
 class LocalBatch:
-    """Inputs, targets and a loss mask of one rank's rows, padded to the longest of them."""
+    """Inputs, targets and a loss mask of one rank's rows, padded to the longest of them; for a
+    VLM also the attention mask (1 on real tokens) and the rows' vision inputs, concatenated."""
 
     inputs: np.ndarray
     targets: np.ndarray
     mask: np.ndarray
+    attention: np.ndarray | None = None
+    vision: dict[str, np.ndarray] | None = None
+    images: int = 0
 
     @property
     def tokens(self) -> int:
         return int(self.mask.sum())
 
+    def arrays(self) -> dict[str, Any]:
+        """The batch as MLX arrays, the form the loss function takes."""
+        import mlx.core as mx
 
-def collate(rows: list[Example], pad_id: int, dropout: float = 0.0, keys: list[tuple[int, ...]] | None = None
-            ) -> LocalBatch:
+        out = {"inputs": mx.array(self.inputs), "targets": mx.array(self.targets), "mask": mx.array(self.mask)}
+        if self.attention is not None:
+            out["attention"] = mx.array(self.attention)
+        for k, v in (self.vision or {}).items():
+            out[k] = mx.array(v)
+        return out
+
+
+def collate(rows: list[Example], pad_id: int, dropout: float = 0.0, keys: list[tuple[int, ...]] | None = None,
+            vlm: bool = False, protect: tuple[int, ...] = ()) -> LocalBatch:
     """Pad with the tokenizer's pad id; mask padding and unsupervised targets.
 
     ``dropout`` replaces that fraction of input tokens with the pad id, drawn from a generator
     keyed by each row's ``keys`` entry (seed, step, row), so any rank, and any re-run, draws the
-    same tokens for the same row.
+    same tokens for the same row; ``protect`` ids (image tokens) are never dropped. A ``vlm``
+    batch also carries its attention mask and the vision inputs of its rows that have an image.
     """
     width = max(len(r.ids) for r in rows) - 1
     inputs = np.full((len(rows), width), pad_id, dtype=np.int32)
     targets = np.full((len(rows), width), pad_id, dtype=np.int32)
     mask = np.zeros((len(rows), width), dtype=np.float32)
+    attention = np.zeros((len(rows), width), dtype=np.int32)
     for i, r in enumerate(rows):
         n = len(r.ids) - 1
         inputs[i, :n] = r.ids[:-1]
         targets[i, :n] = r.ids[1:]
         mask[i, :n] = r.supervised[1:]
+        attention[i, :n] = 1
         if dropout > 0 and keys is not None:
             drop = np.random.default_rng([*keys[i], DROPOUT_STREAM]).random(n) < dropout
-            inputs[i, :n][drop] = pad_id
-    return LocalBatch(inputs, targets, mask)
+            inputs[i, :n][drop & ~np.isin(r.ids[:-1], list(protect))] = pad_id
+    with_images = [r.vision for r in rows if r.vision is not None]
+    if not vlm and not with_images:
+        return LocalBatch(inputs, targets, mask)
+    vision = {k: np.concatenate([v[k] for v in with_images]) for k in with_images[0]} if with_images else None
+    return LocalBatch(inputs, targets, mask, attention, vision, len(with_images))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -61,7 +62,7 @@ def seeded_init(model: Any, seed: int) -> None:
     new = []
     for name, p in sorted(tree_flatten(model.parameters())):
         key, sub = mx.random.split(key)
-        if "norm" in name and p.ndim == 1:
+        if ("norm" in name or ".ln_" in name) and p.ndim == 1:
             value = mx.ones(p.shape, dtype=p.dtype)
         elif name.endswith(".bias"):
             value = mx.zeros(p.shape, dtype=p.dtype)
@@ -72,7 +73,7 @@ def seeded_init(model: Any, seed: int) -> None:
 
 
 @contextlib.contextmanager
-def _placeholder_init() -> Iterator[None]:
+def placeholder_init() -> Iterator[None]:
     """Layer constructors get zeros instead of drawing from MLX's global RNG.
 
     mlx.nn layers initialise their weights from the global RNG, and MLX cannot restore that
@@ -97,39 +98,44 @@ def _placeholder_init() -> Iterator[None]:
             setattr(mx.random, n, f)
 
 
-def architecture(arch: str) -> Any:
-    """mlx-lm's module for ``arch`` (``Model`` and ``ModelArgs``).
+def import_model_module(package: str, arch: str) -> Any:
+    """``<package>.models.<arch>`` without running the package's ``__init__``.
 
-    ``import mlx_lm`` runs its package ``__init__``, which imports transformers for conversion and
-    generation (about 1.2 s per rank, more when ranks share cores); the architecture modules
-    need none of it. When no one has imported mlx_lm yet, the package is registered from its
-    location without running that ``__init__``, and only ``mlx_lm.models.<arch>`` is imported.
+    ``mlx_lm``'s and ``mlx_vlm``'s package ``__init__`` import their generation and serving
+    stacks; the architecture modules need none of it. When nobody has imported the package yet,
+    it is registered from its location and only the architecture module is imported.
     """
     import importlib
     import importlib.util
     import sys
     import types
 
-    if "mlx_lm" not in sys.modules:
-        spec = importlib.util.find_spec("mlx_lm")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # no "PyTorch was not found" banner per rank
+    if package not in sys.modules:
+        spec = importlib.util.find_spec(package)
         if spec is None or not spec.submodule_search_locations:
-            raise ImportError("mlx-lm is not installed")
-        pkg = types.ModuleType("mlx_lm")
+            raise ImportError(f"{package.replace('_', '-')} is not installed")
+        pkg = types.ModuleType(package)
         pkg.__path__ = list(spec.submodule_search_locations)
         pkg.__spec__ = spec
-        sys.modules["mlx_lm"] = pkg
-    return importlib.import_module(f"mlx_lm.models.{arch}")
+        sys.modules[package] = pkg
+    return importlib.import_module(f"{package}.models.{arch}")
 
 
-def build_model(spec: ModelSpec, vocab_size: int, seed: int) -> tuple[Any, dict[str, Any]]:
-    """The scenario's model (float parameters cast to ``spec.dtype``) and its config."""
+def build_model(spec: ModelSpec, vocab_size: int, seed: int, vision: Any = None) -> tuple[Any, dict[str, Any]]:
+    """The scenario's model (float parameters cast to ``spec.dtype``) and its config; a
+    vision-language model when ``vision`` (a ``VisionSetup``) is given."""
     import mlx.core as mx
     from mlx.utils import tree_map
 
-    if spec.path:
+    if vision is not None:
+        from harness.rank.vision import build_vlm
+
+        model, config = build_vlm(vision, spec, seed), vision.config
+    elif spec.path:
         from mlx_lm.utils import load_model
 
-        with _placeholder_init():  # every weight comes from the directory
+        with placeholder_init():  # every weight comes from the directory
             model, config = load_model(Path(spec.path))
         if config.get("vocab_size", 0) < vocab_size:
             raise ValueError(
@@ -137,8 +143,8 @@ def build_model(spec: ModelSpec, vocab_size: int, seed: int) -> tuple[Any, dict[
             )
     else:
         config = model_config(spec, vocab_size)
-        arch = architecture(spec.arch)
-        with _placeholder_init():
+        arch = import_model_module("mlx_lm", spec.arch)
+        with placeholder_init():
             model = arch.Model(arch.ModelArgs.from_dict(config))
         seeded_init(model, seed)
     dtype = getattr(mx, spec.dtype)

@@ -29,12 +29,13 @@ from harness.scenario import Scenario
 TRAJECTORY_TRAIN = ("steps", "learning_rate", "lr_schedule", "warmup_steps", "min_lr_ratio", "weight_decay",
                     "max_grad_norm", "input_dropout")
 TRAJECTORY_DATA = ("source", "path", "format", "response_only", "rows", "min_chars", "max_chars", "max_seq_len",
-                   "tokenizer", "order", "streaming", "eval_rows", "eval_path")
-GLOBAL_HISTORY = ("losses", "grad_norms", "learning_rates", "tok_s_global", "tokens_global_per_step")
+                   "tokenizer", "order", "streaming", "eval_rows", "eval_path", "image_size")
+GLOBAL_HISTORY = ("losses", "grad_norms", "learning_rates", "tok_s_global", "tokens_global_per_step",
+                  "images_global_per_step", "img_s_global")
 LOCAL_HISTORY = ("tokens_local_per_step", "tok_s_local", "step_times_s")
 # Every draw is keyed by the seed (no generator carries state between steps), so the seed and
 # the step restore them all.
-RNG_KEYS = {"train rows": "[seed, 1]", "eval rows": "[seed, 4]", "batch plan": "[seed, 2]",
+RNG_KEYS = {"train rows": "[seed, 1]", "eval rows": "[seed, 4]", "eval images": "[seed, 6]", "batch plan": "[seed, 2]",
             "epoch order": "[seed, 3, epoch]", "input dropout": "[seed, step, row, 5]", "init": "key(seed)"}
 
 

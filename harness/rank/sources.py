@@ -34,18 +34,25 @@ RowSource = Callable[[], Iterator[tuple[str, Row]]]  # yields (where, row); "whe
 
 @dataclass
 class Example:
-    """One tokenized row: ``supervised[i]`` is True when token i is a training target."""
+    """One tokenized row: ``supervised[i]`` is True when token i is a training target;
+    ``vision`` holds a VLM row's image inputs (arrays that concatenate along axis 0 across rows)."""
 
     ids: np.ndarray
     supervised: np.ndarray
+    vision: dict[str, np.ndarray] | None = None
 
     @property
     def tokens(self) -> int:
         return int(self.supervised[1:].sum())
 
     @property
+    def images(self) -> int:
+        return 0 if self.vision is None else 1
+
+    @property
     def nbytes(self) -> int:
-        return int(self.ids.nbytes + self.supervised.nbytes)
+        extra = sum(a.nbytes for a in self.vision.values()) if self.vision else 0
+        return int(self.ids.nbytes + self.supervised.nbytes + extra)
 
 
 def empty_example(pad_id: int) -> Example:
@@ -146,6 +153,9 @@ class Encoder:
     def __init__(self, tok: Tokenizer, spec: DataSpec):
         self.tok, self.max_len, self.response_only = tok, spec.max_seq_len, spec.response_only
         self.form: str | None = None if spec.format == "auto" else spec.format
+
+    def pad_example(self) -> Example:
+        return empty_example(self.tok.pad_id)
 
     def __call__(self, where: str, row: Any) -> Example:
         form = detect_form(row)

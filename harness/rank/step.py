@@ -9,7 +9,7 @@ Compile scopes (recorded in the result):
 
 A compiled call that raises is re-run eagerly on the same inputs: if eager works too, the
 failure was the compiler's (``CompileFailed``); if eager fails, the model's own error is raised
-as itself. A failed trace leaves tracers in the model, so parameters are restored first.
+as itself. A failed trace leaves tracers in the model, so its arrays are restored first.
 """
 
 from __future__ import annotations
@@ -52,13 +52,19 @@ def restore_in_place(dst: Any, src: Any) -> None:
             dst[k] = v
 
 
-def loss_fn(model: Any, inputs: Any, targets: Any, mask: Any, scale: Any, fault: str | None) -> tuple[Any, Any]:
-    """(token-loss sum x scale, token-loss sum) of a micro-batch; ``fault`` is for injected errors."""
+def loss_fn(model: Any, batch: dict[str, Any], scale: Any, fault: str | None) -> tuple[Any, Any]:
+    """(token-loss sum x scale, token-loss sum) of a micro-batch (``LocalBatch.arrays()``: a VLM
+    batch has an ``attention`` mask and vision inputs); ``fault`` is for injected errors."""
     import mlx.core as mx
     import mlx.nn as nn
 
-    logits = model(inputs).astype(mx.float32)
-    loss_sum = (nn.losses.cross_entropy(logits, targets, reduction="none") * mask).sum()
+    if "attention" in batch:
+        from harness.rank.vision import vlm_logits
+
+        logits = vlm_logits(model, batch).astype(mx.float32)
+    else:
+        logits = model(batch["inputs"]).astype(mx.float32)
+    loss_sum = (nn.losses.cross_entropy(logits, batch["targets"], reduction="none") * batch["mask"]).sum()
     if fault == "raise":
         raise RuntimeError("injected error in the model's forward")
     if fault == "compile_error":
@@ -109,12 +115,12 @@ class LocalStep:
     def fall_back(self, reason: str) -> None:
         self.fallback_reason = reason
 
-    def _grad(self, inputs: Any, targets: Any, mask: Any, scale: Any, fault: str | None) -> Any:
-        (_, loss_sum), grads = self._vg(self.model, inputs, targets, mask, scale, fault)
+    def _grad(self, batch: dict[str, Any], scale: Any, fault: str | None) -> Any:
+        (_, loss_sum), grads = self._vg(self.model, batch, scale, fault)
         return loss_sum, grads
 
-    def _full(self, inputs: Any, targets: Any, mask: Any, scale: Any, fault: str | None) -> Any:
-        loss_sum, grads = self._grad(inputs, targets, mask, scale, fault)
+    def _full(self, batch: dict[str, Any], scale: Any, fault: str | None) -> Any:
+        loss_sum, grads = self._grad(batch, scale, fault)
         grads, norm = clip(grads, self.spec.max_grad_norm)
         self.optimizer.update(self.model, grads)
         return loss_sum, norm
@@ -124,7 +130,9 @@ class LocalStep:
         import mlx.core as mx
         from mlx.utils import tree_map
 
-        params = self.model.parameters()
+        # Every array the model holds (parameters and cached buffers such as RoPE frequencies):
+        # a failed trace can leave tracers in any of them.
+        state = tree_map(lambda a: a, self.model.state)
         # Only the full step updates the optimizer inside the compiled call.
         opt_state = tree_map(lambda a: a, self.optimizer.state) if compiled is self._full_c else None
         try:
@@ -132,27 +140,27 @@ class LocalStep:
             mx.eval(out)
             return out
         except Exception as compile_error:  # noqa: BLE001 - classified just below
-            self.model.update(params)
+            restore_in_place(self.model, state)
             if opt_state is not None:
                 restore_in_place(self.optimizer.state, opt_state)
             eager = self._grad(*args)  # the model's own error propagates from here
             mx.eval(eager)
             raise CompileFailed(str(compile_error)) from compile_error
 
-    def grad(self, inputs: Any, targets: Any, mask: Any, scale: Any, fault: str | None) -> tuple[Any, Any]:
+    def grad(self, batch: dict[str, Any], scale: Any, fault: str | None) -> tuple[Any, Any]:
         """(token-loss sum, gradients of sum x scale) of one micro-batch, evaluated."""
         import mlx.core as mx
 
-        args = (inputs, targets, mask, scale, fault)
+        args = (batch, scale, fault)
         if self.compiled and not self.full_step:
             return self._guarded(self._grad_c, args)
         out = self._grad(*args)
         mx.eval(out)
         return out
 
-    def full(self, inputs: Any, targets: Any, mask: Any, scale: Any, fault: str | None) -> tuple[Any, Any]:
+    def full(self, batch: dict[str, Any], scale: Any, fault: str | None) -> tuple[Any, Any]:
         """Gradient, clipping and update in one compiled call (``full-step`` scope)."""
-        return self._guarded(self._full_c, (inputs, targets, mask, scale, fault))
+        return self._guarded(self._full_c, (batch, scale, fault))
 
     def update(self, grads: Any) -> Any:
         """Clip the (already all-reduced) gradients and apply them; returns the gradient norm."""

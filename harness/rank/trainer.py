@@ -42,26 +42,40 @@ class RankData:
     tok: Tokenizer
     train: RankShare | StreamShare
     evals: Any  # EvalShare | None
+    vision: Any = None  # VisionSetup of a vision-language model
+    encoder: Any = None
+
+    @property
+    def protected(self) -> tuple[int, ...]:
+        """Token ids input dropout must not touch (image tokens must match image features)."""
+        v = self.vision
+        return () if v is None else tuple(t for t in (v.image_token, v.start_token, v.end_token) if t is not None)
 
 
 def load_data(s: Scenario, rank: int, world_size: int, done_steps: int = 0) -> RankData:
     """This rank's share of the train rows (materialized or streamed) and of the eval rows; a
-    stream is read past the ``done_steps`` batches a resumed run has already trained on."""
+    stream is read past the ``done_steps`` batches a resumed run has already trained on. A
+    vision-language model's rows are image rows, encoded with the model's own preprocessing."""
     d, t = s.data, s.train
     tok = load_tokenizer(d)
-    source = row_source(d, s.seed, "train")
+    vision, rows, encoder = None, row_source, Encoder(tok, d)
+    if s.model.vision:
+        from harness.rank.images import VisionEncoder, image_row_source
+        from harness.rank.vision import vision_setup
+
+        vision = vision_setup(s.model, tok.vocab_size, tok.pad_id, d.image_size)
+        rows, encoder = image_row_source, VisionEncoder(tok, d, vision)
+    source = rows(d, s.seed, "train")
     if d.streaming:
-        stream = StreamShare(source, Encoder(tok, d), t.global_batch, t.grad_accum, rank, world_size)
+        stream = StreamShare(source, encoder, t.global_batch, t.grad_accum, rank, world_size)
         stream.skip(done_steps)
         train: RankShare | StreamShare = stream
     else:
-        train = materialize(source, Encoder(tok, d), t.global_batch, t.grad_accum, d.order, s.seed, rank,
-                            world_size)
+        train = materialize(source, encoder, t.global_batch, t.grad_accum, d.order, s.seed, rank, world_size)
     evals = None
     if d.eval_rows or d.eval_path:
-        evals = eval_share(row_source(d, s.seed, "eval"), Encoder(tok, d), t.eval_batch, rank, world_size,
-                           tok.pad_id)
-    return RankData(tok, train, evals)
+        evals = eval_share(rows(d, s.seed, "eval"), encoder, t.eval_batch, rank, world_size)
+    return RankData(tok, train, evals, vision, encoder)
 
 
 class Trainer:
@@ -76,10 +90,10 @@ class Trainer:
         self.proc = psutil.Process()
         self.history: dict[str, list[Any]] = {k: [] for k in (
             "losses", "step_times_s", "tok_s_local", "tok_s_global", "tokens_local_per_step", "grad_norms",
-            "learning_rates", "tokens_global_per_step")}
+            "learning_rates", "tokens_global_per_step", "images_global_per_step", "img_s_global")}
         self.evals: list[dict[str, Any]] = []
         self.digests: dict[int, str] = {}
-        self.tokens_local = self.tokens_global = self.tokens_unattributed = 0
+        self.tokens_local = self.tokens_global = self.tokens_unattributed = self.images_local = 0
         self.rss_peak = self.proc.memory_info().rss
         self.stop: dict[str, Any] | None = None
         self.ckpt_root = Path(ctx.job["checkpoint_dir"]) if ctx.job.get("checkpoint_dir") else None
@@ -96,24 +110,20 @@ class Trainer:
 
     def fetch(self, step: int) -> list[LocalBatch]:
         self.ctx.maybe_fault("fetch", step)
-        pad, seed, drop = self.data.tok.pad_id, self.s.seed, self.spec.input_dropout
-        return [collate([e for _, e in rows], pad, drop, [(seed, step, i) for i, _ in rows])
+        pad, seed, drop, vlm = self.data.tok.pad_id, self.s.seed, self.spec.input_dropout, self.s.model.vision
+        return [collate([e for _, e in rows], pad, drop, [(seed, step, i) for i, _ in rows], vlm, self.data.protected)
                 for rows in self.data.train.micro_batches(step)]
 
     def compute(self, micros: list[LocalBatch], scale: Any, fault: str | None) -> tuple[Any, Any, Any]:
         """Local loss sum and accumulated gradients (None after a full-step update) of the step."""
-        import mlx.core as mx
         from mlx.utils import tree_map
 
         if self.runner.compiled and self.runner.full_step:
-            b = micros[0]
-            loss_sum, norm = self.runner.full(mx.array(b.inputs), mx.array(b.targets), mx.array(b.mask), scale,
-                                              fault)
+            loss_sum, norm = self.runner.full(micros[0].arrays(), scale, fault)
             return loss_sum, None, norm
         loss_total, acc = None, None
         for m, b in enumerate(micros):
-            loss_sum, grads = self.runner.grad(mx.array(b.inputs), mx.array(b.targets), mx.array(b.mask), scale,
-                                               fault if m == 0 else None)
+            loss_sum, grads = self.runner.grad(b.arrays(), scale, fault if m == 0 else None)
             loss_total = loss_sum if loss_total is None else loss_total + loss_sum
             acc = grads if acc is None else tree_map(lambda a, g: a + g, acc, grads)
         return loss_total, acc, None
@@ -178,7 +188,8 @@ class Trainer:
         data_rss = self.proc.memory_info().rss - rss0
 
         ctx.phase("model")
-        built = coord.attempt("model", 0, build_model, self.s.model, self.data.tok.vocab_size, self.s.seed)
+        built = coord.attempt("model", 0, build_model, self.s.model, self.data.tok.vocab_size, self.s.seed,
+                              self.data.vision)
         coord.agree()
         self.model, self.config = built
         self.optimizer = build_optimizer(spec)
@@ -196,7 +207,8 @@ class Trainer:
         for step in range(self.start_step, self.end_step + 1):
             t0 = time.perf_counter()
             micros = coord.attempt("fetch", step, self.fetch, step)
-            agreed = coord.agree([sum(b.tokens for b in micros) if micros else 0])
+            agreed = coord.agree([sum(b.tokens for b in micros) if micros else 0,
+                                  sum(b.images for b in micros) if micros else 0])
             if agreed.stop_ranks:
                 self._stopped(agreed.stop_ranks, last)
                 break
@@ -209,7 +221,7 @@ class Trainer:
                                   action if action in ("raise", "compile_error") else None)
             loss, norm = self.apply(step, out, tokens)
             last = step
-            self._record(step, micros, tokens, loss, norm, time.perf_counter() - t0)
+            self._record(step, micros, (tokens, agreed.values[1]), loss, norm, time.perf_counter() - t0)
             if action == "stop":
                 coord.stop_requested = True
             if spec.eval_every and step % spec.eval_every == 0:
@@ -251,7 +263,8 @@ class Trainer:
             fault = ctx.maybe_fault("eval", step)
             return fault.action if fault is not None else None
 
-        metrics = evaluate(self.model, self.data.evals, self.data.tok.pad_id, self.coord, step, before)
+        metrics = evaluate(self.model, self.data.evals, self.data.tok.pad_id, self.coord, step, before,
+                           self.s.model.vision)
         if metrics.pop("requested") == "stop":
             self.coord.stop_requested = True
         self.evals.append(metrics)
@@ -263,23 +276,27 @@ class Trainer:
         self.ctx.events.emit("stop", rank=self.ctx.rank, **self.stop)
         self.effects.log("stop", self.stop)
 
-    def _record(self, step: int, micros: list[LocalBatch], tokens: int, loss: float, norm: float, dt: float) -> None:
+    def _record(self, step: int, micros: list[LocalBatch], counts: tuple[int, int], loss: float, norm: float,
+                dt: float) -> None:
         import mlx.core as mx
 
         ctx, h = self.ctx, self.history
+        tokens, images = counts
         local = sum(b.tokens for b in micros)
+        self.images_local += sum(b.images for b in micros)
         rss = self.proc.memory_info().rss
         self.rss_peak = max(self.rss_peak, rss)
         lr = float(self.optimizer.learning_rate.item())
         for key, value in (("losses", loss), ("step_times_s", dt), ("tok_s_local", local / dt),
                            ("tok_s_global", tokens / dt), ("tokens_local_per_step", local), ("grad_norms", norm),
-                           ("learning_rates", lr), ("tokens_global_per_step", tokens)):
+                           ("learning_rates", lr), ("tokens_global_per_step", tokens),
+                           ("images_global_per_step", images), ("img_s_global", images / dt)):
             h[key].append(value)
         self.tokens_local += local
         self.tokens_global += tokens
         event: dict[str, Any] = dict(
             step=step, rank=ctx.rank, loss=loss, tokens_global=tokens, tokens_local=local,
-            rows_local=sum(len(b.inputs) for b in micros), step_time_s=dt, grad_norm=norm, lr=lr,
+            rows_local=sum(len(b.inputs) for b in micros), images_global=images, step_time_s=dt, grad_norm=norm, lr=lr,
             mlx_peak_bytes=int(mx.get_peak_memory()), rss_bytes=rss,
         )
         if self.spec.digest_every and step % self.spec.digest_every == 0:
@@ -306,6 +323,12 @@ class Trainer:
             **self.history,
             "tokens_local": self.tokens_local,
             "tokens_global": self.tokens_global,
+            "images_local": self.images_local,
+            "images_global": sum(self.history["images_global_per_step"]),
+            "vision": None if self.data.vision is None else {
+                "arch": self.data.vision.arch, "image_token_id": self.data.vision.image_token,
+                "image_per_row": self.data.vision.image_per_row,
+                "image_token_counts": sorted(self.data.encoder.token_counts)},
             "runtime_s": runtime,
             "train_time_s_total": self.train_time_before + runtime,
             "steps_start": self.start_step,
