@@ -155,3 +155,31 @@ def test_shipped_vlm_scenarios_load() -> None:
                  "vlm_stream_resume"):
         s = load_scenario(REPO / "scenarios" / f"{name}.toml")
         assert s.model.vision and s.default
+
+
+@pytest.mark.ranks
+def test_an_unreadable_image_on_one_rank_stops_every_rank(tmp_path: Path) -> None:
+    from PIL import Image
+
+    rows = tmp_path / "rows.jsonl"
+    lines = []
+    for i in range(8):
+        name = f"img{i}.png"
+        if i == 5:  # row 5 of an ordered batch of 4 goes to rank 1 (positions 1, 3 of each batch)
+            (tmp_path / name).write_bytes(b"\x89PNG but not really")
+        else:
+            Image.new("RGB", (40, 40), (10 * i, 0, 0)).save(tmp_path / name)
+        lines.append(json.dumps({"image": name, "caption": f"picture {i}."}))
+    rows.write_text("\n".join(lines) + "\n")
+    scenario = _vlm(tmp_path, "unreadable", data=f'source = "jsonl"\npath = "{rows}"')
+    scenario.write_text(scenario.read_text().replace('name = "single"\nworld_size = 1',
+                                                     'name = "single"\nworld_size = 1\nexpect_error = "unreadable"')
+                        .replace('name = "ddp2"\nworld_size = 2', 'name = "ddp2"\nworld_size = 2\n'
+                                 'expect_error = "rows.jsonl:6: unreadable image"'))
+    out = tmp_path / "out"
+    p = cli("run", str(scenario), "--out", str(out))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    (s,) = json.loads((out / "result.json").read_text())["scenarios"]
+    failure = next(r for r in s["runs"] if r["name"] == "ddp2")["failure"].splitlines()
+    assert failure[0].startswith("rank 1 failed while ") and "img5.png" in failure[0], failure
+    assert failure[1].startswith("rank 0: a peer rank failed: rank 1 failed while"), failure

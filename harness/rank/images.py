@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from harness.rank.sources import TRAIN_STREAM, Encoder, Example, Row, RowSource, _jsonl_rows
+from harness.rank.sources import Encoder, Example, Row, RowSource, jsonl_rows, row_source
 from harness.rank.tokenizers import Tokenizer
 from harness.rank.vision import VisionSetup
 from harness.scenario import DataSpec
@@ -90,7 +90,7 @@ def generated_image(rng: np.random.Generator, size: int) -> DrawnImage:
 
 def _local_rows(path: Path, limit: int | None) -> Iterator[tuple[str, Row]]:
     """JSONL image rows with their image path resolved against the JSONL file's folder."""
-    for where, row in _jsonl_rows(path, limit):
+    for where, row in jsonl_rows(path, limit):
         if isinstance(row, dict) and isinstance(row.get("image"), str):
             row = {**row, "image": str((path.parent / row["image"]).resolve())}
         yield where, row
@@ -98,20 +98,12 @@ def _local_rows(path: Path, limit: int | None) -> Iterator[tuple[str, Row]]:
 
 def image_row_source(spec: DataSpec, seed: int, split: str = "train") -> RowSource:
     """A re-openable source of image rows (generated, or the JSONL file of the split)."""
-    if split == "train" and spec.source == "jsonl":
-        return lambda: _local_rows(Path(str(spec.path)), spec.rows)
-    if split == "eval" and spec.eval_path is not None:
-        return lambda: _local_rows(Path(spec.eval_path), None)
-    count = spec.rows if split == "train" else spec.eval_rows
-    stream = TRAIN_STREAM if split == "train" else IMAGE_EVAL_STREAM
 
-    def generate() -> Iterator[tuple[str, Row]]:
-        rng = np.random.default_rng([seed, stream])
-        for i in range(count):
-            image = generated_image(rng, spec.image_size)
-            yield f"generated {split} image {i}", {"image": image, "caption": image.caption()}
+    def make(rng: np.random.Generator) -> Row:
+        image = generated_image(rng, spec.image_size)
+        return {"image": image, "caption": image.caption()}
 
-    return generate
+    return row_source(spec, seed, split, _local_rows, make, IMAGE_EVAL_STREAM)
 
 
 def open_image(where: str, image: Any, max_side: int) -> Any:

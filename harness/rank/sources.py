@@ -102,7 +102,7 @@ def detect_form(row: Any) -> str | None:
     return None
 
 
-def _jsonl_rows(path: Path, limit: int | None) -> Iterator[tuple[str, Row]]:
+def jsonl_rows(path: Path, limit: int | None) -> Iterator[tuple[str, Row]]:
     count = 0
     with open(path) as f:
         for n, line in enumerate(f, 1):
@@ -119,20 +119,26 @@ def _jsonl_rows(path: Path, limit: int | None) -> Iterator[tuple[str, Row]]:
             yield where, row
 
 
-def row_source(spec: DataSpec, seed: int, split: str = "train") -> RowSource:
-    """A re-openable source of the train or eval split's rows."""
+def row_source(spec: DataSpec, seed: int, split: str = "train",
+               read: Callable[[Path, int | None], Iterator[tuple[str, Row]]] | None = None,
+               make: Callable[[np.random.Generator], Row] | None = None, eval_stream: int = EVAL_STREAM) -> RowSource:
+    """A re-openable source of the train or eval split's rows: the split's JSONL file through
+    ``read``, or ``make(rng)`` rows from a generator keyed by the seed and the split's stream
+    (defaults: plain JSONL rows, the generated text corpus)."""
+    read = read or jsonl_rows
     if split == "train" and spec.source == "jsonl":
-        return lambda: _jsonl_rows(Path(str(spec.path)), spec.rows)
+        return lambda: read(Path(str(spec.path)), spec.rows)
     if split == "eval" and spec.eval_path is not None:
-        return lambda: _jsonl_rows(Path(spec.eval_path), None)
+        return lambda: read(Path(spec.eval_path), None)
     count = spec.rows if split == "train" else spec.eval_rows
-    stream = TRAIN_STREAM if split == "train" else EVAL_STREAM
+    stream = TRAIN_STREAM if split == "train" else eval_stream
     form = "text" if spec.format == "auto" else spec.format
+    make = make or (lambda rng: generated_row(rng, form, spec.min_chars, spec.max_chars))
 
     def generate() -> Iterator[tuple[str, Row]]:
         rng = np.random.default_rng([seed, stream])
         for i in range(count):
-            yield f"generated {split} row {i}", generated_row(rng, form, spec.min_chars, spec.max_chars)
+            yield f"generated {split} row {i}", make(rng)
 
     return generate
 

@@ -1,4 +1,5 @@
-"""The reference DDP trainer for text: one readable loop, token-weighted across ranks.
+"""The reference DDP trainer for text and vision-language models: one readable loop,
+token-weighted across ranks.
 
 Each optimizer step, every rank:
   1. fetches its rows of each of the step's ``grad_accum`` micro-batches (``batching``);

@@ -119,9 +119,9 @@ def vision_setup(spec: ModelSpec, vocab_size: int, pad_id: int, image_size: int)
     model_dir = Path(spec.path) if spec.path else None
     if model_dir is not None:
         config = _read_config(model_dir)
-        arch = config.get("model_type", spec.arch)
-        if arch not in TINY_VLM:
-            raise ValueError(f"{model_dir}/config.json: model_type {arch!r} is not one of {tuple(TINY_VLM)}")
+        arch = config.get("model_type")
+        if arch != spec.arch:
+            raise ValueError(f"{model_dir}/config.json: model_type {arch!r}, but [model].arch is {spec.arch!r}")
         if int(config.get("vocab_size") or config.get("text_config", {}).get("vocab_size", 0)) < vocab_size:
             raise ValueError(f"{model_dir}/config.json: vocab_size is smaller than the tokenizer's {vocab_size}")
     else:
