@@ -117,6 +117,7 @@ def vision_setup(spec: ModelSpec, vocab_size: int, pad_id: int, image_size: int)
     """The setup of ``spec``: from its local directory, or the tiny default of ``spec.arch`` whose
     image tokens get the ids after the tokenizer's ``vocab_size``."""
     model_dir = Path(spec.path) if spec.path else None
+    import_model_module("mlx_vlm", spec.arch)  # registers mlx_vlm without its package __init__ first
     if model_dir is not None:
         config = _read_config(model_dir)
         arch = config.get("model_type")
