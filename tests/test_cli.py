@@ -160,3 +160,26 @@ def test_console_script_is_installed() -> None:
     assert found, "the mlx-ddp-harness console script is not installed"
     p = subprocess.run([found, "list"], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert p.returncode == 0 and "text_parity" in p.stdout
+
+
+@pytest.mark.ranks
+def test_report_renders_saved_results_without_running(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    p = cli("run", str(write_scenario(tmp_path, "saved", world_sizes=(1,), steps=2)), "--out", str(out))
+    assert p.returncode == 0, p.stdout + p.stderr
+    shutil.rmtree(out / "runs")  # nothing but result.json is needed
+    r = cli("report", str(out))
+    assert r.returncode == 0 and r.stderr == ""
+    assert r.stdout.startswith(f"{out / 'result.json'}: PASSED") and p.stdout.strip() in r.stdout
+    g = cli("report", str(out / "result.json"), "--format", "github")
+    assert g.returncode == 0 and "| single " in g.stdout and "|--" in g.stdout
+
+
+def test_report_refuses_bad_results_with_one_line(tmp_path: Path) -> None:
+    (tmp_path / "broken.json").write_text("{not json")
+    (tmp_path / "old.json").write_text(json.dumps({"schema_version": 1, "scenarios": []}))
+    for target, text in ((tmp_path / "missing", "not found"), (tmp_path / "broken.json", "unreadable"),
+                         (tmp_path / "old.json", "schema_version 1, expected 2")):
+        r = cli("report", str(target))
+        assert r.returncode == 2 and r.stdout == "", r.stderr
+        assert r.stderr.startswith(f"error: {target}") and text in r.stderr and r.stderr.count("\n") == 1

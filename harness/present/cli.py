@@ -1,4 +1,4 @@
-"""Command line: ``mlx-ddp-harness run | list | doctor``.
+"""Command line: ``mlx-ddp-harness run | report | list | doctor``.
 
 Exit codes of ``run``: 0 all checks passed, 1 a check failed, 2 bad input, 3 infrastructure
 failure (a rank crashed or hung, or the launch failed).
@@ -129,6 +129,36 @@ def cmd_run(args: argparse.Namespace) -> int:
     return doc["exit_code"]
 
 
+def load_results(paths: list[str]) -> list[tuple[Path, dict]]:
+    """Saved result documents: each path is a ``result.json`` or a directory holding one."""
+    from harness.schema import SchemaError, read_json
+
+    docs = []
+    for p in map(Path, paths):
+        f = p / "result.json" if p.is_dir() else p
+        if not f.is_file():
+            raise ScenarioError(f"{f}: not found (give a result.json or the --out directory of a run)")
+        try:
+            doc = read_json(f)
+        except SchemaError as e:
+            raise ScenarioError(str(e).splitlines()[0]) from e
+        if not isinstance(doc.get("scenarios"), list):
+            raise ScenarioError(f"{f}: not a result document (no \"scenarios\" list)")
+        docs.append((f, doc))
+    return docs
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    """Print the tables of saved results without running anything."""
+    from harness.present.tables import scenario_text
+
+    for f, doc in load_results(args.results):
+        print(f"{f}: {'PASSED' if doc.get('passed') else 'FAILED'}\n")
+        for s in doc["scenarios"]:
+            print(scenario_text(s, args.format) + "\n")
+    return 0
+
+
 def cmd_list(args: argparse.Namespace) -> int:
     from tabulate import tabulate
 
@@ -163,6 +193,10 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--keep-checkpoints", action="store_true",
                      help="keep whole checkpoints under OUT/runs (default: their manifests and trainer state)")
     run.set_defaults(func=cmd_run)
+    rep = sub.add_parser("report", help="print the tables of saved results (result.json files or --out dirs)")
+    rep.add_argument("results", nargs="+", help="result.json files or directories holding one")
+    rep.add_argument("--format", choices=("plain", "github"), default="plain", help="table format")
+    rep.set_defaults(func=cmd_report)
     ls = sub.add_parser("list", help="list scenarios")
     ls.add_argument("directory", nargs="?", help="scenario directory (default: scenarios/)")
     ls.set_defaults(func=cmd_list)
