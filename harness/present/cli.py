@@ -58,27 +58,28 @@ def check_resume_sources(s: Scenario) -> None:
 
 
 def check_image_rows(s: Scenario) -> None:
-    """Every image a VLM scenario's JSONL rows name must exist before any rank starts."""
-    import json
-
+    """Every image a VLM scenario's JSONL rows name must exist before any rank starts (the rows
+    are read as the ranks read them)."""
     if not s.model.vision:
         return
+    from harness.rank.images import local_image_rows
+
     files: set[str] = set()
     for r in s.runs:
         d = s.for_run(r).data
         files.update(p for p in (d.path if d.source == "jsonl" else None, d.eval_path) if p)
     for f in sorted(files):
-        with open(f) as rows:
-            for n, line in enumerate(rows, 1):
-                try:
-                    row = json.loads(line) if line.strip() else None
-                except json.JSONDecodeError as e:
-                    raise ScenarioError(f"{f}:{n}: not JSON ({e.msg})") from e
+        try:
+            for where, row in local_image_rows(Path(f), None):
                 image = row.get("image") if isinstance(row, dict) else None
-                if row is not None and not isinstance(image, str):
-                    raise ScenarioError(f"{f}:{n}: an image row needs an \"image\" path string")
-                if image is not None and not (Path(f).parent / image).is_file():
-                    raise ScenarioError(f"{f}:{n}: image not found: {(Path(f).parent / image).resolve()}")
+                if not isinstance(image, str):
+                    raise ScenarioError(f"{where}: an image row needs an \"image\" path string")
+                if not Path(image).is_file():
+                    raise ScenarioError(f"{where}: image not found: {image}")
+        except ScenarioError:
+            raise
+        except ValueError as e:  # a line that is not JSON (ScenarioError is a ValueError too)
+            raise ScenarioError(str(e)) from e
 
 
 def _check_out(out: Path | None) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from harness.rank.sources import Encoder, Example, Row, RowSource, jsonl_rows, row_source
+from harness.rank.sources import Encoder, Example, Row, RowSource, empty_example, jsonl_rows, row_source
 from harness.rank.tokenizers import Tokenizer
 from harness.rank.vision import VisionSetup
 from harness.scenario import DataSpec
@@ -88,7 +88,7 @@ def generated_image(rng: np.random.Generator, size: int) -> DrawnImage:
     return DrawnImage(shapes, size)
 
 
-def _local_rows(path: Path, limit: int | None) -> Iterator[tuple[str, Row]]:
+def local_image_rows(path: Path, limit: int | None) -> Iterator[tuple[str, Row]]:
     """JSONL image rows with their image path resolved against the JSONL file's folder."""
     for where, row in jsonl_rows(path, limit):
         if isinstance(row, dict) and isinstance(row.get("image"), str):
@@ -103,7 +103,7 @@ def image_row_source(spec: DataSpec, seed: int, split: str = "train") -> RowSour
         image = generated_image(rng, spec.image_size)
         return {"image": image, "caption": image.caption()}
 
-    return row_source(spec, seed, split, _local_rows, make, IMAGE_EVAL_STREAM)
+    return row_source(spec, seed, split, local_image_rows, make, IMAGE_EVAL_STREAM)
 
 
 def open_image(where: str, image: Any, max_side: int) -> Any:
@@ -139,6 +139,7 @@ class VisionEncoder:
         self.text = Encoder(tok, replace(spec, max_seq_len=1 << 30))
         self.pad_id, self.bos = tok.pad_id, tok.bos_id is not None
         self.token_counts: set[int] = set()  # image tokens per encoded image: one value per patch grid
+        self._pad: Example | None = None
 
     def __call__(self, where: str, row: Any) -> Example:
         if not isinstance(row, dict) or "image" not in row:
@@ -168,11 +169,11 @@ class VisionEncoder:
 
     def pad_example(self) -> Example:
         """A padding row: zero supervised tokens, and neutral vision inputs (none, or a blank
-        image with its image tokens when the family needs one image per row)."""
-        pads = np.array([self.pad_id, self.pad_id], dtype=np.int32)
-        if not self.setup.image_per_row:
-            return Example(pads, np.zeros(2, dtype=bool))
-        vision = self.setup.blank()
-        block = self.setup.block(self.setup.image_tokens(vision))
-        ex = self._assemble(block, pads, np.zeros(2, dtype=bool), vision)
-        return ex
+        image with its image tokens when the family needs one image per row). Made once."""
+        if self._pad is None:
+            self._pad = empty_example(self.pad_id)
+            if self.setup.image_per_row:
+                vision = self.setup.blank()
+                block = self.setup.block(self.setup.image_tokens(vision))
+                self._pad = self._assemble(block, self._pad.ids, self._pad.supervised, vision)
+        return self._pad

@@ -49,8 +49,7 @@ class RankData:
     @property
     def protected(self) -> tuple[int, ...]:
         """Token ids input dropout must not touch (image tokens must match image features)."""
-        v = self.vision
-        return () if v is None else tuple(t for t in (v.image_token, v.start_token, v.end_token) if t is not None)
+        return () if self.vision is None else self.vision.block_ids
 
 
 def load_data(s: Scenario, rank: int, world_size: int, done_steps: int = 0) -> RankData:

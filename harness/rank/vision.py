@@ -72,6 +72,11 @@ class VisionSetup:
             return int(np.prod(vision["image_grid_thw"], axis=1).sum()) // (merge * merge)
         return int(self.config["text_config"]["num_image_tokens"])
 
+    @property
+    def block_ids(self) -> tuple[int, ...]:
+        """The ids an image block is made of (never dropped, never targets)."""
+        return tuple(t for t in (self.start_token, self.image_token, self.end_token) if t is not None)
+
     def block(self, count: int) -> list[int]:
         ends = [t for t in (self.start_token, self.end_token) if t is not None]
         return ends[:1] + [self.image_token] * count + ends[1:]
@@ -153,15 +158,14 @@ def vision_setup(spec: ModelSpec, vocab_size: int, pad_id: int, image_size: int)
 
 def build_vlm(setup: VisionSetup, spec: ModelSpec, seed: int) -> Any:
     """The mlx-vlm model of ``setup``: weights from the model directory, or drawn from ``seed``."""
+    module = import_model_module("mlx_vlm", setup.arch)
     if spec.path:
-        import_model_module("mlx_vlm", setup.arch)
         from mlx_vlm.utils import load_model
 
         with placeholder_init():
             return load_model(Path(spec.path))
     from mlx_vlm.utils import update_module_configs
 
-    module = import_model_module("mlx_vlm", setup.arch)
     config = json.loads(json.dumps(setup.config))
     model_config = module.ModelConfig.from_dict(config)
     model_config = update_module_configs(model_config, module, config, ["text", "vision"])
