@@ -24,6 +24,7 @@ CHECKPOINT_FILES = ("model.safetensors", "optimizer.safetensors", "trainer.json"
 DATA_FORMATS = ("auto", "text", "prompt_completion", "chat")
 ORDERS = ("ordered", "shuffled", "length_sorted")
 COMPILE_MODES = ("off", "strict", "best_effort")
+KINDS = ("parity", "throughput")
 COMPILE_SCOPES = ("none", "local-grad", "full-step", "fallback-eager")
 LR_SCHEDULES = ("constant", "cosine", "linear")
 
@@ -202,10 +203,16 @@ class FaultSpec:
 
 @dataclass
 class Scenario:
+    """A scenario file. ``kind``: ``parity`` runs train at one global batch and must match the
+    reference run; ``throughput`` runs (for example the guide shape: per-rank batch 1, 4
+    accumulation steps) may differ in global batch, are not compared for parity, and are
+    reported by speed against the reference run."""
+
     name: str
     description: str = ""
     seed: int = 0
     default: bool = False
+    kind: str = "parity"
     model: ModelSpec = field(default_factory=ModelSpec)
     data: DataSpec = field(default_factory=DataSpec)
     train: TrainSpec = field(default_factory=TrainSpec)
@@ -227,6 +234,7 @@ class Scenario:
             description=d["description"],
             seed=d["seed"],
             default=d["default"],
+            kind=d.get("kind", "parity"),
             model=ModelSpec(**d["model"]),
             data=DataSpec(**d["data"]),
             train=TrainSpec(**d["train"]),
@@ -331,7 +339,7 @@ def parse_scenario(data: dict[str, Any], src: str, base: Path) -> Scenario:
             raise ScenarioError(f"{src}: [{key}]: unknown section (known: {', '.join(sorted(top))})")
     head = data.get("scenario")
     require(isinstance(head, dict), src, "[scenario]", "section is missing")
-    allowed = {"name", "description", "seed", "default"}
+    allowed = {"name", "description", "seed", "default", "kind"}
     for key in head:
         require(key in allowed, src, f"[scenario].{key}", f"unknown key (known: {', '.join(sorted(allowed))})")
     name = head.get("name")
@@ -343,6 +351,8 @@ def parse_scenario(data: dict[str, Any], src: str, base: Path) -> Scenario:
     require(isinstance(desc, str), src, "[scenario].description", "must be a string")
     default = head.get("default", False)
     require(isinstance(default, bool), src, "[scenario].default", "must be true or false")
+    kind = head.get("kind", "parity")
+    require(kind in KINDS, src, "[scenario].kind", f"must be one of {', '.join(KINDS)}, got {kind!r}")
 
     def many(key: str, cls: type) -> list[Any]:
         items = data.get(key, [])
@@ -354,6 +364,7 @@ def parse_scenario(data: dict[str, Any], src: str, base: Path) -> Scenario:
         description=desc,
         seed=seed,
         default=default,
+        kind=kind,
         model=_build(ModelSpec, data.get("model", {}), "[model]", src),
         data=_build(DataSpec, data.get("data", {}), "[data]", src),
         train=_build(TrainSpec, data.get("train", {}), "[train]", src),

@@ -136,6 +136,15 @@ def validate(s: Scenario, src: str) -> None:
     ref = s.checks.reference
     require(ref is None or ref in names, src, "[checks].reference",
              f"{ref!r} is not a run name ({', '.join(names)})")
+    if s.kind == "parity" and ref is not None:
+        want = s.for_run(s.run(ref)).train.global_batch
+        for i, r in enumerate(s.runs):
+            got = s.for_run(r).train.global_batch
+            require(got == want, src, f"[[runs]][{i}].train.global_batch",
+                    f"{got} differs from the reference run's {want}: parity needs one global batch "
+                    f"(a throughput comparison at other batches is [scenario].kind = \"throughput\")")
+    require(s.kind == "parity" or ref is not None, src, "[checks].reference",
+            "a throughput scenario needs the run its speed is measured against")
     for key in ("loss_tolerance", "param_tolerance", "eval_tolerance", "data_share_slack", "resume_tolerance",
                 "resume_tolerance_gpu"):
         require(getattr(s.checks, key) >= 0, src, f"[checks].{key}", "must be >= 0")

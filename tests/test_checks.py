@@ -19,7 +19,7 @@ from harness.judge.checks import (
     token_accounting,
 )
 from harness.present.results import exit_code, median_after_first, per_rank_batch
-from harness.present.tables import parity_table
+from harness.present.tables import runs_table
 from harness.scenario import CheckSpec, RunSpec, Scenario
 
 MB = 1024 * 1024
@@ -89,16 +89,31 @@ def test_figures_and_exit_codes() -> None:
     assert exit_code([{"status": "failed"}, {"status": "error"}]) == 3
 
 
+def _table_run(name: str, ws: int, tok_s: float, global_batch: int = 8, final: float = 2.9) -> dict:
+    return {"name": name, "world_size": ws, "per_rank_batch": "1 x 4 accum", "global_batch": global_batch,
+            "ok": True, "runtime_s": 1.5, "median_tok_s": tok_s, "avg_loss": 3.2, "final_loss": final,
+            "tokens_global": 1000 * ws, "mlx_peak_bytes": [27 * MB] * ws, "rss_peak_bytes": [150 * MB] * ws}
+
+
 def test_parity_table_shape() -> None:
-    scenario = {"reference": "single", "runs": [
-        {"name": "single", "world_size": 1, "per_rank_batch": "8", "ok": True, "runtime_s": 1.5,
-         "median_tok_s": 1234.5, "avg_loss": 3.2, "final_loss": 2.9, "mlx_peak_bytes": [27 * MB],
-         "rss_peak_bytes": [150 * MB]},
-        {"name": "ddp2", "world_size": 2, "per_rank_batch": "4", "ok": False},
-    ]}
-    text = parity_table(scenario)
+    scenario = {"reference": "single", "model": "qwen3 0.10M / 160", "runs": [
+        _table_run("single", 1, 1234.5), {"name": "ddp2", "world_size": 2, "per_rank_batch": "4", "ok": False}]}
+    text = runs_table(scenario)
     assert "Final-loss delta vs single" in text and "Post-step-1 median tok/s" in text
-    assert "1234.5" in text and "FAILED" in text
+    assert "1234.5" in text and "FAILED" in text and "qwen3 0.10M / 160" in text
+    assert "Speed vs" not in text
+
+
+def test_throughput_table_has_the_guide_shape_columns() -> None:
+    scenario = {"reference": "single", "kind": "throughput", "model": "qwen3 0.10M / 160", "runs": [
+        _table_run("single", 1, 1000.0, 4), _table_run("ddp2", 2, 1360.0, 8, final=3.1)]}
+    text = runs_table(scenario, "github")
+    header, _, single, ddp2 = text.splitlines()
+    for col in ("Effective global batch", "Tokens", "Speed vs single", "Avg loss", "Final loss",
+                "Peak RSS MB per rank"):
+        assert col in header
+    assert "| 1.00x " in single and "| 1.36x " in ddp2 and "| 2000 " in ddp2 and "| 150 / 150 " in ddp2
+    assert "delta" not in header
 
 
 def test_ranks_agree_fails_when_one_rank_saw_another_stop_or_eval() -> None:

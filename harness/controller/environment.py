@@ -68,24 +68,43 @@ def device_description() -> str:
 
 
 def git_revision(path: Path) -> str | None:
+    """The short commit of the checkout holding ``path``, with ``+dirty`` when tracked files are
+    modified; ``None`` outside a git checkout."""
     try:
-        out = subprocess.run(["git", "-C", str(path), "rev-parse", "--short", "HEAD"],
-                             capture_output=True, text=True, timeout=5)
-    except OSError:
+        head = subprocess.run(["git", "-C", str(path), "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, timeout=5)
+        if head.returncode != 0 or not head.stdout.strip():
+            return None
+        dirty = subprocess.run(["git", "-C", str(path), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
         return None
-    return out.stdout.strip() or None
+    return head.stdout.strip() + ("+dirty" if dirty else "")
+
+
+def os_description() -> tuple[str, str]:
+    """The OS name (``Linux``, ``macOS``, ...) and its full description with version."""
+    if sys.platform == "darwin":
+        return "macOS", f"macOS {platform.mac_ver()[0]} ({platform.machine()})"
+    name = platform.system()
+    return name, f"{name} {platform.release()} ({platform.machine()})"
 
 
 def environment() -> dict[str, Any]:
+    """What the result was measured on. ``os_name``, ``cpu`` (the chip on a Mac), ``device`` and
+    ``mlx_version`` are the platform a baseline is keyed by."""
     import mlx.core as mx
 
     import harness
 
+    os_name, os_full = os_description()
     return {
         "mlx_version": mx.__version__,
         "harness_version": harness.__version__,
         "device": device_description(),
         "default_backend": default_backend(),
+        "os_name": os_name,
+        "os": os_full,
         "platform": platform.platform(),
         "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),

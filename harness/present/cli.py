@@ -1,4 +1,4 @@
-"""Command line: ``mlx-ddp-harness run | report | list | doctor``.
+"""Command line: ``mlx-ddp-harness run | report | gate | baseline update | list | doctor``.
 
 Exit codes of ``run``: 0 all checks passed, 1 a check failed, 2 bad input, 3 infrastructure
 failure (a rank crashed or hung, or the launch failed).
@@ -11,6 +11,8 @@ import signal
 import sys
 from pathlib import Path
 
+from harness.judge.baselines import BaselineError
+from harness.present.baseline_cli import add_parsers
 from harness.present.results import EXIT_BAD_INPUT, EXIT_INFRA
 from harness.scenario import Scenario, ScenarioError, discover, load_scenario
 
@@ -94,7 +96,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from harness.controller.suite import run_scenario
     from harness.judge.checks import judge
     from harness.present.report import write_outputs
-    from harness.present.results import document, scenario_summary
+    from harness.present.results import document, merge_repeats, scenario_summary
     from harness.present.tables import scenario_text
 
     scenarios = resolve_scenarios(args.scenarios)
@@ -103,6 +105,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         check_image_rows(s)
     out = Path(args.out) if args.out else None
     _check_out(out)
+    if args.repeat < 1:
+        raise ScenarioError(f"--repeat must be at least 1, got {args.repeat}")
     if args.keep_checkpoints and out is None:
         raise ScenarioError("--keep-checkpoints needs --out (the checkpoints go under OUT/runs)")
 
@@ -114,10 +118,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     summaries = []
     try:
         for s in scenarios:
-            print(f"scenario {s.name} ({s.path})", file=sys.stderr, flush=True)
-            runs = run_scenario(s, out / "runs" if out else None, progress, args.keep_checkpoints)
-            checks = judge(s, runs)
-            summary = scenario_summary(s, runs, checks)
+            reps = []
+            for k in range(1, args.repeat + 1):
+                of = f", repeat {k} of {args.repeat}" if args.repeat > 1 else ""
+                print(f"scenario {s.name} ({s.path}{of})", file=sys.stderr, flush=True)
+                logs = out / ("runs" if k == 1 else f"runs-repeat{k}") if out else None
+                runs = run_scenario(s, logs, progress, args.keep_checkpoints)
+                reps.append(scenario_summary(s, runs, judge(s, runs)))
+            summary = merge_repeats(reps)
             summaries.append(summary)
             print(scenario_text(summary, args.format) + "\n", flush=True)
     except (LaunchError, PortError) as e:
@@ -191,6 +199,8 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("scenarios", nargs="*", help="scenario files or directories")
     run.add_argument("--out", help="directory for result.json, report.md and rank logs")
     run.add_argument("--format", choices=("plain", "github"), default="plain", help="table format")
+    run.add_argument("--repeat", type=int, default=1, metavar="N",
+                     help="run each scenario N times; result.json keeps every repeat's figures (for baselines)")
     run.add_argument("--keep-checkpoints", action="store_true",
                      help="keep whole checkpoints under OUT/runs (default: their manifests and trainer state)")
     run.set_defaults(func=cmd_run)
@@ -203,6 +213,7 @@ def parser() -> argparse.ArgumentParser:
     ls.set_defaults(func=cmd_list)
     doc = sub.add_parser("doctor", help="check mlx, backends, ports and BLAS on this machine")
     doc.set_defaults(func=cmd_doctor)
+    add_parsers(sub)
     return p
 
 
@@ -215,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _terminated)
     try:
         return args.func(args)
-    except ScenarioError as e:
+    except (ScenarioError, BaselineError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:

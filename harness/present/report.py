@@ -7,10 +7,20 @@ from pathlib import Path
 from typing import Any
 
 from harness import schema
-from harness.present.tables import checks_table, failures, parity_table, resume_rows, resume_table
+from harness.present.tables import (
+    checks_table,
+    failures,
+    repeat_rows,
+    repeat_table,
+    resume_rows,
+    resume_table,
+    runs_table,
+    runs_title,
+)
 
 
-def markdown(doc: dict[str, Any]) -> str:
+def markdown(doc: dict[str, Any], plots: dict[str, list[tuple[str, Path]]] | None = None) -> str:
+    """The report: environment, then per scenario its tables and (when written) its plots."""
     env = doc["environment"]
     lines = ["# mlx-ddp-harness report", "",
              f"Overall: **{'PASSED' if doc['passed'] else 'FAILED'}** (exit code {doc['exit_code']})", "",
@@ -20,23 +30,40 @@ def markdown(doc: dict[str, Any]) -> str:
         lines += ["", f"## {s['name']}: {s['status']}", ""]
         if s["description"]:
             lines += [s["description"], ""]
-        lines += ["### DDP parity at equal global batch", "", parity_table(s, "github"), ""]
+        lines += [f"### {runs_title(s)}", "", runs_table(s, "github"), ""]
+        if repeat_rows(s):
+            lines += [f"### Repeat-to-repeat spread ({s['repeats']} repeats)", "", repeat_table(s, "github"), ""]
         if resume_rows(s):
             lines += ["### Resume", "", resume_table(s, "github"), ""]
         if s["checks"]:
             lines += ["### Checks", "", checks_table(s, "github"), ""]
         for f in failures(s):
             lines += ["```", f, "```", ""]
+        for caption, rel in (plots or {}).get(s["name"], []):
+            lines += [f"![{s['name']}: {caption}]({rel.as_posix()})", ""]
     return "\n".join(lines).rstrip() + "\n"
 
 
+def append_step_summary(text: str) -> None:
+    """Append markdown to the GitHub Actions job summary when ``GITHUB_STEP_SUMMARY`` names one."""
+    target = os.environ.get("GITHUB_STEP_SUMMARY")
+    if target:
+        with open(target, "a", encoding="utf-8") as f:
+            f.write(text.rstrip() + "\n\n")
+
+
 def write_outputs(out: Path, doc: dict[str, Any]) -> list[Path]:
-    """``out/result.json`` and ``out/report.md``, each written atomically."""
+    """``out/result.json``, the plots under ``out/plots`` and ``out/report.md`` (files written
+    atomically); with ``GITHUB_STEP_SUMMARY`` set, the report's tables go to the job summary too."""
+    from harness.present.plots import write_plots
+
     out.mkdir(parents=True, exist_ok=True)
     result = out / "result.json"
     schema.write_json_atomic(result, doc)
+    plots = {s["name"]: write_plots(out, s) for s in doc["scenarios"]}
     report = out / "report.md"
     tmp = report.with_name(".report.md.tmp")
-    tmp.write_text(markdown(doc))
+    tmp.write_text(markdown(doc, plots))
     os.replace(tmp, report)
-    return [result, report]
+    append_step_summary(markdown(doc))  # the job summary cannot show local images
+    return [result, report, *(out / rel for p in plots.values() for _, rel in p)]

@@ -64,6 +64,7 @@ def run_summary(run: RunOutcome, s: Scenario, ref: RunOutcome | None) -> dict[st
         mlx_peak_bytes=[rk["mlx_peak_bytes"] for rk in out["ranks"]],
         rss_peak_bytes=[rk["rss_peak_bytes"] for rk in out["ranks"]],
         final_digest=r0["final_digest"],
+        param_count=r0.get("param_count"),
         compile=r0.get("compile"),
         stop=r0.get("stop"),
         evals=[{k: e[k] for k in ("step", "loss", "tokens")} for e in r0.get("evals", [])],
@@ -87,6 +88,13 @@ def run_summary(run: RunOutcome, s: Scenario, ref: RunOutcome | None) -> dict[st
     return out
 
 
+def model_label(s: Scenario, runs: list[RunOutcome]) -> str:
+    """``arch size / seq`` as the seed's tables name a model (size from a run's parameter count)."""
+    count = next((r.result(0).get("param_count") for r in runs if r.ok), None)
+    size = f" {count / 1e6:.2f}M" if count else ""
+    return f"{s.model.arch}{size} / {s.data.max_seq_len}"
+
+
 def scenario_summary(s: Scenario, runs: list[RunOutcome], checks: list[Check]) -> dict[str, Any]:
     ref = next((r for r in runs if r.name == s.checks.reference), None)
     infra = [r for r in runs if not r.ok and s.run(r.name).expect_error is None]
@@ -95,12 +103,34 @@ def scenario_summary(s: Scenario, runs: list[RunOutcome], checks: list[Check]) -
         "name": s.name,
         "path": s.path,
         "description": s.description,
+        "kind": s.kind,
+        "model": model_label(s, runs),
         "reference": s.checks.reference,
         "status": status,
         "passed": status == "passed",
         "checks": [c.to_dict() for c in checks],
         "runs": [run_summary(r, s, ref) for r in runs],
     }
+
+
+def merge_repeats(reps: list[dict[str, Any]]) -> dict[str, Any]:
+    """One scenario summary from its repeats: the first repeat's runs and checks, each run with
+    every repeat's figures (``repeats``), the checks a later repeat failed (their run named with
+    the repeat), and the worst status of all."""
+    from harness.judge.baselines import repeat_figures
+
+    first = reps[0]
+    if len(reps) == 1:
+        return first
+    order = ("passed", "failed", "error")
+    merged = dict(first, repeats=len(reps), checks=list(first["checks"]),
+                  status=max((r["status"] for r in reps), key=order.index))
+    merged["passed"] = merged["status"] == "passed"
+    for k, rep in enumerate(reps[1:], start=2):
+        merged["checks"] += [dict(c, run=f"{c['run']} (repeat {k})") for c in rep["checks"] if not c["passed"]]
+    for run in merged["runs"]:
+        run["repeats"] = [repeat_figures(next(x for x in rep["runs"] if x["name"] == run["name"])) for rep in reps]
+    return merged
 
 
 def exit_code(scenarios: list[dict[str, Any]]) -> int:

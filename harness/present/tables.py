@@ -1,4 +1,4 @@
-"""Tables in the shape of the seed DDP parity table, and the checks table, through tabulate."""
+"""Tables through tabulate: runs in the seed's parity and guide-shape throughput shapes, resume, checks."""
 
 from __future__ import annotations
 
@@ -10,16 +10,20 @@ FORMATS = {"plain": "simple", "github": "github"}
 MB = 1024 * 1024
 
 PARITY_HEADERS = [
-    "Run", "World size", "Per-rank batch", "Runtime", "Post-step-1 median tok/s", "Avg loss",
+    "Model / seq", "Run", "World size", "Per-rank batch", "Runtime", "Post-step-1 median tok/s", "Avg loss",
     "Final loss", "Final-loss delta vs {ref}", "Peak MLX MB per rank", "Peak RSS MB per rank",
 ]
+THROUGHPUT_HEADERS = [
+    "Model / seq", "Run", "World size", "Per-rank batch", "Effective global batch", "Runtime", "Tokens",
+    "Post-step-1 median tok/s", "Speed vs {ref}", "Avg loss", "Final loss", "Peak MLX MB per rank",
+    "Peak RSS MB per rank",
+]
+IMAGES_HEADER = "Post-step-1 median img/s"
+TOK_S_HEADER = "Post-step-1 median tok/s"
 
 
 def _mb(values: list[int] | None) -> str:
     return " / ".join(f"{v / MB:.0f}" for v in values) if values else "-"
-
-
-IMAGES_HEADER = "Post-step-1 median img/s"
 
 
 def has_images(scenario: dict[str, Any]) -> bool:
@@ -27,38 +31,54 @@ def has_images(scenario: dict[str, Any]) -> bool:
     return any(r.get("images_global") for r in scenario["runs"])
 
 
-def parity_rows(scenario: dict[str, Any]) -> list[list[Any]]:
-    rows = []
+def _speed(run: dict[str, Any], ref: dict[str, Any] | None) -> str:
+    if not ref or not ref.get("ok") or not ref.get("median_tok_s"):
+        return "-"
+    return f"{run['median_tok_s'] / ref['median_tok_s']:.2f}x"
+
+
+def run_rows(scenario: dict[str, Any]) -> list[list[Any]]:
+    """One row per run, in the seed's parity-table shape, or its guide-shape throughput shape for
+    a ``throughput`` scenario (effective global batch, tokens and speed vs the reference run)."""
+    throughput = scenario.get("kind") == "throughput"
     images = has_images(scenario)
+    ref = next((r for r in scenario["runs"] if r["name"] == scenario.get("reference")), None)
+    width = len(THROUGHPUT_HEADERS if throughput else PARITY_HEADERS) + images
+    rows = []
     for r in scenario["runs"]:
+        head = [scenario.get("model", "-"), r["name"], r["world_size"], r["per_rank_batch"]]
+        if throughput:
+            head.append(r["global_batch"])
         if not r["ok"]:
             status = "FAILED (expected)" if r.get("expect_error") else "FAILED"
-            rows.append([r["name"], r["world_size"], r["per_rank_batch"], status] + ["-"] * (6 + images))
+            rows.append(head + [status] + ["-"] * (width - len(head) - 1))
             continue
-        delta = r.get("final_loss_delta")
         img_s = r.get("median_img_s")
-        rows.append([
-            r["name"],
-            r["world_size"],
-            r["per_rank_batch"],
-            f"{r['runtime_s']:.3f}s",
-            f"{r['median_tok_s']:.1f}",
-            *([f"{img_s:.1f}" if img_s is not None else "-"] if images else []),
-            f"{r['avg_loss']:.6f}",
-            f"{r['final_loss']:.6f}",
-            "-" if delta is None else f"{delta:+.6f}",
-            _mb(r["mlx_peak_bytes"]),
-            _mb(r["rss_peak_bytes"]),
-        ])
+        speed = [f"{r['median_tok_s']:.1f}", *([f"{img_s:.1f}" if img_s is not None else "-"] if images else [])]
+        losses = [f"{r['avg_loss']:.6f}", f"{r['final_loss']:.6f}"]
+        memory = [_mb(r["mlx_peak_bytes"]), _mb(r["rss_peak_bytes"])]
+        runtime = f"{r['runtime_s']:.3f}s"
+        if throughput:
+            rows.append(head + [runtime, r["tokens_global"], *speed, _speed(r, ref), *losses, *memory])
+        else:
+            delta = r.get("final_loss_delta")
+            rows.append(head + [runtime, *speed, *losses, "-" if delta is None else f"{delta:+.6f}", *memory])
     return rows
 
 
-def parity_table(scenario: dict[str, Any], fmt: str = "plain") -> str:
+def runs_table(scenario: dict[str, Any], fmt: str = "plain") -> str:
     ref = scenario.get("reference") or "reference"
-    headers = [h.format(ref=ref) for h in PARITY_HEADERS]
+    shape = THROUGHPUT_HEADERS if scenario.get("kind") == "throughput" else PARITY_HEADERS
+    headers = [h.format(ref=ref) for h in shape]
     if has_images(scenario):
-        headers.insert(headers.index("Post-step-1 median tok/s") + 1, IMAGES_HEADER)
-    return tabulate(parity_rows(scenario), headers=headers, tablefmt=FORMATS[fmt], disable_numparse=True)
+        headers.insert(headers.index(TOK_S_HEADER) + 1, IMAGES_HEADER)
+    return tabulate(run_rows(scenario), headers=headers, tablefmt=FORMATS[fmt], disable_numparse=True)
+
+
+def runs_title(scenario: dict[str, Any]) -> str:
+    if scenario.get("kind") == "throughput":
+        return f"Throughput vs {scenario.get('reference')} (runs at different global batches: not a parity test)"
+    return "DDP parity at equal global batch"
 
 
 def _fmt(v: Any) -> str:
@@ -112,9 +132,41 @@ def resume_table(scenario: dict[str, Any], fmt: str = "plain") -> str:
     return tabulate(resume_rows(scenario), headers=RESUME_HEADERS, tablefmt=FORMATS[fmt], disable_numparse=True)
 
 
+REPEAT_HEADERS = ["Run", "Repeats", "Post-step-1 median tok/s per repeat", "Spread (stdev / median)",
+                  "Loss max |delta| between repeats", "Peak MLX MB per rank (min-max)",
+                  "Peak RSS MB per rank (min-max)"]
+
+
+def _mb_range(samples: list[list[int]]) -> str:
+    return " / ".join(f"{min(v) / MB:.0f}-{max(v) / MB:.0f}" for v in zip(*samples, strict=True))
+
+
+def repeat_rows(scenario: dict[str, Any]) -> list[list[Any]]:
+    """With ``--repeat``: how each run's figures varied from repeat to repeat."""
+    from harness.judge.baselines import relative_spread
+
+    rows = []
+    for r in scenario["runs"]:
+        reps = [x for x in r.get("repeats") or [] if x["ok"]]
+        if len(reps) < 2:
+            continue
+        tok_s = [x["median_tok_s"] for x in reps]
+        loss = max(abs(a - b) for x in reps[1:] for a, b in zip(x["losses"], reps[0]["losses"], strict=False))
+        rows.append([r["name"], len(reps), " / ".join(f"{v:.1f}" for v in tok_s), f"{relative_spread(tok_s):.1%}",
+                     _fmt(loss), _mb_range([x["mlx_peak_bytes"] for x in reps]),
+                     _mb_range([x["rss_peak_bytes"] for x in reps])])
+    return rows
+
+
+def repeat_table(scenario: dict[str, Any], fmt: str = "plain") -> str:
+    return tabulate(repeat_rows(scenario), headers=REPEAT_HEADERS, tablefmt=FORMATS[fmt], disable_numparse=True)
+
+
 def scenario_text(scenario: dict[str, Any], fmt: str = "plain") -> str:
     """The table block the CLI prints for one scenario."""
-    parts = [f"{scenario['name']}: {scenario['status'].upper()}", parity_table(scenario, fmt)]
+    parts = [f"{scenario['name']}: {scenario['status'].upper()}", runs_table(scenario, fmt)]
+    if repeat_rows(scenario):
+        parts.append(repeat_table(scenario, fmt))
     if resume_rows(scenario):
         parts.append(resume_table(scenario, fmt))
     if scenario["checks"]:

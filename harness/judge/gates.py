@@ -1,0 +1,148 @@
+"""Regression gates: a result's runs against a baseline of the same platform.
+
+Each gate names its metric, the current and baseline values and the threshold it was held to,
+so a failure reads as a complete sentence in CI logs.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from harness.judge.baselines import (
+    BaselineError,
+    Tolerances,
+    collect_repeats,
+    platform_differences,
+    platform_key,
+    platform_label,
+)
+
+MB = 1024 * 1024
+
+
+@dataclass
+class Gate:
+    """One gated metric of one run."""
+
+    scenario: str
+    run: str
+    metric: str
+    passed: bool
+    current: str
+    baseline: str
+    threshold: str
+    detail: str = ""
+
+    @property
+    def result(self) -> str:
+        return "pass" if self.passed else "FAIL"
+
+    def message(self) -> str:
+        head = f"{self.result} {self.scenario}/{self.run} {self.metric}: {self.current} vs baseline {self.baseline}"
+        return f"{head} (threshold {self.threshold}){'; ' + self.detail if self.detail else ''}"
+
+
+def check_platform(baseline: dict[str, Any], base_file: Path, doc: dict[str, Any], result_file: Path,
+                   force: bool) -> list[str]:
+    """Refuse a result from another platform (``BaselineError``), or with ``force`` say how it differs."""
+    current = platform_key(doc["environment"])
+    diff = platform_differences(baseline["platform"], current)
+    if diff and not force:
+        raise BaselineError(
+            f"{result_file} was measured on another platform than baseline {base_file} (differs in "
+            f"{', '.join(diff)}: {platform_label(current)} vs {platform_label(baseline['platform'])}); "
+            f"refusing to compare (--force compares anyway)")
+    return [f"compared across platforms (forced): {k} {current.get(k)!r} vs baseline {baseline['platform'].get(k)!r}"
+            for k in diff]
+
+
+def throughput_gate(name: tuple[str, str], base: dict[str, Any], current: list[float], tol: Tolerances) -> Gate:
+    """Fail only on a slowdown beyond max(configured %, spread multiple x measured repeat spread)."""
+    now = statistics.median(current)
+    allowed = tol.slowdown_allowed(base["tok_s_spread"])
+    change = now / base["median_tok_s"] - 1
+    threshold = (f"-{allowed:.1%} = max({tol.throughput_pct:g}% configured, {tol.spread_multiple:g} x "
+                 f"{base['tok_s_spread']:.1%} repeat spread over {base['repeats']} repeats)")
+    reps = f" (median of {len(current)} repeats)" if len(current) > 1 else ""
+    detail = f"{change:+.1%}"
+    if allowed >= 0.5:
+        detail += "; the baseline is too noisy to catch smaller slowdowns (more repeats or longer runs help)"
+    return Gate(*name, "throughput", change >= -allowed, f"{now:.1f} tok/s{reps}", f"{base['median_tok_s']:.1f} tok/s",
+                threshold, detail)
+
+
+def loss_gate(name: tuple[str, str], base: dict[str, Any], repeats: list[list[float]], tol: Tolerances) -> Gate:
+    """Every step's loss of every current repeat within the tolerance of the golden per-step loss."""
+    golden = base["losses"]
+    allowed = tol.loss_allowed(base["loss_spread"])
+    threshold = (f"{allowed:.3g} = max({tol.loss_abs:g} configured, {tol.spread_multiple:g} x "
+                 f"{base['loss_spread']:.3g} repeat spread)")
+    for losses in repeats:
+        if len(losses) != len(golden):
+            return Gate(*name, "loss", False, f"{len(losses)} steps", f"{len(golden)} steps", threshold,
+                        "the run trained a different number of steps")
+    worst, step, now, then = max((abs(x - g), i + 1, x, g) for losses in repeats
+                                 for i, (x, g) in enumerate(zip(losses, golden, strict=True)))
+    return Gate(*name, "loss", worst <= allowed, f"{now:.6f} at step {step}", f"{then:.6f}", threshold,
+                f"max |delta| {worst:.3g} over {len(golden)} steps")
+
+
+def memory_gates(name: tuple[str, str], base: dict[str, Any], repeats: list[dict[str, Any]],
+                 tol: Tolerances) -> list[Gate]:
+    """Each rank's peak (MLX and process RSS) within ``memory_pct`` % of the baseline, either way."""
+    gates = []
+    for key, label in (("mlx_peak_bytes", "peak MLX memory"), ("rss_peak_bytes", "peak RSS")):
+        now = [int(statistics.median(v)) for v in zip(*(r[key] for r in repeats), strict=True)]
+        then = base[key]
+        if len(now) != len(then):
+            gates.append(Gate(*name, label, False, f"{len(now)} ranks", f"{len(then)} ranks", "same world size"))
+            continue
+        changes = [n / t - 1 if t else 0.0 for n, t in zip(now, then, strict=True)]
+        rank = max(range(len(now)), key=lambda i: abs(changes[i]))
+        ok = all(abs(c) <= tol.memory_pct / 100 for c in changes)
+        gates.append(Gate(*name, label, ok, f"{now[rank] / MB:.1f} MB on rank {rank}",
+                          f"{then[rank] / MB:.1f} MB", f"±{tol.memory_pct:g}%",
+                          f"{changes[rank]:+.1%}; per rank " + " / ".join(f"{n / MB:.1f}" for n in now)))
+    return gates
+
+
+def gate(baseline: dict[str, Any], docs: list[tuple[Path, dict[str, Any]]], tol: Tolerances
+         ) -> tuple[list[Gate], list[str], list[tuple[str, str, dict[str, Any], dict[str, Any]]]]:
+    """Gate every run of ``docs`` the baseline holds. Returns the gates, notes on runs that were
+    not compared, and (scenario, run, baseline entry, current figures) for each compared run."""
+    gates: list[Gate] = []
+    notes: list[str] = []
+    compared = []
+    for (scenario, run), entry in collect_repeats(docs).items():
+        base = baseline["scenarios"].get(scenario, {}).get(run)
+        name = (scenario, run)
+        if base is None:
+            notes.append(f"{scenario}/{run}: not in the baseline, not gated")
+            continue
+        if entry["failed"]:
+            gates.append(Gate(*name, "run", False, f"{entry['failed']} failed repeat(s)", "passed",
+                              "every repeat passes"))
+            continue
+        reps = entry["repeats"]
+        gates.append(throughput_gate(name, base, [r["median_tok_s"] for r in reps], tol))
+        gates.append(loss_gate(name, base, [r["losses"] for r in reps], tol))
+        gates.extend(memory_gates(name, base, reps, tol))
+        current = {"median_tok_s": statistics.median(r["median_tok_s"] for r in reps),
+                   "runtime_s": statistics.median(r["runtime_s"] for r in reps),
+                   "avg_loss": reps[0]["avg_loss"], "final_loss": reps[0]["final_loss"],
+                   "world_size": entry["world_size"], "model": entry["model"]}
+        compared.append((scenario, run, base, current))
+    seen = {(g.scenario, g.run) for g in gates}
+    absent = sorted(set(baseline["scenarios"]) - {s for s, _ in seen})
+    if absent:
+        notes.append(f"baseline scenarios not in the results (not gated): {', '.join(absent)}")
+    for scenario in sorted({s for s, _ in seen}):
+        missing = [r for r in baseline["scenarios"][scenario] if (scenario, r) not in seen]
+        if missing:
+            notes.append(f"{scenario}: baseline runs not in the results: {', '.join(missing)}")
+    if not gates:
+        raise BaselineError("no run of the results is in the baseline: nothing to gate")
+    return gates, notes, compared

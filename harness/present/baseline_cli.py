@@ -1,0 +1,96 @@
+"""``mlx-ddp-harness gate`` and ``mlx-ddp-harness baseline update``.
+
+Exit codes of ``gate``: 0 every gate passed, 1 a gate failed, 2 bad input (a missing or damaged
+file, a result from another platform than the baseline without ``--force``, nothing to compare).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+from harness.present.results import EXIT_CHECK_FAILED, EXIT_PASS
+
+TOLERANCE_FLAGS = (
+    ("--throughput-pct", "throughput_pct", "slowdown always allowed, in %% of baseline tok/s"),
+    ("--spread-multiple", "spread_multiple", "allowed slowdown / loss difference as a multiple of the repeat spread"),
+    ("--loss-abs", "loss_abs", "per-step loss difference always allowed"),
+    ("--memory-pct", "memory_pct", "per-rank peak memory change allowed either way, in %%"),
+)
+
+
+def _tolerance_overrides(args: argparse.Namespace) -> dict[str, float | None]:
+    return {dest: getattr(args, dest) for _, dest, _ in TOLERANCE_FLAGS}
+
+
+def baseline_filename(key: dict[str, object]) -> str:
+    """A file name for a platform's baseline, e.g. ``linux-amd-epyc-cpu-mlx0.32.4.json``."""
+    device = "gpu" if "gpu" in str(key.get("device")) else "cpu"  # "Device(gpu, 0) (Apple M3 Max)"
+    parts = [str(key.get("os_name")), str(key.get("cpu")), device, f"mlx{key.get('mlx_version')}"]
+    slug = "-".join(re.sub(r"[^a-z0-9.]+", "-", p.lower()).strip("-") for p in parts)
+    return f"{slug}.json"
+
+
+def cmd_gate(args: argparse.Namespace) -> int:
+    from harness.judge.baselines import Tolerances, pick_baseline
+    from harness.judge.gates import check_platform, gate
+    from harness.present.cli import load_results
+    from harness.present.gate_report import gate_text
+    from harness.present.report import append_step_summary
+
+    docs = load_results(args.results)
+    env = docs[0][1]["environment"]
+    base_file, baseline = pick_baseline(Path(args.baseline), env)
+    notes: list[str] = []
+    for f, doc in docs:
+        notes += check_platform(baseline, base_file, doc, f, args.force)
+    tol = Tolerances(**baseline["tolerances"]).updated(**_tolerance_overrides(args))
+    gates, more, compared = gate(baseline, docs, tol)
+    text = gate_text(gates, notes + more, compared, baseline, env, str(base_file), args.format)
+    print(text)
+    append_step_summary(gate_text(gates, notes + more, compared, baseline, env, str(base_file), "github"))
+    return EXIT_PASS if all(g.passed for g in gates) else EXIT_CHECK_FAILED
+
+
+def cmd_baseline_update(args: argparse.Namespace) -> int:
+    from harness import schema
+    from harness.judge.baselines import Tolerances, build_baseline, platform_key, read_baseline
+    from harness.present.cli import load_results
+    from harness.present.gate_report import baseline_table
+
+    docs = load_results(args.results)
+    path = Path(args.baseline)
+    if path.is_dir():
+        path = path / baseline_filename(platform_key(docs[0][1]["environment"]))
+    # an existing baseline keeps its configured tolerances unless a flag changes them
+    tol = Tolerances(**read_baseline(path)["tolerances"]) if path.exists() else Tolerances()
+    doc = build_baseline(docs, tol.updated(**_tolerance_overrides(args)))
+    schema.write_json_atomic(path, doc)
+    print(baseline_table(doc, args.format))
+    print(f"\nwrote {path}")
+    return EXIT_PASS
+
+
+def _tolerance_args(p: argparse.ArgumentParser) -> None:
+    for flag, dest, text in TOLERANCE_FLAGS:
+        p.add_argument(flag, dest=dest, type=float, default=None, help=text)
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    g = sub.add_parser("gate", help="compare results against a baseline of the same platform (exit 1 on a regression)")
+    g.add_argument("results", nargs="+", metavar="RESULT", help="result.json files or --out directories")
+    g.add_argument("--baseline", required=True, help="baseline file, or a directory of per-platform baselines")
+    g.add_argument("--force", action="store_true", help="compare even when the platforms differ")
+    g.add_argument("--format", choices=("plain", "github"), default="plain", help="table format")
+    _tolerance_args(g)
+    g.set_defaults(func=cmd_gate)
+    b = sub.add_parser("baseline", help="write baselines")
+    bsub = b.add_subparsers(dest="action", required=True)
+    u = bsub.add_parser("update", help="write a baseline from results (at least 2 repeats of each run)")
+    u.add_argument("results", nargs="+", metavar="RESULT", help="result.json files or --out directories")
+    u.add_argument("--baseline", required=True,
+                   help="baseline file to write, or a directory (the file is named after the platform)")
+    u.add_argument("--format", choices=("plain", "github"), default="plain", help="table format")
+    _tolerance_args(u)
+    u.set_defaults(func=cmd_baseline_update)

@@ -1,0 +1,83 @@
+"""What ``gate`` and ``baseline update`` print: the seed's single-process regression table,
+the gates, and the baseline's entries."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tabulate import tabulate
+
+from harness.judge.baselines import Tolerances
+from harness.judge.gates import Gate
+from harness.present.tables import FORMATS
+
+REGRESSION_HEADERS = ["Model / seq", "Scenario", "Hardware", "Branch", "Runtime", "Post-step-1 median tok/s",
+                      "Avg loss", "Final loss"]
+
+
+def hardware(env: dict[str, Any]) -> str:
+    """The chip or CPU a result ran on, or the GPU's name when MLX ran on one."""
+    device = str(env.get("device", ""))
+    if "gpu" in device and "(" in device.split(")", 1)[-1]:
+        return device.split(")", 1)[-1].strip(" ()")  # "Device(gpu, 0) (NVIDIA H100 80GB HBM3)"
+    return str(env.get("cpu", "?"))
+
+
+def _revision(label: str, env: dict[str, Any]) -> str:
+    rev = env.get("git_revision")
+    return f"{label} ({rev})" if rev else label
+
+
+def regression_rows(compared: list[tuple[str, str, dict[str, Any], dict[str, Any]]], baseline: dict[str, Any],
+                    env: dict[str, Any]) -> list[list[Any]]:
+    """Single-process runs against the baseline: a baseline row and a current row each."""
+    rows = []
+    for scenario, _run, base, now in compared:
+        if now["world_size"] != 1:
+            continue
+        for branch, figures, where in (("baseline", base, baseline["environment"]), ("current", now, env)):
+            rows.append([figures.get("model") or "-", scenario, hardware(where), _revision(branch, where),
+                         f"{figures['runtime_s']:.3f}s", f"{figures['median_tok_s']:.1f}",
+                         f"{figures['avg_loss']:.6f}", f"{figures['final_loss']:.6f}"])
+    return rows
+
+
+def gate_table(gates: list[Gate], fmt: str = "plain") -> str:
+    rows = [[g.scenario, g.run, g.metric, g.current, g.baseline, g.threshold, g.result, g.detail] for g in gates]
+    return tabulate(rows, headers=["Scenario", "Run", "Metric", "Current", "Baseline", "Threshold", "Result", "Detail"],
+                    tablefmt=FORMATS[fmt], disable_numparse=True)
+
+
+def gate_text(gates: list[Gate], notes: list[str], compared: list, baseline: dict[str, Any],
+              env: dict[str, Any], base_name: str, fmt: str = "plain") -> str:
+    """The whole gate report: verdict, regression table, gates, failures spelled out, notes."""
+    failed = [g for g in gates if not g.passed]
+    verdict = f"gate against {base_name}: {'FAILED' if failed else 'PASSED'} ({len(gates) - len(failed)} of " \
+              f"{len(gates)} gates passed)"
+    parts = [verdict]
+    regression = regression_rows(compared, baseline, env)
+    if regression:
+        title = "Single-process regression against the baseline"
+        parts.append(f"{title}\n\n" + tabulate(regression, headers=REGRESSION_HEADERS, tablefmt=FORMATS[fmt],
+                                                disable_numparse=True))
+    parts.append(gate_table(gates, fmt))
+    parts.extend(g.message() for g in failed)
+    parts.extend(f"note: {n}" for n in notes)
+    return "\n\n".join(parts)
+
+
+def baseline_rows(baseline: dict[str, Any]) -> list[list[Any]]:
+    tol = Tolerances(**baseline["tolerances"])
+    rows = []
+    for scenario, runs in baseline["scenarios"].items():
+        for run, b in runs.items():
+            slow, loss = tol.slowdown_allowed(b["tok_s_spread"]), tol.loss_allowed(b["loss_spread"])
+            rows.append([scenario, run, b["world_size"], b["repeats"], f"{b['median_tok_s']:.1f}",
+                         f"{b['tok_s_spread']:.1%}", f"-{slow:.1%}", f"{loss:.3g}", f"±{tol.memory_pct:g}%"])
+    return rows
+
+
+def baseline_table(baseline: dict[str, Any], fmt: str = "plain") -> str:
+    headers = ["Scenario", "Run", "World size", "Repeats", "Median tok/s", "Repeat spread", "Slowdown allowed",
+               "Loss tolerance", "Memory"]
+    return tabulate(baseline_rows(baseline), headers=headers, tablefmt=FORMATS[fmt], disable_numparse=True)

@@ -1,0 +1,105 @@
+"""PNG plots for ``report.md`` (matplotlib, imported only when a report is written).
+
+Per scenario: the loss curves of every run overlaid (1 vs N ranks), post-step-1 median tok/s per
+run and world size (with the range over repeats), and each rank's peak memory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+MB = 1024 * 1024
+
+
+def _pyplot():  # noqa: ANN202
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _label(run: dict[str, Any]) -> str:
+    return f"{run['name']} ({run['world_size']} rank{'s' if run['world_size'] > 1 else ''})"
+
+
+def _ok_runs(scenario: dict[str, Any]) -> list[dict[str, Any]]:
+    return [r for r in scenario["runs"] if r["ok"] and r.get("losses")]
+
+
+def loss_plot(scenario: dict[str, Any], path: Path) -> None:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in _ok_runs(scenario):
+        start = r.get("steps_start", 1)
+        steps = range(start, start + len(r["losses"]))
+        ax.plot(steps, r["losses"], marker="o", markersize=3, linewidth=1.2, label=_label(r), alpha=0.85)
+    ax.set(xlabel="optimizer step", ylabel="global loss", title=f"{scenario['name']}: loss per step")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def throughput_plot(scenario: dict[str, Any], path: Path) -> None:
+    plt = _pyplot()
+    runs = _ok_runs(scenario)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    names = [_label(r) for r in runs]
+    values = [r["median_tok_s"] for r in runs]
+    low, high = [], []
+    for r, v in zip(runs, values, strict=True):
+        reps = [x["median_tok_s"] for x in r.get("repeats") or [] if x["ok"]] or [v]
+        low.append(v - min(reps))
+        high.append(max(reps) - v)
+    ax.bar(names, values, yerr=[low, high], capsize=4, color="tab:blue", alpha=0.8)
+    ax.set(ylabel="post-step-1 median tok/s (global)", title=f"{scenario['name']}: throughput per run")
+    ax.tick_params(axis="x", labelrotation=20, labelsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def memory_plot(scenario: dict[str, Any], path: Path) -> None:
+    plt = _pyplot()
+    runs = _ok_runs(scenario)
+    fig, axes = plt.subplots(1, 2, figsize=(9, 4))
+    for ax, key, title in zip(axes, ("rss_peak_bytes", "mlx_peak_bytes"), ("peak RSS", "peak MLX memory"),
+                              strict=True):
+        widest = max(runs, key=lambda r: r["world_size"])  # its bars carry the rank legend
+        width = 0.8 / widest["world_size"]
+        for i, r in enumerate(runs):
+            for rank, v in enumerate(r[key]):
+                ax.bar(i + rank * width, v / MB, width=width * 0.9, color=f"C{rank}",
+                       label=f"rank {rank}" if r is widest else None)
+        ax.set_xticks([i + width * (r["world_size"] - 1) / 2 for i, r in enumerate(runs)],
+                      [_label(r) for r in runs], rotation=20, fontsize=8)
+        ax.set(ylabel="MB", title=f"{title} per rank")
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"{scenario['name']}: memory per rank")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+PLOTS = (("loss", loss_plot, "loss curves of every run overlaid"),
+         ("throughput", throughput_plot, "post-step-1 median tok/s per run"),
+         ("memory", memory_plot, "peak memory per rank"))
+
+
+def write_plots(out: Path, scenario: dict[str, Any]) -> list[tuple[str, Path]]:
+    """The scenario's plots under ``out/plots``; (caption, path relative to ``out``) for each."""
+    if not _ok_runs(scenario):
+        return []
+    (out / "plots").mkdir(parents=True, exist_ok=True)
+    written = []
+    for kind, draw, caption in PLOTS:
+        rel = Path("plots") / f"{scenario['name']}-{kind}.png"
+        draw(scenario, out / rel)
+        written.append((caption, rel))
+    return written
