@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -54,10 +55,11 @@ def write_scenario(tmp: Path, name: str, world_sizes: tuple[int, ...] = (1, 2), 
     return path
 
 
-def cli(*args: str, cwd: Path | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    """``python -m harness ARGS`` in a fresh process."""
+def cli(*args: str, cwd: Path | None = None, timeout: float = 600,
+        env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``python -m harness ARGS`` in a fresh process (``env``: variables added to this one's)."""
     return subprocess.run([sys.executable, "-m", "harness", *args], capture_output=True, text=True,
-                          cwd=cwd or REPO, timeout=timeout)
+                          cwd=cwd or REPO, timeout=timeout, env={**os.environ, **(env or {})})
 
 
 @pytest.fixture
@@ -65,3 +67,16 @@ def scenario_dir(tmp_path: Path) -> Path:
     d = tmp_path / "scenarios"
     d.mkdir()
     return d
+
+
+BENCHMARK_OUTPUT = ("benchmark_json", "benchmark_save", "benchmark_autosave", "benchmark_compare",
+                    "benchmark_compare_fail", "benchmark_histogram")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """pytest-benchmark silently records nothing under xdist; asking it for output there is a mistake."""
+    xdist = (config.getoption("numprocesses", None) or 0) not in (0, None) or config.getoption("dist", "no") != "no"
+    asked = [f"--{o.replace('_', '-')}" for o in BENCHMARK_OUTPUT if config.getoption(o, None)]
+    if xdist and asked:
+        raise pytest.UsageError(f"{', '.join(asked)} record nothing under xdist (-n): pytest-benchmark disables "
+                                f"itself there; run the benchmarks without -n: pytest -m throughput {' '.join(asked)}")

@@ -1,0 +1,196 @@
+"""Baselines and gates on result documents (pure logic), and the gate / baseline commands."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from harness import schema
+from harness.judge.baselines import BaselineError, Tolerances, build_baseline, pick_baseline, relative_spread
+from harness.judge.gates import check_platform, gate
+from harness.present.baseline_cli import baseline_filename
+from tests.conftest import REPO, cli
+
+MB = 1024 * 1024
+ENV = {"os_name": "Linux", "cpu": "Test CPU", "device": "Device(cpu, 0)", "mlx_version": "0.32.4",
+       "git_revision": "abc1234"}
+LOSSES = [5.0, 4.0, 3.5, 3.25]
+
+
+def _repeat(tok_s: float, losses: list[float] = LOSSES, mlx: tuple[int, ...] = (10 * MB,),
+            rss: tuple[int, ...] = (100 * MB,)) -> dict[str, Any]:
+    return {"ok": True, "median_tok_s": tok_s, "runtime_s": 1.0, "losses": list(losses),
+            "mlx_peak_bytes": list(mlx), "rss_peak_bytes": list(rss), "avg_loss": sum(losses) / len(losses),
+            "final_loss": losses[-1]}
+
+
+def _doc(repeats: list[dict[str, Any]], env: dict[str, Any] = ENV, world_size: int = 1) -> dict[str, Any]:
+    run = {"name": "single" if world_size == 1 else f"ddp{world_size}", "world_size": world_size,
+           **repeats[0], "repeats": repeats}
+    return schema.stamp({"passed": True, "exit_code": 0, "environment": env, "scenarios": [
+        {"name": "s", "kind": "parity", "model": "qwen3 0.10M / 160", "runs": [run]}]})
+
+
+def _baseline(spread_tok_s: tuple[float, ...] = (1000.0, 1000.0, 1000.0), **tol: float) -> dict[str, Any]:
+    return build_baseline([(Path("b.json"), _doc([_repeat(t) for t in spread_tok_s]))], Tolerances(**tol))
+
+
+def _gates(baseline: dict[str, Any], *repeats: dict[str, Any]) -> dict[str, Any]:
+    gates, _, _ = gate(baseline, [(Path("r.json"), _doc(list(repeats)))], Tolerances(**baseline["tolerances"]))
+    return {g.metric: g for g in gates}
+
+
+def test_baseline_holds_medians_spread_and_golden_losses() -> None:
+    b = _baseline((900.0, 1000.0, 1100.0))
+    e = b["scenarios"]["s"]["single"]
+    assert e["median_tok_s"] == 1000.0 and e["repeats"] == 3 and e["tok_s_spread"] == pytest.approx(0.1)
+    assert e["losses"] == LOSSES and e["loss_spread"] == 0 and e["rss_peak_bytes"] == [100 * MB]
+    assert b["platform"] == {k: ENV[k] for k in ("os_name", "cpu", "device", "mlx_version")}
+    assert relative_spread([5.0]) == 0.0
+
+
+def test_a_run_that_beats_the_baseline_passes() -> None:
+    gates = _gates(_baseline(), _repeat(1200.0, mlx=(int(9.5 * MB),)), _repeat(1150.0))
+    assert all(g.passed for g in gates.values()), [g.message() for g in gates.values()]
+    assert gates["throughput"].current == "1175.0 tok/s (median of 2 repeats)"
+
+
+def test_throughput_fails_only_beyond_the_larger_of_percent_and_spread() -> None:
+    quiet = _baseline(throughput_pct=10.0)
+    assert _gates(quiet, _repeat(920.0))["throughput"].passed  # -8%
+    slow = _gates(quiet, _repeat(850.0))["throughput"]
+    assert not slow.passed
+    assert slow.message() == ("FAIL s/single throughput: 850.0 tok/s vs baseline 1000.0 tok/s (threshold -10.0% = "
+                              "max(10% configured, 3 x 0.0% repeat spread over 3 repeats)); -15.0%")
+    noisy = _baseline((900.0, 1000.0, 1100.0))  # 10% spread: 3 x 10% = 30% allowed
+    assert _gates(noisy, _repeat(750.0))["throughput"].passed
+    failed = _gates(noisy, _repeat(650.0))["throughput"]
+    assert not failed.passed and "-30.0% = max(10% configured, 3 x 10.0% repeat spread" in failed.threshold
+
+
+def test_a_different_loss_fails_naming_the_step_values_and_tolerance() -> None:
+    b = _baseline()
+    assert _gates(b, _repeat(1000.0, [5.0, 4.0, 3.500004, 3.25]))["loss"].passed  # within 1e-5
+    bad = _gates(b, _repeat(1000.0, [5.0, 4.0, 3.6, 3.25]))["loss"]
+    assert not bad.passed
+    assert bad.message() == ("FAIL s/single loss: 3.600000 at step 3 vs baseline 3.500000 (threshold 1e-05 = "
+                             "max(1e-05 configured, 3 x 0 repeat spread)); max |delta| 0.1 over 4 steps")
+    short = _gates(b, _repeat(1000.0, LOSSES[:3]))["loss"]
+    assert not short.passed and short.current == "3 steps" and short.baseline == "4 steps"
+
+
+def test_memory_fails_in_both_directions() -> None:
+    b = _baseline(memory_pct=10.0)
+    bigger = _gates(b, _repeat(1000.0, rss=(125 * MB,)))["peak RSS"]
+    assert not bigger.passed
+    assert bigger.message() == ("FAIL s/single peak RSS: 125.0 MB on rank 0 vs baseline 100.0 MB (threshold ±10%); "
+                                "+25.0%; per rank 125.0")
+    smaller = _gates(b, _repeat(1000.0, mlx=(8 * MB,)))["peak MLX memory"]
+    assert not smaller.passed and "-20.0%" in smaller.detail
+    assert _gates(b, _repeat(1000.0, rss=(105 * MB,)))["peak RSS"].passed
+
+
+def test_a_failed_run_fails_its_gate() -> None:
+    gates = _gates(_baseline(), dict(_repeat(1000.0), ok=False))
+    assert list(gates) == ["run"] and not gates["run"].passed
+
+
+def test_another_platform_is_refused_unless_forced() -> None:
+    b = _baseline()
+    other = _doc([_repeat(1000.0)], env=dict(ENV, cpu="Apple M3 Max", mlx_version="0.33.0"))
+    with pytest.raises(BaselineError, match=r"r.json was measured on another platform than baseline b.json "
+                                            r"\(differs in cpu, mlx_version: .*refusing to compare \(--force"):
+        check_platform(b, Path("b.json"), other, Path("r.json"), force=False)
+    notes = check_platform(b, Path("b.json"), other, Path("r.json"), force=True)
+    assert notes[0] == "compared across platforms (forced): cpu 'Apple M3 Max' vs baseline 'Test CPU'"
+
+
+def test_a_baseline_needs_repeats_one_platform_and_passing_runs() -> None:
+    with pytest.raises(BaselineError, match=r"s/single: 1 repeat\(s\); measuring the repeat spread needs at least 2"):
+        build_baseline([(Path("a.json"), _doc([_repeat(1000.0)]))], Tolerances())
+    two = [(Path("a.json"), _doc([_repeat(1000.0)])),
+           (Path("b.json"), _doc([_repeat(1000.0)], env=dict(ENV, device="Device(gpu, 0)")))]
+    with pytest.raises(BaselineError, match="b.json: measured on another platform than a.json .differs in device"):
+        build_baseline(two, Tolerances())
+    pooled = build_baseline([(Path("a.json"), _doc([_repeat(1000.0)])), (Path("b.json"), _doc([_repeat(900.0)]))],
+                            Tolerances())
+    assert pooled["scenarios"]["s"]["single"]["repeats"] == 2  # repeats pooled across results
+    with pytest.raises(BaselineError, match="1 repeat.s. failed"):
+        build_baseline([(Path("a.json"), _doc([_repeat(1.0), _repeat(1.0), dict(_repeat(1.0), ok=False)]))],
+                       Tolerances())
+
+
+def _write(path: Path, doc: dict[str, Any]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def test_gate_and_baseline_commands(tmp_path: Path) -> None:
+    runs = _write(tmp_path / "runs" / "result.json", _doc([_repeat(1000.0), _repeat(1040.0), _repeat(980.0)]))
+    bases = tmp_path / "baselines"
+    bases.mkdir()
+    made = cli("baseline", "update", "--baseline", str(bases), str(runs.parent), "--throughput-pct", "5")
+    assert made.returncode == 0, made.stderr
+    written = bases / baseline_filename(ENV)
+    assert written.name == "linux-test-cpu-cpu-mlx0.32.4.json" and f"wrote {written}" in made.stdout
+    assert json.loads(written.read_text())["tolerances"]["throughput_pct"] == 5.0
+
+    ok = cli("gate", "--baseline", str(bases), str(runs))  # a directory: the platform's file is picked
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "PASSED (4 of 4 gates passed)" in ok.stdout and "Single-process regression against the baseline" in ok.stdout
+    slower = _write(tmp_path / "slow.json", _doc([_repeat(700.0)]))
+    failed = cli("gate", "--baseline", str(written), str(slower))
+    assert failed.returncode == 1
+    assert "FAIL s/single throughput: 700.0 tok/s vs baseline 1000.0 tok/s (threshold -" in failed.stdout
+    summary = tmp_path / "summary.md"
+    cli_env = cli("gate", "--baseline", str(written), str(slower), "--throughput-pct", "40",
+                  env={"GITHUB_STEP_SUMMARY": str(summary)})
+    assert cli_env.returncode == 0, cli_env.stdout
+    assert summary.read_text().startswith("gate against") and "| throughput " in summary.read_text()
+
+    mac = _write(tmp_path / "mac.json", _doc([_repeat(1000.0)], env=dict(ENV, cpu="Apple M3 Max")))
+    refused = cli("gate", "--baseline", str(written), str(mac))
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and "--force" in refused.stderr
+    assert cli("gate", "--baseline", str(written), str(mac), "--force").returncode == 0
+    none = cli("gate", "--baseline", str(bases), str(mac))
+    assert none.returncode == 2 and "no baseline for this platform" in none.stderr
+
+    before = written.read_bytes()
+    one = _write(tmp_path / "one.json", _doc([_repeat(1000.0)]))
+    bad = cli("baseline", "update", "--baseline", str(written), str(one))
+    assert bad.returncode == 2 and "needs at least 2" in bad.stderr and written.read_bytes() == before
+    corrupt = tmp_path / "corrupt.json"
+    corrupt.write_text("{not json")
+    for args in (("gate", "--baseline", str(corrupt), str(runs)),
+                 ("baseline", "update", "--baseline", str(corrupt), str(runs))):
+        proc = cli(*args)
+        assert proc.returncode == 2 and proc.stderr.startswith(f"error: {corrupt}") and proc.stderr.count("\n") == 1
+    assert corrupt.read_text() == "{not json"
+
+
+def test_the_committed_baseline_covers_the_default_suite() -> None:
+    from harness.present.cli import resolve_scenarios
+
+    files = sorted((REPO / "reports" / "baselines").glob("*.json"))
+    assert files, "reports/baselines holds no baseline"
+    for f in files:
+        _, b = pick_baseline(f, {})
+        assert b["platform"]["os_name"] == "Linux" and f.name == baseline_filename(b["platform"])
+        want = {(s.name, r.name) for s in resolve_scenarios([]) for r in s.runs if r.expect_error is None}
+        have = {(s, r) for s, runs in b["scenarios"].items() for r in runs}
+        assert have == want
+        for entry in (r for runs in b["scenarios"].values() for r in runs.values()):
+            assert entry["repeats"] >= 3 and entry["median_tok_s"] > 0 and len(entry["rss_peak_bytes"]) == \
+                entry["world_size"]
+
+
+def test_gating_leaves_the_baseline_unchanged() -> None:
+    b = _baseline()
+    kept = copy.deepcopy(b)
+    _gates(b, _repeat(10.0))
+    assert b == kept

@@ -1,0 +1,61 @@
+"""report.md, its plots, the job summary and the repeat table, from a result document."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from harness import schema
+from harness.present.report import write_outputs
+from harness.present.results import merge_repeats
+from harness.present.tables import scenario_text
+
+MB = 1024 * 1024
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _run(name: str, ws: int, tok_s: float, losses: list[float]) -> dict[str, Any]:
+    return {"name": name, "world_size": ws, "per_rank_batch": str(8 // ws), "global_batch": 8, "ok": True,
+            "runtime_s": 1.0, "median_tok_s": tok_s, "avg_loss": sum(losses) / len(losses), "final_loss": losses[-1],
+            "losses": losses, "tokens_global": 900, "mlx_peak_bytes": [20 * MB // ws] * ws,
+            "rss_peak_bytes": [100 * MB] * ws, "steps_start": 1}
+
+
+def _scenario(status: str, tok_s: float, failed_check: bool = False) -> dict[str, Any]:
+    check = {"name": "loss_parity", "run": "ddp2", "passed": not failed_check, "value": 1e-6, "limit": 1e-5,
+             "detail": "vs single", "result": "FAIL" if failed_check else "pass"}
+    return {"name": "demo", "description": "a demo", "kind": "parity", "model": "qwen3 0.10M / 160",
+            "reference": "single", "status": status, "passed": status == "passed", "checks": [check],
+            "runs": [_run("single", 1, tok_s, [3.0, 2.5, 2.2]), _run("ddp2", 2, tok_s / 2, [3.0, 2.5, 2.2])]}
+
+
+def test_repeats_are_merged_and_their_spread_reported() -> None:
+    merged = merge_repeats([_scenario("passed", 1000.0), _scenario("failed", 900.0, failed_check=True),
+                            _scenario("passed", 1100.0)])
+    assert merged["status"] == "failed" and merged["repeats"] == 3
+    assert [c["run"] for c in merged["checks"]] == ["ddp2", "ddp2 (repeat 2)"]
+    single = merged["runs"][0]
+    assert [r["median_tok_s"] for r in single["repeats"]] == [1000.0, 900.0, 1100.0]
+    text = scenario_text(merged)
+    assert "Spread (stdev / median)" in text and "1000.0 / 900.0 / 1100.0" in text and "10.0%" in text
+
+
+def test_report_md_has_the_tables_and_plots_and_goes_to_the_job_summary(tmp_path: Path, monkeypatch) -> None:
+    summary = tmp_path / "summary.md"
+    summary.write_text("earlier step\n")
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
+    doc = schema.stamp({"passed": True, "exit_code": 0, "environment": {"cpu": "Test CPU"},
+                        "scenarios": [merge_repeats([_scenario("passed", 1000.0), _scenario("passed", 1020.0)])]})
+    written = write_outputs(tmp_path / "out", doc)
+    names = sorted(p.name for p in written)
+    assert names == ["demo-loss.png", "demo-memory.png", "demo-throughput.png", "report.md", "result.json"]
+    for p in written:
+        if p.suffix == ".png":
+            assert p.read_bytes().startswith(PNG) and p.stat().st_size > 5000
+    report = (tmp_path / "out" / "report.md").read_text()
+    for part in ("### DDP parity at equal global batch", "| Model / seq ", "### Repeat-to-repeat spread (2 repeats)",
+                 "### Checks", "![demo: loss curves of every run overlaid](plots/demo-loss.png)",
+                 "![demo: peak memory per rank](plots/demo-memory.png)"):
+        assert part in report
+    job = summary.read_text()
+    assert job.startswith("earlier step\n# mlx-ddp-harness report") and "| Model / seq " in job and "![" not in job
