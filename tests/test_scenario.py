@@ -34,16 +34,31 @@ def test_round_trips_through_job_dict(scenario_dir: Path) -> None:
         (("world_size = 2", "world_size = 7"), "[[runs]][1].world_size"),
         (("seed = 7", "seed = -1"), "[scenario].seed"),
         (("[limits]", "[limitz]"), "[limitz]"),
+        (("seed = 7", 'seed = 7\nkind = "speed"'), "[scenario].kind"),
+        (("world_size = 2", "world_size = 2\ntrain = { global_batch = 12 }"), "[[runs]][1].train.global_batch"),
+        (("seed = 7", 'seed = 7\nkind = "throughput"', 'reference = "single"', ""), "[checks].reference"),
     ],
 )
-def test_bad_key_names_file_and_key(scenario_dir: Path, patch: tuple[str, str], expected_key: str) -> None:
+def test_bad_key_names_file_and_key(scenario_dir: Path, patch: tuple[str, ...], expected_key: str) -> None:
     path = write_scenario(scenario_dir, "bad")
-    path.write_text(path.read_text().replace(*patch, 1))
+    text = path.read_text()
+    for old, new in zip(patch[::2], patch[1::2], strict=True):
+        text = text.replace(old, new, 1)
+    path.write_text(text)
     with pytest.raises(ScenarioError) as e:
         load_scenario(path)
     msg = str(e.value)
     assert str(path) in msg and expected_key in msg
     assert "\n" not in msg
+
+
+def test_a_throughput_scenario_may_train_runs_at_other_global_batches(scenario_dir: Path) -> None:
+    path = write_scenario(scenario_dir, "guide", extra="")
+    text = path.read_text().replace("seed = 7", 'seed = 7\nkind = "throughput"', 1)
+    path.write_text(text.replace("world_size = 2", "world_size = 2\ntrain = { global_batch = 12 }", 1))
+    s = load_scenario(path)
+    assert s.kind == "throughput" and s.for_run(s.run("ddp2")).train.global_batch == 12
+    assert Scenario.from_dict(s.to_dict()) == s
 
 
 def test_malformed_toml(scenario_dir: Path) -> None:

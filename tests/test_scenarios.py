@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from harness.present.tables import runs_table
 from tests.conftest import REPO, cli
 
 pytestmark = pytest.mark.ranks
@@ -216,10 +217,25 @@ def vlm_stream_resume(runs: dict, checks: dict, out: Path) -> None:
         assert all(d["streaming"] and d["bytes_held"] < whole / 2 for d in runs[name]["data"])
 
 
+def guide_throughput(runs: dict, checks: dict, out: Path) -> None:
+    single, ddp2 = runs["single"], runs["ddp2"]
+    assert (single["global_batch"], ddp2["global_batch"]) == (4, 8)
+    assert single["per_rank_batch"] == ddp2["per_rank_batch"] == "1 x 4 accum"
+    assert 1.8 < ddp2["tokens_global"] / single["tokens_global"] < 2.2  # twice the rows per step
+    assert not {name for name, _ in checks} & {"loss_parity", "param_parity", "eval_parity"}  # not a parity test
+    for name in ("replica_consistency", "token_accounting", "data_share_bytes", "memory_rss_per_rank_mb"):
+        assert checks[(name, "ddp2")]["result"] == "pass"
+    doc = json.loads((out / "result.json").read_text())
+    table = runs_table(doc["scenarios"][0])
+    speed = ddp2["median_tok_s"] / single["median_tok_s"]
+    assert f"{speed:.2f}x" in table and "1.00x" in table and "Effective global batch" in table
+
+
 SPECIFIC: dict[str, Callable[[dict, dict, Path], None]] = {
     f.__name__: f for f in (compile_modes, failure_consensus, early_stop, streaming, response_only, grad_accum,
                             chat_jsonl, resume_parity, resume_after_kill, resume_validation, vlm_parity,
-                            vlm_local_rows, vlm_local_chat, vlm_compile, vlm_batch_variant, vlm_stream_resume)
+                            vlm_local_rows, vlm_local_chat, vlm_compile, vlm_batch_variant, vlm_stream_resume,
+                            guide_throughput)
 }
 
 
