@@ -194,3 +194,25 @@ def test_gating_leaves_the_baseline_unchanged() -> None:
     kept = copy.deepcopy(b)
     _gates(b, _repeat(10.0))
     assert b == kept
+
+
+@pytest.mark.ranks
+def test_repeat_baseline_and_gate_on_real_runs(tmp_path: Path) -> None:
+    from tests.conftest import write_scenario
+
+    scenario = write_scenario(tmp_path, "gated", (1, 2), steps=4)
+    out = tmp_path / "out"
+    proc = cli("run", str(scenario), "--repeat", "2", "--out", str(out))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "Spread (stdev / median)" in proc.stdout and "repeat 2 of 2" in proc.stderr
+    (s,) = json.loads((out / "result.json").read_text())["scenarios"]
+    for run in s["runs"]:
+        assert len(run["repeats"]) == 2 and run["repeats"][0]["losses"] == run["repeats"][1]["losses"]
+    assert (out / "runs" / "gated" / "ddp2").is_dir() and (out / "runs-repeat2" / "gated" / "ddp2").is_dir()
+    assert sorted(p.name for p in (out / "plots").iterdir()) == ["gated-loss.png", "gated-memory.png",
+                                                                 "gated-throughput.png"]
+    baseline = tmp_path / "base.json"
+    made = cli("baseline", "update", "--baseline", str(baseline), str(out))
+    assert made.returncode == 0, made.stderr
+    passed = cli("gate", "--baseline", str(baseline), str(out))  # its own repeats: the same medians
+    assert passed.returncode == 0 and "PASSED (8 of 8 gates passed)" in passed.stdout, passed.stdout

@@ -29,8 +29,7 @@ def _ok_runs(scenario: dict[str, Any]) -> list[dict[str, Any]]:
     return [r for r in scenario["runs"] if r["ok"] and r.get("losses")]
 
 
-def loss_plot(scenario: dict[str, Any], path: Path) -> None:
-    plt = _pyplot()
+def loss_plot(plt: Any, scenario: dict[str, Any]) -> Any:
     fig, ax = plt.subplots(figsize=(7, 4))
     for r in _ok_runs(scenario):
         start = r.get("steps_start", 1)
@@ -39,13 +38,10 @@ def loss_plot(scenario: dict[str, Any], path: Path) -> None:
     ax.set(xlabel="optimizer step", ylabel="global loss", title=f"{scenario['name']}: loss per step")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig
 
 
-def throughput_plot(scenario: dict[str, Any], path: Path) -> None:
-    plt = _pyplot()
+def throughput_plot(plt: Any, scenario: dict[str, Any]) -> Any:
     runs = _ok_runs(scenario)
     fig, ax = plt.subplots(figsize=(7, 4))
     names = [_label(r) for r in runs]
@@ -59,13 +55,10 @@ def throughput_plot(scenario: dict[str, Any], path: Path) -> None:
     ax.set(ylabel="post-step-1 median tok/s (global)", title=f"{scenario['name']}: throughput per run")
     ax.tick_params(axis="x", labelrotation=20, labelsize=8)
     ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig
 
 
-def memory_plot(scenario: dict[str, Any], path: Path) -> None:
-    plt = _pyplot()
+def memory_plot(plt: Any, scenario: dict[str, Any]) -> Any:
     runs = _ok_runs(scenario)
     fig, axes = plt.subplots(1, 2, figsize=(9, 4))
     for ax, key, title in zip(axes, ("rss_peak_bytes", "mlx_peak_bytes"), ("peak RSS", "peak MLX memory"),
@@ -82,9 +75,7 @@ def memory_plot(scenario: dict[str, Any], path: Path) -> None:
         ax.grid(axis="y", alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.suptitle(f"{scenario['name']}: memory per rank")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig
 
 
 PLOTS = (("loss", loss_plot, "loss curves of every run overlaid"),
@@ -97,9 +88,13 @@ def write_plots(out: Path, scenario: dict[str, Any]) -> list[tuple[str, Path]]:
     if not _ok_runs(scenario):
         return []
     (out / "plots").mkdir(parents=True, exist_ok=True)
+    plt = _pyplot()
     written = []
     for kind, draw, caption in PLOTS:
         rel = Path("plots") / f"{scenario['name']}-{kind}.png"
-        draw(scenario, out / rel)
+        fig = draw(plt, scenario)
+        fig.tight_layout()
+        fig.savefig(out / rel, dpi=100)
+        plt.close(fig)
         written.append((caption, rel))
     return written
