@@ -75,7 +75,7 @@ BENCHMARK_OUTPUT = ("benchmark_json", "benchmark_save", "benchmark_autosave", "b
 
 def pytest_configure(config: pytest.Config) -> None:
     """pytest-benchmark silently records nothing under xdist; asking it for output there is a mistake."""
-    xdist = (config.getoption("numprocesses", None) or 0) not in (0, None) or config.getoption("dist", "no") != "no"
+    xdist = bool(config.getoption("numprocesses", None)) or config.getoption("dist", "no") != "no"
     asked = [f"--{o.replace('_', '-')}" for o in BENCHMARK_OUTPUT if config.getoption(o, None)]
     if xdist and asked:
         raise pytest.UsageError(f"{', '.join(asked)} record nothing under xdist (-n): pytest-benchmark disables "

@@ -83,7 +83,8 @@ def run_repeats(run: dict[str, Any]) -> list[dict[str, Any]]:
     return run.get("repeats") or [repeat_figures(run)]
 
 
-def _median_per_rank(samples: list[list[int]]) -> list[int]:
+def median_per_rank(samples: list[list[int]]) -> list[int]:
+    """Each rank's median over repeats of per-rank figures (memory peaks)."""
     return [int(statistics.median(vals)) for vals in zip(*samples, strict=True)]
 
 
@@ -109,8 +110,8 @@ def summarize_run(where: str, repeats: list[dict[str, Any]], world_size: int) ->
         "loss_spread": loss_spread,
         "avg_loss": statistics.fmean(losses),
         "final_loss": losses[-1],
-        "mlx_peak_bytes": _median_per_rank([r["mlx_peak_bytes"] for r in repeats]),
-        "rss_peak_bytes": _median_per_rank([r["rss_peak_bytes"] for r in repeats]),
+        "mlx_peak_bytes": median_per_rank([r["mlx_peak_bytes"] for r in repeats]),
+        "rss_peak_bytes": median_per_rank([r["rss_peak_bytes"] for r in repeats]),
     }
 
 

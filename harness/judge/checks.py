@@ -268,15 +268,15 @@ def judge(s: Scenario, runs: list[RunOutcome]) -> list[Check]:
             continue
         evals = bool(run.result().get("evals"))
         partial = s.run(run.name).stop_after is not None  # stopped early by design: compare its steps
+        vs_ref = ref is not None and run is not ref and ref.ok
         parity = s.kind == "parity"  # a throughput scenario's runs may train at other global batches
-        if ref is not None and run is not ref and ref.ok and parity:
+        if vs_ref and parity:
             checks.append(loss_parity(run, ref, s.checks.loss_tolerance, prefix=partial))
             if not partial:
                 checks.append(param_parity(run, ref, s.checks.param_tolerance))
             if evals and not partial:
                 checks.append(eval_parity(run, ref, s.checks.eval_tolerance))
-        if ref is not None and run is not ref and ref.ok and run.world_size > ref.world_size \
-                and not run.result().get("data", {}).get("streaming"):
+        if vs_ref and run.world_size > ref.world_size and not run.result().get("data", {}).get("streaming"):
             train = s.for_run(s.run(run.name)).train
             micro = train.global_batch // train.grad_accum
             checks.append(data_share(run, ref, s.checks.data_share_slack, micro))

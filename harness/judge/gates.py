@@ -15,6 +15,7 @@ from harness.judge.baselines import (
     BaselineError,
     Tolerances,
     collect_repeats,
+    median_per_rank,
     platform_differences,
     platform_key,
     platform_label,
@@ -95,7 +96,7 @@ def memory_gates(name: tuple[str, str], base: dict[str, Any], repeats: list[dict
     """Each rank's peak (MLX and process RSS) within ``memory_pct`` % of the baseline, either way."""
     gates = []
     for key, label in (("mlx_peak_bytes", "peak MLX memory"), ("rss_peak_bytes", "peak RSS")):
-        now = [int(statistics.median(v)) for v in zip(*(r[key] for r in repeats), strict=True)]
+        now = median_per_rank([r[key] for r in repeats])
         then = base[key]
         if len(now) != len(then):
             gates.append(Gate(*name, label, False, f"{len(now)} ranks", f"{len(then)} ranks", "same world size"))
