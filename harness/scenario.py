@@ -119,6 +119,9 @@ class RunSpec:
     ``expect_resume_step`` is the step every rank must have resumed from. ``compare_to`` names
     the run whose per-step losses, final parameters and token counts this run must reproduce.
     ``seed`` replaces the scenario seed for this run (a resumed run keeps its checkpoint's).
+
+    ``mutation`` injects a known DDP bug into this run (see ``harness.rank.semantics``): the run
+    must then be caught by at least one check with ``[checks] mutation_margin``.
     """
 
     name: str
@@ -136,21 +139,40 @@ class RunSpec:
     resume_step: int | None = None
     expect_resume_step: int | None = None
     compare_to: str | None = None
+    mutation: str | None = None
 
 
 @dataclass
 class CheckSpec:
-    """Tolerances and ceilings the judge applies; ``None`` ceilings are not checked.
+    """How runs are judged; ``None`` ceilings are not checked.
+
+    Parity with the reference run is judged two ways. *Step-local*: at step 1 and every
+    ``probe_every`` steps each compared run computes its global loss, token count and gradient
+    at the reference's parameters; their relative errors must stay within ``rounding_ulps`` x
+    (2^-24 x ceil(log2 T) + u x (grad_accum + ceil(log2 N))), the rounding of float32
+    accumulation over T tokens plus u (the dtype's, or the device matmul's measured, unit
+    roundoff) per rounding of stored partial sums. *Trajectory*: per-step losses, eval losses
+    and final parameters are compared with a measured noise floor, the deviation of the reference
+    re-run in one process with every sum in reverse order (the same mathematics, another
+    summation order); a run fails when it deviates more than ``floor_ratio`` x that floor (an
+    absolute floor of one step's rounding limit keeps a zero floor from demanding bitwise
+    equality). ``loss_tolerance``, ``param_tolerance`` and ``eval_tolerance`` replace the
+    trajectory criterion with an absolute limit (a scenario that sets one should say why);
+    ``noise_floor = false`` runs no floor runs and then needs them (and ``resume_tolerance`` for
+    resumes).
 
     ``data_share_slack``: a rank of an N-rank run may hold at most (1 + slack) x its share (1/N,
     or ceil(m/N)/m for micro-batches of m rows) of the data bytes the reference run's rank holds
     (uneven row lengths and padding rows need the slack).
 
-    ``resume_tolerance``: max |delta| of losses and parameters between a resumed run and the run
-    it must reproduce when both have the same world size (0: bitwise); on a GPU, whose kernels
-    are not run-to-run deterministic, ``resume_tolerance_gpu`` instead; across world sizes the
-    parity tolerances apply. ``resume_tok_s_factor``: the resumed run's median tok/s must be
-    within this factor of that run's.
+    Resume: a resumed run must reproduce its ``compare_to`` run up to the device's own run-to-run
+    variation, measured by running ``compare_to`` twice: bitwise when the two agree bitwise (CPU),
+    else within ``floor_ratio`` x their deviation. ``resume_tolerance`` replaces that with an
+    absolute limit. Across world sizes the parity criterion applies. ``resume_tok_s_factor``: the
+    resumed run's median tok/s must be within this factor of that run's.
+
+    ``mutation_margin``: a run with a ``mutation`` counts as caught when some check fails by at
+    least this factor (value / limit).
 
     ``expected_failures``: check name -> the reason it is known to fail (for example a model
     whose forward depends on how a batch is split). Such a check still runs and reports its
@@ -159,16 +181,20 @@ class CheckSpec:
     """
 
     reference: str | None = None
-    loss_tolerance: float = 1e-5
-    param_tolerance: float = 1e-5
+    loss_tolerance: float | None = None
+    param_tolerance: float | None = None
+    eval_tolerance: float | None = None
+    floor_ratio: float = 10.0
+    rounding_ulps: float = 4.0
+    probe_every: int = 5
+    noise_floor: bool = True
+    mutation_margin: float = 10.0
     max_rss_mb: float | None = None
     max_mlx_mb: float | None = None
     max_total_rss_mb: float | None = None
     max_total_mlx_mb: float | None = None
-    eval_tolerance: float = 1e-5
     data_share_slack: float = 0.5
-    resume_tolerance: float = 0.0
-    resume_tolerance_gpu: float = 3e-4
+    resume_tolerance: float | None = None
     resume_tok_s_factor: float = 3.0
     expected_failures: dict[str, Any] = field(default_factory=dict)
 

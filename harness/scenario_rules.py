@@ -94,6 +94,26 @@ def _validate_resume(s: Scenario, i: int, r: RunSpec, names: list[str], src: str
              f"{where}.compare_to", f"{r.compare_to!r} is not another run's name ({', '.join(names)})")
 
 
+def _validate_mutation(s: Scenario, i: int, r: RunSpec, src: str) -> None:
+    """A mutation must be able to change something in this run, or catching it proves nothing."""
+    from harness.rank.semantics import MUTATIONS
+
+    if r.mutation is None:
+        return
+    key = f"[[runs]][{i}].mutation"
+    _one_of(r.mutation, tuple(MUTATIONS), src, key)
+    require(r.world_size >= 2, src, key, "a DDP mutation needs world_size >= 2")
+    require(s.kind == "parity" and s.checks.reference not in (None, r.name), src, key,
+            "a mutation is caught by comparison with [checks].reference in a parity scenario")
+    require(r.expect_error is None and r.resume_from is None, src, key,
+            "a mutated run trains from scratch and must complete (no expect_error, no resume_from)")
+    t = s.for_run(r).train
+    require(r.mutation != "accum_twice" or t.grad_accum >= 2, src, key, "accum_twice needs grad_accum >= 2")
+    micro = t.global_batch // t.grad_accum
+    require(r.mutation != "drop_uneven" or micro % r.world_size != 0, src, key,
+            f"drop_uneven needs micro-batches that do not divide evenly: {micro} rows over {r.world_size} ranks do")
+
+
 def _validate_fault(f: FaultSpec, where: str, src: str) -> None:
     _one_of(f.action, FAULT_ACTIONS, src, f"{where}.action")
     _one_of(f.phase, FAULT_PHASES, src, f"{where}.phase")
@@ -133,6 +153,7 @@ def validate(s: Scenario, src: str) -> None:
                  f"{r.world_size} exceeds the {micro} rows of each micro-step "
                  f"([train].global_batch / grad_accum): a rank would get no rows")
         _validate_resume(s, i, r, names, src)
+        _validate_mutation(s, i, r, src)
     ref = s.checks.reference
     require(ref is None or ref in names, src, "[checks].reference",
              f"{ref!r} is not a run name ({', '.join(names)})")
@@ -145,9 +166,18 @@ def validate(s: Scenario, src: str) -> None:
                     f"(a throughput comparison at other batches is [scenario].kind = \"throughput\")")
     require(s.kind == "parity" or ref is not None, src, "[checks].reference",
             "a throughput scenario needs the run its speed is measured against")
-    for key in ("loss_tolerance", "param_tolerance", "eval_tolerance", "data_share_slack", "resume_tolerance",
-                "resume_tolerance_gpu"):
-        require(getattr(s.checks, key) >= 0, src, f"[checks].{key}", "must be >= 0")
+    c = s.checks
+    for key in ("loss_tolerance", "param_tolerance", "eval_tolerance", "data_share_slack", "resume_tolerance"):
+        require(getattr(c, key) is None or getattr(c, key) >= 0, src, f"[checks].{key}", "must be >= 0")
+    for key in ("floor_ratio", "rounding_ulps", "mutation_margin"):
+        require(getattr(c, key) > 0, src, f"[checks].{key}", "must be positive")
+    require(c.probe_every >= 0, src, "[checks].probe_every", "must be >= 0 (0: no step-local probes)")
+    keys = ["loss_tolerance", "param_tolerance", "eval_tolerance"] if s.kind == "parity" and ref else []
+    if any(r.compare_to for r in s.runs):
+        keys.append("resume_tolerance")
+    missing = [k for k in keys if getattr(c, k) is None]
+    require(c.noise_floor or not missing, src, "[checks].noise_floor",
+            f"without noise-floor runs the comparisons need absolute limits: set {', '.join(missing)}")
     from harness.judge.checks import CHECK_NAMES
 
     for key, reason in s.checks.expected_failures.items():

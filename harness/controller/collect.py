@@ -52,6 +52,7 @@ class RunOutcome:
     params: dict[str, Any] | None = None
     artifacts: Path | None = None
     notes: list[str] = field(default_factory=list)
+    floor: str | None = None  # a noise-floor run the harness added: what it computes
 
     def result(self, rank: int = 0) -> dict[str, Any]:
         res = self.ranks[rank].result

@@ -1,4 +1,8 @@
-"""Run every launch a scenario describes, one after another.
+"""Run every launch a scenario describes, one after another, then its noise-floor runs.
+
+The reference run goes first: at its step-local probe steps it records its parameters and
+gradient into the workspace, and the runs compared with it read them there. Then the other runs
+in file order, then the floor runs (``run_plan``).
 
 Runs of one scenario share a checkpoint workspace: each run that writes checkpoints gets its
 own directory there, and a run that resumes from an earlier run reads that run's directory.
@@ -17,6 +21,8 @@ from pathlib import Path
 
 from harness.controller.collect import RunOutcome
 from harness.controller.session import execute
+from harness.rank.step_probe import probe_path, probe_steps
+from harness.run_plan import FloorRun, compared, floor_runs, launch_order
 from harness.scenario import RunSpec, Scenario, writes_checkpoints
 
 KEEP_FROM_CHECKPOINTS = ("manifest.json", "trainer.json")
@@ -26,16 +32,41 @@ def checkpoint_dir(workspace: Path, run: str) -> Path:
     return workspace / run / "checkpoints"
 
 
-def train_job(s: Scenario, run: RunSpec, workspace: Path | None = None) -> dict:
-    """The job file every rank of one run reads: the scenario as this run sees it."""
-    eff = s.for_run(run)
+def probe_dir(workspace: Path, s: Scenario) -> Path:
+    return workspace / str(s.checks.reference) / "probes"
+
+
+def probe_plan(s: Scenario, run: RunSpec, workspace: Path | None, floor: FloorRun | None = None) -> dict | None:
+    """The reference records step-local probes; each compared run, and each twin of the
+    reference, probes the steps it recorded."""
+    every = s.checks.probe_every
+    if workspace is None or not every or s.kind != "parity" or s.checks.reference is None:
+        return None
+    directory = probe_dir(workspace, s)
+    if run.name == s.checks.reference:
+        return {"mode": "record", "dir": str(directory), "steps": probe_steps(s.for_run(run).train.steps, every)}
+    twin_of_ref = floor is not None and floor.kind == "twin" and floor.base == s.checks.reference
+    if not (compared(s, run) if floor is None else twin_of_ref):
+        return None
+    steps = [k for k in probe_steps(s.for_run(run).train.steps, every) if probe_path(directory, k).exists()]
+    return {"mode": "compare", "dir": str(directory), "steps": steps} if steps else None
+
+
+def train_job(s: Scenario, run: RunSpec, workspace: Path | None = None, floor: FloorRun | None = None) -> dict:
+    """The job file every rank of one run reads: the scenario as this run sees it. A rerun gets
+    its base run's faults, a twin none; a twin of the reference is probed like a compared run."""
+    eff = s.for_run(s.run(floor.base) if floor and floor.kind == "rerun" else run)
+    faults = [] if floor and floor.kind == "twin" else eff.faults
     job = {
         "kind": "train",
         "run": run.name,
-        "scenario": eff.to_dict(),
+        "scenario": dataclasses.replace(eff, faults=faults).to_dict(),
         "backend": run.backend,
-        "faults": [dataclasses.asdict(f) for f in eff.faults],
+        "faults": [dataclasses.asdict(f) for f in faults],
         "stop_after": run.stop_after,
+        "mutation": run.mutation,
+        "emulate": floor.emulate if floor and floor.kind == "twin" else None,
+        "probe": probe_plan(s, run, workspace, floor),
     }
     if workspace is not None and writes_checkpoints(s, run):
         job["checkpoint_dir"] = str(checkpoint_dir(workspace, run.name))
@@ -62,26 +93,30 @@ def run_scenario(
     on_run: Callable[[RunOutcome], None] | None = None,
     keep_checkpoints: bool = False,
 ) -> list[RunOutcome]:
-    """Launch each run of ``s``; rank logs go under ``artifacts/<scenario>/<run>`` when given."""
-    outcomes = []
+    """Launch each run of ``s``, then its floor runs; rank logs go under ``artifacts/<scenario>/<run>``
+    when given. Outcomes come back in file order, the floor runs last."""
+    outcomes: dict[str, RunOutcome] = {}
     workspace = Path(tempfile.mkdtemp(prefix=f"mlx-ddp-harness-{s.name}-"))
+    floors = floor_runs(s)
     try:
-        for spec in s.runs:
+        for spec, floor in [*((r, None) for r in launch_order(s)), *((f.spec(s), f) for f in floors)]:
             keep = artifacts / s.name / spec.name if artifacts else None
             outcome = execute(
                 spec.name,
-                train_job(s, spec, workspace),
+                train_job(s, spec, workspace, floor),
                 spec.world_size,
                 backend=spec.backend,
                 wall_s=s.limits.wall_s,
                 no_progress_s=s.limits.no_progress_s,
                 keep_to=keep,
             )
-            outcomes.append(outcome)
+            if floor is not None:
+                outcome.floor = floor.description
+            outcomes[spec.name] = outcome
             if on_run:
                 on_run(outcome)
         if artifacts:
             _keep_checkpoints(workspace, artifacts / s.name, keep_checkpoints)
     finally:
         shutil.rmtree(workspace, ignore_errors=True)
-    return outcomes
+    return [outcomes[r.name] for r in s.runs] + [outcomes[f.name] for f in floors]

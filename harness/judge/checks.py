@@ -6,6 +6,7 @@ scenario, and a run that is missing its figures fails the check rather than skip
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -15,10 +16,12 @@ from harness.scenario import RunSpec, Scenario
 
 MB = 1024 * 1024
 CHECK_NAMES = (
+    "step_token_parity", "step_loss_parity", "step_grad_parity",
     "loss_parity", "param_parity", "eval_parity", "data_share_bytes", "token_accounting", "replica_consistency",
     "ranks_agree", "rank0_side_effects", "global_rng_untouched", "compile_scope", "stop_step",
     "expected_failure", "resume_loss_parity", "resume_param_parity", "resume_eval_parity", "resume_accounting",
     "resume_step", "memory_rss_per_rank_mb", "memory_rss_total_mb", "memory_mlx_per_rank_mb", "memory_mlx_total_mb",
+    "mutation_caught",
 )
 
 
@@ -32,7 +35,9 @@ def median_after_first(values: list[float]) -> float | None:
 class Check:
     """One judgement. ``passed`` says whether it counts as a pass; for a check the scenario
     expects to fail (``xfail``: the reason), a measured failure counts as a pass ("xfail") and a
-    measured pass does not ("XPASS")."""
+    measured pass does not ("XPASS"). On a run with an injected bug, a failure is the check
+    catching it (``caught``). ``floor`` is the measured noise floor a limit was derived from, and
+    ``derivation`` says how the limit was derived."""
 
     name: str
     run: str
@@ -41,15 +46,38 @@ class Check:
     limit: float | int | None
     detail: str = ""
     xfail: str | None = None
+    floor: float | None = None
+    derivation: str = ""
+    caught: bool = False
 
     @property
     def result(self) -> str:
+        if self.caught:
+            return "caught"
         if self.xfail is None:
             return "pass" if self.passed else "FAIL"
         return "xfail" if self.passed else "XPASS"
 
+    @property
+    def ratio(self) -> float | None:
+        """value / floor, for a check judged against a measured floor."""
+        if self.floor is None or not isinstance(self.value, int | float):
+            return None
+        return self.value / self.floor if self.floor > 0 else (0.0 if self.value == 0 else math.inf)
+
+    @property
+    def margin(self) -> float:
+        """How clearly a failed check failed: value / limit, or infinity for an exact criterion
+        (a count or digest that must match, or a limit of 0)."""
+        v, lim = self.value, self.limit
+        if isinstance(v, int | float) and isinstance(lim, int | float) and lim > 0 and v > lim:
+            return v / lim
+        return math.inf
+
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "result": self.result}
+        """The check as result.json holds it (an infinite figure, e.g. the ratio to a zero floor, as null)."""
+        d = {**asdict(self), "result": self.result, "ratio": self.ratio}
+        return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in d.items()}
 
 
 def mark_expected_failures(checks: list[Check], expected: dict[str, str]) -> None:
@@ -59,48 +87,6 @@ def mark_expected_failures(checks: list[Check], expected: dict[str, str]) -> Non
             c.xfail, c.passed = expected[c.name], not c.passed
             c.detail += f"; expected to fail: {expected[c.name]}" if c.passed else \
                 f"; expected to fail ({expected[c.name]}) but passed: remove the marker"
-
-
-def _max_abs_delta(a: list[float], b: list[float]) -> float:
-    if len(a) != len(b):
-        return float("inf")
-    return max((abs(x - y) for x, y in zip(a, b, strict=True)), default=0.0)
-
-
-def loss_parity(run: RunOutcome, ref: RunOutcome, tol: float, name: str = "loss_parity",
-                prefix: bool = False) -> Check:
-    """Per-step global loss of ``run`` vs the reference run: max |delta| <= tol (``prefix``: over
-    ``run``'s steps only, for a run that stopped early by design)."""
-    a, b = run.result().get("losses", []), ref.result().get("losses", [])
-    if prefix:
-        b = b[: len(a)]
-    d = _max_abs_delta(a, b)
-    worst = max(range(len(a)), key=lambda i: abs(a[i] - b[i])) + 1 if len(a) == len(b) and a else None
-    detail = f"{len(a)} vs {len(b)} steps"
-    if worst:
-        detail += "; bitwise identical" if d == 0 else f"; worst at step {worst}"
-    return Check(name, run.name, d <= tol, d, tol, f"vs {ref.name}: {detail}")
-
-
-def param_parity(run: RunOutcome, ref: RunOutcome, tol: float, name: str = "param_parity") -> Check:
-    """Final parameters (rank 0) vs the reference's: max |delta| over every element <= tol."""
-    import numpy as np
-
-    if run.params is None or ref.params is None:
-        return Check(name, run.name, False, None, tol, "final parameters missing")
-    if run.params.keys() != ref.params.keys():
-        diff = sorted(run.params.keys() ^ ref.params.keys())
-        return Check(name, run.name, False, None, tol, f"parameter names differ: {diff[:3]}")
-    worst, where = 0.0, ""
-    for k in sorted(run.params):
-        a, b = run.params[k], ref.params[k]
-        if a.shape != b.shape:
-            return Check(name, run.name, False, None, tol, f"{k}: shape {a.shape} vs {b.shape}")
-        d = float(np.max(np.abs(a - b))) if a.size else 0.0
-        if d > worst or not where:
-            worst, where = d, k
-    where = "bitwise identical" if worst == 0 else f"worst in {where}"
-    return Check(name, run.name, worst <= tol, worst, tol, f"vs {ref.name}; {where}")
 
 
 def replica_consistency(run: RunOutcome) -> Check:
@@ -156,16 +142,6 @@ def memory_ceilings(run: RunOutcome, s: Scenario) -> list[Check]:
             out.append(Check(f"memory_{label}_total_mb", run.name, v <= total, round(v, 2), total,
                              f"sum of {run.world_size} ranks"))
     return out
-
-
-def eval_parity(run: RunOutcome, ref: RunOutcome, tol: float, name: str = "eval_parity") -> Check:
-    """Eval losses of ``run`` vs the reference's, at the same steps: max |delta| <= tol."""
-    a = {e["step"]: e["loss"] for e in run.result().get("evals", [])}
-    b = {e["step"]: e["loss"] for e in ref.result().get("evals", [])}
-    if not a or a.keys() != b.keys():
-        return Check(name, run.name, False, None, tol, f"eval steps {sorted(a)} vs {sorted(b)}")
-    d = max(abs(a[k] - b[k]) for k in a)
-    return Check(name, run.name, d <= tol, d, tol, f"vs {ref.name} at steps {sorted(a)}")
 
 
 AGREED_FIELDS = ("steps", "losses", "stop", "evals", "compile", "tokens_global")
@@ -250,43 +226,3 @@ def expectations(run: RunOutcome, spec: RunSpec) -> list[Check]:
         out.append(Check("stop_step", run.name, ok, stops[0], spec.expect_stop_step,
                          f"per rank: {', '.join(map(str, stops))}; requested by ranks {who}"))
     return out
-
-
-def judge(s: Scenario, runs: list[RunOutcome]) -> list[Check]:
-    """All checks of a scenario; runs expected to fail get only the expected-failure check."""
-    from harness.judge.resume_checks import judge_resume
-
-    by_name = {r.name: r for r in runs}
-    ref = by_name.get(s.checks.reference) if s.checks.reference else None
-    checks: list[Check] = []
-    for run in runs:
-        expect = s.run(run.name).expect_error
-        if expect is not None:
-            checks.append(expected_failure(run, expect, s.run(run.name).expect_error_on_every_rank))
-            continue
-        if not run.ok:
-            continue
-        evals = bool(run.result().get("evals"))
-        partial = s.run(run.name).stop_after is not None  # stopped early by design: compare its steps
-        vs_ref = ref is not None and run is not ref and ref.ok
-        parity = s.kind == "parity"  # a throughput scenario's runs may train at other global batches
-        if vs_ref and parity:
-            checks.append(loss_parity(run, ref, s.checks.loss_tolerance, prefix=partial))
-            if not partial:
-                checks.append(param_parity(run, ref, s.checks.param_tolerance))
-            if evals and not partial:
-                checks.append(eval_parity(run, ref, s.checks.eval_tolerance))
-        if vs_ref and run.world_size > ref.world_size and not run.result().get("data", {}).get("streaming"):
-            train = s.for_run(s.run(run.name)).train
-            micro = train.global_batch // train.grad_accum
-            checks.append(data_share(run, ref, s.checks.data_share_slack, micro))
-        checks.append(token_accounting(run, ref if ref is not None and ref.ok and parity else None))
-        checks.append(replica_consistency(run))
-        checks.append(ranks_agree(run))
-        checks.append(rank0_side_effects(run))
-        checks.append(global_rng_untouched(run))
-        checks.extend(expectations(run, s.run(run.name)))
-        checks.extend(judge_resume(s, run, by_name))
-        checks.extend(memory_ceilings(run, s))
-    mark_expected_failures(checks, s.checks.expected_failures)
-    return checks

@@ -4,26 +4,25 @@ checkpoint every rank resumed from."""
 from __future__ import annotations
 
 from harness.controller.collect import RunOutcome
-from harness.judge.checks import Check, eval_parity, loss_parity, median_after_first, param_parity
+from harness.judge.checks import Check, median_after_first
+from harness.judge.parity import eval_parity, loss_parity, param_parity
+from harness.run_plan import same_execution
 from harness.scenario import RunSpec, Scenario
 
 
-def resume_parity(run: RunOutcome, target: RunOutcome, s: Scenario) -> list[Check]:
-    """Per-step losses, final parameters and eval losses vs ``target``: bitwise (or the scenario's
-    ``resume_tolerance``; ``resume_tolerance_gpu`` on a GPU) at the same world size and compile
-    mode, else the parity tolerances."""
-    c = s.checks
-    same = run.world_size == target.world_size and (
-        s.for_run(s.run(run.name)).train.compile == s.for_run(s.run(target.name)).train.compile)
-    gpu = any("gpu" in str((o.result or {}).get("device", "")) for o in (*run.ranks, *target.ranks))
-    exact = c.resume_tolerance_gpu if gpu else c.resume_tolerance
-    loss_tol = exact if same else c.loss_tolerance
-    param_tol = exact if same else c.param_tolerance
-    eval_tol = exact if same else c.eval_tolerance
-    out = [loss_parity(run, target, loss_tol, "resume_loss_parity"),
-           param_parity(run, target, param_tol, "resume_param_parity")]
+def resume_parity(run: RunOutcome, target: RunOutcome, s: Scenario, by_name: dict[str, RunOutcome]) -> list[Check]:
+    """Per-step losses, final parameters and eval losses vs ``target``. At the same world size and
+    compile mode: against a rerun of ``target`` (bitwise when the rerun was bitwise), or the
+    scenario's ``resume_tolerance``; across world sizes: the parity criterion (``target``
+    reordered, or the parity tolerances)."""
+    from harness.judge.verdict import floors
+
+    same = same_execution(s, s.run(run.name), s.run(target.name))
+    f = floors(s, s.run(run.name), s.run(target.name), by_name, resume=same)
+    out = [loss_parity(run, target, f["loss"], s, "resume_loss_parity"),
+           param_parity(run, target, f["param"], s, "resume_param_parity")]
     if run.result().get("evals") or target.result().get("evals"):
-        out.append(eval_parity(run, target, eval_tol, "resume_eval_parity"))
+        out.append(eval_parity(run, target, f["eval"], s, "resume_eval_parity"))
     return out
 
 
@@ -88,7 +87,7 @@ def judge_resume(s: Scenario, run: RunOutcome, by_name: dict[str, RunOutcome]) -
         if target is None or not target.ok:
             return [*out, Check("resume_loss_parity", run.name, False, None, None,
                                 f"{spec.compare_to} did not complete: nothing to compare with")]
-        out.extend(resume_parity(run, target, s))
+        out.extend(resume_parity(run, target, s, by_name))
         source = by_name.get(spec.resume_from) if spec.resume_from else None
         out.append(resume_accounting(run, target, source, s.checks.resume_tok_s_factor))
     return out

@@ -94,7 +94,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from harness.controller.ports import PortError
     from harness.controller.session import LaunchError
     from harness.controller.suite import run_scenario
-    from harness.judge.checks import judge
+    from harness.judge.verdict import judge
     from harness.present.report import write_outputs
     from harness.present.results import document, merge_repeats, scenario_summary
     from harness.present.tables import scenario_text

@@ -8,6 +8,7 @@ from typing import Any
 from harness import schema
 from harness.controller.collect import RunOutcome
 from harness.judge.checks import Check, median_after_first
+from harness.run_plan import spec_of
 from harness.scenario import Scenario
 
 EXIT_PASS, EXIT_CHECK_FAILED, EXIT_BAD_INPUT, EXIT_INFRA = 0, 1, 2, 3
@@ -27,7 +28,8 @@ def rank_summary(o: Any) -> dict[str, Any]:
 
 
 def run_summary(run: RunOutcome, s: Scenario, ref: RunOutcome | None) -> dict[str, Any]:
-    train = s.for_run(s.run(run.name)).train
+    spec = spec_of(s, run.name)
+    train = s.for_run(spec).train
     micro = per_rank_batch(train.global_batch // train.grad_accum, run.world_size)
     out: dict[str, Any] = {
         "name": run.name,
@@ -40,9 +42,11 @@ def run_summary(run: RunOutcome, s: Scenario, ref: RunOutcome | None) -> dict[st
         "global_batch": train.global_batch,
         "ranks": [rank_summary(o) for o in run.ranks],
         "artifacts": str(run.artifacts) if run.artifacts else None,
-        "expect_error": s.run(run.name).expect_error,
-        "resume_from": s.run(run.name).resume_from,
-        "compare_to": s.run(run.name).compare_to,
+        "expect_error": spec.expect_error,
+        "resume_from": spec.resume_from,
+        "compare_to": spec.compare_to,
+        "mutation": spec.mutation,
+        "floor": run.floor,
     }
     if not run.ok:
         return out
@@ -81,6 +85,8 @@ def run_summary(run: RunOutcome, s: Scenario, ref: RunOutcome | None) -> dict[st
         resume=r0.get("resume"),
         checkpoints=[{k: c[k] for k in ("step", "bytes", "write_s", "removed") if k in c}
                      for c in r0.get("checkpoints", [])],
+        precision=r0.get("precision"),
+        probes=[(o.result or {}).get("probes") or [] for o in run.ranks] if r0.get("probes") else None,
     )
     ref_losses = ref.result(0)["losses"] if ref is not None and ref.ok and ref is not run else []
     if len(ref_losses) >= len(losses):  # at the same step (a run stopped early is compared there)
@@ -97,7 +103,7 @@ def model_label(s: Scenario, runs: list[RunOutcome]) -> str:
 
 def scenario_summary(s: Scenario, runs: list[RunOutcome], checks: list[Check]) -> dict[str, Any]:
     ref = next((r for r in runs if r.name == s.checks.reference), None)
-    infra = [r for r in runs if not r.ok and s.run(r.name).expect_error is None]
+    infra = [r for r in runs if not r.ok and spec_of(s, r.name).expect_error is None]
     status = "error" if infra else ("passed" if all(c.passed for c in checks) else "failed")
     return {
         "name": s.name,

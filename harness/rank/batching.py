@@ -56,14 +56,24 @@ def make_plan(lengths: list[int], global_batch: int, order: str, seed: int) -> P
     return Plan(batches, None if order == "ordered" else seed)
 
 
-def local_positions(global_batch: int, grad_accum: int, rank: int, world_size: int) -> list[list[int]]:
-    """Positions in the global batch that ``rank`` computes, per micro-step."""
+def local_positions(global_batch: int, grad_accum: int, rank: int, world_size: int, emulate: int = 1
+                    ) -> list[list[int]]:
+    """Positions in the global batch that ``rank`` computes, per micro-step; with ``emulate`` = N,
+    the micro-steps of each of N ranks, rank after rank."""
     micro = global_batch // grad_accum
+    if emulate > 1:
+        return [p for r in range(emulate) for p in local_positions(global_batch, grad_accum, r, emulate)]
     return [list(range(m * micro, (m + 1) * micro))[rank::world_size] for m in range(grad_accum)]
 
 
-def owned_rows(plan: Plan, grad_accum: int, rank: int, world_size: int) -> set[int]:
-    pos = [p for micro in local_positions(len(plan.batches[0]), grad_accum, rank, world_size) for p in micro]
+def uneven_last(global_batch: int, grad_accum: int, rank: int, world_size: int) -> bool:
+    """Whether this rank's share of each micro-batch is smaller than rank 0's (rows do not divide)."""
+    micro = global_batch // grad_accum
+    return len(range(micro)[rank::world_size]) < len(range(micro)[0::world_size])
+
+
+def owned_rows(plan: Plan, positions: list[list[int]]) -> set[int]:
+    pos = [p for micro in positions for p in micro]
     return {b[p] for b in plan.batches for p in pos}
 
 
@@ -86,8 +96,8 @@ class RankShare:
 
 
 def materialize(source: RowSource, encode: Callable[[str, object], Example], global_batch: int,
-                grad_accum: int, order: str, seed: int, rank: int, world_size: int) -> RankShare:
-    """Read the source twice: lengths (or a row count) first, then only this rank's rows."""
+                positions: list[list[int]], order: str, seed: int) -> RankShare:
+    """Read the source twice: lengths (or a row count) first, then only the rows at ``positions``."""
     if order == "length_sorted":
         lengths = [len(encode(where, row).ids) for where, row in source()]
     else:
@@ -95,9 +105,9 @@ def materialize(source: RowSource, encode: Callable[[str, object], Example], glo
     if not lengths:
         raise ValueError("the dataset has no rows")
     plan = make_plan(lengths, global_batch, order, seed)
-    mine = owned_rows(plan, grad_accum, rank, world_size)
+    mine = owned_rows(plan, positions)
     rows = {i: encode(where, row) for i, (where, row) in enumerate(source()) if i in mine}
-    return RankShare(plan, rows, local_positions(global_batch, grad_accum, rank, world_size), len(lengths))
+    return RankShare(plan, rows, positions, len(lengths))
 
 
 @dataclass
@@ -114,9 +124,7 @@ class StreamShare:
     source: RowSource | Iterable[tuple[str, object]]
     encode: Callable[[str, object], Example]
     global_batch: int
-    grad_accum: int
-    rank: int
-    world_size: int
+    positions: list[list[int]]
     peak_nbytes: int = 0
     rows_read: int = 0
     _it: Iterator | None = None
@@ -125,7 +133,6 @@ class StreamShare:
 
     def __post_init__(self) -> None:
         reject_presharded(self.source)
-        self.positions = local_positions(self.global_batch, self.grad_accum, self.rank, self.world_size)
         self._mine = {p for micro in self.positions for p in micro}
 
     def micro_batches(self, step: int) -> list[list[tuple[int, Example]]]:

@@ -24,6 +24,7 @@ PHASES = {
     "model": "building the model",
     "fetch": "fetching a batch",
     "step": "running a training step",
+    "probe": "running the step-local parity probe",
     "compile": "compiling the local step",
     "update": "applying the optimizer update",
     "callback": "running a rank-0 callback",

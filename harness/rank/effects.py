@@ -16,7 +16,7 @@ from harness import schema
 class MainRankEffects:
     def __init__(self, run_dir: Any, rank: int):
         self.run_dir, self.rank = run_dir, rank
-        self.counts = {"callbacks": 0, "log_lines": 0, "saves": 0, "checkpoints": 0}
+        self.counts = {"callbacks": 0, "log_lines": 0, "saves": 0, "checkpoints": 0, "probes": 0}
 
     @property
     def active(self) -> bool:
@@ -46,6 +46,15 @@ class MainRankEffects:
         info = write()
         self.counts["checkpoints"] += 1
         return info
+
+    def probe(self, path: Any, model: Any, grads: Any, meta: dict[str, Any]) -> None:
+        """Rank 0 writes a step-local probe (the parameters and global gradient at a step)."""
+        if not self.active:
+            return
+        from harness.rank.step_probe import write_probe
+
+        write_probe(path, model, grads, meta)
+        self.counts["probes"] += 1
 
     def save_params(self, model: Any) -> None:
         """Rank 0 writes the final parameters atomically: a reader never sees a partial file."""

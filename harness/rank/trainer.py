@@ -5,12 +5,16 @@ Each optimizer step, every rank:
   1. fetches its rows of each of the step's ``grad_accum`` micro-batches (``batching``);
   2. agrees with its peers (``consensus``): any rank's failure so far, stop requests, and the
      step's global supervised token count T (zero stops every rank with the same message);
-  3. computes, per micro-batch, the gradient of (its token-loss sum) x N / T, compiled or eager
+  3. at a step-local probe step, computes the global gradient at the reference run's parameters
+     (``step_probe``) without touching its own trajectory;
+  4. computes, per micro-batch, the gradient of (its token-loss sum) x N / T, compiled or eager
      (``step``), and accumulates them; agrees again (a failure or a compile fallback);
-  4. averages gradients with ``nn.average_gradients`` (sum / N), which leaves the sum of every
+  5. averages gradients with ``nn.average_gradients`` (sum / N), which leaves the sum of every
      rank's token-loss gradients over T: one process's update of the same global batch;
-  5. clips and applies the update; all-sums its loss sum for the logged loss, sum / T;
-  6. on rank 0 only, runs callbacks and logs; evaluates when due (``evaluate``).
+  6. clips and applies the update; all-sums its loss sum for the logged loss, sum / T;
+  7. on rank 0 only, runs callbacks and logs; evaluates when due (``evaluate``).
+The arithmetic of steps 4-6 (and which rows, seed and learning rate a rank uses) lives in
+``semantics``, where a run's ``mutation`` replaces one formula with a real DDP bug.
 Every ``checkpoint_every`` steps (and at the run's last step) rank 0 writes a checkpoint
 (``checkpoint``, ``resume``); a resumed run verifies it on every rank, agrees that every rank
 resolved the same one, and continues from the step after it.
@@ -25,15 +29,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.rank import resume
-from harness.rank.batching import LocalBatch, RankShare, StreamShare, collate, eval_share, materialize
+from harness.rank import resume, step_probe
+from harness.rank.batching import (
+    LocalBatch,
+    RankShare,
+    StreamShare,
+    collate,
+    eval_share,
+    local_positions,
+    materialize,
+    uneven_last,
+)
 from harness.rank.consensus import AgreedStop, Coordinator
 from harness.rank.effects import MainRankEffects
 from harness.rank.entry import RankContext
 from harness.rank.evaluate import evaluate
 from harness.rank.models import build_model, param_count, param_digest
+from harness.rank.semantics import Semantics, semantics
 from harness.rank.sources import Encoder, row_source
-from harness.rank.step import CompileFailed, LocalStep, build_optimizer
+from harness.rank.step import CompileFailed, LocalStep, build_optimizer, measure_precision
 from harness.rank.tokenizers import Tokenizer, load_tokenizer
 from harness.scenario import Scenario
 
@@ -52,10 +66,11 @@ class RankData:
         return () if self.vision is None else self.vision.block_ids
 
 
-def load_data(s: Scenario, rank: int, world_size: int, done_steps: int = 0) -> RankData:
+def load_data(s: Scenario, rank: int, world_size: int, done_steps: int = 0, emulate: int = 1) -> RankData:
     """This rank's share of the train rows (materialized or streamed) and of the eval rows; a
     stream is read past the ``done_steps`` batches a resumed run has already trained on. A
-    vision-language model's rows are image rows, encoded with the model's own preprocessing."""
+    vision-language model's rows are image rows, encoded with the model's own preprocessing.
+    ``emulate`` = N: one process holding N ranks' shards (a noise-floor twin)."""
     d, t = s.data, s.train
     tok = load_tokenizer(d)
     vision, rows, encoder = None, row_source, Encoder(tok, d)
@@ -66,12 +81,13 @@ def load_data(s: Scenario, rank: int, world_size: int, done_steps: int = 0) -> R
         vision = vision_setup(s.model, tok.vocab_size, tok.pad_id, d.image_size)
         rows, encoder = image_row_source, VisionEncoder(tok, d, vision)
     source = rows(d, s.seed, "train")
+    positions = local_positions(t.global_batch, t.grad_accum, rank, world_size, emulate)
     if d.streaming:
-        stream = StreamShare(source, encoder, t.global_batch, t.grad_accum, rank, world_size)
+        stream = StreamShare(source, encoder, t.global_batch, positions)
         stream.skip(done_steps)
         train: RankShare | StreamShare = stream
     else:
-        train = materialize(source, encoder, t.global_batch, t.grad_accum, d.order, s.seed, rank, world_size)
+        train = materialize(source, encoder, t.global_batch, positions, d.order, s.seed)
     evals = None
     if d.eval_rows or d.eval_path:
         evals = eval_share(rows(d, s.seed, "eval"), encoder, t.eval_batch, rank, world_size)
@@ -85,6 +101,11 @@ class Trainer:
         self.ctx = ctx
         self.s = Scenario.from_dict(ctx.job["scenario"])
         self.spec, self.N = self.s.train, ctx.world_size
+        self.emulate = int(ctx.job.get("emulate") or 1)
+        self.semantics: Semantics = semantics(ctx.job.get("mutation"), self.N, self.spec.grad_accum, ctx.rank,
+                                              ctx.group, self.emulate)
+        self.uneven = uneven_last(self.spec.global_batch, self.spec.grad_accum, ctx.rank, self.N)
+        self.probes = step_probe.Probes(ctx.job.get("probe"))
         self.coord = Coordinator(ctx.group, ctx.rank, ctx.world_size)
         self.effects = MainRankEffects(ctx.run_dir, ctx.rank)
         self.proc = psutil.Process()
@@ -111,57 +132,77 @@ class Trainer:
     def fetch(self, step: int) -> list[LocalBatch]:
         self.ctx.maybe_fault("fetch", step)
         pad, seed, drop, vlm = self.data.tok.pad_id, self.s.seed, self.spec.input_dropout, self.s.model.vision
-        return [collate([e for _, e in rows], pad, drop, [(seed, step, i) for i, _ in rows], vlm, self.data.protected)
-                for rows in self.data.train.micro_batches(step)]
+        micros = [collate([e for _, e in rows], pad, drop, [(seed, step, i) for i, _ in rows], vlm, self.data.protected)
+                  for rows in self.data.train.micro_batches(step)]
+        return self.semantics.micro_batches(micros, self.uneven)
 
-    def compute(self, micros: list[LocalBatch], scale: Any, fault: str | None) -> tuple[Any, Any, Any]:
-        """Local loss sum and accumulated gradients (None after a full-step update) of the step."""
+    def compute(self, micros: list[LocalBatch], scale: Any, fault: str | None, update: bool = True
+                ) -> tuple[Any, Any, Any]:
+        """Local loss sum, the accumulated gradients of each rank this process computes (one, or
+        each emulated rank's), and the gradient norm after a full-step update (which leaves no
+        gradients: None)."""
+        import mlx.core as mx
         from mlx.utils import tree_map
 
-        if self.runner.compiled and self.runner.full_step:
+        if update and self.runner.compiled and self.runner.full_step:
             loss_sum, norm = self.runner.full(micros[0].arrays(), scale, fault)
             return loss_sum, None, norm
-        loss_total, acc = None, None
-        for m, b in enumerate(micros):
-            loss_sum, grads = self.runner.grad(b.arrays(), scale, fault if m == 0 else None)
-            loss_total = loss_sum if loss_total is None else loss_total + loss_sum
-            acc = grads if acc is None else tree_map(lambda a, g: a + g, acc, grads)
-        return loss_total, acc, None
+        loss_total, per_shard = mx.array(0.0, dtype=mx.float32), []
+        size = -(-len(micros) // self.emulate) if micros else 1  # micro-batches of each (emulated) rank
+        for start in range(0, len(micros), size):
+            acc = None
+            for m, b in enumerate(micros[start : start + size], start):
+                loss_sum, grads = self.runner.grad(b.arrays(), scale, fault if m == 0 else None)
+                loss_total = loss_total + loss_sum
+                acc = grads if acc is None else tree_map(lambda a, g: a + g, acc, grads)
+            per_shard.append(self.semantics.accumulated(acc))
+        if not per_shard:  # a rank left with no micro-batch (a mutation that drops rows)
+            per_shard = [tree_map(mx.zeros_like, self.model.trainable_parameters())]
+        return loss_total, per_shard, None
 
-    def local_step(self, step: int, micros: list[LocalBatch], scale: Any, fault: str | None) -> Any:
+    def global_gradient(self, step: int, micros: list[LocalBatch], tokens: tuple[int, int], fault: str | None,
+                        update: bool = True) -> tuple[Any, Any, Any]:
+        """(logged global loss, reduced gradients or None after a full-step update, gradient norm or None)."""
+        import mlx.core as mx
+
+        scale = mx.array(self.semantics.scale(*tokens), dtype=mx.float32)
+        loss_sum, per_shard, norm = self.local_step(step, micros, scale, fault, update)
+        loss = self.semantics.loss(loss_sum if loss_sum is not None else mx.array(0.0), *tokens)
+        if per_shard is None:
+            return loss, None, norm
+        grads = self.semantics.reduce_shards(per_shard)
+        mx.eval(grads, loss)
+        return loss, grads, norm
+
+    def local_step(self, step: int, micros: list[LocalBatch], scale: Any, fault: str | None, update: bool = True
+                   ) -> tuple[Any, Any, Any]:
         """Compute the step; on a compile failure anywhere, strict fails and best-effort re-runs eagerly."""
-        out = self.coord.attempt("step", step, self._compute_or_compile_error, step, micros, scale, fault)
+        out = self.coord.attempt("step", step, self._compute_or_compile_error, step, micros, scale, fault, update)
         agreed = self.coord.agree()
-        if not agreed.compile_failures:
-            return out
-        if self.spec.compile == "strict":
-            self.coord.fail_all(agreed.compile_failures)
-        first = min(agreed.compile_failures)
-        reason = f"rank {first} failed while {agreed.compile_failures[first]}"
-        self.runner.fall_back(reason)
-        self.ctx.events.emit("compile_fallback", step=step, rank=self.ctx.rank, reason=reason)
-        out = self.coord.attempt("step", step, self.compute, micros, scale, fault)
-        self.coord.agree()
-        return out
+        if agreed.compile_failures:
+            if self.spec.compile == "strict":
+                self.coord.fail_all(agreed.compile_failures)
+            first = min(agreed.compile_failures)
+            reason = f"rank {first} failed while {agreed.compile_failures[first]}"
+            self.runner.fall_back(reason)
+            self.ctx.events.emit("compile_fallback", step=step, rank=self.ctx.rank, reason=reason)
+            out = self.coord.attempt("step", step, self.compute, micros, scale, fault, update)
+            self.coord.agree()
+        return out if out is not None else (None, None, None)
 
-    def _compute_or_compile_error(self, step: int, micros: list[LocalBatch], scale: Any, fault: str | None) -> Any:
+    def _compute_or_compile_error(self, step: int, micros: list[LocalBatch], scale: Any, fault: str | None,
+                                  update: bool) -> Any:
         try:
-            return self.compute(micros, scale, fault)
+            return self.compute(micros, scale, fault, update)
         except CompileFailed as e:  # reported as the compiler's own error
             self.coord.fail_later("compile", step, e.__cause__ or e)
             return None
 
-    def apply(self, step: int, out: tuple[Any, Any, Any], tokens: int) -> tuple[float, float]:
-        """All-reduce gradients and the loss, then update (a local failure waits for the next agreement)."""
+    def apply(self, step: int, loss: Any, grads: Any, norm: Any) -> tuple[float, float]:
+        """Clip and apply the reduced gradients (a local failure waits for the next agreement)."""
         import mlx.core as mx
-        import mlx.nn as nn
 
-        loss_sum, grads, norm = out
-        global_loss = mx.distributed.all_sum(loss_sum, group=self.ctx.group) / tokens
         if grads is not None:
-            grads = nn.average_gradients(grads, group=self.ctx.group)
-            mx.eval(grads, global_loss)
-
             def update() -> Any:
                 self.ctx.maybe_fault("update", step)
                 n = self.runner.update(grads)
@@ -169,13 +210,12 @@ class Trainer:
                 return n
 
             norm = self.coord.attempt("update", step, update)
-        mx.eval(global_loss)
-        return float(global_loss.item()), float(norm.item()) if norm is not None else float("nan")
+        mx.eval(loss)
+        return float(loss.item()), float(norm.item()) if norm is not None else float("nan")
 
     # -- the loop -------------------------------------------------------------------------------
 
     def run(self) -> dict[str, Any]:
-        import mlx.core as mx
 
         ctx, spec, coord = self.ctx, self.spec, self.coord
         rng_before = _global_rng_digest()
@@ -183,17 +223,19 @@ class Trainer:
         ctx.phase("data")
         rss0 = self.proc.memory_info().rss
         done = loaded[2]["step"] if loaded else 0
-        self.data = coord.attempt("data", 0, load_data, self.s, ctx.rank, self.N, done)
+        self.data = coord.attempt("data", 0, load_data, self.s, self.semantics.data_rank(), self.N, done,
+                                  self.emulate)
         coord.agree()
         data_rss = self.proc.memory_info().rss - rss0
 
         ctx.phase("model")
-        built = coord.attempt("model", 0, build_model, self.s.model, self.data.tok.vocab_size, self.s.seed,
-                              self.data.vision)
+        built = coord.attempt("model", 0, build_model, self.s.model, self.data.tok.vocab_size,
+                              self.semantics.init_seed(self.s.seed), self.data.vision)
         coord.agree()
         self.model, self.config = built
-        self.optimizer = build_optimizer(spec)
-        self.runner = LocalStep(self.model, self.optimizer, spec, self.N)
+        self.precision = measure_precision(self.s.model.dtype)
+        self.optimizer = build_optimizer(spec, self.semantics.learning_rate(spec.learning_rate))
+        self.runner = LocalStep(self.model, self.optimizer, spec, self.semantics.world_size)
         if loaded:
             restored = coord.attempt("resume", done, resume.restore_checkpoint, self, *loaded)
             coord.agree()
@@ -215,13 +257,14 @@ class Trainer:
             tokens = agreed.values[0]
             if tokens == 0:
                 raise AgreedStop(f"step {step}: the global batch has zero supervised tokens across all {self.N} ranks")
+            counts = (tokens, sum(b.tokens for b in micros) if micros else 0)
+            probe_s = self.probes.run(self, step, micros, counts) if step in self.probes.steps else 0.0
             fault = ctx.maybe_fault("step", step)
             action = fault.action if fault is not None else None
-            out = self.local_step(step, micros, mx.array(self.N / tokens, dtype=mx.float32),
-                                  action if action in ("raise", "compile_error") else None)
-            loss, norm = self.apply(step, out, tokens)
+            loss, norm = self.apply(step, *self.global_gradient(
+                step, micros, counts, action if action in ("raise", "compile_error") else None))
             last = step
-            self._record(step, micros, (tokens, agreed.values[1]), loss, norm, time.perf_counter() - t0)
+            self._record(step, micros, (tokens, agreed.values[1]), loss, norm, time.perf_counter() - t0 - probe_s)
             if action == "stop":
                 coord.stop_requested = True
             if spec.eval_every and step % spec.eval_every == 0:
@@ -363,6 +406,10 @@ class Trainer:
             "per_rank": per_rank,
             "host_rank_map": hosts,
             "collectives": self.coord.collectives,
+            "mutation": self.semantics.name if self.semantics.name != "correct" else None,
+            "emulate": self.emulate if self.emulate > 1 else None,
+            "precision": self.precision,
+            "probes": self.probes.records,
         }
 
 

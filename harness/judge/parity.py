@@ -1,0 +1,248 @@
+"""Parity verdicts: step-local parity at identical parameters, and trajectories against a
+measured noise floor.
+
+**Step-local.** At a probe step the compared run's global loss, token count and gradient are
+taken at the reference's parameters on the same global batch, so only rounding separates them.
+Both runs sum T token terms in float32 accumulators (error at most about ceil(log2 T) units of
+u_acc = 2^-24 for blocked or pairwise sums) and round stored partial sums (each micro-step's
+accumulation, each of the ceil(log2 N) all-reduce levels) at u, the model dtype's unit roundoff
+or the device matmul's, whichever is coarser (measured by each rank: TF32 makes float32 matmuls
+round at 2^-11). The relative error of their difference is held to
+``rounding_ulps`` x (u_acc x ceil(log2 T) + u x (grad_accum + ceil(log2 N))): 2 for the two runs
+times 2 for sums whose terms partly cancel. The token count must be equal.
+
+**Trajectory.** Over many steps AdamW turns rounding into moves of up to the learning rate
+(the sign of a near-zero gradient element) and the differences compound, so no rounding bound
+holds. Each comparison is instead judged against a floor run (``run_plan``) that does the same
+mathematics with every sum in reverse order: per step, value / max(floor, absolute floor) must
+stay within ``floor_ratio``. The floor is the floor run's largest deviation over the same steps:
+where in a run chaotic growth reaches a given size is itself random, so two runs of equal noise
+are compared by their worst, not step by step (per-step precision is the step-local check's
+job). The absolute floor is one step's rounding limit, so a floor run that happens to match
+bitwise does not demand bitwise equality. A resume at the same world
+size is judged against a rerun of its target over the whole run: a rerun that is bitwise equal
+means the device is deterministic, and the resume must then be bitwise too.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from harness.controller.collect import RunOutcome
+from harness.judge.checks import Check
+from harness.run_plan import spec_of
+from harness.scenario import Scenario
+
+U_ACC = 2.0**-24  # float32 accumulators, on every MLX device
+
+
+@dataclass
+class Rounding:
+    """The rounding model of a comparison: ``u`` per stored rounding, ``stored`` roundings."""
+
+    ulps: float
+    u: float
+    stored: int
+    world_size: int
+
+    def relative(self, length: int) -> float:
+        """The relative limit for a reduction over ``length`` terms."""
+        return self.ulps * (U_ACC * math.ceil(math.log2(max(length, 2))) + self.u * self.stored)
+
+    def formula(self, length: int) -> str:
+        return (f"{self.ulps:g} x (2^-24 x ceil(log2 {length}) + {self.u:.3g} x {self.stored}) "
+                f"= {self.relative(length):.3g} relative")
+
+
+def rounding(s: Scenario, *runs: RunOutcome) -> Rounding:
+    """The rounding model of comparing ``runs``: the coarsest unit roundoff any rank measured,
+    and the most stored roundings (micro-steps plus all-reduce levels) of any of them."""
+    u, stored, world = U_ACC, 1, 1
+    for run in runs:
+        results = [o.result or {} for o in run.ranks]
+        accum = s.for_run(spec_of(s, run.name)).train.grad_accum
+        n = run.world_size * int(results[0].get("emulate") or 1)
+        u = max([u, *(float((r.get("precision") or {}).get("u_in", U_ACC)) for r in results)])
+        world, stored = max(world, n), max(stored, accum + math.ceil(math.log2(n)))
+    return Rounding(s.checks.rounding_ulps, u, stored, world)
+
+
+# -- step-local -----------------------------------------------------------------------------
+
+
+def _probe_records(run: RunOutcome) -> list[list[dict[str, Any]]]:
+    return [(o.result or {}).get("probes") or [] for o in run.ranks]
+
+
+def step_local(run: RunOutcome, ref: RunOutcome, s: Scenario) -> list[Check]:
+    """Token count, global loss and gradient at the reference's parameters, at every probe step."""
+    per_rank = _probe_records(run)
+    if not per_rank[0]:
+        why = "the reference recorded no probes" if not ref.ok else "no probe steps were run"
+        return [Check(n, run.name, False, None, None, f"{why}; step-local parity not measured")
+                for n in ("step_token_parity", "step_loss_parity", "step_grad_parity")]
+    model = rounding(s, run, ref)
+    steps = [rec["step"] for rec in per_rank[0]]
+    tokens = max(abs(rec["tokens"] - rec["tokens_ref"]) for recs in per_rank for rec in recs)
+    token_check = Check("step_token_parity", run.name, tokens == 0, tokens, 0,
+                        f"global supervised tokens vs {ref.name} at steps {steps}",
+                        derivation="exact: both runs must count the same supervised tokens")
+
+    def measured(rec: dict[str, Any], key: str) -> float:
+        return abs(rec["loss"] - rec["loss_ref"]) / abs(rec["loss_ref"]) if key == "loss" else rec["grad_rel"]
+
+    out = [token_check]
+    for key, name in (("loss", "step_loss_parity"), ("grad", "step_grad_parity")):
+        value, limit, rec = max(((measured(rec, key), model.relative(rec["tokens_ref"]), rec)
+                                 for recs in per_rank for rec in recs), key=lambda x: x[0] / x[1])
+        what = "global loss" if key == "loss" else "all-reduced gradient ||g - g_ref|| / ||g_ref||"
+        detail = f"relative error of the {what} at {ref.name}'s parameters; worst at step {rec['step']}"
+        if key == "grad":
+            detail += f"; worst tensor {rec['worst_tensor']} ({rec['worst_rel']:.3g})"
+        derivation = (f"rounding: {model.formula(rec['tokens_ref'])} (T = {rec['tokens_ref']} tokens, "
+                      f"{model.stored} stored roundings, u = {model.u:.3g})")
+        out.append(Check(name, run.name, value <= limit, value, limit, detail, derivation=derivation))
+    return out
+
+
+# -- trajectories ----------------------------------------------------------------------------
+
+
+def _losses(run: RunOutcome) -> list[float]:
+    return list(run.result().get("losses", []))
+
+
+def _evals(run: RunOutcome) -> dict[int, tuple[float, int]]:
+    return {e["step"]: (e["loss"], e["tokens"]) for e in run.result().get("evals", [])}
+
+
+def _param_delta(a: RunOutcome, b: RunOutcome) -> tuple[float, float, str] | None:
+    """(||a - b|| / ||b|| over every parameter element, the largest |a - b| element, its tensor)."""
+    import numpy as np
+
+    if a.params is None or b.params is None or a.params.keys() != b.params.keys():
+        return None
+    diff = norm = worst = 0.0
+    where = ""
+    for k in sorted(a.params):
+        x, y = a.params[k].astype(np.float64), b.params[k].astype(np.float64)
+        if x.shape != y.shape:
+            return None
+        d = x - y
+        diff, norm = diff + float(np.sum(d * d)), norm + float(np.sum(y * y))
+        big = float(np.max(np.abs(d))) if d.size else 0.0
+        if big > worst or not where:
+            worst, where = big, k
+    return math.sqrt(diff / norm) if norm > 0 else 0.0, worst, where
+
+
+@dataclass
+class Floor:
+    """What a comparison is judged against: a floor run, or an absolute tolerance the scenario set."""
+
+    run: RunOutcome | None = None
+    tolerance: float | None = None
+    tolerance_key: str = ""
+    rerun: bool = False  # a rerun: a floor of 0 means the device is deterministic (bitwise)
+    refused: str | None = None  # why the floor run is not the base's mathematics
+
+    @property
+    def missing(self) -> str | None:
+        if self.tolerance is not None:
+            return None
+        if self.run is None:
+            return "no noise-floor run"
+        return self.refused or (None if self.run.ok else f"noise-floor run {self.run.name} failed")
+
+
+def _judge_series(name: str, run: RunOutcome, base: RunOutcome, points: list[Any], deltas: list[float],
+                  floors: list[float] | None, absolute: list[float], floor: Floor, s: Scenario, what: str) -> Check:
+    """value / max(floor, absolute floor) <= floor_ratio at every point (or value <= tolerance)."""
+    if floor.tolerance is not None:
+        value = max(deltas, default=0.0)
+        at = points[deltas.index(value)] if deltas else "-"
+        return Check(name, run.name, value <= floor.tolerance, value, floor.tolerance,
+                     f"vs {base.name}: {what}; worst at {at}",
+                     derivation=f"absolute: [checks].{floor.tolerance_key} = {floor.tolerance:g} set by the scenario")
+    if floor.missing or floors is None or len(floors) < len(deltas):
+        why = floor.missing or f"{floor.run.name} has fewer points than {run.name}"
+        return Check(name, run.name, False, max(deltas, default=None), None, f"vs {base.name}: {why}",
+                     derivation="no valid noise floor: the trajectory cannot be judged")
+    ratio_limit = s.checks.floor_ratio
+    measured = max(floors[: len(deltas)], default=0.0)
+    floors = [measured] * len(deltas)
+    if floor.rerun and measured == 0:
+        absolute = [0.0] * len(deltas)  # a bitwise rerun: the device is deterministic
+    eff = [max(f, a) for f, a in zip(floors, absolute, strict=False)]
+    ratios = [d / e if e > 0 else (0.0 if d == 0 else math.inf) for d, e in zip(deltas, eff, strict=False)]
+    i = max(range(len(ratios)), key=lambda k: ratios[k]) if ratios else 0
+    value = deltas[i] if deltas else 0.0
+    limit = ratio_limit * eff[i] if eff else 0.0
+    detail = f"vs {base.name}: {what}; worst ratio at {points[i] if points else '-'}"
+    if floor.rerun and measured == 0:
+        derivation = (f"{floor.run.name} repeated {base.name} bitwise: the device is deterministic, so the "
+                      f"limit is 0 (bitwise)")
+    else:
+        derivation = (f"{ratio_limit:g} x max(floor, absolute floor); floor: {floor.run.name}'s largest deviation "
+                      f"from {base.name} over the same steps ({measured:.3g}); absolute floor: one step's "
+                      f"rounding limit there ({absolute[i]:.3g})")
+    passed = value <= limit if limit > 0 else value == 0
+    return Check(name, run.name, passed, value, limit, detail, floor=eff[i] if eff else None, derivation=derivation)
+
+
+def loss_parity(run: RunOutcome, base: RunOutcome, floor: Floor, s: Scenario, name: str = "loss_parity",
+                prefix: bool = False) -> Check:
+    """Per-step global loss vs ``base`` (over ``run``'s steps when it stopped early by design)."""
+    a, b = _losses(run), _losses(base)
+    if prefix:
+        b = b[: len(a)]
+    if len(a) != len(b):
+        return Check(name, run.name, False, None, None, f"vs {base.name}: {len(a)} vs {len(b)} steps")
+    deltas = [abs(x - y) for x, y in zip(a, b, strict=True)]
+    floors = None
+    if floor.run is not None and floor.run.ok:
+        f = _losses(floor.run)
+        floors = [abs(x - y) for x, y in zip(f, b, strict=False)]
+    model = rounding(s, run, base)
+    tokens = base.result().get("tokens_global_per_step") or []
+    absolute = [model.relative(tokens[k] if k < len(tokens) else 2) * abs(y) for k, y in enumerate(b)]
+    what = f"{len(a)} steps" + ("; bitwise identical" if max(deltas, default=0.0) == 0 else "")
+    return _judge_series(name, run, base, [f"step {k + 1}" for k in range(len(a))], deltas, floors, absolute,
+                         floor, s, what)
+
+
+def eval_parity(run: RunOutcome, base: RunOutcome, floor: Floor, s: Scenario, name: str = "eval_parity") -> Check:
+    """Eval losses at the same steps vs ``base``."""
+    a, b = _evals(run), _evals(base)
+    if not a or a.keys() != b.keys():
+        return Check(name, run.name, False, None, None, f"eval steps {sorted(a)} vs {sorted(b)}")
+    steps = sorted(a)
+    deltas = [abs(a[k][0] - b[k][0]) for k in steps]
+    floors = None
+    if floor.run is not None and floor.run.ok:
+        f = _evals(floor.run)
+        floors = [abs(f[k][0] - b[k][0]) for k in steps if k in f] if all(k in f for k in steps) else None
+    model = rounding(s, run, base)
+    absolute = [model.relative(b[k][1]) * abs(b[k][0]) for k in steps]
+    return _judge_series(name, run, base, [f"step {k}" for k in steps], deltas, floors, absolute, floor, s,
+                         f"at steps {steps}")
+
+
+def param_parity(run: RunOutcome, base: RunOutcome, floor: Floor, s: Scenario, name: str = "param_parity") -> Check:
+    """Final parameters (rank 0) vs ``base``: ||delta|| / ||base's parameters||, over every element
+    (the largest single element is named; as an extreme value of a few sign flips it is too erratic
+    to judge by)."""
+    got = _param_delta(run, base)
+    if got is None:
+        return Check(name, run.name, False, None, None, f"vs {base.name}: final parameters missing or differ in shape")
+    value, biggest, where = got
+    floors = None
+    if floor.run is not None and floor.run.ok:
+        f = _param_delta(floor.run, base)
+        floors = [f[0]] if f is not None else None
+    model = rounding(s, run, base)
+    absolute = [model.ulps * model.u * model.stored]
+    what = "bitwise identical" if value == 0 else f"relative L2; largest element |delta| {biggest:.3g} in {where}"
+    return _judge_series(name, run, base, ["the end"], [value], floors, absolute, floor, s, what)

@@ -1,0 +1,126 @@
+"""A scenario's verdict: every check of every run, each floor comparison with its floor run, and
+whether each injected DDP bug was caught."""
+
+from __future__ import annotations
+
+import math
+
+from harness.controller.collect import RunOutcome
+from harness.judge.checks import (
+    Check,
+    data_share,
+    expectations,
+    expected_failure,
+    global_rng_untouched,
+    mark_expected_failures,
+    memory_ceilings,
+    rank0_side_effects,
+    ranks_agree,
+    replica_consistency,
+    token_accounting,
+)
+from harness.judge.parity import Floor, eval_parity, loss_parity, param_parity, step_local
+from harness.run_plan import floor_for
+from harness.scenario import RunSpec, Scenario
+
+TOLERANCE_KEYS = {"loss": "loss_tolerance", "param": "param_tolerance", "eval": "eval_tolerance"}
+
+
+def floors(s: Scenario, run: RunSpec, base: RunSpec, by_name: dict[str, RunOutcome],
+           resume: bool = False) -> dict[str, Floor]:
+    """What each of a comparison's trajectories (loss, param, eval) is judged against: its floor
+    run, or the absolute tolerance the scenario set (``resume``: ``resume_tolerance`` for all)."""
+    planned = floor_for(s, run, base)
+    measured = by_name.get(planned.name) if planned else None
+    rerun = planned is not None and planned.kind == "rerun"
+    refused = twin_refused(s, measured, by_name.get(base.name)) if planned and planned.kind == "twin" else None
+    keys = dict.fromkeys(TOLERANCE_KEYS, "resume_tolerance") if resume else TOLERANCE_KEYS
+    return {metric: Floor(measured, getattr(s.checks, key), key, rerun, refused) for metric, key in keys.items()}
+
+
+def twin_refused(s: Scenario, twin: RunOutcome | None, base: RunOutcome | None) -> str | None:
+    """Why a twin is not a noise floor: its step-local parity with the reference failed, so it
+    does not compute the reference's mathematics (a model whose result depends on how a batch is
+    split). Twins of other runs are not probed."""
+    if twin is None or base is None or not twin.ok or not base.ok or not twin.result().get("probes"):
+        return None
+    bad = [c for c in step_local(twin, base, s) if not c.passed]
+    if not bad:
+        return None
+    c = bad[0]
+    return (f"floor refused: {twin.name} is not {base.name}'s mathematics ({c.name} {c.value:.3g} > {c.limit:.3g} "
+            f"at the same parameters: the result depends on how the batch is split)")
+
+
+def parity_checks(s: Scenario, run: RunOutcome, ref: RunOutcome, by_name: dict[str, RunOutcome]) -> list[Check]:
+    """Step-local parity at the reference's parameters, and the trajectories against their floor."""
+    spec = s.run(run.name)
+    partial = spec.stop_after is not None  # stopped early by design: compare its steps
+    f = floors(s, spec, s.run(ref.name), by_name)
+    out = step_local(run, ref, s) if s.checks.probe_every else []
+    out.append(loss_parity(run, ref, f["loss"], s, prefix=partial))
+    if not partial:
+        out.append(param_parity(run, ref, f["param"], s))
+        if run.result().get("evals"):
+            out.append(eval_parity(run, ref, f["eval"], s))
+    return out
+
+
+def mutation_caught(run: RunOutcome, mutation: str, checks: list[Check], margin: float) -> Check:
+    """A run with an injected bug passes this check when another check failed by ``margin`` or
+    more (value / limit; an exact criterion that failed counts as infinitely clear). Its failed
+    checks are marked as catching it."""
+    failed = [c for c in checks if not c.passed]
+    for c in failed:
+        c.caught = c.passed = True
+    finite = sorted((c for c in failed if math.isfinite(c.margin)), key=lambda c: c.margin, reverse=True)
+    exact = [c for c in failed if not math.isfinite(c.margin)]
+    best = finite[0] if finite and finite[0].margin >= margin else (exact[0] if exact else None)
+    also = ", ".join(f"{c.name}" + (f" ({c.margin:.3g})" if math.isfinite(c.margin) else " (exact)")
+                     for c in failed if c is not best)
+    if best is None:
+        shown = f"; closest: {finite[0].name} at margin {finite[0].margin:.3g}" if finite else ""
+        return Check("mutation_caught", run.name, False, finite[0].margin if finite else 0.0, margin,
+                     f"{mutation} was not caught by any check with margin >= {margin:g}{shown}",
+                     derivation="[checks].mutation_margin")
+    what = f"{best.value:.3g} vs limit {best.limit:.3g}" if math.isfinite(best.margin) else \
+        f"exact criterion ({best.detail})"
+    detail = f"{mutation} caught by {best.name}: {what}" + (f"; also {also}" if also else "")
+    return Check("mutation_caught", run.name, True, best.margin, margin, detail,
+                 derivation=f"margin = value / limit of the best catching check; needs >= {margin:g} "
+                            f"([checks].mutation_margin)")
+
+
+def judge(s: Scenario, runs: list[RunOutcome]) -> list[Check]:
+    """All checks of a scenario; runs expected to fail get only the expected-failure check, and
+    floor runs are measurements, not judged."""
+    from harness.judge.resume_checks import judge_resume
+
+    by_name = {r.name: r for r in runs}
+    ref = by_name.get(s.checks.reference) if s.checks.reference else None
+    checks: list[Check] = []
+    for run in runs:
+        if run.floor is not None:
+            continue
+        spec = s.run(run.name)
+        if spec.expect_error is not None:
+            checks.append(expected_failure(run, spec.expect_error, spec.expect_error_on_every_rank))
+            continue
+        if not run.ok:
+            continue
+        vs_ref = ref is not None and run is not ref and ref.ok
+        parity = s.kind == "parity"  # a throughput scenario's runs may train at other global batches
+        mine = parity_checks(s, run, ref, by_name) if vs_ref and parity else []
+        if vs_ref and run.world_size > ref.world_size and not run.result().get("data", {}).get("streaming"):
+            train = s.for_run(spec).train
+            mine.append(data_share(run, ref, s.checks.data_share_slack, train.global_batch // train.grad_accum))
+        mine.append(token_accounting(run, ref if ref is not None and ref.ok and parity else None))
+        mine += [replica_consistency(run), ranks_agree(run), rank0_side_effects(run), global_rng_untouched(run)]
+        mine += expectations(run, spec)
+        mine += judge_resume(s, run, by_name)
+        mine += memory_ceilings(run, s)
+        if spec.mutation is not None:
+            mine.append(mutation_caught(run, spec.mutation, mine, s.checks.mutation_margin))
+        checks += mine
+    mark_expected_failures(checks, s.checks.expected_failures)
+    return checks

@@ -1,0 +1,125 @@
+"""Step-local parity probes: the reference's gradient and another run's, at the same parameters.
+
+At each probe step (step 1 and every ``[checks] probe_every`` steps) the reference run records
+the parameters its step's gradient is taken at, and that global gradient: rank 0 writes
+``probe-step-NNNNNNNN.safetensors`` (``param.<name>`` and ``grad.<name>`` tensors; the global
+loss, the token count and the schema version in its metadata). A compared run, at the same step
+and on the same global batch, puts the reference's parameters into its model, computes the
+global gradient exactly as its training step does (its micro-batches, scaling, accumulation and
+all-reduce; only the update is skipped), measures how far its loss, token count and gradient are
+from the reference's, and puts its own parameters back. Its trajectory is untouched: parameters,
+optimizer state, data position and the semantics' state are what they were before the probe,
+and the probe's time is not counted in the step's.
+
+Optimizer amplification cannot enter these figures, so the judge holds them to a limit derived
+from floating-point rounding alone.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from harness import schema
+
+
+def probe_path(directory: Path | str, step: int) -> Path:
+    return Path(directory) / f"probe-step-{step:08d}.safetensors"
+
+
+def probe_steps(steps: int, every: int) -> list[int]:
+    """Step 1 and every ``every``-th step (none when ``every`` is 0)."""
+    if every <= 0:
+        return []
+    return sorted({1, *range(every, steps + 1, every)})
+
+
+class Probes:
+    """The job's probe plan (``{"mode": "record"|"compare", "dir", "steps"}``) and what it measured."""
+
+    def __init__(self, spec: dict[str, Any] | None):
+        self.mode = spec["mode"] if spec else None
+        self.dir = Path(spec["dir"]) if spec else None
+        self.steps = set(spec["steps"]) if spec else set()
+        self.records: list[dict[str, Any]] = []
+
+    def run(self, t: Any, step: int, micros: list[Any], counts: tuple[int, int]) -> float:
+        """Probe ``step`` on trainer ``t``; returns the seconds it took."""
+        start = time.perf_counter()
+        if self.mode == "record":
+            loss, grads, _ = t.global_gradient(step, micros, counts, None, update=False)
+            t.coord.attempt("probe", step, t.effects.probe, probe_path(self.dir, step), t.model, grads,
+                            {"step": step, "loss": float(loss.item()), "tokens": counts[0], "world_size": t.N})
+            self.records.append({"step": step, "loss": float(loss.item()), "tokens": counts[0]})
+        else:
+            self.records.append(self._compare(t, step, micros, counts))
+        self.records[-1]["probe_s"] = time.perf_counter() - start
+        return self.records[-1]["probe_s"]
+
+    def _compare(self, t: Any, step: int, micros: list[Any], counts: tuple[int, int]) -> dict[str, Any]:
+        """Every rank measures its own reduced gradient against the reference's (a failure on any
+        rank stops every rank at the next agreement, as in training)."""
+        from mlx.utils import tree_unflatten
+
+        ref = t.coord.attempt("probe", step, read_probe, probe_path(self.dir, step))
+        saved, state = t.model.parameters(), t.semantics.state()
+        if ref is not None:
+            t.model.update(tree_unflatten(list(ref["params"].items())))
+        loss, grads, _ = t.global_gradient(step, micros, counts, None, update=False)
+        t.semantics.set_state(state)
+        t.model.update(saved)
+        record = t.coord.attempt("probe", step, compare, step, loss, grads, counts[0], ref)
+        t.coord.agree()
+        return record
+
+
+def compare(step: int, loss: Any, grads: Any, tokens: int, ref: dict[str, Any]) -> dict[str, Any]:
+    """Loss, token count and gradient at a probe step vs the reference's: the gradient's relative
+    error ||g - g_ref|| / ||g_ref|| over all tensors, and the tensor with the largest one."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    mine, theirs = dict(tree_flatten(grads)), ref["grads"]
+    if mine.keys() != theirs.keys():
+        raise ValueError(f"gradient names differ from the reference's ({sorted(mine.keys() ^ theirs.keys())[:3]})")
+    sq = {k: (((mine[k].astype(mx.float32) - theirs[k].astype(mx.float32)) ** 2).sum(),
+              (theirs[k].astype(mx.float32) ** 2).sum()) for k in mine}
+    mx.eval(sq)
+    per = {k: (float(d), float(r)) for k, (d, r) in sq.items()}
+    diff, norm = sum(d for d, _ in per.values()), sum(r for _, r in per.values())
+    rel = {k: math.sqrt(d / r) if r > 0 else (0.0 if d == 0 else math.inf) for k, (d, r) in per.items()}
+    worst = max(rel, key=lambda k: rel[k])
+    return {"step": step, "loss": float(loss.item()), "loss_ref": ref["loss"], "tokens": tokens,
+            "tokens_ref": ref["tokens"], "grad_rel": math.sqrt(diff / norm) if norm > 0 else math.inf,
+            "worst_tensor": worst, "worst_rel": rel[worst], "ref_world_size": ref["world_size"]}
+
+
+def write_probe(path: Path, model: Any, grads: Any, meta: dict[str, Any]) -> None:
+    """The reference's parameters and gradient at a probe step (rank 0, atomically)."""
+    import os
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    arrays = {f"param.{k}": v for k, v in tree_flatten(model.parameters())}
+    arrays.update({f"grad.{k}": v for k, v in tree_flatten(grads)})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.tmp.safetensors")
+    metadata = {k: str(v) for k, v in meta.items()} | {"schema_version": str(schema.SCHEMA_VERSION)}
+    mx.save_safetensors(str(tmp), arrays, metadata=metadata)
+    os.replace(tmp, path)
+
+
+def read_probe(path: Path) -> dict[str, Any]:
+    """A probe file written by ``write_probe``; a missing file or another schema version raises."""
+    import mlx.core as mx
+
+    arrays, meta = mx.load(str(path), return_metadata=True)
+    if meta.get("schema_version") != str(schema.SCHEMA_VERSION):
+        raise schema.SchemaError(f"{path}: schema_version {meta.get('schema_version')!r}, "
+                                 f"expected {schema.SCHEMA_VERSION}")
+    return {"params": {k[6:]: v for k, v in arrays.items() if k.startswith("param.")},
+            "grads": {k[5:]: v for k, v in arrays.items() if k.startswith("grad.")},
+            "loss": float(meta["loss"]), "tokens": int(meta["tokens"]), "world_size": int(meta["world_size"])}

@@ -1,0 +1,116 @@
+"""The runs a scenario launches: its own, in an order that lets every run use what it needs, plus
+the noise-floor runs its comparisons are judged against.
+
+A comparison of run X with run B (B the reference, or X's ``compare_to``) is judged against how
+far the same mathematics drifts when only its float rounding changes:
+
+- a *twin* of B for X: B's settings in one process that computes X's N ranks' shards (each with
+  X's grad_accum micro-steps) as accumulation micro-batches, summed rank by rank: X's shapes and
+  X's summation order, without X's collectives, sharding code or seeds. Used for parity with the
+  reference, and for a resume across world sizes. A twin is only a floor if it computes B's
+  mathematics: it is probed step-locally like X, and a model whose result depends on how a batch
+  is split fails there (its floor is then refused);
+- a *rerun* of B: B launched again exactly as it was; used for a resume at B's world size, where
+  the only difference a correct trainer may show is the device's run-to-run variation.
+
+Floor runs are shared by every comparison that needs the same one. The reference runs first
+(compared runs and twins read its step-local probes), then the scenario's other runs in file
+order, then the floor runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from harness.scenario import RunSpec, Scenario
+
+
+@dataclass(frozen=True)
+class FloorRun:
+    """A run the harness adds: ``kind`` "twin" (of ``base``, emulating ``emulate`` ranks of
+    ``grad_accum`` micro-steps each) or "rerun" (of ``base``)."""
+
+    name: str
+    kind: str
+    base: str
+    emulate: int = 1
+    grad_accum: int = 1
+
+    def spec(self, s: Scenario) -> RunSpec:
+        base = s.run(self.base)
+        if self.kind == "rerun":
+            return dataclasses.replace(base, name=self.name, stop_after=None, compare_to=None, expect_resume_step=None,
+                                       mutation=None)
+        return RunSpec(name=self.name, world_size=1, train={**base.train, "grad_accum": self.grad_accum},
+                       data=dict(base.data), seed=base.seed)
+
+    @property
+    def description(self) -> str:
+        if self.kind == "rerun":
+            return f"{self.base} run again (the device's run-to-run variation)"
+        return (f"{self.base}'s settings in one process computing {self.emulate} ranks' shards x "
+                f"{self.grad_accum} micro-steps")
+
+
+def _twin(s: Scenario, base: RunSpec, run: RunSpec) -> FloorRun:
+    n, accum = run.world_size, s.for_run(run).train.grad_accum
+    name = f"twin{n}" + (f"_accum{accum}" if accum > 1 else "")
+    if base.name != s.checks.reference:
+        name += f"_of_{base.name}"
+    return FloorRun(name, "twin", base.name, n, accum)
+
+
+def compared(s: Scenario, run: RunSpec) -> bool:
+    """Whether ``run`` is judged for parity with the reference."""
+    ref = s.checks.reference
+    return s.kind == "parity" and ref is not None and run.name != ref and run.expect_error is None
+
+
+def same_execution(s: Scenario, run: RunSpec, target: RunSpec) -> bool:
+    """A resumed run and its target computed alike: same world size and compile mode."""
+    return run.world_size == target.world_size and (
+        s.for_run(run).train.compile == s.for_run(target).train.compile)
+
+
+def floor_for(s: Scenario, run: RunSpec, base: RunSpec) -> FloorRun | None:
+    """The floor run a comparison of ``run`` with ``base`` is judged against (None: no floors)."""
+    if not s.checks.noise_floor:
+        return None
+    if base.name == run.compare_to and same_execution(s, run, base):
+        return FloorRun(f"{base.name}_rerun", "rerun", base.name)
+    return _twin(s, base, run)
+
+
+def floor_runs(s: Scenario) -> list[FloorRun]:
+    """Every floor run the scenario's comparisons need, once each, in a stable order."""
+    found: dict[str, FloorRun] = {}
+    for run in s.runs:
+        if run.expect_error is not None:
+            continue
+        bases = [s.run(s.checks.reference)] if compared(s, run) else []
+        if run.compare_to is not None and not (
+                s.checks.resume_tolerance is not None and same_execution(s, run, s.run(run.compare_to))):
+            bases.append(s.run(run.compare_to))
+        for base in bases:
+            floor = floor_for(s, run, base)
+            if floor is not None:
+                found.setdefault(floor.name, floor)
+    return list(found.values())
+
+
+def spec_of(s: Scenario, name: str) -> RunSpec:
+    """The spec of a declared run or of one of the scenario's floor runs."""
+    for floor in floor_runs(s):
+        if floor.name == name:
+            return floor.spec(s)
+    return s.run(name)
+
+
+def launch_order(s: Scenario) -> list[RunSpec]:
+    """The scenario's runs with the reference first (unless it resumes from another run)."""
+    ref = s.checks.reference
+    runs = list(s.runs)
+    if ref is not None and s.run(ref).resume_from is None:
+        runs.sort(key=lambda r: r.name != ref)
+    return runs
