@@ -51,10 +51,12 @@ class ModelSpec:
 
 @dataclass
 class DataSpec:
-    """Training and eval rows: the built-in generated corpus, generated captioned images
-    (``images``, drawn at ``image_size`` pixels), or local JSONL rows (text rows, or image rows
-    ``{"image": path, "caption" | "messages"}`` for a VLM; larger images are scaled to fit
-    ``image_size``).
+    """Training and eval rows: the built-in generated corpus, real English prose (``prose``: the
+    paragraphs of the documentation topics every Python ships, held-out rows from its end),
+    generated captioned images (``images``, drawn at ``image_size`` pixels), or local JSONL rows
+    (text rows, or image rows ``{"image": path, "caption" | "messages"}`` for a VLM; larger images
+    are scaled to fit ``image_size``). ``tokenizer``: ``byte``, a local ``tokenizer.json``, or
+    ``bpe:N``, a byte-level BPE of N tokens trained on the train rows before the run (cached).
 
     ``format`` is the row form: ``text`` (``{"text"}``), ``prompt_completion``
     (``{"prompt", "completion"}``) or ``chat`` (``{"messages": [{"role", "content"}]}``); ``auto``
@@ -353,6 +355,11 @@ def _resolve(path: str | None, base: Path, src: str, key: str) -> str | None:
     return str(p)
 
 
+def is_named_tokenizer(value: Any) -> bool:
+    """``byte``, or ``bpe:N`` (trained at run time): a tokenizer named, not a file."""
+    return isinstance(value, str) and (value == "byte" or value.startswith("bpe:"))
+
+
 def writes_checkpoints(s: Scenario, run: RunSpec) -> bool:
     return run.stop_after is not None or s.for_run(run).train.checkpoint_every > 0
 
@@ -404,14 +411,14 @@ def parse_scenario(data: dict[str, Any], src: str, base: Path) -> Scenario:
         r.train = _coerce(TrainSpec, r.train, f"[[runs]][{i}].train", src)
         r.data = _coerce(DataSpec, r.data, f"[[runs]][{i}].data", src)
         for key in ("path", "eval_path", "tokenizer"):
-            if key in r.data and r.data[key] != "byte":
+            if key in r.data and not is_named_tokenizer(r.data[key]):
                 r.data[key] = _resolve(r.data[key], base, src, f"[[runs]][{i}].data.{key}")
         if r.resume_from is not None and r.resume_from not in [run.name for run in s.runs]:
             r.resume_from = _resolve(r.resume_from, base, src, f"[[runs]][{i}].resume_from")
     s.model.path = _resolve(s.model.path, base, src, "[model].path")
     s.data.path = _resolve(s.data.path, base, src, "[data].path")
     s.data.eval_path = _resolve(s.data.eval_path, base, src, "[data].eval_path")
-    if s.data.tokenizer != "byte":
+    if not is_named_tokenizer(s.data.tokenizer):
         s.data.tokenizer = _resolve(s.data.tokenizer, base, src, "[data].tokenizer")
     from harness.scenario_rules import validate
 

@@ -35,7 +35,15 @@ def _one_of(value: Any, allowed: tuple[str, ...], src: str, key: str) -> None:
 
 
 def _validate_data(d: DataSpec, src: str, where: str, vision: bool) -> None:
-    _one_of(d.source, ("generated", "jsonl", "images"), src, f"{where}.source")
+    _one_of(d.source, ("generated", "prose", "jsonl", "images"), src, f"{where}.source")
+    require(not vision or d.source != "prose", src, f"{where}.source",
+            "prose rows are text: not for a vision-language model")
+    require(d.source != "prose" or d.format in ("auto", "text"), src, f"{where}.format",
+            "prose rows are plain text: use format = 'text' (or 'auto')")
+    if d.tokenizer.startswith("bpe:"):
+        size = d.tokenizer[4:]
+        require(size.isdigit() and 300 <= int(size) <= 65536, src, f"{where}.tokenizer",
+                f"'bpe:N' needs a vocabulary size N between 300 and 65536, got {d.tokenizer!r}")
     require(vision or d.source != "images", src, f"{where}.source",
              f"'images' needs a vision-language [model].arch {VLM_ARCHS}")
     require(not vision or d.source != "generated", src, f"{where}.source",

@@ -33,8 +33,6 @@ digest_every = 2
 
 [checks]
 {reference}
-loss_tolerance = 1e-5
-param_tolerance = 1e-4
 {checks}
 
 [limits]

@@ -65,7 +65,8 @@ def test_memory_ceiling_breach_exits_1(scenario_dir: Path) -> None:
     assert "tight: FAILED" in p.stdout
     rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in p.stdout.splitlines() if ln.startswith("| memory")]
     rss = [r for r in rows if r[0] == "memory_rss_per_rank_mb"]
-    assert [(r[1], r[3], r[4]) for r in rss] == [("single", "1", "FAIL"), ("ddp2", "1", "FAIL")]
+    # Check | Run | Value | Floor | Ratio | Limit | Result
+    assert [(r[1], r[5], r[6]) for r in rss] == [("single", "1", "FAIL"), ("ddp2", "1", "FAIL")]
     assert all(float(r[2]) > 1 for r in rss)
     assert any(ln.startswith("| loss_parity") and "| pass" in ln for ln in p.stdout.splitlines())
 

@@ -86,8 +86,8 @@ def test_side_effects_happen_on_rank_0_only_and_diagnostics_are_complete(scenari
     assert [c["kind"] for c in calls] == ["step", "step", "eval", "step", "step", "eval"]
     assert (tmp_path / "train.log").read_text().count("\n") == 6
     r0, r1 = (o.result for o in out.ranks)
-    assert r0["side_effects"] == {"callbacks": 6, "log_lines": 6, "saves": 1, "checkpoints": 0}
-    assert r1["side_effects"] == {"callbacks": 0, "log_lines": 0, "saves": 0, "checkpoints": 0}
+    assert r0["side_effects"] == {"callbacks": 6, "log_lines": 6, "saves": 1, "checkpoints": 0, "probes": 0}
+    assert r1["side_effects"] == {"callbacks": 0, "log_lines": 0, "saves": 0, "checkpoints": 0, "probes": 0}
     for r, res in enumerate((r0, r1)):
         assert res["rank"] == r and res["world_size"] == 2 and res["is_main"] == (r == 0)
         assert res["host_rank_map"] == {res["host"]: [0, 1]}

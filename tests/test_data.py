@@ -16,6 +16,7 @@ from harness.rank.batching import (
     make_plan,
     materialize,
     owned_rows,
+    uneven_last,
 )
 from harness.rank.sources import Encoder, Example, reject_presharded, row_source
 from harness.rank.tokenizers import ByteTokenizer
@@ -57,17 +58,20 @@ def test_positions_split_micro_batches_strided_and_cover_everything() -> None:
     assert local_positions(8, 2, 1, 2) == [[1, 3], [5, 7]]
     cover = sorted(p for r in range(3) for m in local_positions(6, 1, r, 3) for p in m)
     assert cover == list(range(6))
+    # one process emulating 2 ranks: rank 0's micro-steps, then rank 1's
+    assert local_positions(8, 2, 0, 1, emulate=2) == [[0, 2], [4, 6], [1, 3], [5, 7]]
+    assert uneven_last(6, 2, 1, 2) and not uneven_last(6, 2, 0, 2) and not uneven_last(8, 2, 1, 2)
 
 
 def test_each_rank_holds_only_its_share() -> None:
     spec = DataSpec(rows=40)
     source, enc = row_source(spec, 3), Encoder(TOK, spec)
-    shares = [materialize(source, enc, 8, 1, "shuffled", 3, r, 4) for r in range(4)]
+    shares = [materialize(source, enc, 8, local_positions(8, 1, r, 4), "shuffled", 3) for r in range(4)]
     assert [len(s.rows) for s in shares] == [10, 10, 10, 10]
     assert set().union(*(s.rows for s in shares)) == set(range(40))
-    one = materialize(source, enc, 8, 1, "shuffled", 3, 0, 1)
+    one = materialize(source, enc, 8, local_positions(8, 1, 0, 1), "shuffled", 3)
     assert sum(s.nbytes for s in shares) == one.nbytes
-    assert owned_rows(one.plan, 1, 0, 1) == set(range(40))
+    assert owned_rows(one.plan, local_positions(8, 1, 0, 1)) == set(range(40))
 
 
 def test_stream_share_matches_the_materialized_ordered_plan() -> None:
@@ -75,8 +79,8 @@ def test_stream_share_matches_the_materialized_ordered_plan() -> None:
     source = row_source(spec, 9)
     for ws in (1, 2, 3):
         for r in range(ws):
-            mat = materialize(source, Encoder(TOK, spec), 6, 2, "ordered", 9, r, ws)
-            stream = StreamShare(source, Encoder(TOK, spec), 6, 2, r, ws)
+            mat = materialize(source, Encoder(TOK, spec), 6, local_positions(6, 2, r, ws), "ordered", 9)
+            stream = StreamShare(source, Encoder(TOK, spec), 6, local_positions(6, 2, r, ws))
             for step in range(1, 6):  # two epochs and a bit; each epoch's last batch is padded
                 got = [[e.ids.tolist() for _, e in m] for m in stream.micro_batches(step)]
                 want = [[e.ids.tolist() for _, e in m] for m in mat.micro_batches(step)]
@@ -93,8 +97,8 @@ def test_presharded_sources_are_rejected() -> None:
     reject_presharded([{"text": "fine"}])
     rows = [(f"row {i}", {"text": f"row number {i}"}) for i in range(5)]
     with pytest.raises(ValueError, match="already sharded per rank"):
-        StreamShare(Sharded(rows), Encoder(TOK, DataSpec()), 2, 1, 0, 2)
-    whole = StreamShare(rows, Encoder(TOK, DataSpec()), 2, 1, 1, 2)  # a plain re-iterable works
+        StreamShare(Sharded(rows), Encoder(TOK, DataSpec()), 2, local_positions(2, 1, 0, 2))
+    whole = StreamShare(rows, Encoder(TOK, DataSpec()), 2, local_positions(2, 1, 1, 2))  # a plain re-iterable works
     assert [[i for i, _ in m] for m in whole.micro_batches(1)] == [[1]]
 
 
@@ -169,7 +173,7 @@ def test_golden_shards_for_five_rows_local_batch_two_two_ranks() -> None:
     """The seed PR's golden case: 5 rows, local batch 2, 2 ranks (global batch 4)."""
     spec = DataSpec(rows=5)
     source, enc = row_source(spec, 0), Encoder(TOK, spec)
-    shares = [materialize(source, enc, 4, 1, "ordered", 0, r, 2) for r in range(2)]
+    shares = [materialize(source, enc, 4, local_positions(4, 1, r, 2), "ordered", 0) for r in range(2)]
     rows = [[[i for i, _ in m] for m in s.micro_batches(step)] for step in (1, 2) for s in shares]
     # step 1: rows 0-3; step 2: row 4 then rows 0, 1, 2 repeated to fill the batch
     assert rows == [[[0, 2]], [[1, 3]], [[4, 1]], [[0, 2]]]

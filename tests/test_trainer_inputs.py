@@ -9,9 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harness.controller.session import execute
-from harness.controller.suite import train_job
-from harness.judge.checks import judge
+from harness.controller.suite import run_scenario
+from harness.judge.verdict import judge
 from harness.rank.sources import generated_text
 from harness.scenario import load_scenario
 from tests.conftest import write_scenario
@@ -20,8 +19,9 @@ pytestmark = pytest.mark.ranks
 
 
 def run_all(path: Path):  # noqa: ANN201
+    """Every run of the scenario (step-local probes and noise-floor runs included), all completed."""
     s = load_scenario(path)
-    runs = [execute(r.name, train_job(s, r), r.world_size, wall_s=240, no_progress_s=90) for r in s.runs]
+    runs = run_scenario(s)
     for r in runs:
         assert r.ok, r.failure
     return s, runs

@@ -67,8 +67,15 @@ class Launch:
         return self.proc.pid
 
 
+# What a distributed launch sets for its ranks: never inherited from the controller's environment
+# (a world-size-1 rank must not think it is part of a group). Other MLX settings, such as
+# MLX_ENABLE_TF32, reach the ranks as the user set them.
+DISTRIBUTED_VARS = ("MLX_RANK", "MLX_HOSTFILE", "MLX_WORLD_SIZE", "MLX_JACCL_COORDINATOR", "MLX_IBV_DEVICES",
+                    "MLX_RING_VERBOSE")
+
+
 def _rank_env(run_dir: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MLX_") or k.startswith("MLX_DDP_HARNESS")}
+    env = {k: v for k, v in os.environ.items() if k not in DISTRIBUTED_VARS}
     pkg_root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
     env[TMPDIR_VAR] = tempfile.gettempdir()

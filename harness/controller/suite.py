@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from harness.controller.collect import RunOutcome
+from harness.controller.inputs import prepare
 from harness.controller.session import execute
 from harness.rank.step_probe import probe_path, probe_steps
 from harness.run_plan import FloorRun, compared, floor_runs, launch_order
@@ -92,9 +93,11 @@ def run_scenario(
     artifacts: Path | None = None,
     on_run: Callable[[RunOutcome], None] | None = None,
     keep_checkpoints: bool = False,
+    backend: str | None = None,
 ) -> list[RunOutcome]:
     """Launch each run of ``s``, then its floor runs; rank logs go under ``artifacts/<scenario>/<run>``
     when given. Outcomes come back in file order, the floor runs last."""
+    s = prepare(s)
     outcomes: dict[str, RunOutcome] = {}
     workspace = Path(tempfile.mkdtemp(prefix=f"mlx-ddp-harness-{s.name}-"))
     floors = floor_runs(s)
@@ -105,7 +108,7 @@ def run_scenario(
                 spec.name,
                 train_job(s, spec, workspace, floor),
                 spec.world_size,
-                backend=spec.backend,
+                backend=spec.backend or backend,
                 wall_s=s.limits.wall_s,
                 no_progress_s=s.limits.no_progress_s,
                 keep_to=keep,

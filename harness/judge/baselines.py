@@ -117,12 +117,13 @@ def summarize_run(where: str, repeats: list[dict[str, Any]], world_size: int) ->
 
 def collect_repeats(docs: list[tuple[Path, dict[str, Any]]]) -> dict[tuple[str, str], dict[str, Any]]:
     """Runs of the given results by (scenario, run), with all their passing repeats pooled
-    (a result's own ``--repeat`` repeats and the same run in other results alike)."""
+    (a result's own ``--repeat`` repeats and the same run in other results alike). Runs expected
+    to fail and noise-floor runs (measurements for the parity checks) are not gated."""
     pooled: dict[tuple[str, str], dict[str, Any]] = {}
     for _, doc in docs:
         for s in doc["scenarios"]:
             for run in s["runs"]:
-                if run.get("expect_error"):
+                if run.get("expect_error") or run.get("floor"):
                     continue
                 entry = pooled.setdefault((s["name"], run["name"]), {
                     "world_size": run["world_size"], "model": s.get("model"), "kind": s.get("kind", "parity"),

@@ -36,7 +36,9 @@ class Check:
     """One judgement. ``passed`` says whether it counts as a pass; for a check the scenario
     expects to fail (``xfail``: the reason), a measured failure counts as a pass ("xfail") and a
     measured pass does not ("XPASS"). On a run with an injected bug, a failure is the check
-    catching it (``caught``). ``floor`` is the measured noise floor a limit was derived from, and
+    catching it (``caught``). A check that cannot be measured on this run (``applicable`` false,
+    for example step-local parity on a run that executed no probe step) is reported as "n/a",
+    never as a pass. ``floor`` is the measured noise floor a limit was derived from, and
     ``derivation`` says how the limit was derived."""
 
     name: str
@@ -49,9 +51,12 @@ class Check:
     floor: float | None = None
     derivation: str = ""
     caught: bool = False
+    applicable: bool = True
 
     @property
     def result(self) -> str:
+        if not self.applicable:
+            return "n/a"
         if self.caught:
             return "caught"
         if self.xfail is None:
@@ -76,7 +81,8 @@ class Check:
 
     def to_dict(self) -> dict[str, Any]:
         """The check as result.json holds it (an infinite figure, e.g. the ratio to a zero floor, as null)."""
-        d = {**asdict(self), "result": self.result, "ratio": self.ratio}
+        d = {**asdict(self), "result": self.result, "ratio": self.ratio,
+             "margin": self.margin if not self.passed or self.caught else None}
         return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in d.items()}
 
 

@@ -76,13 +76,26 @@ def _probe_records(run: RunOutcome) -> list[list[dict[str, Any]]]:
     return [(o.result or {}).get("probes") or [] for o in run.ranks]
 
 
+STEP_CHECKS = ("step_token_parity", "step_loss_parity", "step_grad_parity")
+
+
 def step_local(run: RunOutcome, ref: RunOutcome, s: Scenario) -> list[Check]:
-    """Token count, global loss and gradient at the reference's parameters, at every probe step."""
+    """Token count, global loss and gradient at the reference's parameters, at every probe step
+    the reference recorded within the steps this run executed (none there: not applicable)."""
     per_rank = _probe_records(run)
-    if not per_rank[0]:
-        why = "the reference recorded no probes" if not ref.ok else "no probe steps were run"
-        return [Check(n, run.name, False, None, None, f"{why}; step-local parity not measured")
-                for n in ("step_token_parity", "step_loss_parity", "step_grad_parity")]
+    r0 = run.result()
+    recorded = [p["step"] for p in ref.result().get("probes") or []]
+    expected = [k for k in recorded if int(r0.get("steps_start", 1)) <= k <= int(r0.get("steps", 0))]
+    if not recorded:
+        return [Check(n, run.name, False, None, None, f"{ref.name} recorded no probes; not measured")
+                for n in STEP_CHECKS]
+    if not expected:
+        why = f"ran steps {r0.get('steps_start', 1)}-{r0.get('steps')}; {ref.name} probed steps {recorded}"
+        return [Check(n, run.name, True, None, None, f"{why}: nothing to measure", applicable=False)
+                for n in STEP_CHECKS]
+    got = [p["step"] for p in per_rank[0]]
+    if got != expected:
+        return [Check(n, run.name, False, None, None, f"probed steps {got}, expected {expected}") for n in STEP_CHECKS]
     model = rounding(s, run, ref)
     steps = [rec["step"] for rec in per_rank[0]]
     tokens = max(abs(rec["tokens"] - rec["tokens_ref"]) for recs in per_rank for rec in recs)

@@ -44,7 +44,7 @@ def twin_refused(s: Scenario, twin: RunOutcome | None, base: RunOutcome | None) 
     split). Twins of other runs are not probed."""
     if twin is None or base is None or not twin.ok or not base.ok or not twin.result().get("probes"):
         return None
-    bad = [c for c in step_local(twin, base, s) if not c.passed]
+    bad = [c for c in step_local(twin, base, s) if not c.passed and c.value is not None]
     if not bad:
         return None
     c = bad[0]

@@ -123,7 +123,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                 of = f", repeat {k} of {args.repeat}" if args.repeat > 1 else ""
                 print(f"scenario {s.name} ({s.path}{of})", file=sys.stderr, flush=True)
                 logs = out / ("runs" if k == 1 else f"runs-repeat{k}") if out else None
-                runs = run_scenario(s, logs, progress, args.keep_checkpoints)
+                runs = run_scenario(s, logs, progress, args.keep_checkpoints, args.backend)
                 reps.append(scenario_summary(s, runs, judge(s, runs)))
             summary = merge_repeats(reps)
             summaries.append(summary)
@@ -201,6 +201,8 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--format", choices=("plain", "github"), default="plain", help="table format")
     run.add_argument("--repeat", type=int, default=1, metavar="N",
                      help="run each scenario N times; result.json keeps every repeat's figures (for baselines)")
+    run.add_argument("--backend", choices=("ring", "nccl", "mpi", "jaccl"),
+                     help="distributed backend of every run that names none (default: nccl with CUDA, else ring)")
     run.add_argument("--keep-checkpoints", action="store_true",
                      help="keep whole checkpoints under OUT/runs (default: their manifests and trainer state)")
     run.set_defaults(func=cmd_run)

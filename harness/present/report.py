@@ -10,6 +10,9 @@ from harness import schema
 from harness.present.tables import (
     checks_table,
     failures,
+    floor_notes,
+    mutation_rows,
+    mutation_table,
     repeat_rows,
     repeat_table,
     resume_rows,
@@ -31,6 +34,9 @@ def markdown(doc: dict[str, Any], plots: dict[str, list[tuple[str, Path]]] | Non
         if s["description"]:
             lines += [s["description"], ""]
         lines += [f"### {runs_title(s)}", "", runs_table(s, "github"), ""]
+        lines += [f"- {note}" for note in floor_notes(s)] + ([""] if floor_notes(s) else [])
+        if mutation_rows(s):
+            lines += ["### Injected DDP bugs", "", mutation_table(s, "github"), ""]
         if repeat_rows(s):
             lines += [f"### Repeat-to-repeat spread ({s['repeats']} repeats)", "", repeat_table(s, "github"), ""]
         if resume_rows(s):

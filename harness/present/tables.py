@@ -46,7 +46,8 @@ def run_rows(scenario: dict[str, Any]) -> list[list[Any]]:
     width = len(THROUGHPUT_HEADERS if throughput else PARITY_HEADERS) + images
     rows = []
     for r in scenario["runs"]:
-        head = [scenario.get("model", "-"), r["name"], r["world_size"], r["per_rank_batch"]]
+        name = f"{r['name']} (floor)" if r.get("floor") else r["name"]
+        head = [scenario.get("model", "-"), name, r["world_size"], r["per_rank_batch"]]
         if throughput:
             head.append(r["global_batch"])
         if not r["ok"]:
@@ -90,10 +91,46 @@ def _fmt(v: Any) -> str:
 
 
 def checks_table(scenario: dict[str, Any], fmt: str = "plain") -> str:
-    rows = [[c["name"], c["run"], _fmt(c["value"]), _fmt(c["limit"]),
+    """Every check: its value, the measured noise floor and value / floor where the limit was
+    derived from one, the limit, and the result."""
+    rows = [[c["name"], c["run"], _fmt(c["value"]), _fmt(c.get("floor")), _fmt(c.get("ratio")), _fmt(c["limit"]),
              c.get("result", "pass" if c["passed"] else "FAIL"), c["detail"]] for c in scenario["checks"]]
-    return tabulate(rows, headers=["Check", "Run", "Value", "Limit", "Result", "Detail"],
+    return tabulate(rows, headers=["Check", "Run", "Value", "Floor", "Ratio", "Limit", "Result", "Detail"],
                     tablefmt=FORMATS[fmt], disable_numparse=True)
+
+
+def floor_notes(scenario: dict[str, Any]) -> list[str]:
+    """What each noise-floor run computes (they are measurements, not judged)."""
+    return [f"{r['name']} (floor): {r['floor']}" for r in scenario["runs"] if r.get("floor")]
+
+
+MUTATION_HEADERS = ["Mutation", "What it does", "Caught by", "Value", "Limit", "Margin", "Also failing"]
+
+
+def mutation_rows(scenario: dict[str, Any]) -> list[list[Any]]:
+    """One row per run with an injected bug: the check that caught it most clearly (value, limit,
+    margin = value / limit; "exact" for a count or digest that must match) and the others."""
+    from harness.rank.semantics import MUTATIONS
+
+    rows = []
+    for r in scenario["runs"]:
+        if not r.get("mutation"):
+            continue
+        mine = [c for c in scenario["checks"] if c["run"] == r["name"]]
+        summary = next((c for c in mine if c["name"] == "mutation_caught"), None)
+        caught = sorted((c for c in mine if c.get("result") == "caught"),
+                        key=lambda c: (c.get("margin") is not None, c.get("margin") or 0), reverse=True)
+        best = caught[0] if caught else None
+        margin = "-" if best is None else (_fmt(best["margin"]) if best.get("margin") is not None else "exact")
+        status = "" if summary is None or summary["passed"] else " NOT CAUGHT"
+        others = ", ".join(c["name"] for c in caught[1:])
+        rows.append([r["mutation"], MUTATIONS[r["mutation"]].summary, (best["name"] if best else "-") + status,
+                     _fmt(best["value"]) if best else "-", _fmt(best["limit"]) if best else "-", margin, others])
+    return rows
+
+
+def mutation_table(scenario: dict[str, Any], fmt: str = "plain") -> str:
+    return tabulate(mutation_rows(scenario), headers=MUTATION_HEADERS, tablefmt=FORMATS[fmt], disable_numparse=True)
 
 
 def failures(scenario: dict[str, Any]) -> list[str]:
@@ -165,6 +202,10 @@ def repeat_table(scenario: dict[str, Any], fmt: str = "plain") -> str:
 def scenario_text(scenario: dict[str, Any], fmt: str = "plain") -> str:
     """The table block the CLI prints for one scenario."""
     parts = [f"{scenario['name']}: {scenario['status'].upper()}", runs_table(scenario, fmt)]
+    if floor_notes(scenario):
+        parts.append("\n".join(floor_notes(scenario)))
+    if mutation_rows(scenario):
+        parts.append(mutation_table(scenario, fmt))
     if repeat_rows(scenario):
         parts.append(repeat_table(scenario, fmt))
     if resume_rows(scenario):

@@ -1,0 +1,70 @@
+"""Which floor runs a scenario launches, in what order, and the rules for injected bugs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from harness.run_plan import floor_runs, launch_order
+from harness.scenario import ScenarioError, load_scenario
+from tests.conftest import REPO, write_scenario
+
+
+def _names(name: str) -> dict[str, tuple[str, str, int, int]]:
+    s = load_scenario(REPO / "scenarios" / f"{name}.toml")
+    return {f.name: (f.kind, f.base, f.emulate, f.grad_accum) for f in floor_runs(s)}
+
+
+def test_one_twin_per_world_size_and_accumulation() -> None:
+    assert _names("text_parity") == {"twin2": ("twin", "single", 2, 1), "twin4": ("twin", "single", 4, 1)}
+    assert _names("grad_accum") == {"twin2_accum2": ("twin", "single", 2, 2), "twin2_accum4": ("twin", "single", 2, 4),
+                                    "twin4_accum2": ("twin", "single", 4, 2)}
+    # every mutated run shares the correct run's twin
+    assert _names("mutations") == {"twin2_accum2": ("twin", "single", 2, 2)}
+
+
+def test_resumes_get_a_rerun_of_their_target_and_parity_a_twin() -> None:
+    floors = _names("resume_parity")
+    assert {k: v[:2] for k, v in floors.items()} == {
+        "twin1": ("twin", "full1"), "full1_rerun": ("rerun", "full1"), "twin2": ("twin", "full1"),
+        "full2_rerun": ("rerun", "full2"), "twin4": ("twin", "full1"), "full4_rerun": ("rerun", "full4")}
+    # across world sizes a resume is judged like parity: a twin of its target in its own shape
+    assert _names("resume_validation") == {
+        "full2_rerun": ("rerun", "full2", 1, 1), "twin4_of_full2": ("twin", "full2", 4, 1),
+        "twin1_accum2_of_full2": ("twin", "full2", 1, 2)}
+
+
+def test_no_floors_for_throughput_or_when_turned_off(tmp_path: Path) -> None:
+    assert _names("guide_throughput") == {}
+    off = write_scenario(tmp_path, "off", checks="noise_floor = false\nloss_tolerance = 1e-5\n"
+                                                 "param_tolerance = 1e-4\neval_tolerance = 1e-5")
+    assert floor_runs(load_scenario(off)) == []
+
+
+def test_the_reference_launches_first(tmp_path: Path) -> None:
+    path = write_scenario(tmp_path, "order", world_sizes=(2, 1))
+    assert [r.name for r in launch_order(load_scenario(path))] == ["single", "ddp2"]
+
+
+@pytest.mark.parametrize("extra, key, message", [
+    ('mutation = "sum_not_average"', "[[runs]][0].mutation", "needs world_size >= 2"),
+    ('mutation = "typo"', "[[runs]][1].mutation", "must be one of"),
+    ('mutation = "accum_twice"', "[[runs]][1].mutation", "accum_twice needs grad_accum >= 2"),
+    ('mutation = "drop_uneven"', "[[runs]][1].mutation", "6 rows over 2 ranks do"),
+])
+def test_a_mutation_that_cannot_change_anything_is_refused(tmp_path: Path, extra: str, key: str,
+                                                           message: str) -> None:
+    path = write_scenario(tmp_path, "mut")
+    text = path.read_text()
+    run = 'name = "single"' if key.startswith("[[runs]][0]") else 'name = "ddp2"'
+    path.write_text(text.replace(run, f"{run}\n{extra}"))
+    with pytest.raises(ScenarioError) as e:
+        load_scenario(path)
+    assert key in str(e.value) and message in str(e.value), str(e.value)
+
+
+def test_turning_floors_off_needs_absolute_limits(tmp_path: Path) -> None:
+    path = write_scenario(tmp_path, "nofloor", checks="noise_floor = false")
+    with pytest.raises(ScenarioError, match=r"\[checks\].noise_floor: .*set loss_tolerance, param_tolerance"):
+        load_scenario(path)
