@@ -49,8 +49,8 @@ class FloorRun:
     def description(self) -> str:
         if self.kind == "rerun":
             return f"{self.base} run again (the device's run-to-run variation)"
-        return (f"{self.base}'s settings in one process computing {self.emulate} ranks' shards x "
-                f"{self.grad_accum} micro-steps")
+        steps = f"{self.grad_accum} micro-step{'s' if self.grad_accum > 1 else ''} each"
+        return f"{self.base}'s settings in one process computing {self.emulate} ranks' shards ({steps})"
 
 
 def _twin(s: Scenario, base: RunSpec, run: RunSpec) -> FloorRun:

@@ -17,7 +17,8 @@ from harness.scenario import RunSpec, Scenario
 MB = 1024 * 1024
 CHECK_NAMES = (
     "step_token_parity", "step_loss_parity", "step_grad_parity",
-    "loss_parity", "param_parity", "eval_parity", "data_share_bytes", "token_accounting", "replica_consistency",
+    "loss_parity", "param_parity", "eval_parity", "lr_schedule", "data_share_bytes", "token_accounting",
+    "replica_consistency",
     "ranks_agree", "rank0_side_effects", "global_rng_untouched", "compile_scope", "stop_step",
     "expected_failure", "resume_loss_parity", "resume_param_parity", "resume_eval_parity", "resume_accounting",
     "resume_step", "memory_rss_per_rank_mb", "memory_rss_total_mb", "memory_mlx_per_rank_mb", "memory_mlx_total_mb",
@@ -93,6 +94,27 @@ def mark_expected_failures(checks: list[Check], expected: dict[str, str]) -> Non
             c.xfail, c.passed = expected[c.name], not c.passed
             c.detail += f"; expected to fail: {expected[c.name]}" if c.passed else \
                 f"; expected to fail ({expected[c.name]}) but passed: remove the marker"
+
+
+LR_ULPS = 4
+
+
+def lr_schedule(run: RunOutcome, ref: RunOutcome) -> Check:
+    """The optimizer's learning rate at every step equals the reference's: at one global batch
+    the schedule is a function of the step alone, which both runs evaluate in float32 (limit: 4
+    float32 ulps, relative). A learning rate scaled by the world size fails here at once, where
+    the trajectory would show it only as a drift among the noise."""
+    a, b = run.result().get("learning_rates") or [], ref.result().get("learning_rates") or []
+    b = b[: len(a)]
+    limit = LR_ULPS * 2.0**-24
+    if not a or len(a) != len(b):
+        return Check("lr_schedule", run.name, False, None, limit, f"{len(a)} vs {len(b)} learning rates recorded")
+    rel = [abs(x - y) / abs(y) if y else abs(x) for x, y in zip(a, b, strict=True)]
+    worst = max(range(len(rel)), key=rel.__getitem__)
+    where = f"worst at step {worst + 1} ({a[worst]:.6g} vs {b[worst]:.6g})"
+    detail = f"vs {ref.name}: {len(a)} steps; " + ("identical at every step" if rel[worst] == 0 else where)
+    return Check("lr_schedule", run.name, rel[worst] <= limit, rel[worst], limit, detail,
+                 derivation=f"relative, {LR_ULPS} float32 ulps: the same schedule evaluated at the same step")
 
 
 def replica_consistency(run: RunOutcome) -> Check:

@@ -12,6 +12,7 @@ from harness.judge.checks import (
     expectations,
     expected_failure,
     global_rng_untouched,
+    lr_schedule,
     mark_expected_failures,
     memory_ceilings,
     rank0_side_effects,
@@ -58,6 +59,7 @@ def parity_checks(s: Scenario, run: RunOutcome, ref: RunOutcome, by_name: dict[s
     partial = spec.stop_after is not None  # stopped early by design: compare its steps
     f = floors(s, spec, s.run(ref.name), by_name)
     out = step_local(run, ref, s) if s.checks.probe_every else []
+    out.append(lr_schedule(run, ref))
     out.append(loss_parity(run, ref, f["loss"], s, prefix=partial))
     if not partial:
         out.append(param_parity(run, ref, f["param"], s))

@@ -108,8 +108,9 @@ MUTATION_HEADERS = ["Mutation", "What it does", "Caught by", "Value", "Limit", "
 
 
 def mutation_rows(scenario: dict[str, Any]) -> list[list[Any]]:
-    """One row per run with an injected bug: the check that caught it most clearly (value, limit,
-    margin = value / limit; "exact" for a count or digest that must match) and the others."""
+    """One row per run with an injected bug: the check that caught it (the clearest one with a
+    measured margin, value / limit, of at least ``mutation_margin``, else an exact criterion that
+    failed: a count or digest that must match) and the others that failed."""
     from harness.rank.semantics import MUTATIONS
 
     rows = []
@@ -117,13 +118,16 @@ def mutation_rows(scenario: dict[str, Any]) -> list[list[Any]]:
         if not r.get("mutation"):
             continue
         mine = [c for c in scenario["checks"] if c["run"] == r["name"]]
-        summary = next((c for c in mine if c["name"] == "mutation_caught"), None)
-        caught = sorted((c for c in mine if c.get("result") == "caught"),
-                        key=lambda c: (c.get("margin") is not None, c.get("margin") or 0), reverse=True)
-        best = caught[0] if caught else None
+        summary = next((c for c in mine if c["name"] == "mutation_caught"), {})
+        required = summary.get("limit") or 0
+        caught = [c for c in mine if c.get("result") == "caught"]
+        finite = sorted((c for c in caught if c.get("margin") is not None), key=lambda c: c["margin"], reverse=True)
+        exact = [c for c in caught if c.get("margin") is None]
+        best = finite[0] if finite and finite[0]["margin"] >= required else (exact or finite or [None])[0]
+        status = "" if summary.get("passed") else " NOT CAUGHT"
         margin = "-" if best is None else (_fmt(best["margin"]) if best.get("margin") is not None else "exact")
-        status = "" if summary is None or summary["passed"] else " NOT CAUGHT"
-        others = ", ".join(c["name"] for c in caught[1:])
+        others = ", ".join(c["name"] + (f" ({_fmt(c['margin'])})" if c.get("margin") is not None else " (exact)")
+                           for c in caught if c is not best)
         rows.append([r["mutation"], MUTATIONS[r["mutation"]].summary, (best["name"] if best else "-") + status,
                      _fmt(best["value"]) if best else "-", _fmt(best["limit"]) if best else "-", margin, others])
     return rows
@@ -139,7 +143,7 @@ def failures(scenario: dict[str, Any]) -> list[str]:
 
 
 RESUME_HEADERS = ["Run", "World size", "Resumed from", "Seed (scenario -> used)", "Steps (restored + run)",
-                  "Tokens", "Loss max |delta|", "Param max |delta|", "tok/s ratio", "vs"]
+                  "Tokens", "Loss max |delta|", "Param delta (rel. L2)", "tok/s ratio", "vs"]
 
 
 def resume_rows(scenario: dict[str, Any]) -> list[list[Any]]:
