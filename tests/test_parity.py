@@ -105,7 +105,8 @@ def test_an_exact_floor_falls_back_to_one_steps_rounding_limit() -> None:
     s = _scenario()
     ref = _run("single", 1, [3.0, 2.0])
     twin = _run("twin2", 1, [3.0, 2.0], floor="twin")
-    absolute = rounding(s, ref, _run("ddp2", 2, [3.0, 2.0])).relative(1000) * 3.0
+    absolute = rounding(s, ref, _run("ddp2", 2, [3.0, 2.0])).accumulation(1000) * 3.0
+    assert absolute == pytest.approx(4 * U_ACC * 10 * 3.0)
     check = loss_parity(_run("ddp2", 2, [3.0 + absolute, 2.0]), ref, Floor(twin), s)
     assert check.passed and check.floor == pytest.approx(absolute)
     assert not loss_parity(_run("ddp2", 2, [3.0 + 11 * absolute, 2.0]), ref, Floor(twin), s).passed

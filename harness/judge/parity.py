@@ -18,8 +18,10 @@ mathematics with every sum in reverse order: per step, value / max(floor, absolu
 stay within ``floor_ratio``. The floor is the floor run's largest deviation over the same steps:
 where in a run chaotic growth reaches a given size is itself random, so two runs of equal noise
 are compared by their worst, not step by step (per-step precision is the step-local check's
-job). The absolute floor is one step's rounding limit, so a floor run that happens to match
-bitwise does not demand bitwise equality. A resume at the same world
+job). The absolute floor is the rounding of one value (a loss: its float32 accumulation over T
+tokens, ``rounding_ulps`` x 2^-24 x ceil(log2 T), relative; parameters: their storage in the
+model dtype, ``rounding_ulps`` x u_dtype x stored roundings), so a floor run that happens to
+match bitwise does not demand bitwise equality. A resume at the same world
 size is judged against a rerun of its target over the whole run: a rerun that is bitwise equal
 means the device is deterministic, and the resume must then be bitwise too.
 """
@@ -40,16 +42,27 @@ U_ACC = 2.0**-24  # float32 accumulators, on every MLX device
 
 @dataclass
 class Rounding:
-    """The rounding model of a comparison: ``u`` per stored rounding, ``stored`` roundings."""
+    """The rounding model of a comparison: ``u`` per stored rounding (the coarser of the dtype's
+    and the device matmul's unit roundoff), ``stored`` roundings, ``u_dtype`` the dtype's own."""
 
     ulps: float
     u: float
     stored: int
     world_size: int
+    u_dtype: float = U_ACC
 
     def relative(self, length: int) -> float:
         """The relative limit for a reduction over ``length`` terms."""
-        return self.ulps * (U_ACC * math.ceil(math.log2(max(length, 2))) + self.u * self.stored)
+        return self.accumulation(length) + self.ulps * self.u * self.stored
+
+    def accumulation(self, length: int) -> float:
+        """Float32 accumulation over ``length`` terms alone (no operand or storage rounding)."""
+        return self.ulps * U_ACC * math.ceil(math.log2(max(length, 2)))
+
+    @property
+    def storage(self) -> float:
+        """Rounding values stored in the model dtype (parameters), relative."""
+        return self.ulps * self.u_dtype * self.stored
 
     def formula(self, length: int) -> str:
         return (f"{self.ulps:g} x (2^-24 x ceil(log2 {length}) + {self.u:.3g} x {self.stored}) "
@@ -59,14 +72,15 @@ class Rounding:
 def rounding(s: Scenario, *runs: RunOutcome) -> Rounding:
     """The rounding model of comparing ``runs``: the coarsest unit roundoff any rank measured,
     and the most stored roundings (micro-steps plus all-reduce levels) of any of them."""
-    u, stored, world = U_ACC, 1, 1
+    u, u_dtype, stored, world = U_ACC, U_ACC, 1, 1
     for run in runs:
         results = [o.result or {} for o in run.ranks]
         accum = s.for_run(spec_of(s, run.name)).train.grad_accum
         n = run.world_size * int(results[0].get("emulate") or 1)
         u = max([u, *(float((r.get("precision") or {}).get("u_in", U_ACC)) for r in results)])
+        u_dtype = max([u_dtype, *(float((r.get("precision") or {}).get("u_dtype", U_ACC)) for r in results)])
         world, stored = max(world, n), max(stored, accum + math.ceil(math.log2(n)))
-    return Rounding(s.checks.rounding_ulps, u, stored, world)
+    return Rounding(s.checks.rounding_ulps, u, stored, world, u_dtype)
 
 
 # -- step-local -----------------------------------------------------------------------------
@@ -199,8 +213,8 @@ def _judge_series(name: str, run: RunOutcome, base: RunOutcome, points: list[Any
                       f"limit is 0 (bitwise)")
     else:
         derivation = (f"{ratio_limit:g} x max(floor, absolute floor); floor: {floor.run.name}'s largest deviation "
-                      f"from {base.name} over the same steps ({measured:.3g}); absolute floor: one step's "
-                      f"rounding limit there ({absolute[i]:.3g})")
+                      f"from {base.name} over the same steps ({measured:.3g}); absolute floor: the rounding of "
+                      f"one value there ({absolute[i]:.3g})")
     passed = value <= limit if limit > 0 else value == 0
     return Check(name, run.name, passed, value, limit, detail, floor=eff[i] if eff else None, derivation=derivation)
 
@@ -220,7 +234,7 @@ def loss_parity(run: RunOutcome, base: RunOutcome, floor: Floor, s: Scenario, na
         floors = [abs(x - y) for x, y in zip(f, b, strict=False)]
     model = rounding(s, run, base)
     tokens = base.result().get("tokens_global_per_step") or []
-    absolute = [model.relative(tokens[k] if k < len(tokens) else 2) * abs(y) for k, y in enumerate(b)]
+    absolute = [model.accumulation(tokens[k] if k < len(tokens) else 2) * abs(y) for k, y in enumerate(b)]
     what = f"{len(a)} steps" + ("; bitwise identical" if max(deltas, default=0.0) == 0 else "")
     return _judge_series(name, run, base, [f"step {k + 1}" for k in range(len(a))], deltas, floors, absolute,
                          floor, s, what)
@@ -238,7 +252,7 @@ def eval_parity(run: RunOutcome, base: RunOutcome, floor: Floor, s: Scenario, na
         f = _evals(floor.run)
         floors = [abs(f[k][0] - b[k][0]) for k in steps if k in f] if all(k in f for k in steps) else None
     model = rounding(s, run, base)
-    absolute = [model.relative(b[k][1]) * abs(b[k][0]) for k in steps]
+    absolute = [model.accumulation(b[k][1]) * abs(b[k][0]) for k in steps]
     return _judge_series(name, run, base, [f"step {k}" for k in steps], deltas, floors, absolute, floor, s,
                          f"at steps {steps}")
 
@@ -256,6 +270,6 @@ def param_parity(run: RunOutcome, base: RunOutcome, floor: Floor, s: Scenario, n
         f = _param_delta(floor.run, base)
         floors = [f[0]] if f is not None else None
     model = rounding(s, run, base)
-    absolute = [model.ulps * model.u * model.stored]
+    absolute = [model.storage]
     what = "bitwise identical" if value == 0 else f"relative L2; largest element |delta| {biggest:.3g} in {where}"
     return _judge_series(name, run, base, ["the end"], [value], floors, absolute, floor, s, what)
