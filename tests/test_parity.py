@@ -191,3 +191,24 @@ def test_an_exact_criterion_catches_with_infinite_margin() -> None:
     exact = mutation_caught(_run("m", 2, [1.0]), "same_shard", [_failed("step_token_parity", 85, 0)], 10)
     assert exact.passed and math.isinf(exact.value)
     assert exact.to_dict()["value"] is None  # result.json holds no Infinity
+
+
+def test_step_local_limit_widens_to_the_floor_runs_error_at_the_same_parameters() -> None:
+    """TF32: the same mathematics in the run's shapes differs by more than the sums' rounding;
+    the twin measures it, and the run may deviate floor_ratio times as much, not more."""
+    s = _scenario()
+    ref = _run("single", 1, [3.0], u_in=2.0**-11)
+    twin = _run("twin2", 1, [3.0], probes=[_probe(1, 3.0, 3.0, 2e-3), _probe(5, 3.0, 3.0, 1e-3)], floor="twin")
+    rounding_limit = 4 * (U_ACC * 10 + 2.0**-11 * 2)
+    run = _run("ddp2", 2, [3.0], probes=[_probe(1, 3.0, 3.0, 5e-3), _probe(5, 3.0, 3.0, 1e-3)], u_in=2.0**-11)
+    alone = next(c for c in step_local(run, ref, s) if c.name == "step_grad_parity")
+    assert not alone.passed and alone.limit == pytest.approx(rounding_limit)
+    grad = next(c for c in step_local(run, ref, s, twin) if c.name == "step_grad_parity")
+    assert grad.passed and grad.limit == pytest.approx(10 * 2e-3) and grad.floor == pytest.approx(2e-3)
+    assert "twin2's largest error" in grad.derivation and grad.ratio == pytest.approx(2.5)
+    worse = _run("ddp2", 2, [3.0], probes=[_probe(1, 3.0, 3.0, 0.03), _probe(5, 3.0, 3.0, 1e-3)], u_in=2.0**-11)
+    assert not next(c for c in step_local(worse, ref, s, twin) if c.name == "step_grad_parity").passed
+    # a floor that measured less than rounding leaves the rounding limit
+    quiet = _run("twin2", 1, [3.0], probes=[_probe(1, 3.0, 3.0, 1e-5), _probe(5, 3.0, 3.0, 1e-5)], floor="twin")
+    assert next(c for c in step_local(run, ref, s, quiet)
+                if c.name == "step_grad_parity").limit == pytest.approx(rounding_limit)

@@ -93,9 +93,14 @@ def _probe_records(run: RunOutcome) -> list[list[dict[str, Any]]]:
 STEP_CHECKS = ("step_token_parity", "step_loss_parity", "step_grad_parity")
 
 
-def step_local(run: RunOutcome, ref: RunOutcome, s: Scenario) -> list[Check]:
+def step_local(run: RunOutcome, ref: RunOutcome, s: Scenario, floor: RunOutcome | None = None) -> list[Check]:
     """Token count, global loss and gradient at the reference's parameters, at every probe step
-    the reference recorded within the steps this run executed (none there: not applicable)."""
+    the reference recorded within the steps this run executed (none there: not applicable).
+
+    The limit is the rounding limit, or ``floor_ratio`` times what ``floor`` (a noise-floor run
+    probed at the same parameters: the same mathematics in the run's shapes and summation order)
+    measured at the same steps where that is larger: a device whose matmuls round their operands
+    (TF32) differs with the batch's shape by more than rounding in the sums alone explains."""
     per_rank = _probe_records(run)
     r0 = run.result()
     recorded = [p["step"] for p in ref.result().get("probes") or []]
@@ -120,17 +125,29 @@ def step_local(run: RunOutcome, ref: RunOutcome, s: Scenario) -> list[Check]:
     def measured(rec: dict[str, Any], key: str) -> float:
         return abs(rec["loss"] - rec["loss_ref"]) / abs(rec["loss_ref"]) if key == "loss" else rec["grad_rel"]
 
+    floor_recs = [rec for recs in (_probe_records(floor) if floor is not None else []) for rec in recs
+                  if rec.get("step") in steps]
     out = [token_check]
     for key, name in (("loss", "step_loss_parity"), ("grad", "step_grad_parity")):
-        value, limit, rec = max(((measured(rec, key), model.relative(rec["tokens_ref"]), rec)
-                                 for recs in per_rank for rec in recs), key=lambda x: x[0] / x[1])
+        noise = max((measured(rec, key) for rec in floor_recs), default=None)
+        scaled = s.checks.floor_ratio * noise if noise is not None else 0.0
+
+        def limit_at(rec: dict[str, Any], scaled: float = scaled) -> float:
+            return max(model.relative(rec["tokens_ref"]), scaled)
+
+        value, limit, rec = max(((measured(rec, key), limit_at(rec), rec) for recs in per_rank for rec in recs),
+                                key=lambda x: x[0] / x[1])
         what = "global loss" if key == "loss" else "all-reduced gradient ||g - g_ref|| / ||g_ref||"
         detail = f"relative error of the {what} at {ref.name}'s parameters; worst at step {rec['step']}"
         if key == "grad":
             detail += f"; worst tensor {rec['worst_tensor']} ({rec['worst_rel']:.3g})"
         derivation = (f"rounding: {model.formula(rec['tokens_ref'])} (T = {rec['tokens_ref']} tokens, "
                       f"{model.stored} stored roundings, u = {model.u:.3g})")
-        out.append(Check(name, run.name, value <= limit, value, limit, detail, derivation=derivation))
+        if noise is not None:
+            derivation = (f"max({derivation.replace('rounding: ', 'rounding ')}; {s.checks.floor_ratio:g} x "
+                          f"{floor.name}'s largest error at the same parameters and steps ({noise:.3g}))")
+        out.append(Check(name, run.name, value <= limit, value, limit, detail, derivation=derivation,
+                         floor=noise))
     return out
 
 

@@ -58,7 +58,9 @@ def parity_checks(s: Scenario, run: RunOutcome, ref: RunOutcome, by_name: dict[s
     spec = s.run(run.name)
     partial = spec.stop_after is not None  # stopped early by design: compare its steps
     f = floors(s, spec, s.run(ref.name), by_name)
-    out = step_local(run, ref, s) if s.checks.probe_every else []
+    measured = f["loss"].run
+    noise = measured if measured is not None and measured.ok and not f["loss"].refused else None
+    out = step_local(run, ref, s, noise) if s.checks.probe_every else []
     out.append(lr_schedule(run, ref))
     out.append(loss_parity(run, ref, f["loss"], s, prefix=partial))
     if not partial:
