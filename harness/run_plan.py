@@ -50,7 +50,8 @@ class FloorRun:
         if self.kind == "rerun":
             return f"{self.base} run again (the device's run-to-run variation)"
         steps = f"{self.grad_accum} micro-step{'s' if self.grad_accum > 1 else ''} each"
-        return f"{self.base}'s settings in one process computing {self.emulate} ranks' shards ({steps})"
+        ranks = "1 rank's shard" if self.emulate == 1 else f"{self.emulate} ranks' shards"
+        return f"{self.base}'s settings in one process computing {ranks} ({steps})"
 
 
 def _twin(s: Scenario, base: RunSpec, run: RunSpec) -> FloorRun:

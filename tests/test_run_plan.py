@@ -68,3 +68,30 @@ def test_turning_floors_off_needs_absolute_limits(tmp_path: Path) -> None:
     path = write_scenario(tmp_path, "nofloor", checks="noise_floor = false")
     with pytest.raises(ScenarioError, match=r"\[checks\].noise_floor: .*set loss_tolerance, param_tolerance"):
         load_scenario(path)
+
+
+def test_a_twin_stops_where_its_base_stops_and_carries_no_other_fault(tmp_path: Path) -> None:
+    """early_stop: the reference stops at step 4 of 8 by request; its twin must too, on its one
+    rank, or its final parameters would be four steps further (no floor for them)."""
+    from harness.controller.suite import train_job
+
+    s = load_scenario(REPO / "scenarios" / "early_stop.toml")
+    floor = next(f for f in floor_runs(s) if f.name == "twin2")
+    job = train_job(s, floor.spec(s), None, floor)
+    assert [(f["rank"], f["step"], f["action"], f["phase"]) for f in job["faults"]] == [(0, 4, "stop", "step")]
+    faults = ('\n[[faults]]\nrank = 1\nstep = 3\nphase = "eval"\naction = "stop"\n'
+              '\n[[faults]]\nrank = 0\nstep = 2\naction = "compile_error"\n')
+    mixed = load_scenario(write_scenario(tmp_path, "mixed", extra=faults))
+    floor = next(f for f in floor_runs(mixed) if f.kind == "twin")
+    got = train_job(mixed, floor.spec(mixed), None, floor)["faults"]
+    assert [(f["rank"], f["step"], f["action"], f["phase"]) for f in got] == [(0, 3, "stop", "eval")]
+
+
+def test_a_floor_that_trained_other_steps_is_refused() -> None:
+    from harness.judge.verdict import other_steps
+    from tests.test_parity import _run
+
+    base, floor = _run("single", 1, [3.0, 2.0]), _run("twin2", 1, [3.0, 2.0], floor="twin")
+    assert other_steps(floor, base) is None
+    floor.ranks[0].result["steps"] = 8
+    assert other_steps(floor, base) == "floor refused: twin2 trained to step 8, single to step 5"

@@ -55,9 +55,14 @@ def probe_plan(s: Scenario, run: RunSpec, workspace: Path | None, floor: FloorRu
 
 def train_job(s: Scenario, run: RunSpec, workspace: Path | None = None, floor: FloorRun | None = None) -> dict:
     """The job file every rank of one run reads: the scenario as this run sees it. A rerun gets
-    its base run's faults, a twin none; a twin of the reference is probed like a compared run."""
+    its base run's faults; a twin only its base's stop requests (part of the base's plan: the
+    twin must train the steps the base trained), on its one rank; a twin of the reference is
+    probed like a compared run."""
     eff = s.for_run(s.run(floor.base) if floor and floor.kind == "rerun" else run)
-    faults = [] if floor and floor.kind == "twin" else eff.faults
+    faults = eff.faults
+    if floor and floor.kind == "twin":
+        faults = [dataclasses.replace(f, rank=0, runs=[run.name])
+                  for f in s.for_run(s.run(floor.base)).faults if f.action == "stop"]
     job = {
         "kind": "train",
         "run": run.name,

@@ -35,8 +35,19 @@ def floors(s: Scenario, run: RunSpec, base: RunSpec, by_name: dict[str, RunOutco
     measured = by_name.get(planned.name) if planned else None
     rerun = planned is not None and planned.kind == "rerun"
     refused = twin_refused(s, measured, by_name.get(base.name)) if planned and planned.kind == "twin" else None
+    refused = refused or other_steps(measured, by_name.get(base.name))
     keys = dict.fromkeys(TOLERANCE_KEYS, "resume_tolerance") if resume else TOLERANCE_KEYS
     return {metric: Floor(measured, getattr(s.checks, key), key, rerun, refused) for metric, key in keys.items()}
+
+
+def other_steps(floor: RunOutcome | None, base: RunOutcome | None) -> str | None:
+    """Why a floor run that trained other steps than its base is no floor for it."""
+    if floor is None or base is None or not floor.ok or not base.ok:
+        return None
+    got, want = floor.result().get("steps"), base.result().get("steps")
+    if got == want:
+        return None
+    return f"floor refused: {floor.name} trained to step {got}, {base.name} to step {want}"
 
 
 def twin_refused(s: Scenario, twin: RunOutcome | None, base: RunOutcome | None) -> str | None:
