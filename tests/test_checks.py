@@ -31,6 +31,7 @@ def _run(name: str, ws: int, losses: list[float], digests: list[str], params: fl
             "tokens_local": tokens[r], "tokens_global": sum(tokens), "rss_peak_bytes": int(rss_mb * MB),
             "mlx_peak_bytes": 10 * MB, "runtime_s": 1.0, "tok_s_global": [1.0, 2.0, 3.0], "final_digest": "d",
             "steps": len(losses), "stop": None, "compile": {"scope": "none"},
+            "learning_rates": [1e-3] * len(losses),
             "evals": [{"step": len(losses), "loss": losses[-1] + 0.5, "tokens": 50, "tokens_local": 50 // ws}],
             "side_effects": {"callbacks": len(losses), "log_lines": len(losses), "saves": 1} if r == 0
             else {"callbacks": 0, "log_lines": 0, "saves": 0},
