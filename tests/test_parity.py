@@ -212,3 +212,23 @@ def test_step_local_limit_widens_to_the_floor_runs_error_at_the_same_parameters(
     quiet = _run("twin2", 1, [3.0], probes=[_probe(1, 3.0, 3.0, 1e-5), _probe(5, 3.0, 3.0, 1e-5)], floor="twin")
     assert next(c for c in step_local(run, ref, s, quiet)
                 if c.name == "step_grad_parity").limit == pytest.approx(rounding_limit)
+
+
+def test_an_eval_floor_includes_the_floor_runs_training_loss_drift() -> None:
+    """Two eval points are a small sample of the drift: the twin's training-loss deviations up to
+    the last eval step count too, and later ones do not."""
+    s = _scenario()
+    ref = _run("single", 1, [3.0, 2.0, 1.0], evals=2.0)
+    twin = _run("twin2", 1, [3.0, 2.0 + 1e-4, 1.0 + 1e-2], evals=2.0 + 1e-6, floor="twin")
+    ref.ranks[0].result["evals"] = [{"step": 2, "loss": 2.0, "tokens": 500}]
+    twin.ranks[0].result["evals"] = [{"step": 2, "loss": 2.0 + 1e-6, "tokens": 500}]
+
+    def run(delta: float) -> RunOutcome:
+        r = _run("ddp2", 2, [3.0, 2.0, 1.0])
+        for o in r.ranks:
+            o.result["evals"] = [{"step": 2, "loss": 2.0 + delta, "tokens": 500}]
+        return r
+
+    check = eval_parity(run(5e-4), ref, Floor(twin), s)
+    assert check.passed and check.floor == pytest.approx(1e-4) and "eval or training" in check.derivation
+    assert not eval_parity(run(2e-3), ref, Floor(twin), s).passed  # step 3's 1e-2 is after the last eval

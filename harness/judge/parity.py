@@ -14,14 +14,16 @@ times 2 for sums whose terms partly cancel. The token count must be equal.
 **Trajectory.** Over many steps AdamW turns rounding into moves of up to the learning rate
 (the sign of a near-zero gradient element) and the differences compound, so no rounding bound
 holds. Each comparison is instead judged against a floor run (``run_plan``) that does the same
-mathematics with every sum in reverse order: per step, value / max(floor, absolute floor) must
+mathematics in another summation order: per step, value / max(floor, absolute floor) must
 stay within ``floor_ratio``. The floor is the floor run's largest deviation over the same steps:
 where in a run chaotic growth reaches a given size is itself random, so two runs of equal noise
 are compared by their worst, not step by step (per-step precision is the step-local check's
-job). The absolute floor is the rounding of one value (a loss: its float32 accumulation over T
-tokens, ``rounding_ulps`` x 2^-24 x ceil(log2 T), relative; parameters: their storage in the
-model dtype, ``rounding_ulps`` x u_dtype x stored roundings), so a floor run that happens to
-match bitwise does not demand bitwise equality. A resume at the same world
+job); an eval's floor also takes the floor run's training-loss deviations up to the last eval
+step, a larger sample of the same drift than a few eval points. The absolute floor is the
+rounding of one value (a loss: its float32 accumulation over T tokens, ``rounding_ulps`` x
+2^-24 x ceil(log2 T), relative; parameters: their storage in the model dtype,
+``rounding_ulps`` x u_dtype x stored roundings), so a floor run that happens to match bitwise
+does not demand bitwise equality. A resume at the same world
 size is judged against a rerun of its target over the whole run: a rerun that is bitwise equal
 means the device is deterministic, and the resume must then be bitwise too.
 """
@@ -202,7 +204,8 @@ class Floor:
 
 
 def _judge_series(name: str, run: RunOutcome, base: RunOutcome, points: list[Any], deltas: list[float],
-                  floors: list[float] | None, absolute: list[float], floor: Floor, s: Scenario, what: str) -> Check:
+                  floors: list[float] | None, absolute: list[float], floor: Floor, s: Scenario, what: str,
+                  deviation: str = "deviation") -> Check:
     """value / max(floor, absolute floor) <= floor_ratio at every point (or value <= tolerance)."""
     if floor.tolerance is not None:
         value = max(deltas, default=0.0)
@@ -229,7 +232,7 @@ def _judge_series(name: str, run: RunOutcome, base: RunOutcome, points: list[Any
         derivation = (f"{floor.run.name} repeated {base.name} bitwise: the device is deterministic, so the "
                       f"limit is 0 (bitwise)")
     else:
-        derivation = (f"{ratio_limit:g} x max(floor, absolute floor); floor: {floor.run.name}'s largest deviation "
+        derivation = (f"{ratio_limit:g} x max(floor, absolute floor); floor: {floor.run.name}'s largest {deviation} "
                       f"from {base.name} over the same steps ({measured:.3g}); absolute floor: the rounding of "
                       f"one value there ({absolute[i]:.3g})")
     passed = value <= limit if limit > 0 else value == 0
@@ -258,20 +261,26 @@ def loss_parity(run: RunOutcome, base: RunOutcome, floor: Floor, s: Scenario, na
 
 
 def eval_parity(run: RunOutcome, base: RunOutcome, floor: Floor, s: Scenario, name: str = "eval_parity") -> Check:
-    """Eval losses at the same steps vs ``base``."""
+    """Eval losses at the same steps vs ``base``.
+
+    The floor is the floor run's largest loss deviation, eval or training, up to the last eval
+    step: both are losses of the same drifted parameters, and a handful of eval points alone is
+    too small a sample of that drift (the ratio of two single deviations of equal noise is
+    heavy-tailed)."""
     a, b = _evals(run), _evals(base)
     if not a or a.keys() != b.keys():
         return Check(name, run.name, False, None, None, f"eval steps {sorted(a)} vs {sorted(b)}")
     steps = sorted(a)
     deltas = [abs(a[k][0] - b[k][0]) for k in steps]
     floors = None
-    if floor.run is not None and floor.run.ok:
+    if floor.run is not None and floor.run.ok and all(k in _evals(floor.run) for k in steps):
         f = _evals(floor.run)
-        floors = [abs(f[k][0] - b[k][0]) for k in steps if k in f] if all(k in f for k in steps) else None
+        trained = [abs(x - y) for x, y in zip(_losses(floor.run), _losses(base), strict=False)][: steps[-1]]
+        floors = [max([abs(f[k][0] - b[k][0]) for k in steps] + trained)] * len(steps)
     model = rounding(s, run, base)
     absolute = [model.accumulation(b[k][1]) * abs(b[k][0]) for k in steps]
     return _judge_series(name, run, base, [f"step {k}" for k in steps], deltas, floors, absolute, floor, s,
-                         f"at steps {steps}")
+                         f"at steps {steps}", deviation="loss deviation (eval or training)")
 
 
 def param_parity(run: RunOutcome, base: RunOutcome, floor: Floor, s: Scenario, name: str = "param_parity") -> Check:
