@@ -50,7 +50,6 @@ class Rounding:
     ulps: float
     u: float
     stored: int
-    world_size: int
     u_dtype: float = U_ACC
 
     def relative(self, length: int) -> float:
@@ -74,15 +73,15 @@ class Rounding:
 def rounding(s: Scenario, *runs: RunOutcome) -> Rounding:
     """The rounding model of comparing ``runs``: the coarsest unit roundoff any rank measured,
     and the most stored roundings (micro-steps plus all-reduce levels) of any of them."""
-    u, u_dtype, stored, world = U_ACC, U_ACC, 1, 1
+    u, u_dtype, stored = U_ACC, U_ACC, 1
     for run in runs:
         results = [o.result or {} for o in run.ranks]
         accum = s.for_run(spec_of(s, run.name)).train.grad_accum
         n = run.world_size * int(results[0].get("emulate") or 1)
         u = max([u, *(float((r.get("precision") or {}).get("u_in", U_ACC)) for r in results)])
         u_dtype = max([u_dtype, *(float((r.get("precision") or {}).get("u_dtype", U_ACC)) for r in results)])
-        world, stored = max(world, n), max(stored, accum + math.ceil(math.log2(n)))
-    return Rounding(s.checks.rounding_ulps, u, stored, world, u_dtype)
+        stored = max(stored, accum + math.ceil(math.log2(n)))
+    return Rounding(s.checks.rounding_ulps, u, stored, u_dtype)
 
 
 # -- step-local -----------------------------------------------------------------------------
@@ -143,11 +142,11 @@ def step_local(run: RunOutcome, ref: RunOutcome, s: Scenario, floor: RunOutcome 
         detail = f"relative error of the {what} at {ref.name}'s parameters; worst at step {rec['step']}"
         if key == "grad":
             detail += f"; worst tensor {rec['worst_tensor']} ({rec['worst_rel']:.3g})"
-        derivation = (f"rounding: {model.formula(rec['tokens_ref'])} (T = {rec['tokens_ref']} tokens, "
+        derivation = (f"rounding {model.formula(rec['tokens_ref'])} (T = {rec['tokens_ref']} tokens, "
                       f"{model.stored} stored roundings, u = {model.u:.3g})")
         if noise is not None:
-            derivation = (f"max({derivation.replace('rounding: ', 'rounding ')}; {s.checks.floor_ratio:g} x "
-                          f"{floor.name}'s largest error at the same parameters and steps ({noise:.3g}))")
+            derivation = (f"max({derivation}; {s.checks.floor_ratio:g} x {floor.name}'s largest error at the "
+                          f"same parameters and steps ({noise:.3g}))")
         out.append(Check(name, run.name, value <= limit, value, limit, detail, derivation=derivation,
                          floor=noise))
     return out
@@ -273,8 +272,8 @@ def eval_parity(run: RunOutcome, base: RunOutcome, floor: Floor, s: Scenario, na
     steps = sorted(a)
     deltas = [abs(a[k][0] - b[k][0]) for k in steps]
     floors = None
-    if floor.run is not None and floor.run.ok and all(k in _evals(floor.run) for k in steps):
-        f = _evals(floor.run)
+    f = _evals(floor.run) if floor.run is not None and floor.run.ok else {}
+    if f and all(k in f for k in steps):
         trained = [abs(x - y) for x, y in zip(_losses(floor.run), _losses(base), strict=False)][: steps[-1]]
         floors = [max([abs(f[k][0] - b[k][0]) for k in steps] + trained)] * len(steps)
     model = rounding(s, run, base)
