@@ -11,7 +11,10 @@ far the same mathematics drifts when only its float rounding changes:
   mathematics: it is probed step-locally like X, and a model whose result depends on how a batch
   is split fails there (its floor is then refused);
 - a *rerun* of B: B launched again exactly as it was; used for a resume at B's world size, where
-  the only difference a correct trainer may show is the device's run-to-run variation.
+  the only difference a correct trainer may show is the device's run-to-run variation;
+- a *reversed* run of B, for a trainer under test that cannot emulate ranks in one process (an
+  external trainer, ``harness.trainers``): B in one process with each batch's rows in reverse
+  order, the same mathematics in another summation order.
 
 Floor runs are shared by every comparison that needs the same one. The reference runs first
 (compared runs and twins read its step-local probes), then the scenario's other runs in file
@@ -24,12 +27,14 @@ import dataclasses
 from dataclasses import dataclass
 
 from harness.scenario import RunSpec, Scenario
+from harness.trainers import trainer_info
 
 
 @dataclass(frozen=True)
 class FloorRun:
     """A run the harness adds: ``kind`` "twin" (of ``base``, emulating ``emulate`` ranks of
-    ``grad_accum`` micro-steps each) or "rerun" (of ``base``)."""
+    ``grad_accum`` micro-steps each), "rerun" (of ``base``) or "reversed" (``base`` in one
+    process, each batch's rows reversed)."""
 
     name: str
     kind: str
@@ -42,13 +47,16 @@ class FloorRun:
         if self.kind == "rerun":
             return dataclasses.replace(base, name=self.name, stop_after=None, compare_to=None, expect_resume_step=None,
                                        mutation=None)
-        return RunSpec(name=self.name, world_size=1, train={**base.train, "grad_accum": self.grad_accum},
-                       data=dict(base.data), seed=base.seed)
+        accum = {} if self.kind == "reversed" else {"grad_accum": self.grad_accum}
+        return RunSpec(name=self.name, world_size=1, train={**base.train, **accum}, data=dict(base.data),
+                       seed=base.seed)
 
     @property
     def description(self) -> str:
         if self.kind == "rerun":
             return f"{self.base} run again (the device's run-to-run variation)"
+        if self.kind == "reversed":
+            return f"{self.base}'s settings in one process, each batch's rows in reverse order"
         steps = f"{self.grad_accum} micro-step{'s' if self.grad_accum > 1 else ''} each"
         ranks = "1 rank's shard" if self.emulate == 1 else f"{self.emulate} ranks' shards"
         return f"{self.base}'s settings in one process computing {ranks} ({steps})"
@@ -80,6 +88,8 @@ def floor_for(s: Scenario, run: RunSpec, base: RunSpec) -> FloorRun | None:
         return None
     if base.name == run.compare_to and same_execution(s, run, base):
         return FloorRun(f"{base.name}_rerun", "rerun", base.name)
+    if not trainer_info(s.trainer.kind).twin:
+        return FloorRun(f"{base.name}_reversed", "reversed", base.name)
     return _twin(s, base, run)
 
 

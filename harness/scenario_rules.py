@@ -4,11 +4,13 @@ file and the key."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
-from harness.scenario import (
+from harness.scenario_spec import (
     ARCHS,
     BACKENDS,
+    CHECK_NAMES,
     CHECKPOINT_FILES,
     COMPILE_MODES,
     COMPILE_SCOPES,
@@ -17,8 +19,12 @@ from harness.scenario import (
     DTYPES,
     FAULT_ACTIONS,
     FAULT_PHASES,
+    FINE_TUNES,
     LR_SCHEDULES,
+    MUTATION_NAMES,
     ORDERS,
+    TEXT_ARCHS,
+    TRAINER_KINDS,
     VLM_ARCHS,
     DataSpec,
     FaultSpec,
@@ -104,12 +110,10 @@ def _validate_resume(s: Scenario, i: int, r: RunSpec, names: list[str], src: str
 
 def _validate_mutation(s: Scenario, i: int, r: RunSpec, src: str) -> None:
     """A mutation must be able to change something in this run, or catching it proves nothing."""
-    from harness.rank.semantics import MUTATIONS
-
     if r.mutation is None:
         return
     key = f"[[runs]][{i}].mutation"
-    _one_of(r.mutation, tuple(MUTATIONS), src, key)
+    _one_of(r.mutation, MUTATION_NAMES, src, key)
     require(r.world_size >= 2, src, key, "a DDP mutation needs world_size >= 2")
     require(s.kind == "parity" and s.checks.reference not in (None, r.name), src, key,
             "a mutation is caught by comparison with [checks].reference in a parity scenario")
@@ -136,8 +140,57 @@ def _validate_fault(f: FaultSpec, where: str, src: str) -> None:
              "stale_view happens while resuming: use phase 'resume'")
 
 
+EXTERNAL_FAULTS = ("raise", "exit", "exit0", "sigkill", "segfault", "hang")
+
+
+def _validate_trainer(s: Scenario, src: str) -> None:
+    """What the trainer under test can be given: an external trainer takes the scenario's model,
+    data and settings through its own entry points, so settings it has no way to honour are refused."""
+    t = s.trainer
+    _one_of(t.kind, TRAINER_KINDS, src, "[trainer].kind")
+    _one_of(t.fine_tune, FINE_TUNES, src, "[trainer].fine_tune")
+    require(t.kind == "script" or t.path is None, src, "[trainer].path", "only a 'script' trainer takes a path")
+    require(t.kind == "script" or not t.args, src, "[trainer].args", "only a 'script' trainer takes args")
+    require(t.kind == "mlx_lm" or t.fine_tune == "full", src, "[trainer].fine_tune",
+             "LoRA is an option of the 'mlx_lm' trainer")
+    require(t.lora_rank > 0 and t.lora_scale > 0, src, "[trainer].lora_rank",
+            "lora_rank and lora_scale must be positive")
+    if t.kind == "script":
+        require(t.path is not None and t.path.endswith(".py"), src, "[trainer].path",
+                "a 'script' trainer needs the path of a Python training script")
+        require(os.path.isfile(t.path), src, "[trainer].path",
+                f"not a file: {t.path}")
+    if not t.external:
+        return
+    name = f"the {t.kind} trainer"
+    require(not s.model.vision, src, "[model].arch", f"{name} trains text models ({', '.join(TEXT_ARCHS)})")
+    for i, r in enumerate(s.runs):
+        where = f"[[runs]][{i}]"
+        eff = s.for_run(r)
+        require(r.mutation is None, src, f"{where}.mutation", "mutations are injected into the reference trainer only")
+        require(r.resume_from is None and r.stop_after is None, src, f"{where}.resume_from",
+                f"resume is not supported for {name} yet")
+        require(not eff.data.streaming, src, f"{where}.data.streaming", f"{name} takes an in-memory dataset")
+        require(eff.train.input_dropout == 0, src, f"{where}.train.input_dropout", f"{name} has no input dropout")
+        if t.kind == "mlx_lm":
+            require(eff.train.max_grad_norm == 0, src, f"{where}.train.max_grad_norm",
+                     "mlx-lm's trainer does not clip gradients: leave it at 0")
+            require(eff.data.order == "ordered", src, f"{where}.data.order",
+                     "mlx-lm orders batches itself (rows sorted by length, batches in a seeded random order)")
+            require(eff.data.rows >= eff.train.global_batch or eff.data.source == "jsonl", src, f"{where}.data.rows",
+                     "mlx-lm needs at least one global batch of rows")
+            if eff.data.eval_rows or eff.data.eval_path:
+                require(eff.train.eval_batch % r.world_size == 0, src, f"{where}.train.eval_batch",
+                         f"mlx-lm splits each eval batch across ranks: {eff.train.eval_batch} does not divide "
+                         f"by world_size {r.world_size}")
+    for i, f in enumerate(s.faults):
+        require(f.phase == "step" and f.action in EXTERNAL_FAULTS, src, f"[[faults]][{i}]",
+                f"{name} can be faulted in the 'step' phase with {', '.join(EXTERNAL_FAULTS)}")
+
+
 def validate(s: Scenario, src: str) -> None:
     """Check every rule; the first violation raises ``ScenarioError``."""
+    _validate_trainer(s, src)
     _one_of(s.model.arch, ARCHS, src, "[model].arch")
     _one_of(s.model.dtype, DTYPES, src, "[model].dtype")
     vision = s.model.vision
@@ -186,8 +239,6 @@ def validate(s: Scenario, src: str) -> None:
     missing = [k for k in keys if getattr(c, k) is None]
     require(c.noise_floor or not missing, src, "[checks].noise_floor",
             f"without noise-floor runs the comparisons need absolute limits: set {', '.join(missing)}")
-    from harness.judge.checks import CHECK_NAMES
-
     for key, reason in s.checks.expected_failures.items():
         require(key in CHECK_NAMES, src, f"[checks].expected_failures.{key}",
                  f"unknown check (known: {', '.join(CHECK_NAMES)})")

@@ -88,7 +88,7 @@ def test_a_twin_stops_where_its_base_stops_and_carries_no_other_fault(tmp_path: 
 
 
 def test_a_floor_that_trained_other_steps_is_refused() -> None:
-    from harness.judge.verdict import other_steps
+    from harness.judge.floors import other_steps
     from tests.test_parity import _run
 
     base, floor = _run("single", 1, [3.0, 2.0]), _run("twin2", 1, [3.0, 2.0], floor="twin")

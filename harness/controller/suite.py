@@ -25,6 +25,7 @@ from harness.controller.session import execute
 from harness.rank.step_probe import probe_path, probe_steps
 from harness.run_plan import FloorRun, compared, floor_runs, launch_order
 from harness.scenario import RunSpec, Scenario, writes_checkpoints
+from harness.trainers import trainer_info
 
 KEEP_FROM_CHECKPOINTS = ("manifest.json", "trainer.json")
 
@@ -43,6 +44,8 @@ def probe_plan(s: Scenario, run: RunSpec, workspace: Path | None, floor: FloorRu
     every = s.checks.probe_every
     if workspace is None or not every or s.kind != "parity" or s.checks.reference is None:
         return None
+    if not trainer_info(s.trainer.kind).probes:
+        return None
     directory = probe_dir(workspace, s)
     if run.name == s.checks.reference:
         return {"mode": "record", "dir": str(directory), "steps": probe_steps(s.for_run(run).train.steps, every)}
@@ -60,7 +63,7 @@ def train_job(s: Scenario, run: RunSpec, workspace: Path | None = None, floor: F
     probed like a compared run."""
     eff = s.for_run(s.run(floor.base) if floor and floor.kind == "rerun" else run)
     faults = eff.faults
-    if floor and floor.kind == "twin":
+    if floor and floor.kind != "rerun":
         faults = [dataclasses.replace(f, rank=0, runs=[run.name])
                   for f in s.for_run(s.run(floor.base)).faults if f.action == "stop"]
     job = {
@@ -72,6 +75,7 @@ def train_job(s: Scenario, run: RunSpec, workspace: Path | None = None, floor: F
         "stop_after": run.stop_after,
         "mutation": run.mutation,
         "emulate": floor.emulate if floor and floor.kind == "twin" else None,
+        "reverse_rows": floor is not None and floor.kind == "reversed",
         "probe": probe_plan(s, run, workspace, floor),
     }
     if workspace is not None and writes_checkpoints(s, run):
@@ -120,6 +124,8 @@ def run_scenario(
             )
             if floor is not None:
                 outcome.floor = floor.description
+            if s.trainer.external and outcome.failure and f"trainer {s.trainer.kind}" not in outcome.failure:
+                outcome.failure = f"trainer {s.trainer.kind}: {outcome.failure}"  # name the trainer under test
             outcomes[spec.name] = outcome
             if on_run:
                 on_run(outcome)

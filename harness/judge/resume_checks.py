@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from harness.controller.collect import RunOutcome
 from harness.judge.checks import Check, median_after_first
+from harness.judge.floors import floors
 from harness.judge.parity import eval_parity, loss_parity, param_parity
 from harness.run_plan import same_execution
 from harness.scenario import RunSpec, Scenario
@@ -15,8 +16,6 @@ def resume_parity(run: RunOutcome, target: RunOutcome, s: Scenario, by_name: dic
     compile mode: against a rerun of ``target`` (bitwise when the rerun was bitwise), or the
     scenario's ``resume_tolerance``; across world sizes: the parity criterion (``target``
     reordered, or the parity tolerances)."""
-    from harness.judge.verdict import floors
-
     same = same_execution(s, s.run(run.name), s.run(target.name))
     f = floors(s, s.run(run.name), s.run(target.name), by_name, resume=same)
     out = [loss_parity(run, target, f["loss"], s, "resume_loss_parity"),

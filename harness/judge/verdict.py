@@ -20,48 +20,10 @@ from harness.judge.checks import (
     replica_consistency,
     token_accounting,
 )
-from harness.judge.parity import Floor, eval_parity, loss_parity, param_parity, step_local
-from harness.run_plan import floor_for
-from harness.scenario import RunSpec, Scenario
-
-TOLERANCE_KEYS = {"loss": "loss_tolerance", "param": "param_tolerance", "eval": "eval_tolerance"}
-
-
-def floors(s: Scenario, run: RunSpec, base: RunSpec, by_name: dict[str, RunOutcome],
-           resume: bool = False) -> dict[str, Floor]:
-    """What each of a comparison's trajectories (loss, param, eval) is judged against: its floor
-    run, or the absolute tolerance the scenario set (``resume``: ``resume_tolerance`` for all)."""
-    planned = floor_for(s, run, base)
-    measured = by_name.get(planned.name) if planned else None
-    rerun = planned is not None and planned.kind == "rerun"
-    refused = twin_refused(s, measured, by_name.get(base.name)) if planned and planned.kind == "twin" else None
-    refused = refused or other_steps(measured, by_name.get(base.name))
-    keys = dict.fromkeys(TOLERANCE_KEYS, "resume_tolerance") if resume else TOLERANCE_KEYS
-    return {metric: Floor(measured, getattr(s.checks, key), key, rerun, refused) for metric, key in keys.items()}
-
-
-def other_steps(floor: RunOutcome | None, base: RunOutcome | None) -> str | None:
-    """Why a floor run that trained other steps than its base is no floor for it."""
-    if floor is None or base is None or not floor.ok or not base.ok:
-        return None
-    got, want = floor.result().get("steps"), base.result().get("steps")
-    if got == want:
-        return None
-    return f"floor refused: {floor.name} trained to step {got}, {base.name} to step {want}"
-
-
-def twin_refused(s: Scenario, twin: RunOutcome | None, base: RunOutcome | None) -> str | None:
-    """Why a twin is not a noise floor: its step-local parity with the reference failed, so it
-    does not compute the reference's mathematics (a model whose result depends on how a batch is
-    split). Twins of other runs are not probed."""
-    if twin is None or base is None or not twin.ok or not base.ok or not twin.result().get("probes"):
-        return None
-    bad = [c for c in step_local(twin, base, s) if not c.passed and c.value is not None]
-    if not bad:
-        return None
-    c = bad[0]
-    return (f"floor refused: {twin.name} is not {base.name}'s mathematics ({c.name} {c.value:.3g} > {c.limit:.3g} "
-            f"at the same parameters: the result depends on how the batch is split)")
+from harness.judge.floors import floors
+from harness.judge.parity import eval_parity, loss_parity, param_parity, step_local
+from harness.judge.resume_checks import judge_resume
+from harness.scenario import Scenario
 
 
 def parity_checks(s: Scenario, run: RunOutcome, ref: RunOutcome, by_name: dict[str, RunOutcome]) -> list[Check]:
@@ -106,11 +68,16 @@ def mutation_caught(run: RunOutcome, mutation: str, checks: list[Check], margin:
                             f"([checks].mutation_margin)")
 
 
+def not_applicable(run: RunOutcome, checks: list[Check]) -> list[Check]:
+    """The checks the run's trainer cannot support (its result names them, with why) as "n/a"."""
+    na = run.result().get("not_applicable") or {}
+    return [Check(c.name, c.run, True, None, None, f"not applicable: {na[c.name]}", applicable=False)
+            if c.name in na else c for c in checks]
+
+
 def judge(s: Scenario, runs: list[RunOutcome]) -> list[Check]:
     """All checks of a scenario; runs expected to fail get only the expected-failure check, and
     floor runs are measurements, not judged."""
-    from harness.judge.resume_checks import judge_resume
-
     by_name = {r.name: r for r in runs}
     ref = by_name.get(s.checks.reference) if s.checks.reference else None
     checks: list[Check] = []
@@ -136,6 +103,6 @@ def judge(s: Scenario, runs: list[RunOutcome]) -> list[Check]:
         mine += memory_ceilings(run, s)
         if spec.mutation is not None:
             mine.append(mutation_caught(run, spec.mutation, mine, s.checks.mutation_margin))
-        checks += mine
+        checks += not_applicable(run, mine)
     mark_expected_failures(checks, s.checks.expected_failures)
     return checks

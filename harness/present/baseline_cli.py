@@ -10,7 +10,7 @@ import argparse
 import re
 from pathlib import Path
 
-from harness.present.results import EXIT_CHECK_FAILED, EXIT_PASS
+from harness.present.results import EXIT_CHECK_FAILED, EXIT_PASS, load_results
 
 TOLERANCE_FLAGS = (
     ("--throughput-pct", "throughput_pct", "slowdown always allowed, in %% of baseline tok/s"),
@@ -35,7 +35,6 @@ def baseline_filename(key: dict[str, object]) -> str:
 def cmd_gate(args: argparse.Namespace) -> int:
     from harness.judge.baselines import Tolerances, pick_baseline
     from harness.judge.gates import check_platform, gate
-    from harness.present.cli import load_results
     from harness.present.gate_report import gate_text
     from harness.present.report import append_step_summary
 
@@ -56,7 +55,6 @@ def cmd_gate(args: argparse.Namespace) -> int:
 def cmd_baseline_update(args: argparse.Namespace) -> int:
     from harness import schema
     from harness.judge.baselines import Tolerances, build_baseline, platform_key, read_baseline
-    from harness.present.cli import load_results
     from harness.present.gate_report import baseline_table
 
     docs = load_results(args.results)

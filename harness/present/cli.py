@@ -13,7 +13,7 @@ from pathlib import Path
 
 from harness.judge.baselines import BaselineError
 from harness.present.baseline_cli import add_parsers
-from harness.present.results import EXIT_BAD_INPUT, EXIT_INFRA
+from harness.present.results import EXIT_BAD_INPUT, EXIT_INFRA, load_results
 from harness.scenario import Scenario, ScenarioError, discover, load_scenario
 
 
@@ -136,25 +136,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         for f in write_outputs(out, doc):
             print(f"wrote {f}", file=sys.stderr)
     return doc["exit_code"]
-
-
-def load_results(paths: list[str]) -> list[tuple[Path, dict]]:
-    """Saved result documents: each path is a ``result.json`` or a directory holding one."""
-    from harness.schema import SchemaError, read_json
-
-    docs = []
-    for p in map(Path, paths):
-        f = p / "result.json" if p.is_dir() else p
-        if not f.is_file():
-            raise ScenarioError(f"{f}: not found (give a result.json or the --out directory of a run)")
-        try:
-            doc = read_json(f)
-        except SchemaError as e:
-            raise ScenarioError(str(e).splitlines()[0]) from e
-        if not isinstance(doc.get("scenarios"), list):
-            raise ScenarioError(f"{f}: not a result document (no \"scenarios\" list)")
-        docs.append((f, doc))
-    return docs
 
 
 def cmd_report(args: argparse.Namespace) -> int:

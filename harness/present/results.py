@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import statistics
+from pathlib import Path
 from typing import Any
 
 from harness import schema
 from harness.controller.collect import RunOutcome
 from harness.judge.checks import Check, median_after_first
 from harness.run_plan import spec_of
-from harness.scenario import Scenario
+from harness.scenario import Scenario, ScenarioError
 
 EXIT_PASS, EXIT_CHECK_FAILED, EXIT_BAD_INPUT, EXIT_INFRA = 0, 1, 2, 3
 
@@ -150,3 +151,20 @@ def document(scenarios: list[dict[str, Any]], env: dict[str, Any]) -> dict[str, 
     code = exit_code(scenarios)
     return schema.stamp({"passed": code == EXIT_PASS, "exit_code": code, "environment": env,
                          "scenarios": scenarios})
+
+
+def load_results(paths: list[str]) -> list[tuple[Path, dict]]:
+    """Saved result documents: each path is a ``result.json`` or a directory holding one."""
+    docs = []
+    for p in map(Path, paths):
+        f = p / "result.json" if p.is_dir() else p
+        if not f.is_file():
+            raise ScenarioError(f"{f}: not found (give a result.json or the --out directory of a run)")
+        try:
+            doc = schema.read_json(f)
+        except schema.SchemaError as e:
+            raise ScenarioError(str(e).splitlines()[0]) from e
+        if not isinstance(doc.get("scenarios"), list):
+            raise ScenarioError(f"{f}: not a result document (no \"scenarios\" list)")
+        docs.append((f, doc))
+    return docs

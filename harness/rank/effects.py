@@ -56,8 +56,10 @@ class MainRankEffects:
         write_probe(path, model, grads, meta)
         self.counts["probes"] += 1
 
-    def save_params(self, model: Any) -> None:
-        """Rank 0 writes the final parameters atomically: a reader never sees a partial file."""
+    def save_params(self, model: Any, count: bool = True) -> None:
+        """Rank 0 writes the final parameters (of a model, or a parameter tree) atomically: a
+        reader never sees a partial file. ``count``: a save of the trainer's (not the harness's
+        own copy for judging an external trainer)."""
         if not self.active:
             return
         import mlx.core as mx
@@ -65,6 +67,7 @@ class MainRankEffects:
 
         final = schema.params_path(self.run_dir)
         tmp = final.with_name(".rank0.params.tmp.safetensors")
-        mx.save_safetensors(str(tmp), dict(tree_flatten(model.parameters())))
+        params = model.parameters() if hasattr(model, "parameters") else model
+        mx.save_safetensors(str(tmp), dict(tree_flatten(params)))
         os.replace(tmp, final)
-        self.counts["saves"] += 1
+        self.counts["saves"] += int(count)

@@ -109,13 +109,18 @@ def runtime_figures() -> dict[str, Any]:
     return {"mlx_peak_bytes": int(mx.get_peak_memory()), "rss_peak_bytes": _peak_rss_bytes()}
 
 
-def _job_runner(kind: str) -> Callable[[RankContext], dict[str, Any]]:
+def _job_runner(job: dict[str, Any]) -> Callable[[RankContext], dict[str, Any]]:
+    """A ``train`` job runs the scenario's trainer under test (``harness.trainers``)."""
     import importlib
 
-    modules = {"allsum": "harness.rank.probe", "train": "harness.rank.trainer"}
-    if kind not in modules:
+    kind = job["kind"]
+    if kind == "allsum":
+        return importlib.import_module("harness.rank.probe").run
+    if kind != "train":
         raise ValueError(f"unknown job kind {kind!r}")
-    return importlib.import_module(modules[kind]).run
+    from harness.trainers import trainer_info
+
+    return importlib.import_module(trainer_info(job["scenario"]["trainer"]["kind"]).module).run
 
 
 def _init_group(world_size: int, backend: str | None) -> tuple[Any, str]:
@@ -161,7 +166,7 @@ def main(argv: list[str]) -> int:
                     device=device, backend=backend, startup_s=startup_s)
         ctx = RankContext(run_dir, job, rank, world_size, group, backend, events,
                           [FaultSpec(**f) for f in job.get("faults", [])])
-        payload = _job_runner(job["kind"])(ctx)
+        payload = _job_runner(job)(ctx)
         result.update(status="ok", world_size=world_size, backend=backend, device=device,
                       is_main=rank == 0, startup_s=startup_s, **runtime_figures(), **payload)
     except BaseException as e:  # noqa: BLE001 - every failure must reach the controller

@@ -7,13 +7,11 @@ depends on the seed alone and the harness never seeds, reads or advances the glo
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from harness.rank.weights import import_model_module, placeholder_init, seeded_init
 from harness.scenario import ModelSpec
 
 TINY = {
@@ -43,83 +41,11 @@ TINY = {
         "tie_word_embeddings": True,
     },
 }
-INIT_STD = 0.02
-
-
 def model_config(spec: ModelSpec, vocab_size: int) -> dict[str, Any]:
     """The tiny default config of ``spec.arch``, overridden by the scenario's ``[model.config]``."""
     config = {**TINY[spec.arch], **spec.config, "model_type": spec.arch}
     config["vocab_size"] = max(int(config.get("vocab_size", 0)), vocab_size)
     return config
-
-
-def seeded_init(model: Any, seed: int) -> None:
-    """Replace every parameter: norms to one, biases to zero, matrices N(0, INIT_STD)."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten, tree_unflatten
-
-    key = mx.random.key(seed)
-    new = []
-    for name, p in sorted(tree_flatten(model.parameters())):
-        key, sub = mx.random.split(key)
-        if ("norm" in name or ".ln_" in name) and p.ndim == 1:
-            value = mx.ones(p.shape, dtype=p.dtype)
-        elif name.endswith(".bias"):
-            value = mx.zeros(p.shape, dtype=p.dtype)
-        else:
-            value = (mx.random.normal(p.shape, key=sub) * INIT_STD).astype(p.dtype)
-        new.append((name, value))
-    model.update(tree_unflatten(new))
-
-
-@contextlib.contextmanager
-def placeholder_init() -> Iterator[None]:
-    """Layer constructors get zeros instead of drawing from MLX's global RNG.
-
-    mlx.nn layers initialise their weights from the global RNG, and MLX cannot restore that
-    state. Every weight is replaced afterwards (``seeded_init`` or the model directory's
-    weights), so construction uses zeros and the global RNG is never advanced.
-    """
-    import mlx.core as mx
-
-    names = ("uniform", "normal", "truncated_normal")
-    saved = {n: getattr(mx.random, n) for n in names}
-
-    def zeros(*args: Any, shape: Any = None, dtype: Any = None, **kwargs: Any) -> Any:
-        shape = shape if shape is not None else next((a for a in args if isinstance(a, list | tuple)), ())
-        return mx.zeros(shape, dtype=dtype or mx.float32)
-
-    try:
-        for n in names:
-            setattr(mx.random, n, zeros)
-        yield
-    finally:
-        for n, f in saved.items():
-            setattr(mx.random, n, f)
-
-
-def import_model_module(package: str, arch: str) -> Any:
-    """``<package>.models.<arch>`` without running the package's ``__init__``.
-
-    ``mlx_lm``'s and ``mlx_vlm``'s package ``__init__`` import their generation and serving
-    stacks; the architecture modules need none of it. When nobody has imported the package yet,
-    it is registered from its location and only the architecture module is imported.
-    """
-    import importlib
-    import importlib.util
-    import sys
-    import types
-
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # no "PyTorch was not found" banner per rank
-    if package not in sys.modules:
-        spec = importlib.util.find_spec(package)
-        if spec is None or not spec.submodule_search_locations:
-            raise ImportError(f"{package.replace('_', '-')} is not installed")
-        pkg = types.ModuleType(package)
-        pkg.__path__ = list(spec.submodule_search_locations)
-        pkg.__spec__ = spec
-        sys.modules[package] = pkg
-    return importlib.import_module(f"{package}.models.{arch}")
 
 
 def build_model(spec: ModelSpec, vocab_size: int, seed: int, vision: Any = None) -> tuple[Any, dict[str, Any]]:
@@ -156,12 +82,17 @@ def build_model(spec: ModelSpec, vocab_size: int, seed: int, vision: Any = None)
 
 def param_digest(model: Any) -> str:
     """sha256 over every parameter's name, dtype, shape and bytes: equal iff replicas are equal."""
+    return tree_digest(model.parameters())
+
+
+def tree_digest(params: Any) -> str:
+    """``param_digest`` of a parameter tree (nested dicts and lists of arrays)."""
     import mlx.core as mx
     import numpy as np
     from mlx.utils import tree_flatten
 
     h = hashlib.sha256()
-    for name, p in sorted(tree_flatten(model.parameters())):
+    for name, p in sorted(tree_flatten(params)):
         a = np.array(p.astype(mx.float32)) if p.dtype == mx.bfloat16 else np.array(p)
         h.update(f"{name}:{p.dtype}:{p.shape}".encode())
         h.update(np.ascontiguousarray(a).tobytes())
@@ -171,4 +102,5 @@ def param_digest(model: Any) -> str:
 def param_count(model: Any) -> int:
     from mlx.utils import tree_flatten
 
-    return sum(p.size for _, p in tree_flatten(model.parameters()))
+    params = model.parameters() if hasattr(model, "parameters") else model
+    return sum(p.size for _, p in tree_flatten(params))

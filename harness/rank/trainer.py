@@ -45,6 +45,7 @@ from harness.rank.effects import MainRankEffects
 from harness.rank.entry import RankContext
 from harness.rank.evaluate import evaluate
 from harness.rank.models import build_model, param_count, param_digest
+from harness.rank.reporter import global_rng_digest
 from harness.rank.semantics import Semantics, semantics
 from harness.rank.sources import Encoder, row_source
 from harness.rank.step import CompileFailed, LocalStep, build_optimizer, measure_precision
@@ -218,7 +219,7 @@ class Trainer:
     def run(self) -> dict[str, Any]:
 
         ctx, spec, coord = self.ctx, self.spec, self.coord
-        rng_before = _global_rng_digest()
+        rng_before = global_rng_digest()
         loaded = resume.open_checkpoint(self) if ctx.job.get("resume") else None
         ctx.phase("data")
         rss0 = self.proc.memory_info().rss
@@ -291,7 +292,7 @@ class Trainer:
         coord.agree()
         self.digests[last] = param_digest(self.model)
         result = self._result(last, runtime, data_rss)
-        result["global_rng_untouched"] = _global_rng_digest() == rng_before
+        result["global_rng_untouched"] = global_rng_digest() == rng_before
         return result
 
     def train_clock(self) -> float:
@@ -411,18 +412,6 @@ class Trainer:
             "precision": self.precision,
             "probes": self.probes.records,
         }
-
-
-def _global_rng_digest() -> str:
-    """A digest of numpy's and MLX's global RNG states: training must leave both untouched."""
-    import hashlib
-
-    import mlx.core as mx
-    import numpy as np
-
-    h = hashlib.sha256(np.random.get_state()[1].tobytes())
-    h.update(np.array(mx.random.state[0]).tobytes())
-    return h.hexdigest()
 
 
 def run(ctx: RankContext) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from harness.rank.models import import_model_module, placeholder_init, seeded_init
+from harness.rank.weights import import_model_module, placeholder_init, seeded_init
 from harness.scenario import ModelSpec
 
 TEXT = {"hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128, "num_attention_heads": 4,

@@ -1,0 +1,106 @@
+"""The API a user's own training script reports through when the harness runs it.
+
+A scenario with ``[trainer] kind = "script"`` and ``path = "train.py"`` launches the script in
+every rank process (after the rank has joined the distributed group: ``mx.distributed.init()``
+in the script returns that group). The script trains as it likes and tells the harness what it
+did::
+
+    from harness import api
+
+    run = api.session()                  # this rank's session
+    model = run.model()                  # the scenario's model (or build your own)
+    rows = run.rows()                    # the scenario's train rows: [(token ids, supervised mask)]
+    optimizer = run.optimizer()          # AdamW with the scenario's learning-rate schedule
+    for step in range(1, run.steps + 1):
+        ...                              # your DDP step
+        run.step(step, loss, tokens, tokens_local, lr=lr, params=model.parameters())
+    if run.rank == 0:
+        ...                              # your own save
+        run.saved()                      # announce it (rank 0 only, if the script is correct)
+    run.finish(model.parameters())       # the final parameters, judged for parity
+
+``loss`` is the step's global loss as the script computes it, ``tokens`` the step's global
+supervised token count and ``tokens_local`` this rank's. ``run.reverse_rows`` is true in the
+noise-floor run (one process): reverse the order of the rows within each batch there, so the
+harness measures how much the same mathematics moves under another summation order.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+_current: Session | None = None
+
+
+class NotUnderHarness(RuntimeError):
+    """``session()`` was called in a process the harness did not start."""
+
+
+class Session:
+    """One rank's view of the run: the scenario's settings, its inputs, and the report calls."""
+
+    def __init__(self, ctx: Any, scenario: Any, reporter: Any):
+        self._ctx, self.scenario, self._rep = ctx, scenario, reporter
+        self.rank: int = ctx.rank
+        self.world_size: int = ctx.world_size
+        self.group: Any = ctx.group
+        self.seed: int = scenario.seed
+        self.steps: int = scenario.train.steps
+        self.global_batch: int = scenario.train.global_batch
+        self.learning_rate: float = scenario.train.learning_rate
+        self.reverse_rows: bool = bool(ctx.job.get("reverse_rows"))
+        self.run_dir: Path = Path(ctx.run_dir)
+
+    def model(self) -> Any:
+        """The scenario's ``[model]``, with seeded weights (the same on every rank)."""
+        from harness.rank.models import build_model
+        from harness.rank.tokenizers import load_tokenizer
+
+        return build_model(self.scenario.model, load_tokenizer(self.scenario.data).vocab_size, self.seed)[0]
+
+    def rows(self, split: str = "train") -> list[tuple[Any, Any]]:
+        """The scenario's ``[data]`` rows of ``split`` ("train" or "eval"), tokenized: a list of
+        (int32 token ids, bool mask of the tokens that are training targets)."""
+        from harness.rank.sources import Encoder, row_source
+        from harness.rank.tokenizers import load_tokenizer
+
+        encode = Encoder(load_tokenizer(self.scenario.data), self.scenario.data)
+        examples = [encode(where, row) for where, row in row_source(self.scenario.data, self.seed, split)()]
+        return [(e.ids, e.supervised) for e in examples]
+
+    def optimizer(self) -> Any:
+        """AdamW with the scenario's ``[train]`` learning rate, schedule and weight decay."""
+        from harness.rank.step import build_optimizer
+
+        return build_optimizer(self.scenario.train)
+
+    def step(self, step: int, loss: float, tokens: int, tokens_local: int, lr: float | None = None,
+             params: Any = None) -> None:
+        """Optimizer step ``step`` (1, 2, ...) is done; ``params``: the parameters after it."""
+        self._rep.step(step, loss, tokens, tokens_local, lr=lr, params=params)
+
+    def eval(self, step: int, loss: float, tokens: int) -> None:
+        """An evaluation after ``step`` steps: its global loss and supervised token count."""
+        self._rep.eval(step, loss, tokens)
+
+    def saved(self, count: int = 1) -> None:
+        """This rank wrote ``count`` files of the script's own (weights, checkpoints)."""
+        self._rep.saved(count)
+
+    def finish(self, params: Any) -> None:
+        """Training is over; ``params`` are the final parameters."""
+        self._rep.finish(params)
+
+
+def session() -> Session:
+    """This rank's session; raises ``NotUnderHarness`` outside a harness run."""
+    if _current is None:
+        raise NotUnderHarness("not running under mlx-ddp-harness: run this script through a scenario with "
+                              "[trainer] kind = \"script\"")
+    return _current
+
+
+def _activate(s: Session | None) -> None:
+    global _current
+    _current = s

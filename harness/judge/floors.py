@@ -1,0 +1,48 @@
+"""What each comparison's trajectories are judged against: its floor run (``run_plan``), unless
+that run is refused as a floor, or the absolute tolerance the scenario set."""
+
+from __future__ import annotations
+
+from harness.controller.collect import RunOutcome
+from harness.judge.parity import Floor, step_local
+from harness.run_plan import floor_for
+from harness.scenario import RunSpec, Scenario
+
+TOLERANCE_KEYS = {"loss": "loss_tolerance", "param": "param_tolerance", "eval": "eval_tolerance"}
+
+
+def floors(s: Scenario, run: RunSpec, base: RunSpec, by_name: dict[str, RunOutcome],
+           resume: bool = False) -> dict[str, Floor]:
+    """What each of a comparison's trajectories (loss, param, eval) is judged against: its floor
+    run, or the absolute tolerance the scenario set (``resume``: ``resume_tolerance`` for all)."""
+    planned = floor_for(s, run, base)
+    measured = by_name.get(planned.name) if planned else None
+    rerun = planned is not None and planned.kind == "rerun"
+    refused = twin_refused(s, measured, by_name.get(base.name)) if planned and planned.kind == "twin" else None
+    refused = refused or other_steps(measured, by_name.get(base.name))
+    keys = dict.fromkeys(TOLERANCE_KEYS, "resume_tolerance") if resume else TOLERANCE_KEYS
+    return {metric: Floor(measured, getattr(s.checks, key), key, rerun, refused) for metric, key in keys.items()}
+
+
+def other_steps(floor: RunOutcome | None, base: RunOutcome | None) -> str | None:
+    """Why a floor run that trained other steps than its base is no floor for it."""
+    if floor is None or base is None or not floor.ok or not base.ok:
+        return None
+    got, want = floor.result().get("steps"), base.result().get("steps")
+    if got == want:
+        return None
+    return f"floor refused: {floor.name} trained to step {got}, {base.name} to step {want}"
+
+
+def twin_refused(s: Scenario, twin: RunOutcome | None, base: RunOutcome | None) -> str | None:
+    """Why a twin is not a noise floor: its step-local parity with the reference failed, so it
+    does not compute the reference's mathematics (a model whose result depends on how a batch is
+    split). Twins of other runs are not probed."""
+    if twin is None or base is None or not twin.ok or not base.ok or not twin.result().get("probes"):
+        return None
+    bad = [c for c in step_local(twin, base, s) if not c.passed and c.value is not None]
+    if not bad:
+        return None
+    c = bad[0]
+    return (f"floor refused: {twin.name} is not {base.name}'s mathematics ({c.name} {c.value:.3g} > {c.limit:.3g} "
+            f"at the same parameters: the result depends on how the batch is split)")

@@ -1,0 +1,162 @@
+"""What an external trainer did, step by step, in the reference trainer's result schema.
+
+An adapter (``harness.trainers``) or a user's script (through ``harness.api``) calls
+``step`` once per optimizer step with the loss and token counts the trainer itself computed,
+``eval`` for each evaluation, ``saved`` for each file the trainer writes, and ``finish`` with the
+final parameters. The reporter adds what every rank result carries (per-step timings and tok/s,
+replica digests every ``digest_every`` steps, RSS, faults injected at the scenario's steps),
+writes the ``step`` and ``eval`` events the watchdog and the progress lines read, and builds the
+result the judge reads. Checks the trainer cannot support are named in ``not_applicable`` (check
+name -> why) and reported as "n/a".
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from harness.rank.entry import RankContext, ReportedFailure
+from harness.rank.models import param_count, tree_digest
+from harness.scenario import Scenario
+
+
+def global_rng_digest() -> str:
+    """A digest of numpy's and MLX's global RNG states: training must leave both untouched."""
+    import hashlib
+
+    import mlx.core as mx
+    import numpy as np
+
+    h = hashlib.sha256(np.random.get_state()[1].tobytes())
+    h.update(np.array(mx.random.state[0]).tobytes())
+    return h.hexdigest()
+
+
+HISTORY = ("losses", "step_times_s", "tok_s_local", "tok_s_global", "tokens_local_per_step", "learning_rates",
+           "tokens_global_per_step")
+
+
+class StepReporter:
+    """Collects one rank's report of an external trainer's run (see the module docstring)."""
+
+    def __init__(self, ctx: RankContext, s: Scenario, not_applicable: dict[str, str] | None = None,
+                 compile_scope: str = "none"):
+        import psutil
+
+        from harness.rank.effects import MainRankEffects
+
+        self.ctx, self.s = ctx, s
+        self.name = f"trainer {s.trainer.kind}"
+        self.not_applicable = dict(not_applicable or {})
+        self.compile_scope = compile_scope
+        self.effects = MainRankEffects(ctx.run_dir, ctx.rank)
+        self.proc = psutil.Process()
+        self.history: dict[str, list[Any]] = {k: [] for k in HISTORY}
+        self.evals: list[dict[str, Any]] = []
+        self.digests: dict[int, str] = {}
+        self.saves = 0
+        self.rss_peak = self.proc.memory_info().rss
+        self.rng_before = global_rng_digest()
+        self.t_start = self.t_last = time.perf_counter()
+        self.data_bytes = 0
+        self.finished: dict[str, Any] | None = None
+
+    @property
+    def steps(self) -> int:
+        return len(self.history["losses"])
+
+    def start(self, params: Any = None) -> None:
+        """Training begins (from ``params``, when given: the step-0 replica digest)."""
+        if params is not None:
+            self.digests[0] = tree_digest(params)
+        self.ctx.phase("train")
+        self.t_start = self.t_last = time.perf_counter()
+
+    def step(self, step: int, loss: float, tokens_global: int, tokens_local: int, lr: float | None = None,
+             params: Any = None, step_time_s: float | None = None) -> None:
+        """Optimizer step ``step`` (1, 2, ...) is done: its global loss and supervised tokens as the
+        trainer computed them, this rank's tokens, the learning rate, and (at digest steps) the
+        parameters after the update. Without ``step_time_s``, the time since the previous call."""
+        if step != self.steps + 1:
+            raise ReportedFailure(f"{self.name} reported step {step} after step {self.steps}: steps are reported "
+                                  f"once each, in order, from 1")
+        now = time.perf_counter()
+        dt = float(step_time_s) if step_time_s is not None else now - self.t_last
+        self.t_last = now
+        dt = max(dt, 1e-9)
+        rss = self.proc.memory_info().rss
+        self.rss_peak = max(self.rss_peak, rss)
+        h = self.history
+        for key, value in (("losses", float(loss)), ("step_times_s", dt), ("tok_s_local", tokens_local / dt),
+                           ("tok_s_global", tokens_global / dt), ("tokens_local_per_step", int(tokens_local)),
+                           ("learning_rates", None if lr is None else float(lr)),
+                           ("tokens_global_per_step", int(tokens_global))):
+            h[key].append(value)
+        import mlx.core as mx
+
+        event = dict(step=step, rank=self.ctx.rank, loss=float(loss), tokens_global=int(tokens_global),
+                     tokens_local=int(tokens_local), step_time_s=dt, lr=lr, mlx_peak_bytes=int(mx.get_peak_memory()),
+                     rss_bytes=rss)
+        every = self.s.train.digest_every
+        if params is not None and every and step % every == 0:
+            self.digests[step] = event["digest"] = tree_digest(params)
+        self.ctx.events.emit("step", **event)
+        self.effects.callback("step", {"step": step, "loss": float(loss), "tokens": int(tokens_global)})
+        fault = self.ctx.maybe_fault("step", step)  # process-level faults happen inside
+        if fault is not None and fault.action == "raise":
+            raise RuntimeError(f"injected fault in phase step at step {step}")
+
+    def eval(self, step: int, loss: float, tokens: int) -> None:
+        """An evaluation after ``step`` optimizer steps: global loss and supervised tokens."""
+        record = {"step": int(step), "loss": float(loss), "tokens": int(tokens)}
+        self.evals.append(record)
+        self.ctx.events.emit("eval", rank=self.ctx.rank, **record)
+
+    def saved(self, count: int = 1) -> None:
+        """The trainer wrote ``count`` files of its own (weights, adapters, checkpoints) on this rank."""
+        self.saves += count
+
+    def finish(self, params: Any, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Training ended with ``params``: rank 0 keeps them for the judge; returns the rank's result."""
+        if self.finished is not None:
+            return self.finished
+        if not self.steps:
+            raise ReportedFailure(f"{self.name} reported no steps")
+        runtime = time.perf_counter() - self.t_start
+        self.ctx.phase("save")
+        self.effects.save_params(params, count=False)
+        last = self.steps
+        every = self.s.train.digest_every
+        self.digests = {k: v for k, v in self.digests.items() if k == 0 or (every and k % every == 0)}
+        self.digests[last] = tree_digest(params)
+        from harness.rank.step import measure_precision
+
+        lrs = self.history["learning_rates"]
+        self.finished = {
+            "trainer": {"kind": self.s.trainer.kind, "title": self.name},
+            "not_applicable": self.not_applicable,
+            "steps": last,
+            "steps_planned": self.s.train.steps,
+            "steps_start": 1,
+            **{k: v for k, v in self.history.items() if k != "learning_rates"},
+            "learning_rates": lrs if all(v is not None for v in lrs) else [],
+            "tokens_local": sum(self.history["tokens_local_per_step"]),
+            "tokens_global": sum(self.history["tokens_global_per_step"]),
+            "runtime_s": runtime,
+            "train_time_s_total": runtime,
+            "digests": {str(k): v for k, v in self.digests.items()},
+            "final_digest": self.digests[last],
+            "param_count": param_count(params),
+            "evals": self.evals,
+            "stop": None,
+            "compile": {"mode": self.s.train.compile, "scope": self.compile_scope, "fallback_reason": None},
+            "side_effects": {"saves": self.saves},
+            "data": {"streaming": False, "bytes_held": self.data_bytes},
+            "rss_step_peak_bytes": self.rss_peak,
+            "seed_used": self.s.seed,
+            "precision": measure_precision(self.s.model.dtype),
+            "global_rng_untouched": global_rng_digest() == self.rng_before,
+            "probes": None,
+            **(extra or {}),
+        }
+        return self.finished

@@ -1,0 +1,40 @@
+"""The trainers under test: one module each, all run inside the rank processes the controller
+launches (``harness.rank.entry``), all reporting through the same rank protocol.
+
+Adding a trainer: write ``harness/trainers/<kind>.py`` with ``run(ctx) -> dict`` (feed the
+trainer the scenario's model, data and settings through its public entry points; report what it
+did through ``harness.rank.reporter.StepReporter``), register it in ``TRAINERS`` and its kind in
+``harness.scenario.TRAINER_KINDS``. Nothing else in the tree changes: the controller launches it
+and the judge applies every check its results support (the others are reported as "n/a").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TrainerInfo:
+    """A trainer kind: its module, what it is, and what the harness can measure of it.
+
+    ``probes``: it computes step-local probes at the reference's parameters (otherwise the
+    step-local checks are n/a). ``twin``: it can compute N ranks' shards in one process (the
+    noise-floor twin); otherwise its trajectories are judged against a *reversed* floor run, the
+    reference run again in one process with each batch's rows in reverse order (the same
+    mathematics, another summation order)."""
+
+    module: str
+    title: str
+    probes: bool = False
+    twin: bool = False
+
+
+TRAINERS: dict[str, TrainerInfo] = {
+    "reference": TrainerInfo("harness.rank.trainer", "the harness's reference DDP trainer", probes=True, twin=True),
+    "mlx_lm": TrainerInfo("harness.trainers.mlx_lm", "mlx-lm's trainer (mlx_lm.tuner.trainer.train)"),
+    "script": TrainerInfo("harness.trainers.script", "a user's training script (reporting through harness.api)"),
+}
+
+
+def trainer_info(kind: str) -> TrainerInfo:
+    return TRAINERS[kind]

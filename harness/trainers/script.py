@@ -1,0 +1,59 @@
+"""A user's own training script under test (``[trainer] kind = "script"``).
+
+The script runs as ``__main__`` inside each rank process, with its own directory first on
+``sys.path`` and ``[trainer].args`` as its command line, and reports through ``harness.api``. A
+script that raises, exits non-zero, reports no step or never hands over its final parameters
+fails the run with a one-line cause naming the script.
+"""
+
+from __future__ import annotations
+
+import runpy
+import sys
+from pathlib import Path
+from typing import Any
+
+from harness import api
+from harness.rank.entry import RankContext, ReportedFailure
+from harness.rank.reporter import StepReporter
+from harness.scenario import Scenario
+
+NOT_EXPOSED = "a script exposes no loss or gradient at given parameters"
+NOT_APPLICABLE = {
+    "step_token_parity": NOT_EXPOSED,
+    "step_loss_parity": NOT_EXPOSED,
+    "step_grad_parity": NOT_EXPOSED,
+    "data_share_bytes": "the harness cannot see which rows a script holds",
+}
+
+
+def run(ctx: RankContext) -> dict[str, Any]:
+    s = Scenario.from_dict(ctx.job["scenario"])
+    path = str(s.trainer.path)
+    label = f"trainer script {Path(path).name}"
+    rep = StepReporter(ctx, s, NOT_APPLICABLE)
+    rep.name = label
+    argv, syspath = list(sys.argv), list(sys.path)
+    sys.argv = [path, *s.trainer.args]
+    sys.path.insert(0, str(Path(path).parent))
+    api._activate(api.Session(ctx, s, rep))
+    rep.start()
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            raise ReportedFailure(f"{label} exited with status {e.code}") from e
+    except ReportedFailure:
+        raise
+    except Exception as e:
+        raise ReportedFailure(f"{label} raised {type(e).__name__}: {e}") from e
+    finally:
+        sys.argv, sys.path = argv, syspath
+        api._activate(None)
+    if rep.finished is None:
+        if not rep.steps:
+            raise ReportedFailure(f"{label} reported no steps (call harness.api.session().step(...) once per "
+                                  f"optimizer step)")
+        raise ReportedFailure(f"{label} never handed over its final parameters "
+                              f"(call harness.api.session().finish(params))")
+    return {**rep.finished, "trainer": {"kind": "script", "title": label, "path": path}}
