@@ -140,6 +140,9 @@ def parse_scenario(data: dict[str, Any], src: str, base: Path) -> Scenario:
     for i, r in enumerate(s.runs):
         r.train = _coerce(TrainSpec, r.train, f"[[runs]][{i}].train", src)
         r.data = _coerce(DataSpec, r.data, f"[[runs]][{i}].data", src)
+        r.trainer = _coerce(TrainerSpec, r.trainer, f"[[runs]][{i}].trainer", src)
+        if "path" in r.trainer:
+            r.trainer["path"] = _resolve(r.trainer["path"], base, src, f"[[runs]][{i}].trainer.path")
         for key in ("path", "eval_path", "tokenizer"):
             if key in r.data and not is_named_tokenizer(r.data[key]):
                 r.data[key] = _resolve(r.data[key], base, src, f"[[runs]][{i}].data.{key}")

@@ -4,6 +4,7 @@ file and the key."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import Any
 
@@ -30,6 +31,7 @@ from harness.scenario_spec import (
     FaultSpec,
     RunSpec,
     Scenario,
+    TrainerSpec,
     TrainSpec,
     require,
     writes_checkpoints,
@@ -143,49 +145,91 @@ def _validate_fault(f: FaultSpec, where: str, src: str) -> None:
 EXTERNAL_FAULTS = ("raise", "exit", "exit0", "sigkill", "segfault", "hang")
 
 
-def _validate_trainer(s: Scenario, src: str) -> None:
-    """What the trainer under test can be given: an external trainer takes the scenario's model,
-    data and settings through its own entry points, so settings it has no way to honour are refused."""
-    t = s.trainer
-    _one_of(t.kind, TRAINER_KINDS, src, "[trainer].kind")
-    _one_of(t.fine_tune, FINE_TUNES, src, "[trainer].fine_tune")
-    require(t.kind == "script" or t.path is None, src, "[trainer].path", "only a 'script' trainer takes a path")
-    require(t.kind == "script" or not t.args, src, "[trainer].args", "only a 'script' trainer takes args")
-    require(t.kind == "mlx_lm" or t.fine_tune == "full", src, "[trainer].fine_tune",
-             "LoRA is an option of the 'mlx_lm' trainer")
-    require(t.lora_rank > 0 and t.lora_scale > 0, src, "[trainer].lora_rank",
-            "lora_rank and lora_scale must be positive")
+LORA_TRAINERS = ("mlx_lm", "unsloth_zoo")
+UNSLOTH_INSTALL = "pip install --no-deps 'unsloth_zoo>=2026.10.9'"
+UNSLOTH_SCHEDULES = ("constant", "cosine")
+UNSLOTH_ORDERS = ("ordered", "shuffled")
+
+
+def _validate_unsloth(eff: Scenario, r: RunSpec, src: str, where: str) -> None:
+    """What unsloth-zoo's MLXTrainer can be given: a per-rank batch, its own data order, its schedules."""
+    t, d = eff.train, eff.data
+    micro = t.global_batch // t.grad_accum
+    require(micro % r.world_size == 0, src, f"{where}.world_size",
+            f"unsloth-zoo takes a per-rank batch: the {micro} rows of each micro-step do not divide by "
+            f"world_size {r.world_size}")
+    require(d.order in UNSLOTH_ORDERS, src, f"{where}.data.order",
+            "unsloth-zoo takes 'ordered' (its sequential order: the scenario's rows in order) or 'shuffled' "
+            "(its default, seeded order)")
+    require(t.lr_schedule in UNSLOTH_SCHEDULES, src, f"{where}.train.lr_schedule",
+            f"unsloth-zoo's schedules that match the scenario's are {', '.join(UNSLOTH_SCHEDULES)} "
+            f"(its linear schedule decays to 0)")
+    if d.eval_rows or d.eval_path:
+        require(t.eval_batch % r.world_size == 0, src, f"{where}.train.eval_batch",
+                f"unsloth-zoo takes a per-rank eval batch: {t.eval_batch} does not divide by world_size "
+                f"{r.world_size}")
+
+
+def _validate_trainer_spec(t: TrainerSpec, src: str, at: str) -> None:
+    """One trainer's own keys: a known kind, what it may take, and that it is installed."""
+    _one_of(t.kind, TRAINER_KINDS, src, f"{at}.kind")
+    _one_of(t.fine_tune, FINE_TUNES, src, f"{at}.fine_tune")
+    require(t.kind == "script" or t.path is None, src, f"{at}.path", "only a 'script' trainer takes a path")
+    require(t.kind == "script" or not t.args, src, f"{at}.args", "only a 'script' trainer takes args")
+    require(t.kind in LORA_TRAINERS or t.fine_tune == "full", src, f"{at}.fine_tune",
+            f"LoRA is an option of the {' and '.join(map(repr, LORA_TRAINERS))} trainers")
+    require(t.lora_rank > 0 and t.lora_scale > 0, src, f"{at}.lora_rank", "lora_rank and lora_scale must be positive")
     if t.kind == "script":
-        require(t.path is not None and t.path.endswith(".py"), src, "[trainer].path",
+        require(t.path is not None and t.path.endswith(".py"), src, f"{at}.path",
                 "a 'script' trainer needs the path of a Python training script")
-        require(os.path.isfile(t.path), src, "[trainer].path",
-                f"not a file: {t.path}")
-    if not t.external:
-        return
-    name = f"the {t.kind} trainer"
-    require(not s.model.vision, src, "[model].arch", f"{name} trains text models ({', '.join(TEXT_ARCHS)})")
-    for i, r in enumerate(s.runs):
-        where = f"[[runs]][{i}]"
-        eff = s.for_run(r)
-        require(r.mutation is None, src, f"{where}.mutation", "mutations are injected into the reference trainer only")
-        require(r.resume_from is None and r.stop_after is None, src, f"{where}.resume_from",
-                f"resume is not supported for {name} yet")
-        require(not eff.data.streaming, src, f"{where}.data.streaming", f"{name} takes an in-memory dataset")
-        require(eff.train.input_dropout == 0, src, f"{where}.train.input_dropout", f"{name} has no input dropout")
-        if t.kind == "mlx_lm":
-            require(eff.train.max_grad_norm == 0, src, f"{where}.train.max_grad_norm",
-                     "mlx-lm's trainer does not clip gradients: leave it at 0")
-            require(eff.data.order == "ordered", src, f"{where}.data.order",
-                     "mlx-lm orders batches itself (rows sorted by length, batches in a seeded random order)")
-            require(eff.data.rows >= eff.train.global_batch or eff.data.source == "jsonl", src, f"{where}.data.rows",
-                     "mlx-lm needs at least one global batch of rows")
-            if eff.data.eval_rows or eff.data.eval_path:
-                require(eff.train.eval_batch % r.world_size == 0, src, f"{where}.train.eval_batch",
-                         f"mlx-lm splits each eval batch across ranks: {eff.train.eval_batch} does not divide "
-                         f"by world_size {r.world_size}")
-    for i, f in enumerate(s.faults):
-        require(f.phase == "step" and f.action in EXTERNAL_FAULTS, src, f"[[faults]][{i}]",
+        require(os.path.isfile(t.path), src, f"{at}.path", f"not a file: {t.path}")
+    if t.kind == "unsloth_zoo":
+        require(importlib.util.find_spec("unsloth_zoo") is not None, src, f"{at}.kind",
+                f"unsloth_zoo is not installed; install it with: {UNSLOTH_INSTALL}")
+
+
+def _validate_external_run(s: Scenario, i: int, r: RunSpec, src: str) -> None:
+    """What an external trainer can be given in one run: settings it has no way to honour are refused."""
+    where = f"[[runs]][{i}]"
+    eff = s.for_run(r)
+    kind = eff.trainer.kind
+    name = f"the {kind} trainer"
+    require(not eff.model.vision, src, "[model].arch", f"{name} trains text models ({', '.join(TEXT_ARCHS)})")
+    require(r.mutation is None, src, f"{where}.mutation", "mutations are injected into the reference trainer only")
+    require(r.resume_from is None and r.stop_after is None, src, f"{where}.resume_from",
+            f"resume is not supported for {name} yet")
+    require(not eff.data.streaming, src, f"{where}.data.streaming", f"{name} takes an in-memory dataset")
+    require(eff.train.input_dropout == 0, src, f"{where}.train.input_dropout", f"{name} has no input dropout")
+    if kind == "mlx_lm":
+        require(eff.train.max_grad_norm == 0, src, f"{where}.train.max_grad_norm",
+                "mlx-lm's trainer does not clip gradients: leave it at 0")
+        require(eff.data.order == "ordered", src, f"{where}.data.order",
+                "mlx-lm orders batches itself (rows sorted by length, batches in a seeded random order)")
+        require(eff.data.rows >= eff.train.global_batch or eff.data.source == "jsonl", src, f"{where}.data.rows",
+                "mlx-lm needs at least one global batch of rows")
+        if eff.data.eval_rows or eff.data.eval_path:
+            require(eff.train.eval_batch % r.world_size == 0, src, f"{where}.train.eval_batch",
+                    f"mlx-lm splits each eval batch across ranks: {eff.train.eval_batch} does not divide "
+                    f"by world_size {r.world_size}")
+    if kind == "unsloth_zoo":
+        _validate_unsloth(eff, r, src, where)
+    for j, f in enumerate(eff.faults):
+        require(f.phase == "step" and f.action in EXTERNAL_FAULTS, src, f"[[faults]][{j}]",
                 f"{name} can be faulted in the 'step' phase with {', '.join(EXTERNAL_FAULTS)}")
+
+
+def _validate_trainer(s: Scenario, src: str) -> None:
+    """The trainer under test (one per scenario; a throughput scenario may time several, one per
+    run): an external trainer takes the scenario's model, data and settings through its own entry
+    points."""
+    _validate_trainer_spec(s.trainer, src, "[trainer]")
+    for i, r in enumerate(s.runs):
+        if r.trainer:
+            require(s.kind == "throughput", src, f"[[runs]][{i}].trainer",
+                    "only a throughput scenario times several trainers; a parity scenario tests one")
+            _validate_trainer_spec(s.for_run(r).trainer, src, f"[[runs]][{i}].trainer")
+        if s.for_run(r).trainer.external:
+            _validate_external_run(s, i, r, src)
 
 
 def validate(s: Scenario, src: str) -> None:
@@ -242,8 +286,12 @@ def validate(s: Scenario, src: str) -> None:
     for key, reason in s.checks.expected_failures.items():
         require(key in CHECK_NAMES, src, f"[checks].expected_failures.{key}",
                  f"unknown check (known: {', '.join(CHECK_NAMES)})")
-        require(isinstance(reason, str) and reason.strip() != "", src, f"[checks].expected_failures.{key}",
-                 "give the reason the check is expected to fail, as a string")
+        per_run = reason if isinstance(reason, dict) else {"": reason}
+        for run, why in per_run.items():
+            where = f"[checks].expected_failures.{key}" + (f".{run}" if run else "")
+            require(not run or run in {r.name for r in s.runs}, src, where, f"no run named {run!r}")
+            require(isinstance(why, str) and why.strip() != "", src, where,
+                    "give the reason the check is expected to fail, as a string (or a table of run name -> reason)")
     require(s.limits.wall_s > 0 and s.limits.no_progress_s > 0, src, "[limits]",
              "limits must be positive")
     for i, f in enumerate(s.faults):

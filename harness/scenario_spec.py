@@ -25,7 +25,7 @@ COMPILE_MODES = ("off", "strict", "best_effort")
 KINDS = ("parity", "throughput")
 COMPILE_SCOPES = ("none", "local-grad", "full-step", "fallback-eager")
 LR_SCHEDULES = ("constant", "cosine", "linear")
-TRAINER_KINDS = ("reference", "mlx_lm", "script")
+TRAINER_KINDS = ("reference", "mlx_lm", "unsloth_zoo", "script")
 FINE_TUNES = ("full", "lora")
 
 
@@ -36,8 +36,9 @@ class ScenarioError(ValueError):
 @dataclass
 class TrainerSpec:
     """The trainer under test. ``reference``: the harness's own DDP trainer. ``mlx_lm``:
-    ``mlx_lm.tuner.trainer.train`` (``fine_tune`` "full", or "lora" with ``lora_rank``,
-    ``lora_scale`` and ``lora_layers`` adapted layers, -1: all). ``script``: a user's training
+    ``mlx_lm.tuner.trainer.train``; ``unsloth_zoo``: ``unsloth_zoo.mlx.trainer.MLXTrainer`` (both
+    ``fine_tune`` "full", or "lora" with ``lora_rank``, ``lora_scale`` and ``lora_layers`` adapted
+    layers, -1: all). ``script``: a user's training
     script at ``path`` (run with ``args`` as its command line), reporting through ``harness.api``."""
 
     kind: str = "reference"
@@ -142,6 +143,9 @@ class RunSpec:
     the run whose per-step losses, final parameters and token counts this run must reproduce.
     ``seed`` replaces the scenario seed for this run (a resumed run keeps its checkpoint's).
 
+    ``trainer`` overrides keys of ``[trainer]`` for this run (throughput scenarios only, to time
+    several trainers beside each other, e.g. ``trainer = { kind = "mlx_lm" }``).
+
     ``mutation`` injects a known DDP bug into this run (see ``harness.rank.semantics``): the run
     must then be caught by at least one check with ``[checks] mutation_margin``.
     """
@@ -151,6 +155,7 @@ class RunSpec:
     backend: str | None = None
     train: dict[str, Any] = field(default_factory=dict)
     data: dict[str, Any] = field(default_factory=dict)
+    trainer: dict[str, Any] = field(default_factory=dict)
     expect_error: str | None = None
     expect_error_on_every_rank: bool = False
     expect_compile_scope: str | None = None
@@ -197,7 +202,8 @@ class CheckSpec:
     least this factor (value / limit).
 
     ``expected_failures``: check name -> the reason it is known to fail (for example a model
-    whose forward depends on how a batch is split). Such a check still runs and reports its
+    whose forward depends on how a batch is split), or a table of run name -> reason where it is
+    known to fail in some runs only. Such a check still runs and reports its
     measured value; failing is then "xfail" and does not fail the scenario, passing is an
     unexpected pass ("XPASS"), which does: the known problem is gone, so the marker must go too.
     """
@@ -308,6 +314,7 @@ class Scenario:
             seed=self.seed if run.seed is None else run.seed,
             data=dataclasses.replace(self.data, **run.data),
             train=dataclasses.replace(self.train, **run.train),
+            trainer=dataclasses.replace(self.trainer, **run.trainer),
             faults=[f for f in self.faults if not f.runs or run.name in f.runs],
         )
 

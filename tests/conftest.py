@@ -78,3 +78,12 @@ def pytest_configure(config: pytest.Config) -> None:
     if xdist and asked:
         raise pytest.UsageError(f"{', '.join(asked)} record nothing under xdist (-n): pytest-benchmark disables "
                                 f"itself there; run the benchmarks without -n: pytest -m throughput {' '.join(asked)}")
+
+
+def needs_unsloth() -> None:
+    """Skip, with the install line, where unsloth-zoo (an extra installed without its
+    dependencies) is missing."""
+    import importlib.util
+
+    if importlib.util.find_spec("unsloth_zoo") is None:
+        pytest.skip("unsloth-zoo is not installed: pip install --no-deps 'unsloth_zoo>=2026.10.9'")

@@ -140,6 +140,14 @@ def test_gate_and_baseline_commands(tmp_path: Path) -> None:
     assert written.name == "linux-test-cpu-cpu-mlx0.32.4.json" and f"wrote {written}" in made.stdout
     assert json.loads(written.read_text())["tolerances"]["throughput_pct"] == 5.0
 
+    other = _doc([_repeat(500.0), _repeat(510.0)])
+    other["scenarios"][0]["name"] = "t"
+    more = cli("baseline", "update", "--baseline", str(bases), str(_write(tmp_path / "t" / "result.json", other)))
+    assert more.returncode == 0, more.stderr  # a new scenario joins; "s", not in these results, is kept
+    merged = json.loads(written.read_text())
+    assert set(merged["scenarios"]) == {"s", "t"} and merged["scenarios"]["s"]["single"]["median_tok_s"] == 1000.0
+    assert merged["tolerances"]["throughput_pct"] == 5.0
+
     ok = cli("gate", "--baseline", str(bases), str(runs))  # a directory: the platform's file is picked
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert "PASSED (4 of 4 gates passed)" in ok.stdout and "Single-process regression against the baseline" in ok.stdout

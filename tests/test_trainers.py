@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, cli
+from tests.conftest import REPO, cli, needs_unsloth
 
 EXAMPLE = REPO / "examples" / "ddp_train.py"
 
@@ -96,18 +96,40 @@ def test_a_broken_script_fails_with_one_line_naming_it(tmp_path: Path, script: s
     assert doc["exit_code"] == 3 and doc["scenarios"][0]["status"] == "error"
 
 
-@pytest.mark.ranks
-def test_a_failing_mlx_lm_trainer_is_named(tmp_path: Path) -> None:
-    body = (REPO / "scenarios" / "mlx_lm_parity.toml").read_text()
+def run_faulted(tmp_path: Path, scenario: str) -> str:
+    """The shipped scenario at 1 and 2 ranks for 4 steps, rank 1 raising at step 2 of the 2-rank
+    run: exit 3, no stray process; returns the printed output."""
+    body = (REPO / "scenarios" / f"{scenario}.toml").read_text()
     body = body.replace('[[runs]]\nname = "ddp4"\nworld_size = 4\n', "").replace("steps = 12", "steps = 4")
     body += '\n[[faults]]\nrank = 1\nstep = 2\naction = "raise"\nruns = ["ddp2"]\n'
-    path = tmp_path / "mlx_lm_fault.toml"
+    path = tmp_path / f"{scenario}_fault.toml"
     path.write_text(body)
     p = cli("run", str(path), "--out", str(tmp_path / "o"))
     assert p.returncode == 3, p.stdout[-3000:] + p.stderr[-2000:]
-    assert ("rank 1 failed: trainer mlx_lm (mlx_lm.tuner.trainer.train) raised RuntimeError: injected fault in "
-            "phase step at step 2") in p.stdout
     assert "survived" not in p.stdout
+    return p.stdout
+
+
+@pytest.mark.ranks
+def test_a_failing_mlx_lm_trainer_is_named(tmp_path: Path) -> None:
+    out = run_faulted(tmp_path, "mlx_lm_parity")
+    assert ("rank 1 failed: trainer mlx_lm (mlx_lm.tuner.trainer.train) raised RuntimeError: injected fault in "
+            "phase step at step 2") in out
+
+
+@pytest.mark.ranks
+def test_a_failing_unsloth_trainer_is_named(tmp_path: Path) -> None:
+    """A rank that raises inside unsloth-zoo's loop (from its callback, on rank 1 only) goes
+    through unsloth-zoo's own failure consensus: every rank stops, the cause names the trainer."""
+    needs_unsloth()
+    out = run_faulted(tmp_path, "unsloth_parity")
+    line = next(x for x in out.splitlines() if x.startswith("rank 1 failed: "))
+    assert line.startswith("rank 1 failed: trainer unsloth_zoo (unsloth_zoo.mlx.trainer.MLXTrainer) raised ")
+    assert "injected fault in phase step at step 2" in line
+    assert "rank 0 failed: trainer unsloth_zoo" in out  # the peer stopped too, not hung
+
+
+UNSLOTH = 'kind = "unsloth_zoo"'
 
 
 @pytest.mark.parametrize(("trainer", "extra", "needle"), [
@@ -116,10 +138,20 @@ def test_a_failing_mlx_lm_trainer_is_named(tmp_path: Path) -> None:
     ('kind = "script"', "", "[trainer].path: a 'script' trainer needs the path of a Python training script"),
     ('kind = "script"\npath = "nowhere.py"', "", "[trainer].path: path does not exist"),
     ('kind = "mlx_vlm2"', "", "[trainer].kind: must be one of"),
-    ('kind = "reference"\nfine_tune = "lora"', "", "[trainer].fine_tune: LoRA is an option of the 'mlx_lm' trainer"),
+    ('kind = "reference"\nfine_tune = "lora"', "", "[trainer].fine_tune: LoRA is an option of the 'mlx_lm' and "
+                                                    "'unsloth_zoo' trainers"),
+    ('kind = "reference"', '[[runs]]\nname = "b"\nworld_size = 1\ntrainer = { kind = "mlx_lm" }\n',
+     "[[runs]][0].trainer: only a throughput scenario times several trainers"),
+    (UNSLOTH, '[train]\nlr_schedule = "linear"\n', "[[runs]][0].train.lr_schedule: unsloth-zoo's schedules that "
+                                                    "match the scenario's are constant, cosine"),
+    (UNSLOTH, '[data]\norder = "length_sorted"\n', "[[runs]][0].data.order: unsloth-zoo takes 'ordered'"),
+    (UNSLOTH, "[train]\nglobal_batch = 6\n[[runs]]\nname = \"b\"\nworld_size = 4\n",
+     "[[runs]][0].world_size: unsloth-zoo takes a per-rank batch: the 6 rows of each micro-step do not divide"),
 ])
 def test_settings_a_trainer_cannot_honour_are_bad_input(tmp_path: Path, trainer: str, extra: str,
                                                         needle: str) -> None:
+    if "unsloth" in trainer:
+        needs_unsloth()
     path = tmp_path / "bad.toml"
     path.write_text(f'[scenario]\nname = "bad"\n\n[trainer]\n{trainer}\n\n{extra}\n[[runs]]\nname = "a"\n'
                     f"world_size = 1\n")

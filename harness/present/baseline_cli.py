@@ -54,16 +54,27 @@ def cmd_gate(args: argparse.Namespace) -> int:
 
 def cmd_baseline_update(args: argparse.Namespace) -> int:
     from harness import schema
-    from harness.judge.baselines import Tolerances, build_baseline, platform_key, read_baseline
+    from harness.judge.baselines import (
+        Tolerances,
+        build_baseline,
+        platform_differences,
+        platform_key,
+        read_baseline,
+    )
     from harness.present.gate_report import baseline_table
 
     docs = load_results(args.results)
     path = Path(args.baseline)
     if path.is_dir():
         path = path / baseline_filename(platform_key(docs[0][1]["environment"]))
-    # an existing baseline keeps its configured tolerances unless a flag changes them
-    tol = Tolerances(**read_baseline(path)["tolerances"]) if path.exists() else Tolerances()
+    # an existing baseline keeps its configured tolerances unless a flag changes them, and the
+    # scenarios these results do not cover
+    old = read_baseline(path) if path.exists() else None
+    tol = Tolerances(**old["tolerances"]) if old else Tolerances()
     doc = build_baseline(docs, tol.updated(**_tolerance_overrides(args)))
+    if old and not platform_differences(old["platform"], doc["platform"]):
+        kept = {k: v for k, v in old["scenarios"].items() if k not in doc["scenarios"]}
+        doc["scenarios"] = {**kept, **doc["scenarios"]}
     schema.write_json_atomic(path, doc)
     print(baseline_table(doc, args.format))
     print(f"\nwrote {path}")

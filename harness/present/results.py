@@ -34,6 +34,7 @@ def run_summary(run: RunOutcome, s: Scenario, ref: RunOutcome | None) -> dict[st
     micro = per_rank_batch(train.global_batch // train.grad_accum, run.world_size)
     out: dict[str, Any] = {
         "name": run.name,
+        "trainer": s.for_run(spec).trainer.kind,
         "world_size": run.world_size,
         "backend": run.backend or "none",
         "ok": run.ok,

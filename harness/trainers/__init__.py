@@ -32,6 +32,7 @@ class TrainerInfo:
 TRAINERS: dict[str, TrainerInfo] = {
     "reference": TrainerInfo("harness.rank.trainer", "the harness's reference DDP trainer", probes=True, twin=True),
     "mlx_lm": TrainerInfo("harness.trainers.mlx_lm", "mlx-lm's trainer (mlx_lm.tuner.trainer.train)"),
+    "unsloth_zoo": TrainerInfo("harness.trainers.unsloth_zoo", "unsloth-zoo's MLX trainer (unsloth_zoo.mlx.trainer)"),
     "script": TrainerInfo("harness.trainers.script", "a user's training script (reporting through harness.api)"),
 }
 

@@ -26,6 +26,7 @@ from typing import Any
 from harness.rank.entry import RankContext, ReportedFailure
 from harness.rank.reporter import StepReporter
 from harness.scenario import Scenario
+from harness.trainers.common import apply_lora
 
 TITLE = "mlx_lm.tuner.trainer.train"
 NO_GRADIENT = "mlx-lm's trainer exposes no loss or gradient at given parameters"
@@ -56,21 +57,14 @@ def to_row(ids: Any, supervised: Any, where: str) -> tuple[list[int], int]:
 
 def datasets(s: Scenario) -> tuple[list[tuple[list[int], int]], list[tuple[list[int], int]], int]:
     """(train rows, eval rows, vocabulary size) from the scenario's data and tokenizer."""
-    from harness.rank.sources import Encoder, row_source
-    from harness.rank.tokenizers import load_tokenizer
+    from harness.trainers.common import load_rows
 
-    tok = load_tokenizer(s.data)
-    encode = Encoder(tok, s.data)
+    rows = load_rows(s)
 
-    def rows(split: str) -> list[tuple[list[int], int]]:
-        out = []
-        for where, row in row_source(s.data, s.seed, split)():
-            ex = encode(where, row)
-            out.append(to_row(ex.ids, ex.supervised, where))
-        return out
+    def convert(split: list[tuple[str, Any]]) -> list[tuple[list[int], int]]:
+        return [to_row(ex.ids, ex.supervised, where) for where, ex in split]
 
-    has_eval = bool(s.data.eval_rows or s.data.eval_path)
-    return rows("train"), rows("eval") if has_eval else [], tok.vocab_size
+    return convert(rows.train), convert(rows.eval), rows.vocab_size
 
 
 def supervised_tokens(lengths: Any, width: int) -> int:
@@ -153,12 +147,7 @@ def run(ctx: RankContext) -> dict[str, Any]:
     from mlx_lm.tuner.trainer import TrainingArgs, train
 
     if lora:
-        from mlx_lm.tuner.utils import linear_to_lora_layers
-
-        model.freeze()
-        layers = s.trainer.lora_layers if s.trainer.lora_layers > 0 else len(model.layers)
-        linear_to_lora_layers(model, layers, {"rank": s.trainer.lora_rank, "scale": s.trainer.lora_scale,
-                                              "dropout": 0.0})
+        apply_lora(model, s)
     saves = Path(ctx.run_dir) / f"rank{ctx.rank}.mlx_lm"
     saves.mkdir(exist_ok=True)
     accum = t.grad_accum

@@ -1,0 +1,208 @@
+"""unsloth-zoo's MLX trainer under test: ``unsloth_zoo.mlx.trainer.MLXTrainer`` with its DDP path.
+
+The scenario's model (seeded weights from its config, or a local model directory) and rows go to
+``MLXTrainer(model, tokenizer, train_dataset, eval_dataset, args=MLXTrainingConfig(...))``
+through its public parameters: rows are pretokenized ``{"input_ids", "labels"}`` dicts (labels
+-100 where the scenario supervises nothing, so response-only rows keep their mask). Everything
+else is unsloth-zoo's own: its batching (the scenario's ``ordered`` rows in its sequential
+order, ``shuffled`` in its default seeded order; rank r taking every N-th row of each global
+batch), its token-weighted loss and gradient all-reduce, its compiled local step
+(``compile_scope`` ``full_step`` in one process, ``ddp_local_grad`` under DDP), its sharded
+evaluation, its failure consensus and its rank-0 saves. Settings the scenario leaves to the
+trainer (cut cross-entropy, gradient checkpointing, norm casting) keep unsloth-zoo's defaults.
+
+What the adapter adds: a Hugging Face style callback (``add_callback``), which unsloth-zoo calls
+on every rank, reports each logged optimizer step (``logging_steps = 1``: the global loss and
+supervised tokens it all-reduced, this rank's tokens, its learning rate, the parameters for
+replica digests) and each evaluation. In a floor run each batch holds its rows in reverse order
+(in unsloth-zoo's own shuffled order, which the adapter cannot see, the model's forward reverses
+them instead): the same mathematics, another summation order.
+
+Known behaviours (scenarios ``unsloth_tail_padding`` and ``unsloth_default_order``): under DDP it
+pads an epoch's short last global batch with rows from the dataset's start, and in its default
+order it batches pretokenized rows without the DDP group (every rank trains on the same rows).
+
+Install: ``pip install --no-deps 'unsloth_zoo>=2026.10.9'`` (its declared dependencies pull
+torch and triton on Linux; its MLX trainer needs none of them). On Linux it imports with
+``UNSLOTH_ZOO_DISABLE_GPU_INIT=1``, which the adapter sets.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from harness.rank.entry import RankContext, ReportedFailure
+from harness.rank.reporter import StepReporter
+from harness.scenario import Scenario
+
+TITLE = "unsloth_zoo.mlx.trainer.MLXTrainer"
+INSTALL = "pip install --no-deps 'unsloth_zoo>=2026.10.9'"
+NO_GRADIENT = "unsloth-zoo's trainer exposes no loss or gradient at given parameters"
+NOT_APPLICABLE = {
+    "step_token_parity": NO_GRADIENT,
+    "step_loss_parity": NO_GRADIENT,
+    "step_grad_parity": NO_GRADIENT,
+    "data_share_bytes": "MLXTrainer takes the whole dataset on every rank and picks each rank's rows itself",
+}
+LORA_RNG = {"global_rng_untouched": "the LoRA layers are mlx-lm's, which draw their weights from MLX's global RNG: "
+                                    "the adapter seeds it with the scenario seed on every rank"}
+SCOPES = {"full_step": "full-step", "ddp_local_grad": "local-grad"}
+COMPILE_MODES = {"off": "eager", "strict": "strict", "best_effort": "best_effort"}
+SCHEDULES = {"constant": "constant", "cosine": "cosine_warmup_with_min_lr"}
+# The scenario's "ordered" rows go in unsloth-zoo's sequential order (global batch k is rows
+# k*B..(k+1)*B-1, as the seed PR's own parity test ran it); "shuffled" leaves the order to
+# unsloth-zoo's default (a seeded, length-grouped order of its own).
+ORDERS = {"ordered": "sequential", "shuffled": "default"}
+
+
+def available() -> str | None:
+    """None when unsloth-zoo's MLX trainer imports here, else why not (with the install line)."""
+    os.environ.setdefault("UNSLOTH_ZOO_DISABLE_GPU_INIT", "1")
+    try:
+        import unsloth_zoo.mlx.trainer  # noqa: F401
+    except Exception as e:
+        return f"unsloth-zoo's MLX trainer does not import ({type(e).__name__}: {e}); install it with: {INSTALL}"
+    return None
+
+
+def to_item(ex: Any) -> dict[str, list[int]]:
+    """A row as ``MLXTrainer`` takes it pretokenized: labels -100 where nothing is supervised."""
+    ids = [int(t) for t in ex.ids]
+    return {"input_ids": ids, "labels": [t if bool(s) else -100 for t, s in zip(ids, ex.supervised, strict=True)]}
+
+
+class TokenizerView:
+    """The harness's tokenizer as ``MLXTrainer`` reads it when rows come pretokenized: padding and
+    end-of-sequence ids, ``encode``, and ``save_pretrained`` for its final save of a full model."""
+
+    def __init__(self, tok: Any, name: str):
+        self.tok, self.name = tok, name
+        self.pad_token_id = tok.pad_id
+        self.eos_token_id = tok.eos_id
+
+    def encode(self, text: str, **_: Any) -> list[int]:
+        return self.tok.encode(text)
+
+    def __call__(self, text: str, **_: Any) -> dict[str, list[int]]:
+        return {"input_ids": self.encode(text)}
+
+    def save_pretrained(self, path: str) -> None:
+        import json
+
+        note = {"harness_tokenizer": self.name, "pad_token_id": self.pad_token_id, "eos_token_id": self.eos_token_id}
+        (Path(path) / "tokenizer_config.json").write_text(json.dumps(note))
+
+
+def training_config(s: Scenario, world: int, out_dir: str) -> Any:
+    """``MLXTrainingConfig`` for the scenario: the same global batch, steps, optimizer and schedule."""
+    from unsloth_zoo.mlx.trainer import MLXTrainingConfig
+
+    t = s.train
+    schedule: dict[str, Any] = {"lr_scheduler_type": SCHEDULES[t.lr_schedule]}
+    if t.lr_schedule == "constant" and t.warmup_steps:
+        schedule["lr_scheduler_type"] = "constant_with_warmup"
+    if t.lr_schedule == "cosine":
+        schedule["lr_scheduler_min_lr_rate"] = t.min_lr_ratio
+    return MLXTrainingConfig(
+        per_device_train_batch_size=t.global_batch // (t.grad_accum * world),
+        gradient_accumulation_steps=t.grad_accum, max_steps=t.steps, warmup_steps=t.warmup_steps,
+        learning_rate=t.learning_rate, optim="adamw", weight_decay=t.weight_decay,
+        # The scenario's clipping: a global norm, or none (unsloth-zoo's own default is a per-leaf cap).
+        max_grad_norm=t.max_grad_norm, max_grad_leaf_norm=None if t.max_grad_norm else 0.0,
+        logging_steps=1, output_dir=out_dir, report_to="none",
+        save_steps=t.checkpoint_every, save_total_limit=t.keep_last or -1,
+        eval_steps=t.eval_every, per_device_eval_batch_size=max(1, t.eval_batch // world),
+        compile=t.compile != "off", compile_mode=COMPILE_MODES[t.compile],
+        dataset_order=ORDERS[s.data.order], max_seq_length=s.data.max_seq_len, seed=s.seed, append_eos=False,
+        **schedule)
+
+
+def reverse_batches(items: list[Any], batch: int) -> list[Any]:
+    """The floor run in sequential order: each consecutive ``batch`` of rows reversed, so each of
+    unsloth-zoo's batches holds the same rows in reverse order."""
+    return [row for k in range(0, len(items), batch) for row in reversed(items[k : k + batch])]
+
+
+def reverse_forward(model: Any) -> None:
+    """The floor run in unsloth-zoo's own order, where the adapter cannot see its batches: the
+    model's forward sees each batch's rows reversed and returns its logits in the original order
+    (the class is swapped, so the parameter tree keeps its names)."""
+    base = type(model)
+
+    def call(self: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        return base.__call__(self, inputs[::-1], *args, **kwargs)[::-1]
+
+    model.__class__ = type(f"RowsReversed{base.__name__}", (base,), {"__call__": call})
+
+
+def make_callback(rep: StepReporter, trainer: Any, eval_tokens: int) -> Any:
+    """The callback unsloth-zoo calls on every rank after each log and evaluation."""
+
+    class Report:
+        def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kw: Any) -> None:
+            if not logs or "loss" not in logs or "eval_loss" in logs or "train_runtime" in logs:
+                return
+            rep.step(int(state.global_step), logs["loss"], trainer._global_token_count_history[-1],
+                     trainer._local_token_count_history[-1], lr=logs.get("learning_rate"),
+                     params=trainer.model.parameters())
+
+        def on_evaluate(self, args: Any, state: Any, control: Any, metrics: dict[str, Any] | None = None,
+                        **kw: Any) -> None:
+            if metrics and "eval_loss" in metrics:
+                rep.eval(int(state.global_step), metrics["eval_loss"], eval_tokens)
+
+    return Report()
+
+
+def run(ctx: RankContext) -> dict[str, Any]:
+    why = available()
+    if why is not None:
+        raise ReportedFailure(f"trainer unsloth_zoo: {why}")
+    from importlib.metadata import version
+
+    from unsloth_zoo.mlx.trainer import MLXTrainer
+
+    from harness.rank.models import build_model
+    from harness.trainers.common import apply_lora, load_rows
+
+    s = Scenario.from_dict(ctx.job["scenario"])
+    lora = s.trainer.fine_tune == "lora"
+    rep = StepReporter(ctx, s, {**NOT_APPLICABLE, **(LORA_RNG if lora else {})})
+    ctx.phase("data")
+    rows = load_rows(s)
+    train_items = [to_item(ex) for _, ex in rows.train]
+    eval_items = [to_item(ex) for _, ex in rows.eval] or None
+    rep.data_bytes = sum(16 * len(item["input_ids"]) for item in train_items)  # as Python ints: a lower bound
+    eval_tokens = sum(int(ex.supervised[1:].sum()) for _, ex in rows.eval)
+    ctx.phase("model")
+    model, config = build_model(s.model, rows.vocab_size, s.seed)
+    if lora:
+        apply_lora(model, s)
+    if ctx.job.get("reverse_rows") and s.data.order == "ordered":
+        train_items = reverse_batches(train_items, s.train.global_batch // s.train.grad_accum)
+    elif ctx.job.get("reverse_rows"):
+        reverse_forward(model)
+    out = Path(ctx.run_dir) / f"rank{ctx.rank}.unsloth_zoo"
+    out.mkdir(exist_ok=True)
+    args = training_config(s, ctx.world_size, str(out))
+    try:
+        tokenizer = TokenizerView(rows.tokenizer, s.data.tokenizer)
+        trainer = MLXTrainer(model, tokenizer, train_items, eval_dataset=eval_items, args=args)
+        trainer.add_callback(make_callback(rep, trainer, eval_tokens))
+        rep.start(model.parameters())
+        result = trainer.train()
+    except ReportedFailure:
+        raise
+    except Exception as e:
+        raise ReportedFailure(f"trainer unsloth_zoo ({TITLE}) raised {type(e).__name__}: {e}") from e
+    rep.saved(sum(1 for f in out.rglob("*") if f.is_file()))
+    scope = "fallback-eager" if result.get("compile_fallback") else SCOPES.get(result.get("compile_scope"), "none")
+    rep.compile_scope = scope if args.compile else "none"
+    trained = model.trainable_parameters() if lora else model.parameters()
+    out_result = rep.finish(trained, {"model_config": config, "trainer": {
+        "kind": "unsloth_zoo", "title": TITLE, "version": version("unsloth_zoo"),
+        "compile_scope": result.get("compile_scope")}})
+    out_result["compile"]["fallback_reason"] = result.get("compile_fallback_reason") or None
+    return out_result
