@@ -62,12 +62,11 @@ class Session:
     def rows(self, split: str = "train") -> list[tuple[Any, Any]]:
         """The scenario's ``[data]`` rows of ``split`` ("train" or "eval"), tokenized: a list of
         (int32 token ids, bool mask of the tokens that are training targets)."""
-        from harness.rank.sources import Encoder, row_source
         from harness.rank.tokenizers import load_tokenizer
+        from harness.trainers.common import split_rows
 
-        encode = Encoder(load_tokenizer(self.scenario.data), self.scenario.data)
-        examples = [encode(where, row) for where, row in row_source(self.scenario.data, self.seed, split)()]
-        return [(e.ids, e.supervised) for e in examples]
+        tok = load_tokenizer(self.scenario.data)
+        return [(e.ids, e.supervised) for _, e in split_rows(self.scenario, tok, split)]
 
     def optimizer(self) -> Any:
         """AdamW with the scenario's ``[train]`` learning rate, schedule and weight decay."""

@@ -224,11 +224,12 @@ def _validate_trainer(s: Scenario, src: str) -> None:
     points."""
     _validate_trainer_spec(s.trainer, src, "[trainer]")
     for i, r in enumerate(s.runs):
+        t = s.for_run(r).trainer
         if r.trainer:
             require(s.kind == "throughput", src, f"[[runs]][{i}].trainer",
                     "only a throughput scenario times several trainers; a parity scenario tests one")
-            _validate_trainer_spec(s.for_run(r).trainer, src, f"[[runs]][{i}].trainer")
-        if s.for_run(r).trainer.external:
+            _validate_trainer_spec(t, src, f"[[runs]][{i}].trainer")
+        if t.external:
             _validate_external_run(s, i, r, src)
 
 

@@ -124,9 +124,9 @@ def run_scenario(
             )
             if floor is not None:
                 outcome.floor = floor.description
-            kind = s.for_run(spec).trainer.kind
-            if kind != "reference" and outcome.failure and f"trainer {kind}" not in outcome.failure:
-                outcome.failure = f"trainer {kind}: {outcome.failure}"  # name the trainer under test
+            t = s.for_run(spec).trainer
+            if t.external and outcome.failure and f"trainer {t.kind}" not in outcome.failure:
+                outcome.failure = f"trainer {t.kind}: {outcome.failure}"  # name the trainer under test
             outcomes[spec.name] = outcome
             if on_run:
                 on_run(outcome)

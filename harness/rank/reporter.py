@@ -49,6 +49,7 @@ class StepReporter:
         self.name = f"trainer {s.trainer.kind}"
         self.not_applicable = dict(not_applicable or {})
         self.compile_scope = compile_scope
+        self.fallback_reason: str | None = None  # why a compiled trainer fell back to eager
         self.effects = MainRankEffects(ctx.run_dir, ctx.rank)
         self.proc = psutil.Process()
         self.history: dict[str, list[Any]] = {k: [] for k in HISTORY}
@@ -149,7 +150,8 @@ class StepReporter:
             "param_count": param_count(params),
             "evals": self.evals,
             "stop": None,
-            "compile": {"mode": self.s.train.compile, "scope": self.compile_scope, "fallback_reason": None},
+            "compile": {"mode": self.s.train.compile, "scope": self.compile_scope,
+                        "fallback_reason": self.fallback_reason},
             "side_effects": {"saves": self.saves},
             "data": {"streaming": False, "bytes_held": self.data_bytes},
             "rss_step_peak_bytes": self.rss_peak,

@@ -23,18 +23,21 @@ class Rows:
         return int(self.tokenizer.vocab_size)
 
 
-def load_rows(s: Scenario) -> Rows:
+def split_rows(s: Scenario, tok: Any, split: str) -> list[tuple[str, Any]]:
+    """The ``split`` ("train" or "eval") rows of the scenario's data, tokenized by ``tok``."""
     from harness.rank.sources import Encoder, row_source
+
+    encode = Encoder(tok, s.data)
+    return [(where, encode(where, row)) for where, row in row_source(s.data, s.seed, split)()]
+
+
+def load_rows(s: Scenario) -> Rows:
+    """The train rows, the eval rows (none without ``eval_rows`` or ``eval_path``) and their tokenizer."""
     from harness.rank.tokenizers import load_tokenizer
 
     tok = load_tokenizer(s.data)
-    encode = Encoder(tok, s.data)
-
-    def split(name: str) -> list[tuple[str, Any]]:
-        return [(where, encode(where, row)) for where, row in row_source(s.data, s.seed, name)()]
-
     has_eval = bool(s.data.eval_rows or s.data.eval_path)
-    return Rows(split("train"), split("eval") if has_eval else [], tok)
+    return Rows(split_rows(s, tok, "train"), split_rows(s, tok, "eval") if has_eval else [], tok)
 
 
 def apply_lora(model: Any, s: Scenario) -> None:

@@ -175,7 +175,7 @@ def run(ctx: RankContext) -> dict[str, Any]:
     train_items = [to_item(ex) for _, ex in rows.train]
     eval_items = [to_item(ex) for _, ex in rows.eval] or None
     rep.data_bytes = sum(16 * len(item["input_ids"]) for item in train_items)  # as Python ints: a lower bound
-    eval_tokens = sum(int(ex.supervised[1:].sum()) for _, ex in rows.eval)
+    eval_tokens = sum(ex.tokens for _, ex in rows.eval)
     ctx.phase("model")
     model, config = build_model(s.model, rows.vocab_size, s.seed)
     if lora:
@@ -200,9 +200,8 @@ def run(ctx: RankContext) -> dict[str, Any]:
     rep.saved(sum(1 for f in out.rglob("*") if f.is_file()))
     scope = "fallback-eager" if result.get("compile_fallback") else SCOPES.get(result.get("compile_scope"), "none")
     rep.compile_scope = scope if args.compile else "none"
+    rep.fallback_reason = result.get("compile_fallback_reason") or None
     trained = model.trainable_parameters() if lora else model.parameters()
-    out_result = rep.finish(trained, {"model_config": config, "trainer": {
+    return rep.finish(trained, {"model_config": config, "trainer": {
         "kind": "unsloth_zoo", "title": TITLE, "version": version("unsloth_zoo"),
         "compile_scope": result.get("compile_scope")}})
-    out_result["compile"]["fallback_reason"] = result.get("compile_fallback_reason") or None
-    return out_result
