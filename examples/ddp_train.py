@@ -58,8 +58,6 @@ def main():
             order.extend(rng.permutation(len(rows)).tolist())
         batch, order = order[: run.global_batch], order[run.global_batch :]
         mine = [rows[i] for i in batch[rank::size]]
-        if run.reverse_rows:  # the harness's noise-floor run: same mathematics, another order
-            mine = mine[::-1]
         inputs, targets, mask = collate(mine)
         tokens_local = mask.sum()
         tokens = mx.distributed.all_sum(tokens_local, group=group)

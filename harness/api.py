@@ -20,9 +20,11 @@ did::
     run.finish(model.parameters())       # the final parameters, judged for parity
 
 ``loss`` is the step's global loss as the script computes it, ``tokens`` the step's global
-supervised token count and ``tokens_local`` this rank's. ``run.reverse_rows`` is true in the
-noise-floor run (one process): reverse the order of the rows within each batch there, so the
-harness measures how much the same mathematics moves under another summation order.
+supervised token count and ``tokens_local`` this rank's. In the noise-floor run (one process)
+``run.model()`` returns a model whose forward computes each batch in the row chunks of the ranks
+being judged (``run.split_rows`` of them), so the harness measures how far the same mathematics
+moves with N ranks' rounding; a script that builds its own model passes it through
+``run.split(model)``.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ class Session:
         self.steps: int = scenario.train.steps
         self.global_batch: int = scenario.train.global_batch
         self.learning_rate: float = scenario.train.learning_rate
-        self.reverse_rows: bool = bool(ctx.job.get("reverse_rows"))
+        self.split_rows: int = int(ctx.job.get("split_rows") or 1)
         self.run_dir: Path = Path(ctx.run_dir)
 
     def model(self) -> Any:
@@ -57,7 +59,17 @@ class Session:
         from harness.rank.models import build_model
         from harness.rank.tokenizers import load_tokenizer
 
-        return build_model(self.scenario.model, load_tokenizer(self.scenario.data).vocab_size, self.seed)[0]
+        return self.split(build_model(self.scenario.model, load_tokenizer(self.scenario.data).vocab_size,
+                                      self.seed)[0])
+
+    def split(self, model: Any) -> Any:
+        """``model`` itself; in the noise-floor run, with its forward computing each batch in
+        ``split_rows`` row chunks (the same logits; the rounding of that many ranks)."""
+        if self.split_rows > 1:
+            from harness.trainers.common import split_text_model
+
+            split_text_model(model, self.split_rows)
+        return model
 
     def rows(self, split: str = "train") -> list[tuple[Any, Any]]:
         """The scenario's ``[data]`` rows of ``split`` ("train" or "eval"), tokenized: a list of

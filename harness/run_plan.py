@@ -12,9 +12,13 @@ far the same mathematics drifts when only its float rounding changes:
   is split fails there (its floor is then refused);
 - a *rerun* of B: B launched again exactly as it was; used for a resume at B's world size, where
   the only difference a correct trainer may show is the device's run-to-run variation;
-- a *reversed* run of B, for a trainer under test that cannot emulate ranks in one process (an
-  external trainer, ``harness.trainers``): B in one process with each batch's rows in reverse
-  order, the same mathematics in another summation order.
+- a *split* run of B for X, for a trainer under test that cannot emulate ranks in one process
+  (an external trainer, ``harness.trainers``): B in one process, the trainer untouched, the
+  model's forward computing each batch in X's N row chunks, each chunk's rows in reverse order
+  (N ranks' shapes and N partial sums of each gradient, as N ranks compute them, in another
+  order; 2 chunks for a run of one process). The trainer's loss and gradient are those of the whole batch, as in B:
+  only their rounding differs. A trainer that computes another objective across ranks is not
+  reproduced by it.
 
 Floor runs are shared by every comparison that needs the same one. The reference runs first
 (compared runs and twins read its step-local probes), then the scenario's other runs in file
@@ -33,8 +37,8 @@ from harness.trainers import trainer_info
 @dataclass(frozen=True)
 class FloorRun:
     """A run the harness adds: ``kind`` "twin" (of ``base``, emulating ``emulate`` ranks of
-    ``grad_accum`` micro-steps each), "rerun" (of ``base``) or "reversed" (``base`` in one
-    process, each batch's rows reversed)."""
+    ``grad_accum`` micro-steps each), "rerun" (of ``base``) or "split" (``base`` in one process,
+    the model computing each batch in ``emulate`` row chunks)."""
 
     name: str
     kind: str
@@ -47,7 +51,7 @@ class FloorRun:
         if self.kind == "rerun":
             return dataclasses.replace(base, name=self.name, stop_after=None, compare_to=None, expect_resume_step=None,
                                        mutation=None)
-        accum = {} if self.kind == "reversed" else {"grad_accum": self.grad_accum}
+        accum = {} if self.kind == "split" else {"grad_accum": self.grad_accum}
         return RunSpec(name=self.name, world_size=1, train={**base.train, **accum}, data=dict(base.data),
                        seed=base.seed)
 
@@ -55,8 +59,9 @@ class FloorRun:
     def description(self) -> str:
         if self.kind == "rerun":
             return f"{self.base} run again (the device's run-to-run variation)"
-        if self.kind == "reversed":
-            return f"{self.base}'s settings in one process, each batch's rows in reverse order"
+        if self.kind == "split":
+            return (f"{self.base}'s settings in one process, the model computing each batch in {self.emulate} "
+                    f"row chunks, their rows reversed")
         steps = f"{self.grad_accum} micro-step{'s' if self.grad_accum > 1 else ''} each"
         ranks = "1 rank's shard" if self.emulate == 1 else f"{self.emulate} ranks' shards"
         return f"{self.base}'s settings in one process computing {ranks} ({steps})"
@@ -89,7 +94,8 @@ def floor_for(s: Scenario, run: RunSpec, base: RunSpec) -> FloorRun | None:
     if base.name == run.compare_to and same_execution(s, run, base):
         return FloorRun(f"{base.name}_rerun", "rerun", base.name)
     if not trainer_info(s.trainer.kind).twin:
-        return FloorRun(f"{base.name}_reversed", "reversed", base.name)
+        n = max(run.world_size, 2)
+        return FloorRun(f"{base.name}_split{n}", "split", base.name, n)
     return _twin(s, base, run)
 
 

@@ -145,7 +145,7 @@ def _validate_fault(f: FaultSpec, where: str, src: str) -> None:
 EXTERNAL_FAULTS = ("raise", "exit", "exit0", "sigkill", "segfault", "hang")
 
 
-LORA_TRAINERS = ("mlx_lm", "unsloth_zoo")
+LORA_TRAINERS = ("mlx_lm", "mlx_vlm", "unsloth_zoo")
 UNSLOTH_INSTALL = "pip install --no-deps 'unsloth_zoo>=2026.10.9'"
 UNSLOTH_SCHEDULES = ("constant", "cosine")
 UNSLOTH_ORDERS = ("ordered", "shuffled")
@@ -170,6 +170,31 @@ def _validate_unsloth(eff: Scenario, r: RunSpec, src: str, where: str) -> None:
                 f"{r.world_size}")
 
 
+def _validate_mlx_vlm(eff: Scenario, r: RunSpec, src: str, where: str) -> None:
+    """What mlx-vlm's Trainer can be given: whole per-rank slices, its own order, no clipping,
+    eval batches of the training batch size, a step it compiles or not."""
+    t, d = eff.train, eff.data
+    micro = t.global_batch // t.grad_accum
+    require(micro % r.world_size == 0, src, f"{where}.world_size",
+            f"mlx-vlm splits each batch into equal rank slices: the {micro} rows of each micro-step do not "
+            f"divide by world_size {r.world_size}")
+    require(t.max_grad_norm == 0, src, f"{where}.train.max_grad_norm",
+            "mlx-vlm's trainer does not clip gradients: leave it at 0")
+    require(d.order == "ordered", src, f"{where}.data.order",
+            "mlx-vlm orders batches itself (rows grouped by media and sorted by length, batches in a seeded order)")
+    require(t.compile in ("off", "strict"), src, f"{where}.train.compile",
+            "mlx-vlm compiles its whole step or not at all (no fallback): use 'off' or 'strict'")
+    require(eff.trainer.lora_layers == -1, src, f"{where}.trainer.lora_layers",
+            "mlx-vlm's LoRA adapts every transformer layer it finds: leave lora_layers at -1")
+    require(d.rows >= micro or d.source == "jsonl", src, f"{where}.data.rows",
+            "mlx-vlm needs at least one global batch of rows")
+    if d.eval_rows or d.eval_path:
+        require(t.eval_batch == micro, src, f"{where}.train.eval_batch",
+                f"mlx-vlm evaluates in batches of the training batch size: set eval_batch = {micro}")
+        require(d.eval_rows >= micro or d.eval_path is not None, src, f"{where}.data.eval_rows",
+                f"mlx-vlm evaluates whole batches only: eval_rows must be at least {micro}")
+
+
 def _validate_trainer_spec(t: TrainerSpec, src: str, at: str) -> None:
     """One trainer's own keys: a known kind, what it may take, and that it is installed."""
     _one_of(t.kind, TRAINER_KINDS, src, f"{at}.kind")
@@ -177,7 +202,7 @@ def _validate_trainer_spec(t: TrainerSpec, src: str, at: str) -> None:
     require(t.kind == "script" or t.path is None, src, f"{at}.path", "only a 'script' trainer takes a path")
     require(t.kind == "script" or not t.args, src, f"{at}.args", "only a 'script' trainer takes args")
     require(t.kind in LORA_TRAINERS or t.fine_tune == "full", src, f"{at}.fine_tune",
-            f"LoRA is an option of the {' and '.join(map(repr, LORA_TRAINERS))} trainers")
+            f"LoRA is an option of the {', '.join(map(repr, LORA_TRAINERS))} trainers")
     require(t.lora_rank > 0 and t.lora_scale > 0, src, f"{at}.lora_rank", "lora_rank and lora_scale must be positive")
     if t.kind == "script":
         require(t.path is not None and t.path.endswith(".py"), src, f"{at}.path",
@@ -194,7 +219,10 @@ def _validate_external_run(s: Scenario, i: int, r: RunSpec, src: str) -> None:
     eff = s.for_run(r)
     kind = eff.trainer.kind
     name = f"the {kind} trainer"
-    require(not eff.model.vision, src, "[model].arch", f"{name} trains text models ({', '.join(TEXT_ARCHS)})")
+    if kind == "mlx_vlm":
+        require(eff.model.vision, src, "[model].arch", f"{name} trains vision-language models ({', '.join(VLM_ARCHS)})")
+    else:
+        require(not eff.model.vision, src, "[model].arch", f"{name} trains text models ({', '.join(TEXT_ARCHS)})")
     require(r.mutation is None, src, f"{where}.mutation", "mutations are injected into the reference trainer only")
     require(r.resume_from is None and r.stop_after is None, src, f"{where}.resume_from",
             f"resume is not supported for {name} yet")
@@ -213,6 +241,8 @@ def _validate_external_run(s: Scenario, i: int, r: RunSpec, src: str) -> None:
                     f"by world_size {r.world_size}")
     if kind == "unsloth_zoo":
         _validate_unsloth(eff, r, src, where)
+    if kind == "mlx_vlm":
+        _validate_mlx_vlm(eff, r, src, where)
     for j, f in enumerate(eff.faults):
         require(f.phase == "step" and f.action in EXTERNAL_FAULTS, src, f"[[faults]][{j}]",
                 f"{name} can be faulted in the 'step' phase with {', '.join(EXTERNAL_FAULTS)}")

@@ -25,7 +25,7 @@ COMPILE_MODES = ("off", "strict", "best_effort")
 KINDS = ("parity", "throughput")
 COMPILE_SCOPES = ("none", "local-grad", "full-step", "fallback-eager")
 LR_SCHEDULES = ("constant", "cosine", "linear")
-TRAINER_KINDS = ("reference", "mlx_lm", "unsloth_zoo", "script")
+TRAINER_KINDS = ("reference", "mlx_lm", "mlx_vlm", "unsloth_zoo", "script")
 FINE_TUNES = ("full", "lora")
 
 
@@ -36,9 +36,9 @@ class ScenarioError(ValueError):
 @dataclass
 class TrainerSpec:
     """The trainer under test. ``reference``: the harness's own DDP trainer. ``mlx_lm``:
-    ``mlx_lm.tuner.trainer.train``; ``unsloth_zoo``: ``unsloth_zoo.mlx.trainer.MLXTrainer`` (both
-    ``fine_tune`` "full", or "lora" with ``lora_rank``, ``lora_scale`` and ``lora_layers`` adapted
-    layers, -1: all). ``script``: a user's training
+    ``mlx_lm.tuner.trainer.train``; ``mlx_vlm``: ``mlx_vlm.trainer.Trainer`` (a VLM);
+    ``unsloth_zoo``: ``unsloth_zoo.mlx.trainer.MLXTrainer`` (each ``fine_tune`` "full", or "lora"
+    with ``lora_rank``, ``lora_scale`` and ``lora_layers`` adapted layers, -1: all). ``script``: a user's training
     script at ``path`` (run with ``args`` as its command line), reporting through ``harness.api``."""
 
     kind: str = "reference"

@@ -102,6 +102,7 @@ def run_faulted(tmp_path: Path, scenario: str) -> str:
     body = (REPO / "scenarios" / f"{scenario}.toml").read_text()
     body = body.replace('[[runs]]\nname = "ddp4"\nworld_size = 4\n', "").replace("steps = 12", "steps = 4")
     body += '\n[[faults]]\nrank = 1\nstep = 2\naction = "raise"\nruns = ["ddp2"]\n'
+    body = body.replace('"data/', f'"{REPO}/scenarios/data/')  # the scenario's own data, from elsewhere
     path = tmp_path / f"{scenario}_fault.toml"
     path.write_text(body)
     p = cli("run", str(path), "--out", str(tmp_path / "o"))
@@ -129,6 +130,15 @@ def test_a_failing_unsloth_trainer_is_named(tmp_path: Path) -> None:
     assert "rank 0 failed: trainer unsloth_zoo" in out  # the peer stopped too, not hung
 
 
+@pytest.mark.ranks
+def test_a_failing_mlx_vlm_trainer_is_named(tmp_path: Path) -> None:
+    """mlx-vlm has no failure consensus: rank 1 raises inside its loop, rank 0 waits in the next
+    all-reduce until the watchdog stops it; the cause names the trainer, nothing is left behind."""
+    out = run_faulted(tmp_path, "mlx_vlm_parity")
+    assert ("rank 1 failed: trainer mlx_vlm (mlx_vlm.trainer.Trainer) raised RuntimeError: injected fault in "
+            "phase step at step 2") in out
+
+
 UNSLOTH = 'kind = "unsloth_zoo"'
 
 
@@ -138,8 +148,13 @@ UNSLOTH = 'kind = "unsloth_zoo"'
     ('kind = "script"', "", "[trainer].path: a 'script' trainer needs the path of a Python training script"),
     ('kind = "script"\npath = "nowhere.py"', "", "[trainer].path: path does not exist"),
     ('kind = "mlx_vlm2"', "", "[trainer].kind: must be one of"),
-    ('kind = "reference"\nfine_tune = "lora"', "", "[trainer].fine_tune: LoRA is an option of the 'mlx_lm' and "
-                                                    "'unsloth_zoo' trainers"),
+    ('kind = "reference"\nfine_tune = "lora"', "", "[trainer].fine_tune: LoRA is an option of the 'mlx_lm', "
+                                                    "'mlx_vlm', 'unsloth_zoo' trainers"),
+    ('kind = "mlx_vlm"', "", "[model].arch: the mlx_vlm trainer trains vision-language models (qwen2_vl, paligemma)"),
+    ('kind = "mlx_vlm"', '[model]\narch = "qwen2_vl"\n[data]\nsource = "images"\n[train]\ncompile = "best_effort"\n',
+     "[[runs]][0].train.compile: mlx-vlm compiles its whole step or not at all"),
+    ('kind = "mlx_vlm"', '[model]\narch = "qwen2_vl"\n[data]\nsource = "images"\neval_rows = 8\n',
+     "[[runs]][0].train.eval_batch: mlx-vlm evaluates in batches of the training batch size: set eval_batch = 8"),
     ('kind = "reference"', '[[runs]]\nname = "b"\nworld_size = 1\ntrainer = { kind = "mlx_lm" }\n',
      "[[runs]][0].trainer: only a throughput scenario times several trainers"),
     (UNSLOTH, '[train]\nlr_schedule = "linear"\n', "[[runs]][0].train.lr_schedule: unsloth-zoo's schedules that "

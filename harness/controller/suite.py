@@ -75,7 +75,7 @@ def train_job(s: Scenario, run: RunSpec, workspace: Path | None = None, floor: F
         "stop_after": run.stop_after,
         "mutation": run.mutation,
         "emulate": floor.emulate if floor and floor.kind == "twin" else None,
-        "reverse_rows": floor is not None and floor.kind == "reversed",
+        "split_rows": floor.emulate if floor is not None and floor.kind == "split" else 0,
         "probe": probe_plan(s, run, workspace, floor),
     }
     if workspace is not None and writes_checkpoints(s, run):

@@ -175,17 +175,22 @@ AGREED_FIELDS = ("steps", "losses", "stop", "evals", "compile", "tokens_global")
 
 
 def ranks_agree(run: RunOutcome) -> Check:
-    """Every rank reports the same steps, losses, stop, eval metrics (bitwise) and compile state."""
+    """Every rank reports the same steps, losses, stop, eval metrics (bitwise) and compile state;
+    figures a trainer reports on rank 0 only (sent to the others after training) are not compared."""
     results = [o.result or {} for o in run.ranks]
+    sent = (results[0].get("from_rank0") or {}) if results else {}
+    fields = [k for k in AGREED_FIELDS if k not in sent.get("fields", ())]
     differ = []
-    for key in AGREED_FIELDS:
+    for key in fields:
         values = [r.get(key) for r in results]
         if key == "evals":  # per-rank figures (local tokens and rows) legitimately differ
             values = [[{k: e[k] for k in ("step", "loss", "tokens")} for e in v or []] for v in values]
         if any(v != values[0] for v in values[1:]):
             differ.append(key)
     detail = f"{run.world_size} ranks; " + (f"differ in {', '.join(differ)}" if differ else
-                                            f"same {', '.join(AGREED_FIELDS)}")
+                                            f"same {', '.join(fields)}")
+    if sent and run.world_size > 1:
+        detail += f"; {', '.join(sent['fields'])} are rank 0's ({sent['why']})"
     return Check("ranks_agree", run.name, not differ, len(differ), 0, detail)
 
 

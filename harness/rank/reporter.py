@@ -36,6 +36,23 @@ HISTORY = ("losses", "step_times_s", "tok_s_local", "tok_s_global", "tokens_loca
            "tokens_global_per_step")
 
 
+def send_from_rank0(ctx: RankContext, value: Any) -> Any:
+    """Rank 0's JSON-able ``value`` on every rank (two all-sums; the value itself in one process)."""
+    if ctx.world_size == 1:
+        return value
+    import json
+
+    import mlx.core as mx
+    import numpy as np
+
+    raw = json.dumps(value).encode() if ctx.rank == 0 else b""
+    size = int(mx.distributed.all_sum(mx.array(len(raw), dtype=mx.int32), group=ctx.group).item())
+    buf = np.zeros(size, dtype=np.int32)
+    buf[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+    total = np.array(mx.distributed.all_sum(mx.array(buf), group=ctx.group))
+    return json.loads(bytes(total.astype(np.uint8)).decode())
+
+
 class StepReporter:
     """Collects one rank's report of an external trainer's run (see the module docstring)."""
 
@@ -60,6 +77,7 @@ class StepReporter:
         self.rng_before = global_rng_digest()
         self.t_start = self.t_last = time.perf_counter()
         self.data_bytes = 0
+        self.from_rank0: dict[str, Any] | None = None
         self.finished: dict[str, Any] | None = None
 
     @property
@@ -73,11 +91,13 @@ class StepReporter:
         self.ctx.phase("train")
         self.t_start = self.t_last = time.perf_counter()
 
-    def step(self, step: int, loss: float, tokens_global: int, tokens_local: int, lr: float | None = None,
-             params: Any = None, step_time_s: float | None = None) -> None:
+    def step(self, step: int, loss: float | None, tokens_global: int | None, tokens_local: int,
+             lr: float | None = None, params: Any = None, step_time_s: float | None = None) -> None:
         """Optimizer step ``step`` (1, 2, ...) is done: its global loss and supervised tokens as the
         trainer computed them, this rank's tokens, the learning rate, and (at digest steps) the
-        parameters after the update. Without ``step_time_s``, the time since the previous call."""
+        parameters after the update. Without ``step_time_s``, the time since the previous call.
+        A trainer that reports on rank 0 only leaves the loss and global tokens ``None`` on the
+        other ranks until ``adopt_rank0``."""
         if step != self.steps + 1:
             raise ReportedFailure(f"{self.name} reported step {step} after step {self.steps}: steps are reported "
                                   f"once each, in order, from 1")
@@ -88,21 +108,25 @@ class StepReporter:
         rss = self.proc.memory_info().rss
         self.rss_peak = max(self.rss_peak, rss)
         h = self.history
-        for key, value in (("losses", float(loss)), ("step_times_s", dt), ("tok_s_local", tokens_local / dt),
-                           ("tok_s_global", tokens_global / dt), ("tokens_local_per_step", int(tokens_local)),
+        loss = None if loss is None else float(loss)
+        tokens_global = None if tokens_global is None else int(tokens_global)
+        for key, value in (("losses", loss), ("step_times_s", dt), ("tok_s_local", tokens_local / dt),
+                           ("tok_s_global", None if tokens_global is None else tokens_global / dt),
+                           ("tokens_local_per_step", int(tokens_local)),
                            ("learning_rates", None if lr is None else float(lr)),
-                           ("tokens_global_per_step", int(tokens_global))):
+                           ("tokens_global_per_step", tokens_global)):
             h[key].append(value)
         import mlx.core as mx
 
-        event = dict(step=step, rank=self.ctx.rank, loss=float(loss), tokens_global=int(tokens_global),
+        event = dict(step=step, rank=self.ctx.rank, loss=loss, tokens_global=tokens_global,
                      tokens_local=int(tokens_local), step_time_s=dt, lr=lr, mlx_peak_bytes=int(mx.get_peak_memory()),
                      rss_bytes=rss)
         every = self.s.train.digest_every
         if params is not None and every and step % every == 0:
             self.digests[step] = event["digest"] = tree_digest(params)
         self.ctx.events.emit("step", **event)
-        self.effects.callback("step", {"step": step, "loss": float(loss), "tokens": int(tokens_global)})
+        if loss is not None:
+            self.effects.callback("step", {"step": step, "loss": loss, "tokens": tokens_global})
         fault = self.ctx.maybe_fault("step", step)  # process-level faults happen inside
         if fault is not None and fault.action == "raise":
             raise RuntimeError(f"injected fault in phase step at step {step}")
@@ -112,6 +136,20 @@ class StepReporter:
         record = {"step": int(step), "loss": float(loss), "tokens": int(tokens)}
         self.evals.append(record)
         self.ctx.events.emit("eval", rank=self.ctx.rank, **record)
+
+    def adopt_rank0(self, why: str) -> None:
+        """The trainer reports its metrics on rank 0 only (``why``): every rank takes rank 0's
+        per-step losses, global tokens and evaluations (sent in one all-reduce after training),
+        and the result names them, so ``ranks_agree`` does not count them as agreement."""
+        h = self.history
+        sent = send_from_rank0(self.ctx, {"losses": h["losses"], "tokens": h["tokens_global_per_step"],
+                                          "evals": self.evals})
+        if len(sent["losses"]) != self.steps or None in sent["losses"]:
+            raise ReportedFailure(f"{self.name} reported {len(sent['losses'])} steps on rank 0, but this rank "
+                                  f"trained {self.steps}")
+        h["losses"], h["tokens_global_per_step"], self.evals = sent["losses"], sent["tokens"], sent["evals"]
+        h["tok_s_global"] = [n / dt for n, dt in zip(h["tokens_global_per_step"], h["step_times_s"], strict=True)]
+        self.from_rank0 = {"fields": ["losses", "evals", "tokens_global"], "why": why}
 
     def saved(self, count: int = 1) -> None:
         """The trainer wrote ``count`` files of its own (weights, adapters, checkpoints) on this rank."""
@@ -159,6 +197,7 @@ class StepReporter:
             "precision": measure_precision(self.s.model.dtype),
             "global_rng_untouched": global_rng_digest() == self.rng_before,
             "probes": None,
+            "from_rank0": self.from_rank0,
             **(extra or {}),
         }
         return self.finished

@@ -19,9 +19,9 @@ class TrainerInfo:
 
     ``probes``: it computes step-local probes at the reference's parameters (otherwise the
     step-local checks are n/a). ``twin``: it can compute N ranks' shards in one process (the
-    noise-floor twin); otherwise its trajectories are judged against a *reversed* floor run, the
-    reference run again in one process with each batch's rows in reverse order (the same
-    mathematics, another summation order)."""
+    noise-floor twin); otherwise its trajectories are judged against a *split* floor run, the
+    reference run again in one process with the model computing each batch in the N ranks' row
+    chunks (``common.split_forward``: the same mathematics, N ranks' rounding)."""
 
     module: str
     title: str
@@ -32,6 +32,7 @@ class TrainerInfo:
 TRAINERS: dict[str, TrainerInfo] = {
     "reference": TrainerInfo("harness.rank.trainer", "the harness's reference DDP trainer", probes=True, twin=True),
     "mlx_lm": TrainerInfo("harness.trainers.mlx_lm", "mlx-lm's trainer (mlx_lm.tuner.trainer.train)"),
+    "mlx_vlm": TrainerInfo("harness.trainers.mlx_vlm", "mlx-vlm's trainer (mlx_vlm.trainer.Trainer)"),
     "unsloth_zoo": TrainerInfo("harness.trainers.unsloth_zoo", "unsloth-zoo's MLX trainer (unsloth_zoo.mlx.trainer)"),
     "script": TrainerInfo("harness.trainers.script", "a user's training script (reporting through harness.api)"),
 }

@@ -40,6 +40,24 @@ def load_rows(s: Scenario) -> Rows:
     return Rows(split_rows(s, tok, "train"), split_rows(s, tok, "eval") if has_eval else [], tok)
 
 
+def load_image_rows(s: Scenario) -> tuple[Rows, Any]:
+    """A vision-language scenario's image rows, encoded as the reference trainer encodes them (the
+    model's own image processor, its image block in the token ids), and the ``VisionSetup``."""
+    from harness.rank.images import VisionEncoder, image_row_source
+    from harness.rank.tokenizers import load_tokenizer
+    from harness.rank.vision import vision_setup
+
+    d = s.data
+    tok = load_tokenizer(d)
+    vision = vision_setup(s.model, tok.vocab_size, tok.pad_id, d.image_size)
+    encode = VisionEncoder(tok, d, vision)
+
+    def split(name: str) -> list[tuple[str, Any]]:
+        return [(where, encode(where, row)) for where, row in image_row_source(d, s.seed, name)()]
+
+    return Rows(split("train"), split("eval") if d.eval_rows or d.eval_path else [], tok), vision
+
+
 def apply_lora(model: Any, s: Scenario) -> None:
     """Freeze the model and adapt its last ``lora_layers`` blocks (all: -1) with mlx-lm's LoRA.
     mlx-lm draws the LoRA weights from MLX's global RNG, so it is seeded with the scenario seed
@@ -52,3 +70,57 @@ def apply_lora(model: Any, s: Scenario) -> None:
     model.freeze()
     layers = t.lora_layers if t.lora_layers > 0 else len(model.layers)
     linear_to_lora_layers(model, layers, {"rank": t.lora_rank, "scale": t.lora_scale, "dropout": 0.0})
+
+
+def chunk_rows(rows: int, n: int) -> list[list[int]]:
+    """``n`` contiguous chunks of ``rows`` rows (sizes differ by at most one; none empty), each
+    listed in reverse order."""
+    n = max(1, min(n, rows))
+    cuts = [rows * k // n for k in range(n + 1)]
+    return [list(range(stop - 1, start - 1, -1)) for start, stop in zip(cuts[:-1], cuts[1:], strict=True)]
+
+
+def take_rows(args: tuple[Any, ...], kwargs: dict[str, Any], rows: int, picked: list[int]
+              ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A forward call's arguments for the ``picked`` rows, in that order: every array with
+    ``rows`` rows is indexed."""
+    import mlx.core as mx
+
+    at = mx.array(picked)
+
+    def cut(v: Any) -> Any:
+        return v[at] if isinstance(v, mx.array) and v.ndim and v.shape[0] == rows else v
+
+    return tuple(cut(a) for a in args), {k: cut(v) for k, v in kwargs.items()}
+
+
+def split_forward(model: Any, n: int, take: Any = take_rows) -> None:
+    """The floor run of an external trainer: the model's forward computes each batch in ``n``
+    contiguous chunks of rows, each with its rows in reverse order (the shapes of ``n`` ranks'
+    batches, the gradient summed from ``n`` partial products as ``n`` ranks sum it, and another
+    summation order inside each), and returns the logits of every row in the original order: the
+    same mathematics as one forward on the whole batch, only its rounding differs. ``take(args,
+    kwargs, rows, picked)`` cuts a call's arguments. The class is swapped, so the parameter tree
+    keeps its names."""
+    import mlx.core as mx
+
+    base = type(model)
+
+    def call(self: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        rows = inputs.shape[0]
+        outs = []
+        for picked in chunk_rows(rows, n):
+            a, kw = take((inputs, *args), kwargs, rows, picked)
+            out = base.__call__(self, *a, **kw)
+            outs.append(getattr(out, "logits", out)[::-1])
+        return mx.concatenate(outs, axis=0)
+
+    model.__class__ = type(f"Split{base.__name__}", (base,), {"__call__": call})
+
+
+def split_text_model(model: Any, n: int) -> Any:
+    """``split_forward`` on a text model's transformer body (``model.model`` in mlx-lm's models),
+    so that trainers which compute their loss from the hidden states (a fused cross-entropy that
+    never calls the whole model) are split too; returns ``model``."""
+    split_forward(getattr(model, "model", model), n)
+    return model

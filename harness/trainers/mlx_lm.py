@@ -9,7 +9,8 @@ rank r taking every N-th row of each global batch), its ``default_loss``, its co
 
 What the adapter adds:
 - ``iterate_batches`` is mlx-lm's own, wrapped to count each rank's supervised tokens (with
-  ``default_loss``'s mask) and, in a floor run, to reverse the rows of each batch;
+  ``default_loss``'s mask); in a floor run the model computes each batch in the ranks' row
+  chunks (``common.split_text_model``);
 - numpy's and MLX's global RNGs are seeded with the scenario seed on every rank, because mlx-lm
   draws its batch order from numpy's global RNG (and LoRA weights from MLX's): without it the
   ranks would train on different batches;
@@ -26,7 +27,7 @@ from typing import Any
 from harness.rank.entry import RankContext, ReportedFailure
 from harness.rank.reporter import StepReporter
 from harness.scenario import Scenario
-from harness.trainers.common import apply_lora
+from harness.trainers.common import apply_lora, split_text_model
 
 TITLE = "mlx_lm.tuner.trainer.train"
 NO_GRADIENT = "mlx-lm's trainer exposes no loss or gradient at given parameters"
@@ -78,11 +79,10 @@ def supervised_tokens(lengths: Any, width: int) -> int:
 
 
 class Batches:
-    """mlx-lm's ``iterate_batches``, counting each batch's supervised tokens on this rank (and
-    reversing each batch's rows in a floor run)."""
+    """mlx-lm's ``iterate_batches``, counting each batch's supervised tokens on this rank."""
 
-    def __init__(self, train_set: Any, reverse: bool):
-        self.train_set, self.reverse = train_set, reverse
+    def __init__(self, train_set: Any):
+        self.train_set = train_set
         self.train_tokens: list[int] = []
         self.eval_tokens = 0
 
@@ -92,8 +92,6 @@ class Batches:
 
         for batch, lengths in iterate_batches(dataset=dataset, batch_size=batch_size, max_seq_length=max_seq_length,
                                               loop=loop, seed=seed, comm_group=comm_group):
-            if self.reverse:
-                batch, lengths = batch[::-1], lengths[::-1]
             count = supervised_tokens(lengths, batch.shape[1])
             if dataset is self.train_set:
                 self.train_tokens.append(count)
@@ -157,7 +155,9 @@ def run(ctx: RankContext) -> dict[str, Any]:
                         steps_per_save=t.checkpoint_every * accum if t.checkpoint_every else iters + 1,
                         max_seq_length=s.data.max_seq_len, adapter_file=str(saves / "adapters.safetensors"),
                         grad_accumulation_steps=accum)
-    batches = Batches(train_set, bool(ctx.job.get("reverse_rows")))
+    if ctx.job.get("split_rows"):
+        split_text_model(model, int(ctx.job["split_rows"]))
+    batches = Batches(train_set)
     rep.start(model.parameters())
     try:
         train(model, build_optimizer(t), train_set, eval_set or None, args, iterate_batches=batches,

@@ -14,9 +14,9 @@ trainer (cut cross-entropy, gradient checkpointing, norm casting) keep unsloth-z
 What the adapter adds: a Hugging Face style callback (``add_callback``), which unsloth-zoo calls
 on every rank, reports each logged optimizer step (``logging_steps = 1``: the global loss and
 supervised tokens it all-reduced, this rank's tokens, its learning rate, the parameters for
-replica digests) and each evaluation. In a floor run each batch holds its rows in reverse order
-(in unsloth-zoo's own shuffled order, which the adapter cannot see, the model's forward reverses
-them instead): the same mathematics, another summation order.
+replica digests) and each evaluation. In a floor run the model computes each batch in the ranks'
+row chunks (``common.split_text_model``), and in its sequential order the adapter hands each
+batch's rows over in reverse order as well (its fused loss then sums them in another order too).
 
 Known behaviours (scenarios ``unsloth_tail_padding`` and ``unsloth_default_order``): under DDP it
 pads an epoch's short last global batch with rows from the dataset's start, and in its default
@@ -121,20 +121,9 @@ def training_config(s: Scenario, world: int, out_dir: str) -> Any:
 
 def reverse_batches(items: list[Any], batch: int) -> list[Any]:
     """The floor run in sequential order: each consecutive ``batch`` of rows reversed, so each of
-    unsloth-zoo's batches holds the same rows in reverse order."""
+    unsloth-zoo's batches holds the same rows in reverse order (its loss sums them in another
+    order)."""
     return [row for k in range(0, len(items), batch) for row in reversed(items[k : k + batch])]
-
-
-def reverse_forward(model: Any) -> None:
-    """The floor run in unsloth-zoo's own order, where the adapter cannot see its batches: the
-    model's forward sees each batch's rows reversed and returns its logits in the original order
-    (the class is swapped, so the parameter tree keeps its names)."""
-    base = type(model)
-
-    def call(self: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
-        return base.__call__(self, inputs[::-1], *args, **kwargs)[::-1]
-
-    model.__class__ = type(f"RowsReversed{base.__name__}", (base,), {"__call__": call})
 
 
 def make_callback(rep: StepReporter, trainer: Any, eval_tokens: int) -> Any:
@@ -165,7 +154,7 @@ def run(ctx: RankContext) -> dict[str, Any]:
     from unsloth_zoo.mlx.trainer import MLXTrainer
 
     from harness.rank.models import build_model
-    from harness.trainers.common import apply_lora, load_rows
+    from harness.trainers.common import apply_lora, load_rows, split_text_model
 
     s = Scenario.from_dict(ctx.job["scenario"])
     lora = s.trainer.fine_tune == "lora"
@@ -180,10 +169,10 @@ def run(ctx: RankContext) -> dict[str, Any]:
     model, config = build_model(s.model, rows.vocab_size, s.seed)
     if lora:
         apply_lora(model, s)
-    if ctx.job.get("reverse_rows") and s.data.order == "ordered":
-        train_items = reverse_batches(train_items, s.train.global_batch // s.train.grad_accum)
-    elif ctx.job.get("reverse_rows"):
-        reverse_forward(model)
+    if ctx.job.get("split_rows"):
+        split_text_model(model, int(ctx.job["split_rows"]))
+        if s.data.order == "ordered":
+            train_items = reverse_batches(train_items, s.train.global_batch // s.train.grad_accum)
     out = Path(ctx.run_dir) / f"rank{ctx.rank}.unsloth_zoo"
     out.mkdir(exist_ok=True)
     args = training_config(s, ctx.world_size, str(out))

@@ -1,0 +1,199 @@
+"""mlx-vlm's trainer under test: ``mlx_vlm.trainer.Trainer`` (supervised fine-tuning of a
+vision-language model), full fine-tuning or LoRA, with its own distributed path.
+
+The scenario's VLM (seeded weights from its config, or a local model directory) and image rows
+(encoded by the model's own image processor, as the reference trainer encodes them) go to
+``Trainer(model, VLMTrainingArgs(...), train_dataset=..., eval_dataset=..., optimizer=...,
+prepared=True, training_callback=..., seed=...)`` through its public parameters: each row is a
+prepared dict of ``input_ids``, ``attention_mask``, ``completion_mask`` (the scenario's supervised
+tokens; ``train_on_completions``) and the image inputs. Everything else is mlx-vlm's own: its
+batching (rows grouped by media and sorted by length, batches in a seeded order, rank r taking the
+r-th contiguous slice of each global batch), its loss (each rank's token mean), its gradient
+``average_gradients``, its token-weighted metrics, its evaluation (whole global batches only) and
+its rank-0 saves.
+
+What the adapter adds: mlx-vlm's own batch iterator (``iterate_vlm_batches``, given to its own
+``make_task``) wrapped to see each batch on every rank: this rank's supervised tokens, the step
+boundaries (the next batch is drawn only after the step before it is done) and the parameters
+there for replica digests. In a floor run the model computes each batch in the ranks' row chunks
+(``common.split_forward``; image patches picked image by image). mlx-vlm calls its training
+callback on rank 0 only, so the global loss, tokens and evaluations are rank 0's, sent to the
+other ranks after training (``ranks_agree`` says so and does not compare them).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from harness.rank.entry import RankContext, ReportedFailure
+from harness.rank.reporter import StepReporter
+from harness.scenario import Scenario
+
+TITLE = "mlx_vlm.trainer.Trainer"
+NO_GRADIENT = "mlx-vlm's trainer exposes no loss or gradient at given parameters"
+NOT_APPLICABLE = {
+    "step_token_parity": NO_GRADIENT,
+    "step_loss_parity": NO_GRADIENT,
+    "step_grad_parity": NO_GRADIENT,
+    "data_share_bytes": "mlx-vlm's Trainer takes the whole dataset on every rank and indexes each rank's rows",
+    "global_rng_untouched": "mlx-vlm's train() seeds MLX's global RNG with the seed it is given (the scenario's)",
+}
+RANK0_ONLY = "mlx-vlm calls its training callback on rank 0 only"
+
+
+def to_item(ex: Any) -> dict[str, Any]:
+    """A row as mlx-vlm takes it prepared: token ids, attention, the supervised tokens as its
+    ``completion_mask`` (position i: token i is a target) and the image inputs."""
+    import numpy as np
+
+    item = {"input_ids": ex.ids.astype(np.int32), "attention_mask": np.ones(len(ex.ids), dtype=np.int32),
+            "completion_mask": ex.supervised.astype(np.int32)}
+    item.update(ex.vision or {})
+    return item
+
+
+def take_vlm_rows(args: tuple[Any, ...], kwargs: dict[str, Any], rows: int, picked: list[int]
+                  ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A VLM forward's arguments ``(input_ids, pixel_values, mask, image_grid_thw=...)`` for the
+    ``picked`` rows. The harness's image rows carry one image each: image grids are picked by row,
+    and image patches concatenated across rows in their grid-sized blocks."""
+    import mlx.core as mx
+    import numpy as np
+
+    from harness.trainers.common import take_rows
+
+    inputs, pixels, *rest = args
+    grid = kwargs.get("image_grid_thw")
+    (inputs, *rest), kw = take_rows((inputs, *rest), kwargs, rows, picked)
+    if grid is not None:
+        kw["image_grid_thw"] = grid[mx.array(picked)]
+    if pixels is not None and grid is not None and pixels.ndim == 2:
+        ends = np.cumsum(np.prod(np.array(grid), axis=1)).tolist()
+        blocks = mx.split(pixels, ends[:-1], axis=0)
+        pixels = mx.concatenate([blocks[i] for i in picked], axis=0)
+    elif pixels is not None:
+        (pixels,), _ = take_rows((pixels,), {}, rows, picked)
+    return (inputs, pixels, *rest), kw
+
+
+class Batches:
+    """mlx-vlm's ``iterate_vlm_batches`` seen from this rank (see the module docstring): draws of
+    training micro-batches mark the optimizer steps, which are reported to ``rep``."""
+
+    def __init__(self, rep: StepReporter, model: Any, accum: int):
+        self.rep, self.model, self.accum = rep, model, accum
+        self.drawn = 0
+        self.tokens: list[int] = []  # this rank's supervised tokens in the pending step's micro-batches
+        self.losses: dict[int, tuple[float, int, float]] = {}  # rank 0: step -> (loss, tokens, lr)
+        self.eval_s = 0.0  # time spent evaluating since the last step was reported
+
+    def __call__(self, dataset: Any, batch_size: int, max_seq_length: int, *, train: bool = False,
+                 seed: Any = None, **kw: Any) -> Any:
+        from mlx_vlm.trainer.vlm.sft.runtime import iterate_vlm_batches
+
+        started = time.perf_counter()
+        for batch in iterate_vlm_batches(dataset, batch_size, max_seq_length, train=train, seed=seed, **kw):
+            count = int((batch["completion_mask"][:, 1:] * batch["attention_mask"][:, 1:]).sum().item())
+            if train:
+                if self.drawn and self.drawn % self.accum == 0:
+                    self.report()
+                self.drawn += 1
+                self.tokens.append(count)
+            yield batch
+        if not train:
+            self.eval_s += time.perf_counter() - started
+
+    def report(self) -> None:
+        """The optimizer step whose micro-batches were drawn last is done (on this rank)."""
+        step = self.rep.steps + 1
+        loss, tokens, lr = self.losses.get(step, (None, None, None))
+        dt = time.perf_counter() - self.rep.t_last - self.eval_s
+        self.eval_s = 0.0
+        self.rep.step(step, loss, tokens, sum(self.tokens), lr=lr, params=self.model.parameters(), step_time_s=dt)
+        self.tokens = []
+
+
+def make_callback(batches: Batches, accum: int) -> Any:
+    """The callback mlx-vlm calls on rank 0 after each report (every optimizer step) and evaluation."""
+    from mlx_vlm.trainer import TrainingCallback
+
+    class Report(TrainingCallback):
+        def on_train_loss_report(self, info: dict[str, Any]) -> None:
+            step = int(info["iteration"]) // accum
+            batches.losses[step] = (info["train_loss"], int(info["train_num_tokens"]), info["learning_rate"])
+
+        def on_val_loss_report(self, info: dict[str, Any]) -> None:
+            batches.rep.eval(int(info["iteration"]) // accum, info["val_loss"], int(info["val_num_tokens"]))
+
+    return Report()
+
+
+def add_lora(model: Any, s: Scenario) -> None:
+    """mlx-vlm's own LoRA (``get_peft_model``) on every transformer layer it finds, with the
+    scenario's rank and scale; its weights come from MLX's global RNG, seeded with the scenario
+    seed first (the same weights on every rank)."""
+    import mlx.core as mx
+    from mlx_vlm.trainer import get_peft_model
+
+    t = s.trainer
+    mx.random.seed(s.seed)
+    get_peft_model(model, rank=t.lora_rank, alpha=t.lora_scale * t.lora_rank, dropout=0.0, verbose=False)
+
+
+def run(ctx: RankContext) -> dict[str, Any]:
+    from importlib.metadata import version
+
+    import mlx.core as mx
+    from mlx_vlm.trainer import Trainer, VLMTrainingArgs
+    from mlx_vlm.trainer.vlm.sft.runtime import make_task
+
+    from harness.rank.models import build_model
+    from harness.rank.step import build_optimizer
+    from harness.trainers.common import load_image_rows, split_forward
+
+    s = Scenario.from_dict(ctx.job["scenario"])
+    t, lora = s.train, s.trainer.fine_tune == "lora"
+    rep = StepReporter(ctx, s, NOT_APPLICABLE, compile_scope="full-step" if t.compile != "off" else "none")
+    ctx.phase("data")
+    rows, vision = load_image_rows(s)
+    train_set = [to_item(ex) for _, ex in rows.train]
+    eval_set = [to_item(ex) for _, ex in rows.eval] or None
+    rep.data_bytes = sum(ex.nbytes for _, ex in rows.train)
+    ctx.phase("model")
+    model, config = build_model(s.model, rows.vocab_size, s.seed, vision)
+    if lora:
+        add_lora(model, s)
+    if ctx.job.get("split_rows"):
+        split_forward(model, int(ctx.job["split_rows"]), take_vlm_rows)
+    saves = Path(ctx.run_dir) / f"rank{ctx.rank}.mlx_vlm"
+    saves.mkdir(exist_ok=True)
+    accum = t.grad_accum
+    iters = t.steps * accum
+    args = VLMTrainingArgs(
+        batch_size=t.global_batch // accum, iters=iters, gradient_accumulation_steps=accum, val_batches=-1,
+        steps_per_report=accum, steps_per_eval=t.eval_every * accum if t.eval_every else None,
+        steps_per_save=t.checkpoint_every * accum if t.checkpoint_every else iters + 1,
+        adapter_file=str(saves / "adapters.safetensors"), compile=t.compile != "off",
+        max_seq_length=s.data.max_seq_len, pad_token_id=rows.tokenizer.pad_id, train_on_completions=True)
+    batches = Batches(rep, model, accum)
+    try:
+        task = make_task(model, args, iterate_batches=batches)
+        trainer = Trainer(model, args, task=task, train_dataset=train_set, eval_dataset=eval_set,
+                          optimizer=build_optimizer(t), prepared=True,
+                          training_callback=make_callback(batches, accum), seed=s.seed)
+        rep.start(model.parameters())
+        trainer.train()
+        batches.report()  # the last step: no batch is drawn after it
+    except ReportedFailure:
+        raise
+    except Exception as e:
+        raise ReportedFailure(f"trainer mlx_vlm ({TITLE}) raised {type(e).__name__}: {e}") from e
+    mx.eval(model.parameters())
+    rep.adopt_rank0(RANK0_ONLY)
+    rep.saved(sum(1 for f in saves.iterdir() if f.suffix == ".safetensors"))
+    trained = model.trainable_parameters() if lora else model.parameters()
+    return rep.finish(trained, {"model_config": config, "trainer": {
+        "kind": "mlx_vlm", "title": TITLE, "version": version("mlx-vlm"), "fine_tune": s.trainer.fine_tune}})
+
