@@ -16,9 +16,9 @@ far the same mathematics drifts when only its float rounding changes:
   (an external trainer, ``harness.trainers``): B in one process, the trainer untouched, the
   model's forward computing each batch in X's N row chunks, each chunk's rows in reverse order
   (N ranks' shapes and N partial sums of each gradient, as N ranks compute them, in another
-  order; 2 chunks for a run of one process). The trainer's loss and gradient are those of the whole batch, as in B:
-  only their rounding differs. A trainer that computes another objective across ranks is not
-  reproduced by it.
+  order; 2 chunks for a run of one process). The trainer's loss and gradient are those of the
+  whole batch, as in B: only their rounding differs. A trainer that computes another objective
+  across ranks is not reproduced by it.
 
 Floor runs are shared by every comparison that needs the same one. The reference runs first
 (compared runs and twins read its step-local probes), then the scenario's other runs in file

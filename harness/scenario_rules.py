@@ -151,13 +151,19 @@ UNSLOTH_SCHEDULES = ("constant", "cosine")
 UNSLOTH_ORDERS = ("ordered", "shuffled")
 
 
+def _even_slices(t: Any, r: RunSpec, src: str, where: str, who: str) -> int:
+    """A trainer that gives every rank the same number of rows: each micro-step's rows (returned)
+    must divide by the world size."""
+    micro = t.global_batch // t.grad_accum
+    require(micro % r.world_size == 0, src, f"{where}.world_size",
+            f"{who}: the {micro} rows of each micro-step do not divide by world_size {r.world_size}")
+    return micro
+
+
 def _validate_unsloth(eff: Scenario, r: RunSpec, src: str, where: str) -> None:
     """What unsloth-zoo's MLXTrainer can be given: a per-rank batch, its own data order, its schedules."""
     t, d = eff.train, eff.data
-    micro = t.global_batch // t.grad_accum
-    require(micro % r.world_size == 0, src, f"{where}.world_size",
-            f"unsloth-zoo takes a per-rank batch: the {micro} rows of each micro-step do not divide by "
-            f"world_size {r.world_size}")
+    _even_slices(t, r, src, where, "unsloth-zoo takes a per-rank batch")
     require(d.order in UNSLOTH_ORDERS, src, f"{where}.data.order",
             "unsloth-zoo takes 'ordered' (its sequential order: the scenario's rows in order) or 'shuffled' "
             "(its default, seeded order)")
@@ -174,10 +180,7 @@ def _validate_mlx_vlm(eff: Scenario, r: RunSpec, src: str, where: str) -> None:
     """What mlx-vlm's Trainer can be given: whole per-rank slices, its own order, no clipping,
     eval batches of the training batch size, a step it compiles or not."""
     t, d = eff.train, eff.data
-    micro = t.global_batch // t.grad_accum
-    require(micro % r.world_size == 0, src, f"{where}.world_size",
-            f"mlx-vlm splits each batch into equal rank slices: the {micro} rows of each micro-step do not "
-            f"divide by world_size {r.world_size}")
+    micro = _even_slices(t, r, src, where, "mlx-vlm splits each batch into equal rank slices")
     require(t.max_grad_norm == 0, src, f"{where}.train.max_grad_norm",
             "mlx-vlm's trainer does not clip gradients: leave it at 0")
     require(d.order == "ordered", src, f"{where}.data.order",

@@ -38,8 +38,9 @@ class TrainerSpec:
     """The trainer under test. ``reference``: the harness's own DDP trainer. ``mlx_lm``:
     ``mlx_lm.tuner.trainer.train``; ``mlx_vlm``: ``mlx_vlm.trainer.Trainer`` (a VLM);
     ``unsloth_zoo``: ``unsloth_zoo.mlx.trainer.MLXTrainer`` (each ``fine_tune`` "full", or "lora"
-    with ``lora_rank``, ``lora_scale`` and ``lora_layers`` adapted layers, -1: all). ``script``: a user's training
-    script at ``path`` (run with ``args`` as its command line), reporting through ``harness.api``."""
+    with ``lora_rank``, ``lora_scale`` and ``lora_layers`` adapted layers, -1: all). ``script``: a
+    user's training script at ``path`` (run with ``args`` as its command line), reporting through
+    ``harness.api``."""
 
     kind: str = "reference"
     path: str | None = None

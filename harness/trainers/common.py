@@ -23,21 +23,24 @@ class Rows:
         return int(self.tokenizer.vocab_size)
 
 
-def split_rows(s: Scenario, tok: Any, split: str) -> list[tuple[str, Any]]:
-    """The ``split`` ("train" or "eval") rows of the scenario's data, tokenized by ``tok``."""
+def split_rows(s: Scenario, tok: Any, split: str, encode: Any = None, source: Any = None) -> list[tuple[str, Any]]:
+    """The ``split`` ("train" or "eval") rows of the scenario's data, encoded by ``encode`` (the
+    text ``Encoder`` of ``tok`` unless given) from ``source`` (its row source unless given)."""
     from harness.rank.sources import Encoder, row_source
 
-    encode = Encoder(tok, s.data)
-    return [(where, encode(where, row)) for where, row in row_source(s.data, s.seed, split)()]
+    encode = encode or Encoder(tok, s.data)
+    return [(where, encode(where, row)) for where, row in (source or row_source)(s.data, s.seed, split)()]
 
 
-def load_rows(s: Scenario) -> Rows:
-    """The train rows, the eval rows (none without ``eval_rows`` or ``eval_path``) and their tokenizer."""
+def load_rows(s: Scenario, encode: Any = None, source: Any = None, tok: Any = None) -> Rows:
+    """The train rows, the eval rows (none without ``eval_rows`` or ``eval_path``) and their
+    tokenizer (``tok``, else the scenario's), encoded as ``split_rows`` encodes them."""
     from harness.rank.tokenizers import load_tokenizer
 
-    tok = load_tokenizer(s.data)
+    tok = tok or load_tokenizer(s.data)
     has_eval = bool(s.data.eval_rows or s.data.eval_path)
-    return Rows(split_rows(s, tok, "train"), split_rows(s, tok, "eval") if has_eval else [], tok)
+    return Rows(split_rows(s, tok, "train", encode, source),
+                split_rows(s, tok, "eval", encode, source) if has_eval else [], tok)
 
 
 def load_image_rows(s: Scenario) -> tuple[Rows, Any]:
@@ -47,15 +50,9 @@ def load_image_rows(s: Scenario) -> tuple[Rows, Any]:
     from harness.rank.tokenizers import load_tokenizer
     from harness.rank.vision import vision_setup
 
-    d = s.data
-    tok = load_tokenizer(d)
-    vision = vision_setup(s.model, tok.vocab_size, tok.pad_id, d.image_size)
-    encode = VisionEncoder(tok, d, vision)
-
-    def split(name: str) -> list[tuple[str, Any]]:
-        return [(where, encode(where, row)) for where, row in image_row_source(d, s.seed, name)()]
-
-    return Rows(split("train"), split("eval") if d.eval_rows or d.eval_path else [], tok), vision
+    tok = load_tokenizer(s.data)
+    vision = vision_setup(s.model, tok.vocab_size, tok.pad_id, s.data.image_size)
+    return load_rows(s, VisionEncoder(tok, s.data, vision), image_row_source, tok), vision
 
 
 def apply_lora(model: Any, s: Scenario) -> None:

@@ -95,12 +95,11 @@ class Batches:
 
         started = time.perf_counter()
         for batch in iterate_vlm_batches(dataset, batch_size, max_seq_length, train=train, seed=seed, **kw):
-            count = int((batch["completion_mask"][:, 1:] * batch["attention_mask"][:, 1:]).sum().item())
             if train:
                 if self.drawn and self.drawn % self.accum == 0:
                     self.report()
                 self.drawn += 1
-                self.tokens.append(count)
+                self.tokens.append(int((batch["completion_mask"][:, 1:] * batch["attention_mask"][:, 1:]).sum()))
             yield batch
         if not train:
             self.eval_s += time.perf_counter() - started
@@ -145,7 +144,6 @@ def add_lora(model: Any, s: Scenario) -> None:
 def run(ctx: RankContext) -> dict[str, Any]:
     from importlib.metadata import version
 
-    import mlx.core as mx
     from mlx_vlm.trainer import Trainer, VLMTrainingArgs
     from mlx_vlm.trainer.vlm.sft.runtime import make_task
 
@@ -190,7 +188,6 @@ def run(ctx: RankContext) -> dict[str, Any]:
         raise
     except Exception as e:
         raise ReportedFailure(f"trainer mlx_vlm ({TITLE}) raised {type(e).__name__}: {e}") from e
-    mx.eval(model.parameters())
     rep.adopt_rank0(RANK0_ONLY)
     rep.saved(sum(1 for f in saves.iterdir() if f.suffix == ".safetensors"))
     trained = model.trainable_parameters() if lora else model.parameters()
