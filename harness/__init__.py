@@ -1,7 +1,9 @@
 """mlx-ddp-harness: launch real MLX DDP ranks, judge parity, memory and speed, and report.
 
-Rooms: ``harness.controller`` (launch, watch, collect), ``harness.rank`` (trainer, data,
-models), ``harness.judge`` (checks), ``harness.present`` (CLI, tables, reports).
+Rooms: ``harness.controller`` (launch, watch, collect), ``harness.rank`` (the rank runtime every
+trainer shares: entry, consensus, reporting, data, models), ``harness.trainers`` (the reference
+trainer and the adapters of the trainers under test), ``harness.judge`` (checks, gates),
+``harness.present`` (CLI, tables, reports).
 ``harness.schema`` is the one protocol that crosses the process boundary.
 """
 

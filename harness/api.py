@@ -10,7 +10,7 @@ did::
     run = api.session()                  # this rank's session
     model = run.model()                  # the scenario's model (or build your own)
     rows = run.rows()                    # the scenario's train rows: [(token ids, supervised mask)]
-    optimizer = run.optimizer()          # AdamW with the scenario's learning-rate schedule
+    optimizer = run.optimizer()          # the scenario's optimizer and learning-rate schedule
     for step in range(1, run.steps + 1):
         ...                              # your DDP step
         run.step(step, loss, tokens, tokens_local, lr=lr, params=model.parameters())
@@ -81,8 +81,8 @@ class Session:
         return [(e.ids, e.supervised) for _, e in split_rows(self.scenario, tok, split)]
 
     def optimizer(self) -> Any:
-        """AdamW with the scenario's ``[train]`` learning rate, schedule and weight decay."""
-        from harness.rank.step import build_optimizer
+        """The scenario's ``[train]`` optimizer (AdamW or SGD) with its learning rate, schedule and weight decay."""
+        from harness.rank.optimizer import build_optimizer
 
         return build_optimizer(self.scenario.train)
 

@@ -23,7 +23,9 @@ from harness.scenario_spec import (
     FINE_TUNES,
     LR_SCHEDULES,
     MUTATION_NAMES,
+    OPTIMIZERS,
     ORDERS,
+    RESUMING_TRAINERS,
     TEXT_ARCHS,
     TRAINER_KINDS,
     VLM_ARCHS,
@@ -76,6 +78,7 @@ def _validate_train(t: TrainSpec, d: DataSpec, src: str, where: str) -> None:
     require(t.global_batch % t.grad_accum == 0, src, f"{where}.grad_accum",
              f"global_batch {t.global_batch} does not divide into {t.grad_accum} micro-steps")
     require(t.learning_rate > 0, src, f"{where}.learning_rate", "must be positive")
+    _one_of(t.optimizer, OPTIMIZERS, src, f"{where}.optimizer")
     _one_of(t.lr_schedule, LR_SCHEDULES, src, f"{where}.lr_schedule")
     require(0 <= t.warmup_steps <= t.steps, src, f"{where}.warmup_steps", "must be between 0 and steps")
     require(0 <= t.min_lr_ratio <= 1, src, f"{where}.min_lr_ratio", "must be between 0 and 1")
@@ -227,8 +230,9 @@ def _validate_external_run(s: Scenario, i: int, r: RunSpec, src: str) -> None:
     else:
         require(not eff.model.vision, src, "[model].arch", f"{name} trains text models ({', '.join(TEXT_ARCHS)})")
     require(r.mutation is None, src, f"{where}.mutation", "mutations are injected into the reference trainer only")
-    require(r.resume_from is None and r.stop_after is None, src, f"{where}.resume_from",
-            f"resume is not supported for {name} yet")
+    require(kind in RESUMING_TRAINERS or (r.resume_from is None and r.stop_after is None), src,
+            f"{where}.resume_from",
+            f"resume is not supported for {name} yet ({', '.join(RESUMING_TRAINERS)} can resume)")
     require(not eff.data.streaming, src, f"{where}.data.streaming", f"{name} takes an in-memory dataset")
     require(eff.train.input_dropout == 0, src, f"{where}.train.input_dropout", f"{name} has no input dropout")
     if kind == "mlx_lm":

@@ -25,7 +25,9 @@ COMPILE_MODES = ("off", "strict", "best_effort")
 KINDS = ("parity", "throughput")
 COMPILE_SCOPES = ("none", "local-grad", "full-step", "fallback-eager")
 LR_SCHEDULES = ("constant", "cosine", "linear")
+OPTIMIZERS = ("adamw", "sgd")
 TRAINER_KINDS = ("reference", "mlx_lm", "mlx_vlm", "unsloth_zoo", "script")
+RESUMING_TRAINERS = ("reference", "mlx_lm")  # those whose saves a later run can continue from
 FINE_TUNES = ("full", "lora")
 
 
@@ -105,7 +107,8 @@ class DataSpec:
 @dataclass
 class TrainSpec:
     """The optimisation: global batch (split across ranks and ``grad_accum`` micro-steps), steps,
-    AdamW with an optional warmup + decay schedule and gradient clipping (``max_grad_norm`` > 0),
+    the optimizer (``adamw``, or ``sgd``: plain SGD, which keeps no state but its step) with an
+    optional warmup + decay schedule and gradient clipping (``max_grad_norm`` > 0),
     the compile mode, how often to evaluate, and how often to write a checkpoint (``checkpoint_every``
     steps, keeping the newest ``keep_last``; 0 keeps all)."""
 
@@ -113,6 +116,7 @@ class TrainSpec:
     global_batch: int = 8
     grad_accum: int = 1
     learning_rate: float = 3e-3
+    optimizer: str = "adamw"
     lr_schedule: str = "constant"
     warmup_steps: int = 0
     min_lr_ratio: float = 0.1
@@ -147,7 +151,7 @@ class RunSpec:
     ``trainer`` overrides keys of ``[trainer]`` for this run (throughput scenarios only, to time
     several trainers beside each other, e.g. ``trainer = { kind = "mlx_lm" }``).
 
-    ``mutation`` injects a known DDP bug into this run (see ``harness.rank.semantics``): the run
+    ``mutation`` injects a known DDP bug into this run (see ``harness.trainers.reference.semantics``): the run
     must then be caught by at least one check with ``[checks] mutation_margin``.
     """
 
@@ -197,7 +201,8 @@ class CheckSpec:
     variation, measured by running ``compare_to`` twice: bitwise when the two agree bitwise (CPU),
     else within ``floor_ratio`` x their deviation. ``resume_tolerance`` replaces that with an
     absolute limit. Across world sizes the parity criterion applies. ``resume_tok_s_factor``: the
-    resumed run's median tok/s must be within this factor of that run's.
+    resumed run's fastest step (after its first) must be within this factor of that run's over
+    the same steps, in tok/s.
 
     ``mutation_margin``: a run with a ``mutation`` counts as caught when some check fails by at
     least this factor (value / limit).

@@ -12,9 +12,9 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from harness.rank import checkpoint as ck
-from harness.rank.resume import check_fits, fingerprint
 from harness.scenario import load_scenario
+from harness.trainers.reference import checkpoint as ck
+from harness.trainers.reference.resume import check_fits, fingerprint
 from tests.conftest import REPO
 
 

@@ -159,6 +159,18 @@ def test_resume_checks_fail_on_doctored_accounting_and_disagreeing_ranks() -> No
         o.result["tok_s_global"] = [0.1, 0.2, 0.3]
     bad = resume_accounting(slow, full, None, 3.0)
     assert not bad.passed and "tokens_global differs" in bad.detail and bad.value == 0.1
+    # fast restored history, slow new steps: judged on the steps it trained (2-4), not the history
+    later = _run("resumed2", 2, [3.0, 2.0, 1.5, 1.2], ["a", "a"])
+    steady = _run("full2", 2, [3.0, 2.0, 1.5, 1.2], ["a", "a"])
+    for o in later.ranks:
+        o.result["tok_s_global"], o.result["resume"] = [9.0, 0.5, 0.4, 0.6], {"step": 1}
+    for o in steady.ranks:
+        o.result["tok_s_global"] = [9.0, 9.0, 8.0, 9.5]
+    bad = resume_accounting(later, steady, None, 3.0)
+    assert not bad.passed and "fastest tok/s 0.6 vs 9.5" in bad.detail and "steps 3-4" in bad.detail
+    for o in later.ranks:
+        o.result["tok_s_global"] = [9.0, 2.0, 3.5, 9.1]  # one undisturbed step is enough
+    assert resume_accounting(later, steady, None, 3.0).passed
     resumed.ranks[1].result["resume"] = {**resumed.ranks[0].result["resume"], "identity": "step-2", "step": 2}
     bad = resume_source(resumed, spec)
     assert not bad.passed and "ranks resumed from different checkpoints" in bad.detail

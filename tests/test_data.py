@@ -8,7 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harness.rank.batching import (
+from harness.rank.sources import Encoder, Example, reject_presharded, row_source
+from harness.rank.tokenizers import ByteTokenizer
+from harness.scenario import DataSpec
+from harness.trainers.reference.batching import (
     StreamShare,
     collate,
     eval_share,
@@ -18,9 +21,6 @@ from harness.rank.batching import (
     owned_rows,
     uneven_last,
 )
-from harness.rank.sources import Encoder, Example, reject_presharded, row_source
-from harness.rank.tokenizers import ByteTokenizer
-from harness.scenario import DataSpec
 
 TOK = ByteTokenizer()
 

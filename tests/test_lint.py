@@ -63,7 +63,7 @@ def test_the_scenario_layer_imports_no_upper_layer() -> None:
 
 
 def test_mutation_names_are_the_mutations() -> None:
-    from harness.rank.semantics import MUTATIONS
     from harness.scenario_spec import MUTATION_NAMES
+    from harness.trainers.reference.semantics import MUTATIONS
 
     assert set(MUTATION_NAMES) == set(MUTATIONS)

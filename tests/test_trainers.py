@@ -1,8 +1,9 @@
 """Trainers under test (``[trainer] kind``): real ranks under mlx.launch, through the CLI.
 
-The shipped adapter scenarios (mlx_lm_parity, mlx_lm_lora, mlx_lm_mean_of_means, script_example)
-run in tests/test_scenarios.py; here: a user's script with real DDP bugs is caught, a broken
-trainer fails with one line naming it (exit 3), and settings a trainer cannot honour are bad input.
+The shipped adapter scenarios run in tests/test_scenarios.py; here: a user's script with real DDP
+bugs is caught, a broken trainer (raises, hangs, exits without a result) fails with one line
+naming it (exit 3), settings a trainer cannot honour are bad input, and mlx-lm resumes from kept
+adapter files (a missing or damaged one is bad input).
 """
 
 from __future__ import annotations
@@ -96,12 +97,14 @@ def test_a_broken_script_fails_with_one_line_naming_it(tmp_path: Path, script: s
     assert doc["exit_code"] == 3 and doc["scenarios"][0]["status"] == "error"
 
 
-def run_faulted(tmp_path: Path, scenario: str) -> str:
-    """The shipped scenario at 1 and 2 ranks for 4 steps, rank 1 raising at step 2 of the 2-rank
-    run: exit 3, no stray process; returns the printed output."""
+def run_faulted(tmp_path: Path, scenario: str, action: str = "raise") -> str:
+    """The shipped scenario at 1 and 2 ranks for 4 steps, rank 1 doing ``action`` at step 2 of the
+    2-rank run (the watchdog waits 8 s for progress): exit 3, no stray process; returns the
+    printed output."""
     body = (REPO / "scenarios" / f"{scenario}.toml").read_text()
     body = body.replace('[[runs]]\nname = "ddp4"\nworld_size = 4\n', "").replace("steps = 12", "steps = 4")
-    body += '\n[[faults]]\nrank = 1\nstep = 2\naction = "raise"\nruns = ["ddp2"]\n'
+    body += f'\n[[faults]]\nrank = 1\nstep = 2\naction = "{action}"\nruns = ["ddp2"]\n'
+    body += "\n[limits]\nno_progress_s = 8\n" if "[limits]" not in body else ""
     body = body.replace('"data/', f'"{REPO}/scenarios/data/')  # the scenario's own data, from elsewhere
     path = tmp_path / f"{scenario}_fault.toml"
     path.write_text(body)
@@ -116,6 +119,20 @@ def test_a_failing_mlx_lm_trainer_is_named(tmp_path: Path) -> None:
     out = run_faulted(tmp_path, "mlx_lm_parity")
     assert ("rank 1 failed: trainer mlx_lm (mlx_lm.tuner.trainer.train) raised RuntimeError: injected fault in "
             "phase step at step 2") in out
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize(("action", "line"), [
+    ("hang", "trainer mlx_lm: watchdog: no progress from any rank for 8 s"),
+    ("exit0", "run ddp2 (world size 2): rank 1 exited without writing a result"),
+])
+def test_a_hanging_or_vanishing_mlx_lm_trainer_is_named(tmp_path: Path, action: str, line: str) -> None:
+    """Rank 1 hangs, or exits 0 without a result, inside mlx-lm's loop (from its callback); rank 0,
+    left alone in an all-reduce, is stopped too (by the lost connection or the watchdog)."""
+    out = run_faulted(tmp_path, "mlx_lm_parity", action)
+    assert line in out and "mlx_lm_parity: ERROR" in out, out[-3000:]
+    if action == "exit0":
+        assert "rank 0: trainer mlx_lm" in out or "watchdog" in out
 
 
 @pytest.mark.ranks
@@ -157,6 +174,9 @@ UNSLOTH = 'kind = "unsloth_zoo"'
      "[[runs]][0].train.eval_batch: mlx-vlm evaluates in batches of the training batch size: set eval_batch = 8"),
     ('kind = "reference"', '[[runs]]\nname = "b"\nworld_size = 1\ntrainer = { kind = "mlx_lm" }\n',
      "[[runs]][0].trainer: only a throughput scenario times several trainers"),
+    ('kind = "mlx_vlm"', '[model]\narch = "qwen2_vl"\n[data]\nsource = "images"\n[train]\neval_batch = 8\n'
+                         '[[runs]]\nname = "p"\nworld_size = 1\nstop_after = 2\n',
+     "[[runs]][0].resume_from: resume is not supported for the mlx_vlm trainer yet (reference, mlx_lm can resume)"),
     (UNSLOTH, '[train]\nlr_schedule = "linear"\n', "[[runs]][0].train.lr_schedule: unsloth-zoo's schedules that "
                                                     "match the scenario's are constant, cosine"),
     (UNSLOTH, '[data]\norder = "length_sorted"\n', "[[runs]][0].data.order: unsloth-zoo takes 'ordered'"),
@@ -179,3 +199,67 @@ def test_the_api_outside_the_harness_says_so() -> None:
 
     with pytest.raises(api.NotUnderHarness, match="not running under mlx-ddp-harness"):
         api.session()
+
+
+MLX_LM_PART = """
+[scenario]
+name = "{name}"
+seed = 3
+
+[trainer]
+kind = "mlx_lm"
+fine_tune = "lora"
+
+[model]
+arch = "llama"
+
+[data]
+rows = 16
+response_only = false
+
+[train]
+steps = 4
+global_batch = 8
+
+[[runs]]
+name = "part"
+world_size = 2
+stop_after = 3
+"""
+
+
+@pytest.mark.ranks
+def test_mlx_lm_resumes_from_kept_adapter_files_and_a_damaged_one_is_bad_input(tmp_path: Path) -> None:
+    """A 2-rank mlx-lm run stops after step 3; its adapter files, kept, are resumed from by path at
+    world size 1 (mlx-lm's saves do not depend on the world size). An empty directory, or a
+    truncated adapter file, is refused before anything starts, in one line naming it."""
+    first = tmp_path / "makes.toml"
+    first.write_text(MLX_LM_PART.format(name="makes"))
+    out = tmp_path / "out"
+    p = cli("run", str(first), "--out", str(out), "--keep-checkpoints")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    kept = out / "runs" / "makes" / "part" / "checkpoints"
+    assert sorted(f.name for f in (kept / "rank0.mlx_lm").iterdir()) == [
+        "adapters.safetensors", "adapters_step.json"]  # no step-3 save by cadence: the final file holds step 3
+    assert not (kept / "rank1.mlx_lm").exists()  # mlx-lm saves on rank 0 only: rank 1's folder stayed empty
+    later = tmp_path / "continues.toml"
+    later.write_text(MLX_LM_PART.format(name="continues").replace("world_size = 2", "world_size = 1").replace(
+        "stop_after = 3\n", f'resume_from = "{kept}"\nexpect_resume_step = 3\n'))
+    p = cli("run", str(later), "--out", str(tmp_path / "later"))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    run = json.loads((tmp_path / "later" / "result.json").read_text())["scenarios"][0]["runs"][0]
+    assert run["resume"]["identity"].startswith("adapters.safetensors (") and run["steps"] == 4
+    assert run["history_start"] == 4 and len(run["losses"]) == 1
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for source, needle in ((empty, f"no adapter file to resume from in {empty}"),
+                           (kept, f"cannot read adapter file {kept / 'rank0.mlx_lm' / 'adapters.safetensors'}")):
+        if source == kept:
+            damaged = kept / "rank0.mlx_lm" / "adapters.safetensors"
+            damaged.write_bytes(damaged.read_bytes()[:100])
+        bad = tmp_path / "bad.toml"
+        bad.write_text(later.read_text().replace(str(kept), str(source)))
+        p = cli("run", str(bad), "--out", str(tmp_path / "later"))
+        assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
+        assert p.stderr.startswith(f"error: {bad}: [[runs]][0].resume_from: {needle}"), p.stderr
+    assert json.loads((tmp_path / "later" / "result.json").read_text())["passed"]  # the earlier result is kept

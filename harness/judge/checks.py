@@ -23,6 +23,12 @@ def median_after_first(values: list[float]) -> float | None:
     return statistics.median(tail) if tail else None
 
 
+def fastest_after_first(values: list[float]) -> float | None:
+    """The largest value of a per-step series without its first step."""
+    tail = values[1:] if len(values) > 1 else values
+    return max(tail) if tail else None
+
+
 @dataclass
 class Check:
     """One judgement. ``passed`` says whether it counts as a pass; for a check the scenario

@@ -159,6 +159,12 @@ def _losses(run: RunOutcome) -> list[float]:
     return list(run.result().get("losses", []))
 
 
+def unrecorded(run: RunOutcome) -> int:
+    """The steps before ``run``'s history starts: a run resumed by a trainer that restores no
+    record of the steps trained before its checkpoint (0 for every other run)."""
+    return int(run.result().get("history_start", 1)) - 1
+
+
 def _evals(run: RunOutcome) -> dict[int, tuple[float, int]]:
     return {e["step"]: (e["loss"], e["tokens"]) for e in run.result().get("evals", [])}
 
@@ -240,8 +246,10 @@ def _judge_series(name: str, run: RunOutcome, base: RunOutcome, points: list[Any
 
 def loss_parity(run: RunOutcome, base: RunOutcome, floor: Floor, s: Scenario, name: str = "loss_parity",
                 prefix: bool = False) -> Check:
-    """Per-step global loss vs ``base`` (over ``run``'s steps when it stopped early by design)."""
-    a, b = _losses(run), _losses(base)
+    """Per-step global loss vs ``base`` (over ``run``'s steps when it stopped early by design, and
+    from the step its history starts when it resumed without a record of the steps before)."""
+    skip = unrecorded(run)
+    a, b = _losses(run), _losses(base)[skip:]
     if prefix:
         b = b[: len(a)]
     if len(a) != len(b):
@@ -249,13 +257,14 @@ def loss_parity(run: RunOutcome, base: RunOutcome, floor: Floor, s: Scenario, na
     deltas = [abs(x - y) for x, y in zip(a, b, strict=True)]
     floors = None
     if floor.run is not None and floor.run.ok:
-        f = _losses(floor.run)
+        f = _losses(floor.run)[skip:]
         floors = [abs(x - y) for x, y in zip(f, b, strict=False)]
     model = rounding(s, run, base)
-    tokens = base.result().get("tokens_global_per_step") or []
+    tokens = (base.result().get("tokens_global_per_step") or [])[skip:]
     absolute = [model.accumulation(tokens[k] if k < len(tokens) else 2) * abs(y) for k, y in enumerate(b)]
-    what = f"{len(a)} steps" + ("; bitwise identical" if max(deltas, default=0.0) == 0 else "")
-    return _judge_series(name, run, base, [f"step {k + 1}" for k in range(len(a))], deltas, floors, absolute,
+    what = f"{len(a)} steps" if not skip else f"steps {skip + 1}-{skip + len(a)} (no record of steps 1-{skip})"
+    what += "; bitwise identical" if max(deltas, default=0.0) == 0 else ""
+    return _judge_series(name, run, base, [f"step {skip + k + 1}" for k in range(len(a))], deltas, floors, absolute,
                          floor, s, what)
 
 
@@ -267,8 +276,13 @@ def eval_parity(run: RunOutcome, base: RunOutcome, floor: Floor, s: Scenario, na
     too small a sample of that drift (the ratio of two single deviations of equal noise is
     heavy-tailed)."""
     a, b = _evals(run), _evals(base)
+    elsewhere = ""
+    if unrecorded(run) and a.keys() != b.keys():  # a resumed trainer's own eval cadence: compare where both evaluated
+        common = {k for k in a.keys() & b.keys() if k >= unrecorded(run)}
+        elsewhere = f"; evaluated only by {run.name}: {sorted(a.keys() - common)}" if a.keys() - common else ""
+        a, b = {k: a[k] for k in common}, {k: b[k] for k in common}
     if not a or a.keys() != b.keys():
-        return Check(name, run.name, False, None, None, f"eval steps {sorted(a)} vs {sorted(b)}")
+        return Check(name, run.name, False, None, None, f"eval steps {sorted(a)} vs {sorted(b)}{elsewhere}")
     steps = sorted(a)
     deltas = [abs(a[k][0] - b[k][0]) for k in steps]
     floors = None
@@ -279,7 +293,7 @@ def eval_parity(run: RunOutcome, base: RunOutcome, floor: Floor, s: Scenario, na
     model = rounding(s, run, base)
     absolute = [model.accumulation(b[k][1]) * abs(b[k][0]) for k in steps]
     return _judge_series(name, run, base, [f"step {k}" for k in steps], deltas, floors, absolute, floor, s,
-                         f"at steps {steps}", deviation="loss deviation (eval or training)")
+                         f"at steps {steps}{elsewhere}", deviation="loss deviation (eval or training)")
 
 
 def param_parity(run: RunOutcome, base: RunOutcome, floor: Floor, s: Scenario, name: str = "param_parity") -> Check:

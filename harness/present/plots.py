@@ -32,7 +32,7 @@ def _ok_runs(scenario: dict[str, Any]) -> list[dict[str, Any]]:
 def loss_plot(plt: Any, scenario: dict[str, Any]) -> Any:
     fig, ax = plt.subplots(figsize=(7, 4))
     for r in _ok_runs(scenario):
-        start = r.get("steps_start", 1)
+        start = r.get("history_start", 1)  # a resumed run's history holds the steps before its resume too
         steps = range(start, start + len(r["losses"]))
         ax.plot(steps, r["losses"], marker="o", markersize=3, linewidth=1.2, label=_label(r), alpha=0.85)
     ax.set(xlabel="optimizer step", ylabel="global loss", title=f"{scenario['name']}: loss per step")

@@ -57,7 +57,8 @@ def run_summary(run: RunOutcome, s: Scenario, ref: RunOutcome | None) -> dict[st
     runtime = max(o.result["runtime_s"] for o in run.ranks if o.result)
     out.update(
         losses=losses,
-        steps=len(losses),
+        steps=r0.get("steps", len(losses)),
+        history_start=r0.get("history_start", 1),
         avg_loss=statistics.fmean(losses),
         final_loss=losses[-1],
         runtime_s=runtime,
@@ -91,8 +92,8 @@ def run_summary(run: RunOutcome, s: Scenario, ref: RunOutcome | None) -> dict[st
         probes=[(o.result or {}).get("probes") or [] for o in run.ranks] if r0.get("probes") else None,
     )
     ref_losses = ref.result(0)["losses"] if ref is not None and ref.ok and ref is not run else []
-    if len(ref_losses) >= len(losses):  # at the same step (a run stopped early is compared there)
-        out["final_loss_delta"] = losses[-1] - ref_losses[len(losses) - 1]
+    if len(ref_losses) >= out["steps"]:  # at the same step (a run stopped early is compared there)
+        out["final_loss_delta"] = losses[-1] - ref_losses[out["steps"] - 1]
     return out
 
 

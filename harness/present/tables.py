@@ -111,7 +111,7 @@ def mutation_rows(scenario: dict[str, Any]) -> list[list[Any]]:
     """One row per run with an injected bug: the check that caught it (the clearest one with a
     measured margin, value / limit, of at least ``mutation_margin``, else an exact criterion that
     failed: a count or digest that must match) and the others that failed."""
-    from harness.rank.semantics import MUTATIONS
+    from harness.trainers.reference.semantics import MUTATIONS
 
     rows = []
     for r in scenario["runs"]:

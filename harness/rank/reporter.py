@@ -79,15 +79,24 @@ class StepReporter:
         self.data_bytes = 0
         self.from_rank0: dict[str, Any] | None = None
         self.finished: dict[str, Any] | None = None
+        self.done = 0  # steps trained before this run: it resumed after them
+        self.resume: dict[str, Any] | None = None
 
     @property
     def steps(self) -> int:
-        return len(self.history["losses"])
+        return self.done + len(self.history["losses"])
+
+    def resumed(self, step: int, info: dict[str, Any]) -> None:
+        """The trainer continues after optimizer step ``step`` from what it saved (``info``: what
+        it restored, from where). Its history starts at step ``step + 1``: the steps before were
+        trained by the run that saved, and an external trainer restores no record of them."""
+        self.done = int(step)
+        self.resume = {**info, "step": int(step)}
 
     def start(self, params: Any = None) -> None:
-        """Training begins (from ``params``, when given: the step-0 replica digest)."""
+        """Training begins (from ``params``, when given: the replica digest before the first step)."""
         if params is not None:
-            self.digests[0] = tree_digest(params)
+            self.digests[self.done] = tree_digest(params)
         self.ctx.phase("train")
         self.t_start = self.t_last = time.perf_counter()
 
@@ -100,7 +109,7 @@ class StepReporter:
         other ranks until ``adopt_rank0``."""
         if step != self.steps + 1:
             raise ReportedFailure(f"{self.name} reported step {step} after step {self.steps}: steps are reported "
-                                  f"once each, in order, from 1")
+                                  f"once each, in order, from {self.done + 1}")
         now = time.perf_counter()
         dt = float(step_time_s) if step_time_s is not None else now - self.t_last
         self.t_last = now
@@ -144,9 +153,10 @@ class StepReporter:
         h = self.history
         sent = send_from_rank0(self.ctx, {"losses": h["losses"], "tokens": h["tokens_global_per_step"],
                                           "evals": self.evals})
-        if len(sent["losses"]) != self.steps or None in sent["losses"]:
+        trained = len(h["losses"])
+        if len(sent["losses"]) != trained or None in sent["losses"]:
             raise ReportedFailure(f"{self.name} reported {len(sent['losses'])} steps on rank 0, but this rank "
-                                  f"trained {self.steps}")
+                                  f"trained {trained}")
         h["losses"], h["tokens_global_per_step"], self.evals = sent["losses"], sent["tokens"], sent["evals"]
         h["tok_s_global"] = [n / dt for n, dt in zip(h["tokens_global_per_step"], h["step_times_s"], strict=True)]
         self.from_rank0 = {"fields": ["losses", "evals", "tokens_global"], "why": why}
@@ -159,16 +169,16 @@ class StepReporter:
         """Training ended with ``params``: rank 0 keeps them for the judge; returns the rank's result."""
         if self.finished is not None:
             return self.finished
-        if not self.steps:
+        if not self.history["losses"]:
             raise ReportedFailure(f"{self.name} reported no steps")
         runtime = time.perf_counter() - self.t_start
         self.ctx.phase("save")
         self.effects.save_params(params, count=False)
         last = self.steps
         every = self.s.train.digest_every
-        self.digests = {k: v for k, v in self.digests.items() if k == 0 or (every and k % every == 0)}
+        self.digests = {k: v for k, v in self.digests.items() if k == self.done or (every and k % every == 0)}
         self.digests[last] = tree_digest(params)
-        from harness.rank.step import measure_precision
+        from harness.rank.precision import measure_precision
 
         lrs = self.history["learning_rates"]
         self.finished = {
@@ -176,7 +186,9 @@ class StepReporter:
             "not_applicable": self.not_applicable,
             "steps": last,
             "steps_planned": self.s.train.steps,
-            "steps_start": 1,
+            "steps_start": self.done + 1,
+            "history_start": self.done + 1,
+            "resume": self.resume,
             **{k: v for k, v in self.history.items() if k != "learning_rates"},
             "learning_rates": lrs if all(v is not None for v in lrs) else [],
             "tokens_local": sum(self.history["tokens_local_per_step"]),

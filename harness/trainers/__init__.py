@@ -21,7 +21,9 @@ class TrainerInfo:
     step-local checks are n/a). ``twin``: it can compute N ranks' shards in one process (the
     noise-floor twin); otherwise its trajectories are judged against a *split* floor run, the
     reference run again in one process with the model computing each batch in the N ranks' row
-    chunks (``common.split_forward``: the same mathematics, N ranks' rounding)."""
+    chunks (``common.split_forward``: the same mathematics, N ranks' rounding). Trainers that can
+    resume are listed in ``harness.scenario_spec.RESUMING_TRAINERS``; an external one has
+    ``check_resume_source(path, step, scenario)`` in its module."""
 
     module: str
     title: str
@@ -30,7 +32,8 @@ class TrainerInfo:
 
 
 TRAINERS: dict[str, TrainerInfo] = {
-    "reference": TrainerInfo("harness.rank.trainer", "the harness's reference DDP trainer", probes=True, twin=True),
+    "reference": TrainerInfo("harness.trainers.reference", "the harness's reference DDP trainer", probes=True,
+                             twin=True),
     "mlx_lm": TrainerInfo("harness.trainers.mlx_lm", "mlx-lm's trainer (mlx_lm.tuner.trainer.train)"),
     "mlx_vlm": TrainerInfo("harness.trainers.mlx_vlm", "mlx-vlm's trainer (mlx_vlm.trainer.Trainer)"),
     "unsloth_zoo": TrainerInfo("harness.trainers.unsloth_zoo", "unsloth-zoo's MLX trainer (unsloth_zoo.mlx.trainer)"),

@@ -17,6 +17,15 @@ What the adapter adds:
 - the callback reports each optimizer step (``steps_per_report`` = ``grad_accum``): mlx-lm's
   global loss (the mean of the ranks' mean losses), the global tokens it counted, its learning
   rate, and the parameters for replica digests.
+
+Checkpoints and resume are mlx-lm's adapter files. Its saves (``adapters.safetensors`` and
+``NNNNNNN_adapters.safetensors`` every ``steps_per_save`` iterations, rank 0 only) go to the
+run's checkpoint directory, one folder per rank; a run that stops early also notes which step its
+final ``adapters.safetensors`` holds (mlx-lm's name for it carries none). A resumed run does what
+``mlx_lm.lora --resume-adapter-file`` does: it loads the newest (or the requested) adapter file
+into the model and trains the remaining iterations. mlx-lm saves nothing else, so the resumed
+run starts with a fresh optimizer (moments, step count, schedule position) and its batch order
+from the beginning: that is mlx-lm's resume, and the harness judges it as it is.
 """
 
 from __future__ import annotations
@@ -112,17 +121,96 @@ def make_callback(rep: StepReporter, batches: Batches, model: Any, accum: int) -
             self.trained = int(info["trained_tokens"])
             local = sum(batches.train_tokens[:accum])
             del batches.train_tokens[:accum]
-            rep.step(int(info["iteration"]) // accum, info["train_loss"], tokens, local, lr=info["learning_rate"],
-                     params=model.parameters(), step_time_s=accum / info["iterations_per_second"])
+            rep.step(rep.done + int(info["iteration"]) // accum, info["train_loss"], tokens, local,
+                     lr=info["learning_rate"], params=model.parameters(),
+                     step_time_s=accum / info["iterations_per_second"])
 
         def on_val_loss_report(self, info: dict[str, Any]) -> None:
             import mlx.core as mx
 
             tokens = int(mx.distributed.all_sum(mx.array(batches.eval_tokens), stream=mx.cpu).item())
             batches.eval_tokens = 0
-            rep.eval(int(info["iteration"]) // accum, info["val_loss"], tokens)
+            rep.eval(rep.done + int(info["iteration"]) // accum, info["val_loss"], tokens)
 
     return Report()
+
+
+ADAPTERS = "adapters.safetensors"
+FINAL_STEP = "adapters_step.json"  # which optimizer step the final adapters.safetensors holds
+
+
+def saves_dir(ctx: RankContext) -> Path:
+    """Where this rank's mlx-lm saves go: the run's checkpoint directory (a folder per rank), or
+    the run directory when the scenario keeps no checkpoints of this run."""
+    root = Path(ctx.job["checkpoint_dir"]) if ctx.job.get("checkpoint_dir") else Path(ctx.run_dir)
+    path = root / f"rank{ctx.rank}.mlx_lm"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def saved_adapters(folder: Path, accum: int) -> dict[int, Path]:
+    """Optimizer step -> the adapter file mlx-lm saved after it, in one folder."""
+    import json
+
+    found: dict[int, Path] = {}
+    for f in folder.glob(f"*_{ADAPTERS}"):
+        it = f.name.split("_", 1)[0]
+        if it.isdigit() and int(it) % accum == 0:
+            found[int(it) // accum] = f
+    note = folder / FINAL_STEP
+    if note.exists() and (folder / ADAPTERS).exists():
+        found.setdefault(int(json.loads(note.read_text())["step"]), folder / ADAPTERS)
+    return found
+
+
+def pick_adapters(source: Path, step: int | None, accum: int) -> tuple[int, Path]:
+    """The adapter file to resume from: ``step``'s, or the newest, in ``source`` (a run's checkpoint
+    directory, whose rank 0 folder holds mlx-lm's saves, or a folder of adapter files)."""
+    folder = source / "rank0.mlx_lm" if (source / "rank0.mlx_lm").is_dir() else source
+    found = saved_adapters(folder, accum) if folder.is_dir() else {}
+    if not found:
+        raise ValueError(f"no adapter file to resume from in {folder} (mlx-lm saves NNNNNNN_{ADAPTERS} every "
+                         f"steps_per_save iterations)")
+    if step is None:
+        step = max(found)
+    if step not in found:
+        raise ValueError(f"no adapter file of step {step} in {folder}; it has steps {sorted(found)}")
+    return step, found[step]
+
+
+def check_resume_source(source: Path, step: int | None, s: Scenario) -> None:
+    """Before anything starts: ``source`` (a directory a run resumes from) has a readable adapter
+    file to resume from (ValueError naming what is missing or damaged)."""
+    import mlx.core as mx
+
+    _, path = pick_adapters(source, step, s.train.grad_accum)
+    try:
+        mx.load(str(path))
+    except Exception as e:
+        raise ValueError(f"cannot read adapter file {path}: {e}") from e
+
+
+def load_adapters(model: Any, path: Path) -> str:
+    """Load ``path`` into ``model`` as ``mlx_lm.lora --resume-adapter-file`` does, after checking it
+    holds exactly the model's trainable parameters; returns its identity (name and digest)."""
+    import hashlib
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    try:
+        weights = mx.load(str(path))
+    except Exception as e:
+        raise ReportedFailure(f"trainer mlx_lm: cannot read adapter file {path}: {e}") from e
+    wanted = {k: v.shape for k, v in tree_flatten(model.trainable_parameters())}
+    got = {k: v.shape for k, v in weights.items()}
+    if got != wanted:
+        missing, extra = sorted(wanted.keys() - got.keys()), sorted(got.keys() - wanted.keys())
+        shapes = sorted(k for k in wanted.keys() & got.keys() if wanted[k] != got[k])
+        raise ReportedFailure(f"trainer mlx_lm: adapter file {path} does not fit the model's trainable "
+                              f"parameters (missing {missing[:3]}, unexpected {extra[:3]}, other shapes {shapes[:3]})")
+    model.load_weights(list(weights.items()), strict=False)
+    return f"{path.name} ({hashlib.sha256(path.read_bytes()).hexdigest()[:12]})"
 
 
 def run(ctx: RankContext) -> dict[str, Any]:
@@ -130,7 +218,7 @@ def run(ctx: RankContext) -> dict[str, Any]:
     import numpy as np
 
     from harness.rank.models import build_model
-    from harness.rank.step import build_optimizer
+    from harness.rank.optimizer import build_optimizer
 
     s = Scenario.from_dict(ctx.job["scenario"])
     t, lora = s.train, s.trainer.fine_tune == "lora"
@@ -146,14 +234,25 @@ def run(ctx: RankContext) -> dict[str, Any]:
 
     if lora:
         apply_lora(model, s)
-    saves = Path(ctx.run_dir) / f"rank{ctx.rank}.mlx_lm"
-    saves.mkdir(exist_ok=True)
     accum = t.grad_accum
-    iters = t.steps * accum
+    end = ctx.job.get("stop_after") or t.steps
+    if ctx.job.get("resume"):
+        ctx.phase("resume")
+        try:
+            done, path = pick_adapters(Path(ctx.job["resume"]["from"]), ctx.job["resume"].get("step"), accum)
+        except ValueError as e:
+            raise ReportedFailure(f"trainer mlx_lm: {e}") from e
+        rep.resumed(done, {"identity": load_adapters(model, path), "file": str(path), "seed_scenario": s.seed,
+                           "restored": "adapter weights only (mlx-lm saves no optimizer state, step or data "
+                                       "position)"})
+    saves = saves_dir(ctx)
+    iters = (end - rep.done) * accum
+    if iters <= 0:
+        raise ReportedFailure(f"trainer mlx_lm: resumed after step {rep.done}, nothing left of {end} steps")
     args = TrainingArgs(batch_size=t.global_batch // accum, iters=iters, val_batches=-1, steps_per_report=accum,
                         steps_per_eval=t.eval_every * accum if t.eval_every else iters + 1,
                         steps_per_save=t.checkpoint_every * accum if t.checkpoint_every else iters + 1,
-                        max_seq_length=s.data.max_seq_len, adapter_file=str(saves / "adapters.safetensors"),
+                        max_seq_length=s.data.max_seq_len, adapter_file=str(saves / ADAPTERS),
                         grad_accumulation_steps=accum)
     if ctx.job.get("split_rows"):
         split_text_model(model, int(ctx.job["split_rows"]))
@@ -166,6 +265,10 @@ def run(ctx: RankContext) -> dict[str, Any]:
         raise
     except Exception as e:
         raise ReportedFailure(f"trainer mlx_lm ({TITLE}) raised {type(e).__name__}: {e}") from e
+    if (saves / ADAPTERS).exists():
+        import json
+
+        (saves / FINAL_STEP).write_text(json.dumps({"step": rep.steps}))
     rep.saved(sum(1 for f in saves.iterdir() if f.suffix == ".safetensors"))
     trained = model.trainable_parameters() if lora else model.parameters()
     from importlib.metadata import version

@@ -148,7 +148,7 @@ def run(ctx: RankContext) -> dict[str, Any]:
     from mlx_vlm.trainer.vlm.sft.runtime import make_task
 
     from harness.rank.models import build_model
-    from harness.rank.step import build_optimizer
+    from harness.rank.optimizer import build_optimizer
     from harness.trainers.common import load_image_rows, split_forward
 
     s = Scenario.from_dict(ctx.job["scenario"])

@@ -108,7 +108,7 @@ def training_config(s: Scenario, world: int, out_dir: str) -> Any:
     return MLXTrainingConfig(
         per_device_train_batch_size=t.global_batch // (t.grad_accum * world),
         gradient_accumulation_steps=t.grad_accum, max_steps=t.steps, warmup_steps=t.warmup_steps,
-        learning_rate=t.learning_rate, optim="adamw", weight_decay=t.weight_decay,
+        learning_rate=t.learning_rate, optim=t.optimizer, weight_decay=t.weight_decay,
         # The scenario's clipping: a global norm, or none (unsloth-zoo's own default is a per-leaf cap).
         max_grad_norm=t.max_grad_norm, max_grad_leaf_norm=None if t.max_grad_norm else 0.0,
         logging_steps=1, output_dir=out_dir, report_to="none",

@@ -29,8 +29,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.rank import resume, step_probe
-from harness.rank.batching import (
+from harness.rank import step_probe
+from harness.rank.consensus import AgreedStop, Coordinator
+from harness.rank.effects import MainRankEffects
+from harness.rank.entry import RankContext
+from harness.rank.models import build_model, param_count, param_digest
+from harness.rank.optimizer import build_optimizer
+from harness.rank.precision import measure_precision
+from harness.rank.reporter import global_rng_digest
+from harness.rank.sources import Encoder, row_source
+from harness.rank.tokenizers import Tokenizer, load_tokenizer
+from harness.scenario import Scenario
+from harness.trainers.reference import resume
+from harness.trainers.reference.batching import (
     LocalBatch,
     RankShare,
     StreamShare,
@@ -40,17 +51,9 @@ from harness.rank.batching import (
     materialize,
     uneven_last,
 )
-from harness.rank.consensus import AgreedStop, Coordinator
-from harness.rank.effects import MainRankEffects
-from harness.rank.entry import RankContext
-from harness.rank.evaluate import evaluate
-from harness.rank.models import build_model, param_count, param_digest
-from harness.rank.reporter import global_rng_digest
-from harness.rank.semantics import Semantics, semantics
-from harness.rank.sources import Encoder, row_source
-from harness.rank.step import CompileFailed, LocalStep, build_optimizer, measure_precision
-from harness.rank.tokenizers import Tokenizer, load_tokenizer
-from harness.scenario import Scenario
+from harness.trainers.reference.evaluate import evaluate
+from harness.trainers.reference.semantics import Semantics, semantics
+from harness.trainers.reference.step import CompileFailed, LocalStep
 
 
 @dataclass

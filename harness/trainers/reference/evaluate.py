@@ -11,9 +11,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from harness.rank.batching import EvalShare, collate
 from harness.rank.consensus import AgreedStop, Coordinator
-from harness.rank.step import loss_fn
+from harness.trainers.reference.batching import EvalShare, collate
+from harness.trainers.reference.step import loss_fn
 
 
 def _local(model: Any, share: EvalShare, pad_id: int, vlm: bool) -> tuple[Any, int]:

@@ -20,19 +20,20 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from harness.rank import checkpoint
-from harness.rank.checkpoint import FORMAT, CheckpointError
 from harness.rank.consensus import AgreedStop
-from harness.rank.step import restore_in_place
 from harness.scenario import Scenario
+from harness.trainers.reference import checkpoint
+from harness.trainers.reference.checkpoint import FORMAT, CheckpointError
+from harness.trainers.reference.step import restore_in_place
 
-TRAJECTORY_TRAIN = ("steps", "learning_rate", "lr_schedule", "warmup_steps", "min_lr_ratio", "weight_decay",
-                    "max_grad_norm", "input_dropout")
+TRAJECTORY_TRAIN = ("steps", "learning_rate", "optimizer", "lr_schedule", "warmup_steps", "min_lr_ratio",
+                    "weight_decay", "max_grad_norm", "input_dropout")
 TRAJECTORY_DATA = ("source", "path", "format", "response_only", "rows", "min_chars", "max_chars", "max_seq_len",
                    "tokenizer", "order", "streaming", "eval_rows", "eval_path", "image_size")
 GLOBAL_HISTORY = ("losses", "grad_norms", "learning_rates", "tok_s_global", "tokens_global_per_step",
                   "images_global_per_step", "img_s_global")
 LOCAL_HISTORY = ("tokens_local_per_step", "tok_s_local", "step_times_s")
+DEFAULTS = {"train.optimizer": "adamw"}
 # Every draw is keyed by the seed (no generator carries state between steps), so the seed and
 # the step restore them all.
 RNG_KEYS = {"train rows": "[seed, 1]", "eval rows": "[seed, 4]", "eval images": "[seed, 6]", "batch plan": "[seed, 2]",
@@ -61,8 +62,9 @@ def check_fits(state: dict[str, Any], s: Scenario, where: str) -> None:
             f"the remaining steps would see different rows and the per-step update would change "
             f"(resume with global_batch = {gb_then}; the world size and grad_accum may change)")
     for key in sorted(set(then) | set(now)):
-        if then.get(key) != now.get(key):
-            raise CheckpointError(f"{where}: made with {key} = {then.get(key)!r}, this run has {now.get(key)!r}; "
+        made = then.get(key, DEFAULTS.get(key))  # a setting added since: the checkpoint had its default
+        if made != now.get(key):
+            raise CheckpointError(f"{where}: made with {key} = {made!r}, this run has {now.get(key)!r}; "
                                   f"refusing to resume a different training run")
 
 

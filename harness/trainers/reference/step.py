@@ -23,46 +23,6 @@ class CompileFailed(RuntimeError):
     """``mx.compile`` could not compile a step that runs eagerly; the compiler's error is the cause."""
 
 
-def build_optimizer(spec: TrainSpec, lr: float | None = None) -> Any:
-    """AdamW with the scenario's learning-rate schedule (warmup, then constant/cosine/linear);
-    ``lr`` replaces the spec's peak learning rate."""
-    import mlx.optimizers as optim
-
-    lr = spec.learning_rate if lr is None else lr
-    decay_steps = max(1, spec.steps - spec.warmup_steps)
-    end = lr * spec.min_lr_ratio
-    if spec.lr_schedule == "cosine":
-        schedule: Any = optim.cosine_decay(lr, decay_steps, end)
-    elif spec.lr_schedule == "linear":
-        schedule = optim.linear_schedule(lr, end, decay_steps)
-    else:
-        schedule = lr
-    if spec.warmup_steps:
-        after = schedule if callable(schedule) else optim.linear_schedule(lr, lr, 1)
-        schedule = optim.join_schedules([optim.linear_schedule(0.0, lr, spec.warmup_steps), after],
-                                        [spec.warmup_steps])
-    return optim.AdamW(learning_rate=schedule, weight_decay=spec.weight_decay)
-
-
-UNIT_ROUNDOFF = {"float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11}
-
-
-def measure_precision(dtype: str) -> dict[str, Any]:
-    """The precision this device computes the model's dtype at: the dtype's unit roundoff, and
-    the largest relative error of multiplying random values by the identity matrix, which is
-    exact unless the matmul rounds its operands (TF32 rounds float32 to 10 mantissa bits)."""
-    import mlx.core as mx
-    import numpy as np
-
-    dt = getattr(mx, dtype)
-    x = mx.array(np.random.default_rng(0).standard_normal((256, 256), dtype=np.float32)).astype(dt)
-    y = x @ mx.eye(256, dtype=dt)
-    a, b = np.array(x.astype(mx.float32)), np.array(y.astype(mx.float32))
-    u_matmul = float(np.max(np.abs(a - b) / np.maximum(np.abs(a), np.finfo(np.float32).tiny)))
-    return {"dtype": dtype, "u_dtype": UNIT_ROUNDOFF[dtype], "u_matmul": u_matmul,
-            "u_in": max(UNIT_ROUNDOFF[dtype], u_matmul), "device": str(mx.default_device())}
-
-
 def restore_in_place(dst: Any, src: Any) -> None:
     """Put ``src``'s arrays back into ``dst``'s containers in place (compile holds references)."""
     items = src.items() if isinstance(src, dict) else enumerate(src)

@@ -1,0 +1,24 @@
+"""The precision a rank computes at, measured on its device: every trainer's result carries it,
+and the judge derives its rounding limits from it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+UNIT_ROUNDOFF = {"float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11}
+
+
+def measure_precision(dtype: str) -> dict[str, Any]:
+    """The precision this device computes the model's dtype at: the dtype's unit roundoff, and
+    the largest relative error of multiplying random values by the identity matrix, which is
+    exact unless the matmul rounds its operands (TF32 rounds float32 to 10 mantissa bits)."""
+    import mlx.core as mx
+    import numpy as np
+
+    dt = getattr(mx, dtype)
+    x = mx.array(np.random.default_rng(0).standard_normal((256, 256), dtype=np.float32)).astype(dt)
+    y = x @ mx.eye(256, dtype=dt)
+    a, b = np.array(x.astype(mx.float32)), np.array(y.astype(mx.float32))
+    u_matmul = float(np.max(np.abs(a - b) / np.maximum(np.abs(a), np.finfo(np.float32).tiny)))
+    return {"dtype": dtype, "u_dtype": UNIT_ROUNDOFF[dtype], "u_matmul": u_matmul,
+            "u_in": max(UNIT_ROUNDOFF[dtype], u_matmul), "device": str(mx.default_device())}

@@ -1,0 +1,19 @@
+"""The harness's reference DDP trainer: ``trainer`` is its loop (start there); ``batching``
+shards each global batch across ranks; ``step`` is the local step (compiled or eager);
+``semantics`` holds the DDP arithmetic a mutation can break; ``evaluate`` is sharded evaluation;
+``checkpoint`` and ``resume`` write, verify and restore its checkpoints.
+
+It runs on the rank runtime every trainer shares (``harness.rank``: entry, protocol, consensus,
+digests, memory, faults) and reads the same models and data as the adapters do.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def run(ctx: Any) -> dict[str, Any]:
+    """Train the job's scenario on this rank (``harness.rank.entry`` calls it)."""
+    from harness.trainers.reference.trainer import run as train
+
+    return train(ctx)
