@@ -3,8 +3,6 @@ checkpoint every rank resumed from."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from harness.controller.collect import RunOutcome
 from harness.judge.checks import Check, fastest_after_first
 from harness.judge.floors import floors
@@ -34,26 +32,15 @@ def resume_accounting(run: RunOutcome, target: RunOutcome, source: RunOutcome | 
     run whose trainer restores no record of the steps before its checkpoint is held to
     ``target``'s figures from the step its history starts."""
     r, t = run.result(), target.result()
-    skip = unrecorded(run)
-
-    def tokens(res: dict[str, Any], key: str = "tokens_global_per_step", mine: bool = False) -> list[Any]:
-        """``key``'s history from the step ``run``'s starts (``mine``: ``run``'s own, which starts there)."""
-        return (res.get(key) or [])[0 if mine else skip:]
-
-    problems = []
-    if r.get("steps") != t.get("steps"):
-        problems.append("steps differs")
-    total = sum(tokens(r, mine=True)) if skip else r.get("tokens_global")
-    if total != (sum(tokens(t)) if skip else t.get("tokens_global")):
-        problems.append("tokens_global differs")
-    if tokens(r, mine=True) != tokens(t):
-        problems.append("tokens_global_per_step differs")
+    skip = unrecorded(run)  # a run without a record of its first steps: the target's from there
+    target_steps = (t.get("tokens_global_per_step") or [])[skip:] if skip else t.get("tokens_global_per_step")
+    expected = {"steps": t.get("steps"), "tokens_global": sum(target_steps or []) if skip else t.get("tokens_global"),
+                "tokens_global_per_step": target_steps}
+    problems = [f"{key} differs" for key, value in expected.items() if r.get(key) != value]
     if run.world_size == target.world_size:
-        def local(o: Any, own: bool) -> int:
-            return sum(tokens(o.result, "tokens_local_per_step", own)) if skip else o.result.get("tokens_local")
-
-        mine = [local(o, True) for o in run.ranks if o.result]
-        theirs = [local(o, False) for o in target.ranks if o.result]
+        mine = [o.result.get("tokens_local") for o in run.ranks if o.result]
+        theirs = [sum((o.result.get("tokens_local_per_step") or [])[skip:]) if skip else o.result.get("tokens_local")
+                  for o in target.ranks if o.result]
         if mine != theirs:
             problems.append(f"per-rank tokens {mine} vs {theirs}")
     k = (r.get("resume") or {}).get("step") or 0

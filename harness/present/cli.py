@@ -46,24 +46,20 @@ def resolve_scenarios(paths: list[str]) -> list[Scenario]:
 
 def check_resume_sources(s: Scenario) -> None:
     """A checkpoint directory a run resumes from must be complete and intact before anything starts
-    (checkpoints made by earlier runs of the scenario are verified by the ranks); an external
-    trainer's module checks its own saves (``check_resume_source``)."""
+    (checkpoints made by earlier runs of the scenario are verified by the ranks); each trainer's
+    module checks its own saves (``check_resume_source``)."""
     import importlib
 
     from harness.trainers import trainer_info
-    from harness.trainers.reference.checkpoint import resolve, verify
 
     names = {r.name for r in s.runs}
     for i, r in enumerate(s.runs):
         if r.resume_from is None or r.resume_from in names or r.expect_error is not None:
             continue
         eff = s.for_run(r)
+        trainer = importlib.import_module(trainer_info(eff.trainer.kind).module)
         try:
-            if eff.trainer.kind == "reference":
-                verify(resolve(Path(r.resume_from), r.resume_step))
-            else:
-                importlib.import_module(trainer_info(eff.trainer.kind).module).check_resume_source(
-                    Path(r.resume_from), r.resume_step, eff)
+            trainer.check_resume_source(Path(r.resume_from), r.resume_step, eff)
         except ValueError as e:  # CheckpointError included
             raise ScenarioError(f"{s.path}: [[runs]][{i}].resume_from: {e}") from e
 

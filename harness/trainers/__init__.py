@@ -22,8 +22,8 @@ class TrainerInfo:
     noise-floor twin); otherwise its trajectories are judged against a *split* floor run, the
     reference run again in one process with the model computing each batch in the N ranks' row
     chunks (``common.split_forward``: the same mathematics, N ranks' rounding). Trainers that can
-    resume are listed in ``harness.scenario_spec.RESUMING_TRAINERS``; an external one has
-    ``check_resume_source(path, step, scenario)`` in its module."""
+    resume are listed in ``harness.scenario_spec.RESUMING_TRAINERS`` and have
+    ``check_resume_source(path, step, scenario)`` in their module."""
 
     module: str
     title: str

@@ -9,6 +9,7 @@ digests, memory, faults) and reads the same models and data as the adapters do.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 
@@ -17,3 +18,12 @@ def run(ctx: Any) -> dict[str, Any]:
     from harness.trainers.reference.trainer import run as train
 
     return train(ctx)
+
+
+def check_resume_source(source: Path, step: int | None, s: Any) -> None:
+    """Before anything starts: the checkpoint in ``source`` to resume from (``step``'s, or the
+    newest complete one) is complete and intact (``CheckpointError``, a ValueError, naming the
+    file and what is wrong)."""
+    from harness.trainers.reference.checkpoint import resolve, verify
+
+    verify(resolve(source, step))
