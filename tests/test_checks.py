@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from harness.controller.collect import RankOutcome, RunOutcome
+from harness.controller.cpu_use import CpuUse
 from harness.controller.watch import WatchReport
 from harness.judge.checks import (
     data_share,
@@ -137,6 +138,16 @@ def test_expected_failure_passes_only_on_the_expected_message() -> None:
     assert not expected_failure(run, "rank 0 failed").passed
 
 
+def test_cpu_use_counts_other_processes_beyond_the_free_cores() -> None:
+    quiet = CpuUse(cores=8, wall_s=2.0, busy_s=4.5, own_s=4.0)
+    assert quiet.others_cores == 0.25 and not quiet.disturbed(2)
+    busy = CpuUse(cores=8, wall_s=2.0, busy_s=16.0, own_s=4.0)  # 6 other cores: 2 ranks left 6 free
+    assert busy.others_cores == 6.0 and not busy.disturbed(2) and busy.disturbed(4)
+    assert CpuUse(cores=2, wall_s=1.0, busy_s=2.3, own_s=2.0).disturbed(2)  # 0.3 core on a full machine
+    assert CpuUse(cores=2, wall_s=1.0, busy_s=1.9, own_s=2.0).others_cores == 0.0  # rounding: never negative
+    assert CpuUse(cores=2, wall_s=0.0, busy_s=1.0, own_s=0.0).others_cores == 0.0
+
+
 def test_resume_checks_fail_on_doctored_accounting_and_disagreeing_ranks() -> None:
     from harness.judge.resume_checks import resume_accounting, resume_source
 
@@ -168,6 +179,15 @@ def test_resume_checks_fail_on_doctored_accounting_and_disagreeing_ranks() -> No
         o.result["tok_s_global"] = [9.0, 9.0, 8.0, 9.5]
     bad = resume_accounting(later, steady, None, 3.0)
     assert not bad.passed and "fastest tok/s 0.6 vs 9.5" in bad.detail and "steps 3-4" in bad.detail
+    later.watch.cpu = CpuUse(cores=2, wall_s=10.0, busy_s=20.4, own_s=20.0)  # others: 0.04 cores
+    assert not resume_accounting(later, steady, None, 3.0).passed
+    later.watch.cpu = CpuUse(cores=2, wall_s=10.0, busy_s=19.9, own_s=5.0)  # another job: 1.49 cores
+    shown = resume_accounting(later, steady, None, 3.0)
+    assert shown.passed and shown.value == round(0.6 / 9.5, 3)
+    assert "(not compared: during resumed2 other processes kept 1.49 of 2 CPUs busy)" in shown.detail
+    steady.watch.cpu, later.watch.cpu = later.watch.cpu, None  # the target's run was the disturbed one
+    assert "during full2" in resume_accounting(later, steady, None, 3.0).detail
+    steady.watch.cpu = None
     for o in later.ranks:
         o.result["tok_s_global"] = [9.0, 2.0, 3.5, 9.1]  # one undisturbed step is enough
     assert resume_accounting(later, steady, None, 3.0).passed

@@ -11,6 +11,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import psutil
@@ -23,8 +24,8 @@ pytestmark = pytest.mark.ranks
 
 
 def probe(value: float, world_size: int, *, rounds: int = 4, faults: list[dict] | None = None,
-          keep: Path | None = None, wall_s: float = 120, no_progress_s: float = 60):
-    job = {"kind": "allsum", "value": value, "rounds": rounds, "faults": faults or []}
+          keep: Path | None = None, wall_s: float = 120, no_progress_s: float = 60, pause_s: float = 0.05):
+    job = {"kind": "allsum", "value": value, "rounds": rounds, "faults": faults or [], "pause_s": pause_s}
     return execute(f"probe{value}", job, world_size, wall_s=wall_s, no_progress_s=no_progress_s, keep_to=keep)
 
 
@@ -83,6 +84,31 @@ def test_two_and_four_ranks_sum_and_capture_output_per_rank(tmp_path: Path) -> N
         for r in range(ws):
             assert f"rank {r} round 4" in (keep / f"rank{r}.stdout").read_text()
         assert_clean(out)
+
+
+def test_the_launcher_does_not_spin_while_its_ranks_wait() -> None:
+    """Ranks that sleep 3 x 0.7 s between all-sums: the run (controller, launcher, ranks) uses a
+    fraction of one core. mlx.launch's own loop used more than a core for as long as its ranks ran."""
+    out = probe(1.0, 2, rounds=3, pause_s=0.7)
+    assert out.ok, out.failure
+    cpu = out.watch.cpu
+    assert cpu is not None and cpu.wall_s > 2.1 and cpu.own_s < 0.5 * cpu.wall_s, cpu
+
+
+def test_quiet_select_watches_only_output_pipes() -> None:
+    from harness.controller.calm_launch import WAIT_S, quiet_select
+
+    r, w = os.pipe()
+    try:
+        assert quiet_select([r], [w], [], 1.0) == ([], [], [])  # nothing to read; a writable pipe is not news
+        os.write(w, b"x")
+        assert quiet_select([r], [w], [], None) == ([r], [], [])
+        t0 = time.monotonic()
+        assert quiet_select([0], [w], [], 5.0) == ([], [], [])
+        assert time.monotonic() - t0 < 1.0 and WAIT_S <= 0.05
+    finally:
+        os.close(r)
+        os.close(w)
 
 
 @pytest.mark.parametrize(

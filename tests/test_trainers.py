@@ -88,7 +88,8 @@ HEAD = "from harness import api\nrun = api.session()\n"
      "trainer script: watchdog: no progress from any rank for 4 s"),
 ], ids=["raises", "exits", "reports-nothing", "no-params", "hangs"])
 def test_a_broken_script_fails_with_one_line_naming_it(tmp_path: Path, script: str, line: str) -> None:
-    path = script_scenario(tmp_path, script, name="broken", world_sizes=(2,), no_progress_s=4)
+    hangs = "sleep(600)" in script  # the watchdog's wait only matters where the script hangs
+    path = script_scenario(tmp_path, script, name="broken", world_sizes=(2,), no_progress_s=4 if hangs else 60)
     p = cli("run", str(path), "--out", str(tmp_path / "o"))
     assert p.returncode == 3, p.stdout[-3000:] + p.stderr[-2000:]
     assert line in p.stdout, p.stdout[-3000:]
@@ -99,12 +100,12 @@ def test_a_broken_script_fails_with_one_line_naming_it(tmp_path: Path, script: s
 
 def run_faulted(tmp_path: Path, scenario: str, action: str = "raise") -> str:
     """The shipped scenario at 1 and 2 ranks for 4 steps, rank 1 doing ``action`` at step 2 of the
-    2-rank run (the watchdog waits 8 s for progress): exit 3, no stray process; returns the
-    printed output."""
+    2-rank run: exit 3, no stray process; returns the printed output. The watchdog waits 8 s for
+    progress where rank 1 hangs, 60 s otherwise (a first step on a loaded machine can take 8 s)."""
     body = (REPO / "scenarios" / f"{scenario}.toml").read_text()
     body = body.replace('[[runs]]\nname = "ddp4"\nworld_size = 4\n', "").replace("steps = 12", "steps = 4")
     body += f'\n[[faults]]\nrank = 1\nstep = 2\naction = "{action}"\nruns = ["ddp2"]\n'
-    body += "\n[limits]\nno_progress_s = 8\n" if "[limits]" not in body else ""
+    body += f"\n[limits]\nno_progress_s = {8 if action == 'hang' else 60}\n" if "[limits]" not in body else ""
     body = body.replace('"data/', f'"{REPO}/scenarios/data/')  # the scenario's own data, from elsewhere
     path = tmp_path / f"{scenario}_fault.toml"
     path.write_text(body)

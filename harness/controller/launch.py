@@ -21,6 +21,7 @@ from harness.controller.ports import PortLease, lease_ports
 
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
 RANK_MODULE = "harness.rank"
+CALM_LAUNCH = "harness.controller.calm_launch"
 TMPDIR_VAR = "MLX_DDP_HARNESS_TMPDIR"
 
 
@@ -43,13 +44,19 @@ def blas_preload() -> str | None:
     return None
 
 
-def find_launcher() -> list[str]:
-    """The ``mlx.launch`` of the running interpreter's environment."""
+def mlx_launch() -> list[str]:
+    """The ``mlx.launch`` of the running interpreter's environment, as installed."""
     here = Path(sys.executable).parent / "mlx.launch"
     found = str(here) if here.exists() else shutil.which("mlx.launch")
     if found:
         return [found]
     return [sys.executable, "-c", "import sys; from mlx._distributed_utils.launch import main; sys.exit(main())"]
+
+
+def find_launcher() -> list[str]:
+    """How runs start mlx.launch: through ``calm_launch`` (mlx.launch without its busy waits,
+    which would take a CPU core from the ranks)."""
+    return [sys.executable, "-m", CALM_LAUNCH]
 
 
 @dataclass

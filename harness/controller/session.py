@@ -11,6 +11,7 @@ from typing import Any
 from harness import schema
 from harness.controller import launch as launcher
 from harness.controller.collect import RunOutcome, collect, failure_reason
+from harness.controller.cpu_use import CpuMeter
 from harness.controller.watch import kill_group, watch
 
 KEEP_SUFFIXES = (".events.jsonl", ".result.json", ".callbacks.jsonl", ".stdout", ".stderr", ".log")
@@ -60,12 +61,13 @@ def execute(
         # launched_at lets each rank measure its startup (launch to joined group) on one clock.
         job = {**job, "world_size": world_size, "backend": backend, "launched_at": time.time()}
         schema.write_json_atomic(run_dir / schema.JOB_FILE, schema.stamp(job))
+        meter = CpuMeter()
         try:
             started = launcher.start(run_dir, world_size, backend)
         except OSError as e:
             raise LaunchError(f"could not start ranks for run {name!r}: {e}") from e
         try:
-            report = watch(started, wall_s, no_progress_s)
+            report = watch(started, wall_s, no_progress_s, meter)
         except BaseException:  # interrupted: leave nothing of the run behind
             kill_group(started)
             raise

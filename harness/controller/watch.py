@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import psutil
 
 from harness import schema
+from harness.controller.cpu_use import CpuMeter, CpuUse
 from harness.controller.launch import Launch
 
 POLL_S = 0.1
@@ -35,6 +36,7 @@ class WatchReport:
     survivors: list[int] = field(default_factory=list)
     rank_pids: dict[int, int] = field(default_factory=dict)
     exited_early: list[int] = field(default_factory=list)  # gone without a result before a limit fired
+    cpu: CpuUse | None = None  # what the machine's CPUs did meanwhile
 
 
 def _rank_pids(launch: Launch) -> dict[int, int]:
@@ -130,9 +132,11 @@ def kill_group(launch: Launch, timeout: float = 10.0) -> list[int]:
         time.sleep(POLL_S)
 
 
-def watch(launch: Launch, wall_s: float, no_progress_s: float) -> WatchReport:
-    """Block until the run ends or a limit fires; always leaves the process group empty."""
+def watch(launch: Launch, wall_s: float, no_progress_s: float, meter: CpuMeter | None = None) -> WatchReport:
+    """Block until the run ends or a limit fires; always leaves the process group empty. ``meter``
+    (started before the launch) measures the CPUs meanwhile."""
     t0 = time.monotonic()
+    meter = meter or CpuMeter()
     last_mark, last_progress = _progress_mark(launch), t0
     failed_since: float | None = None
     pids: dict[int, int] = {}
@@ -165,4 +169,5 @@ def watch(launch: Launch, wall_s: float, no_progress_s: float) -> WatchReport:
     if report.returncode is None:
         report.returncode = launch.proc.returncode
     report.wall_s = time.monotonic() - t0
+    report.cpu = meter.stop()
     return report

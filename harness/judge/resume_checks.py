@@ -51,20 +51,34 @@ def resume_accounting(run: RunOutcome, target: RunOutcome, source: RunOutcome | 
     # run's fastest: another process on the machine only ever makes a step slower, so the
     # fastest step is each run's least disturbed figure, and a resumed run that is really slower
     # (recompiling, or eager where the target compiled) is slower in every step, that one too.
+    # Unless another job kept the machine's free cores busy through a whole run: then neither
+    # run's fastest step is a clean figure, and the speeds are shown but not judged.
     a = fastest_after_first((r.get("tok_s_global") or [])[k - skip:])
     b = fastest_after_first((t.get("tok_s_global") or [])[k:])
     ratio = a / b if a and b else None
     same_world = run.world_size == target.world_size
-    if same_world and (ratio is None or not 1 / factor <= ratio <= factor):
+    busy = busy_during(run, target)
+    if same_world and not busy and (ratio is None or not 1 / factor <= ratio <= factor):
         problems.append(f"fastest tok/s {a} vs {b}")
     detail = (f"vs {target.name}: {r.get('steps')} steps, {r.get('tokens_global')} tokens"
               + (f" in steps {skip + 1}-{r.get('steps')} (no record of the steps before)" if skip else "")
               + f"; fastest tok/s of steps {k + 2}-{r.get('steps')} {a or 0:.0f} vs {b or 0:.0f}"
-              + ("" if same_world else " (other world size: not compared)"))
+              + (" (other world size: not compared)" if not same_world else
+                 f" (not compared: {busy})" if busy else ""))
     if problems:
         detail += "; " + "; ".join(problems)
     return Check("resume_accounting", run.name, not problems, None if ratio is None else round(ratio, 3), factor,
                  detail)
+
+
+def busy_during(*runs: RunOutcome) -> str | None:
+    """Why the speeds of ``runs`` cannot be compared, if another process shared the machine's
+    CPUs with one of them beyond the cores it left free."""
+    for run in runs:
+        cpu = run.watch.cpu
+        if cpu is not None and cpu.disturbed(run.world_size):
+            return f"during {run.name} {cpu.describe()}"
+    return None
 
 
 def resume_source(run: RunOutcome, spec: RunSpec) -> Check:

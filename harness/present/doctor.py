@@ -15,7 +15,7 @@ def checks() -> list[tuple[str, str, bool]]:
     import mlx.core as mx
 
     from harness.controller.environment import blas_info, device_description
-    from harness.controller.launch import default_backend, find_launcher
+    from harness.controller.launch import default_backend, mlx_launch
     from harness.controller.ports import PortError, lease_ports
 
     rows: list[tuple[str, str, bool]] = [
@@ -25,7 +25,7 @@ def checks() -> list[tuple[str, str, bool]]:
     avail = [b for b in BACKENDS if mx.distributed.is_available(b)]
     rows.append(("distributed backends", ", ".join(avail) or "none", bool(avail)))
     rows.append(("default backend", default_backend(), default_backend() in avail))
-    launcher = find_launcher()
+    launcher = mlx_launch()
     rows.append(("mlx.launch", " ".join(launcher[:1]), bool(launcher)))
     try:
         with lease_ports(4) as lease:
