@@ -26,6 +26,7 @@ from harness.scenario_spec import (
     OPTIMIZERS,
     ORDERS,
     RESUMING_TRAINERS,
+    STREAMING_TRAINERS,
     TEXT_ARCHS,
     TRAINER_KINDS,
     VLM_ARCHS,
@@ -233,7 +234,8 @@ def _validate_external_run(s: Scenario, i: int, r: RunSpec, src: str) -> None:
     require(kind in RESUMING_TRAINERS or (r.resume_from is None and r.stop_after is None), src,
             f"{where}.resume_from",
             f"resume is not supported for {name} yet ({', '.join(RESUMING_TRAINERS)} can resume)")
-    require(not eff.data.streaming, src, f"{where}.data.streaming", f"{name} takes an in-memory dataset")
+    require(not eff.data.streaming or kind in STREAMING_TRAINERS, src, f"{where}.data.streaming",
+            f"{name} takes an in-memory dataset ({', '.join(STREAMING_TRAINERS)} can read a stream)")
     require(eff.train.input_dropout == 0, src, f"{where}.train.input_dropout", f"{name} has no input dropout")
     if kind == "mlx_lm":
         require(eff.train.max_grad_norm == 0, src, f"{where}.train.max_grad_norm",

@@ -28,6 +28,7 @@ LR_SCHEDULES = ("constant", "cosine", "linear")
 OPTIMIZERS = ("adamw", "sgd")
 TRAINER_KINDS = ("reference", "mlx_lm", "mlx_vlm", "unsloth_zoo", "script")
 RESUMING_TRAINERS = ("reference", "mlx_lm")  # those whose saves a later run can continue from
+STREAMING_TRAINERS = ("reference", "unsloth_zoo")  # those that read an unsized stream of rows lazily
 FINE_TUNES = ("full", "lora")
 
 

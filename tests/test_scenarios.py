@@ -278,16 +278,17 @@ def guide_throughput(runs: dict, checks: dict, out: Path) -> None:
 STEP_LOCAL = ("step_token_parity", "step_loss_parity", "step_grad_parity")
 
 
-def _external(runs: dict, checks: dict, compared: tuple[str, ...], kind: str) -> None:
+def _external(runs: dict, checks: dict, compared: tuple[str, ...], kind: str, ref: str = "single") -> None:
     """An external trainer's scenario: its runs report the trainer, the step-local checks are
     n/a (never passed), the floor is the split run of the compared run's world size, and replicas
     and ranks agree."""
     for name in compared:
         n = max(runs[name]["world_size"], 2)
-        assert runs[f"single_split{n}"]["floor"].endswith(f"each batch in {n} row chunks, their rows reversed")
-        assert f"single_split{n}'s" in checks[("loss_parity", name)]["derivation"]
+        assert runs[f"{ref}_split{n}"]["floor"].endswith(f"each batch in {n} row chunks, their rows reversed")
+        assert f"{ref}_split{n}'s" in checks[("loss_parity", name)]["derivation"]
         assert runs[name]["trainer"] == kind
-        for check in STEP_LOCAL + ("data_share_bytes",):
+        streaming = runs[name]["data"][0]["streaming"]  # a stream holds no share to judge
+        for check in STEP_LOCAL + (() if streaming else ("data_share_bytes",)):
             c = checks[(check, name)]
             assert c["result"] == "n/a" and c["detail"].startswith("not applicable: "), c
         for check in ("replica_consistency", "ranks_agree", "token_accounting", "rank0_side_effects", "lr_schedule"):
@@ -383,6 +384,22 @@ def unsloth_compiled(runs: dict, checks: dict, out: Path) -> None:
     assert checks[("param_parity", "ddp2")]["result"] == "pass"
 
 
+def unsloth_streaming(runs: dict, checks: dict, out: Path) -> None:
+    _external(runs, checks, ("stream2", "stream4"), "unsloth_zoo", ref="in_memory")
+    assert runs["in_memory"]["data"] == [{"streaming": False, "bytes_held": 150768}]
+    for name in ("stream1", "stream2", "stream4"):
+        for check in ("loss_parity", "param_parity", "eval_parity", "token_accounting"):
+            assert checks[(check, name)]["result"] == "pass", (check, name)
+        # 12 steps of 8 rows: the 64-row stream once and half again, read lazily by rank 0 alone
+        # (unsloth-zoo sends each rank its rows); no rank holds the dataset
+        first, *others = runs[name]["data"]
+        assert first == {"streaming": True, "rows_read": 96, "bytes_held": None}
+        assert [d["rows_read"] for d in others] == [0] * (runs[name]["world_size"] - 1)
+        assert [e["step"] for e in runs[name]["evals"]] == [6, 12]
+    assert checks[("loss_parity", "stream1")]["value"] == 0  # one process, the same batches: the same bits
+    assert checks[("param_parity", "stream1")]["value"] == 0
+
+
 def _unsloth_known(runs: dict, checks: dict) -> None:
     _external_xfail(runs, checks)
     assert checks[("token_accounting", "single")]["result"] == "pass"
@@ -444,7 +461,7 @@ SPECIFIC: dict[str, Callable[[dict, dict, Path], None]] = {
                             guide_throughput, prose_parity, mutations, mlx_lm_parity, mlx_lm_lora,
                             mlx_lm_mean_of_means, mlx_lm_resume, mlx_vlm_parity, mlx_vlm_mean_of_means, unsloth_parity,
                             unsloth_compiled, unsloth_tail_padding, unsloth_default_order, unsloth_seed_table,
-                            trainer_throughput, script_example)
+                            unsloth_streaming, trainer_throughput, script_example)
 }
 
 

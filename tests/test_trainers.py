@@ -157,6 +157,34 @@ def test_a_failing_mlx_vlm_trainer_is_named(tmp_path: Path) -> None:
             "phase step at step 2") in out
 
 
+@pytest.mark.ranks
+def test_unsloth_streaming_pads_a_short_last_batch_under_ddp_and_is_caught(tmp_path: Path) -> None:
+    """unsloth_streaming with 45 rows (5 global batches of 8 and one of 5) against one streaming
+    process: under DDP unsloth-zoo's stream pads the short batch with the epoch's first rows, so
+    from step 6 the 2 ranks train on more tokens; the parity checks fail on it. The floor run
+    streams too (each batch's rows reversed, read lazily)."""
+    needs_unsloth()
+    body = (REPO / "scenarios" / "unsloth_streaming.toml").read_text()
+    body = body.replace("rows = 64 ", "rows = 45 ").replace('reference = "in_memory"', 'reference = "stream1"')
+    body = body.replace('[[runs]]\nname = "in_memory"\nworld_size = 1\n', "")
+    body = body.replace('[[runs]]\nname = "stream4"\nworld_size = 4\ndata = { streaming = true }\n', "")
+    path = tmp_path / "tail.toml"
+    path.write_text(body)
+    p = cli("run", str(path), "--out", str(tmp_path / "o"))
+    assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-2000:]
+    (s,) = json.loads((tmp_path / "o" / "result.json").read_text())["scenarios"]
+    runs = {r["name"]: r for r in s["runs"]}
+    assert set(runs) == {"stream1", "stream2", "stream1_split2"}
+    failed = {(c["name"], c["run"]) for c in s["checks"] if c["result"] == "FAIL"}
+    assert failed == {("loss_parity", "stream2"), ("param_parity", "stream2"), ("eval_parity", "stream2"),
+                      ("token_accounting", "stream2")}, failed
+    one, two = runs["stream1"]["tokens_global_per_step"], runs["stream2"]["tokens_global_per_step"]
+    assert one[:5] == two[:5] and one[5] < two[5]  # the short 6th batch, padded under DDP
+    assert runs["stream1_split2"]["data"][0]["streaming"] and runs["stream1_split2"]["data"][0]["rows_read"] > 45
+    loss = next(c for c in s["checks"] if (c["name"], c["run"]) == ("loss_parity", "stream2"))
+    assert loss["value"] > 10 * loss["limit"] and "stream1_split2's" in loss["derivation"]
+
+
 UNSLOTH = 'kind = "unsloth_zoo"'
 
 
@@ -178,6 +206,8 @@ UNSLOTH = 'kind = "unsloth_zoo"'
     ('kind = "mlx_vlm"', '[model]\narch = "qwen2_vl"\n[data]\nsource = "images"\n[train]\neval_batch = 8\n'
                          '[[runs]]\nname = "p"\nworld_size = 1\nstop_after = 2\n',
      "[[runs]][0].resume_from: resume is not supported for the mlx_vlm trainer yet (reference, mlx_lm can resume)"),
+    ('kind = "mlx_lm"', "[data]\nstreaming = true\n", "[[runs]][0].data.streaming: the mlx_lm trainer takes an "
+                                                        "in-memory dataset (reference, unsloth_zoo can read a stream)"),
     (UNSLOTH, '[train]\nlr_schedule = "linear"\n', "[[runs]][0].train.lr_schedule: unsloth-zoo's schedules that "
                                                     "match the scenario's are constant, cosine"),
     (UNSLOTH, '[data]\norder = "length_sorted"\n', "[[runs]][0].data.order: unsloth-zoo takes 'ordered'"),

@@ -77,6 +77,7 @@ class StepReporter:
         self.rng_before = global_rng_digest()
         self.t_start = self.t_last = time.perf_counter()
         self.data_bytes = 0
+        self.stream: Any = None  # the trainer reads its rows lazily from this (``rows_read``)
         self.from_rank0: dict[str, Any] | None = None
         self.finished: dict[str, Any] | None = None
         self.done = 0  # steps trained before this run: it resumed after them
@@ -203,7 +204,8 @@ class StepReporter:
             "compile": {"mode": self.s.train.compile, "scope": self.compile_scope,
                         "fallback_reason": self.fallback_reason},
             "side_effects": {"saves": self.saves},
-            "data": {"streaming": False, "bytes_held": self.data_bytes},
+            "data": {"streaming": True, "rows_read": self.stream.rows_read, "bytes_held": None}
+            if self.stream is not None else {"streaming": False, "bytes_held": self.data_bytes},
             "rss_step_peak_bytes": self.rss_peak,
             "seed_used": self.s.seed,
             "precision": measure_precision(self.s.model.dtype),

@@ -32,14 +32,15 @@ def split_rows(s: Scenario, tok: Any, split: str, encode: Any = None, source: An
     return [(where, encode(where, row)) for where, row in (source or row_source)(s.data, s.seed, split)()]
 
 
-def load_rows(s: Scenario, encode: Any = None, source: Any = None, tok: Any = None) -> Rows:
-    """The train rows, the eval rows (none without ``eval_rows`` or ``eval_path``) and their
-    tokenizer (``tok``, else the scenario's), encoded as ``split_rows`` encodes them."""
+def load_rows(s: Scenario, encode: Any = None, source: Any = None, tok: Any = None, train: bool = True) -> Rows:
+    """The train rows (none unless ``train``: a trainer that reads them lazily), the eval rows
+    (none without ``eval_rows`` or ``eval_path``) and their tokenizer (``tok``, else the
+    scenario's), encoded as ``split_rows`` encodes them."""
     from harness.rank.tokenizers import load_tokenizer
 
     tok = tok or load_tokenizer(s.data)
     has_eval = bool(s.data.eval_rows or s.data.eval_path)
-    return Rows(split_rows(s, tok, "train", encode, source),
+    return Rows(split_rows(s, tok, "train", encode, source) if train else [],
                 split_rows(s, tok, "eval", encode, source) if has_eval else [], tok)
 
 

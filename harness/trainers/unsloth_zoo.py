@@ -18,6 +18,10 @@ replica digests) and each evaluation. In a floor run the model computes each bat
 row chunks (``common.split_text_model``), and in its sequential order the adapter hands each
 batch's rows over in reverse order as well (its fused loss then sums them in another order too).
 
+With ``[data] streaming`` the rows go as an unsized stream (``StreamedRows``: no length, no
+indexing, read afresh each epoch) with ``streaming=True``; unsloth-zoo reads it on rank 0 alone and
+sends each rank its rows (``rows_read`` in each rank's ``data`` says how many it read).
+
 Known behaviours (scenarios ``unsloth_tail_padding`` and ``unsloth_default_order``): under DDP it
 pads an epoch's short last global batch with rows from the dataset's start, and in its default
 order it batches pretokenized rows without the DDP group (every rank trains on the same rows).
@@ -30,6 +34,7 @@ torch and triton on Linux; its MLX trainer needs none of them). On Linux it impo
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -114,16 +119,44 @@ def training_config(s: Scenario, world: int, out_dir: str) -> Any:
         logging_steps=1, output_dir=out_dir, report_to="none",
         save_steps=t.checkpoint_every, save_total_limit=t.keep_last or -1,
         eval_steps=t.eval_every, per_device_eval_batch_size=max(1, t.eval_batch // world),
-        compile=t.compile != "off", compile_mode=COMPILE_MODES[t.compile],
+        compile=t.compile != "off", compile_mode=COMPILE_MODES[t.compile], streaming=s.data.streaming,
         dataset_order=ORDERS[s.data.order], max_seq_length=s.data.max_seq_len, seed=s.seed, append_eos=False,
         **schedule)
 
 
-def reverse_batches(items: list[Any], batch: int) -> list[Any]:
+def reverse_batches(items: Iterable[Any], batch: int) -> Iterator[Any]:
     """The floor run in sequential order: each consecutive ``batch`` of rows reversed, so each of
     unsloth-zoo's batches holds the same rows in reverse order (its loss sums them in another
-    order)."""
-    return [row for k in range(0, len(items), batch) for row in reversed(items[k : k + batch])]
+    order). Reads ``items`` one batch at a time."""
+    chunk: list[Any] = []
+    for item in items:
+        chunk.append(item)
+        if len(chunk) == batch:
+            yield from reversed(chunk)
+            chunk = []
+    yield from reversed(chunk)
+
+
+class StreamedRows:
+    """The scenario's train rows as an unsized stream, the lazy text source unsloth-zoo's
+    ``streaming=True`` takes (``__iter__`` only: no length, no indexing). Each pass reads the row
+    source afresh and encodes one row at a time; ``reverse`` > 0 reverses each run of that many
+    rows (the floor run's order). ``rows_read`` counts the rows handed over, every pass."""
+
+    def __init__(self, s: Scenario, tok: Any, reverse: int = 0):
+        from harness.rank.sources import Encoder, row_source
+
+        self.encode, self.source = Encoder(tok, s.data), row_source(s.data, s.seed, "train")
+        self.reverse = reverse
+        self.rows_read = 0
+
+    def _items(self) -> Iterator[dict[str, list[int]]]:
+        for where, row in self.source():
+            self.rows_read += 1
+            yield to_item(self.encode(where, row))
+
+    def __iter__(self) -> Iterator[dict[str, list[int]]]:
+        return reverse_batches(self._items(), self.reverse) if self.reverse else self._items()
 
 
 def make_callback(rep: StepReporter, trainer: Any, eval_tokens: int) -> Any:
@@ -160,25 +193,31 @@ def run(ctx: RankContext) -> dict[str, Any]:
     lora = s.trainer.fine_tune == "lora"
     rep = StepReporter(ctx, s, {**NOT_APPLICABLE, **(LORA_RNG if lora else {})})
     ctx.phase("data")
-    rows = load_rows(s)
-    train_items = [to_item(ex) for _, ex in rows.train]
+    streaming = s.data.streaming
+    rows = load_rows(s, train=not streaming)
+    split = int(ctx.job.get("split_rows") or 0)
+    reverse = s.train.global_batch // s.train.grad_accum if split and s.data.order == "ordered" else 0
+    train: Any
+    if streaming:  # read lazily, by unsloth-zoo, on every rank
+        train = rep.stream = StreamedRows(s, rows.tokenizer, reverse)
+    else:
+        train = [to_item(ex) for _, ex in rows.train]
+        rep.data_bytes = sum(16 * len(item["input_ids"]) for item in train)  # as Python ints: a lower bound
+        train = list(reverse_batches(train, reverse)) if reverse else train
     eval_items = [to_item(ex) for _, ex in rows.eval] or None
-    rep.data_bytes = sum(16 * len(item["input_ids"]) for item in train_items)  # as Python ints: a lower bound
     eval_tokens = sum(ex.tokens for _, ex in rows.eval)
     ctx.phase("model")
     model, config = build_model(s.model, rows.vocab_size, s.seed)
     if lora:
         apply_lora(model, s)
-    if ctx.job.get("split_rows"):
-        split_text_model(model, int(ctx.job["split_rows"]))
-        if s.data.order == "ordered":
-            train_items = reverse_batches(train_items, s.train.global_batch // s.train.grad_accum)
+    if split:
+        split_text_model(model, split)
     out = Path(ctx.run_dir) / f"rank{ctx.rank}.unsloth_zoo"
     out.mkdir(exist_ok=True)
     args = training_config(s, ctx.world_size, str(out))
     try:
         tokenizer = TokenizerView(rows.tokenizer, s.data.tokenizer)
-        trainer = MLXTrainer(model, tokenizer, train_items, eval_dataset=eval_items, args=args)
+        trainer = MLXTrainer(model, tokenizer, train, eval_dataset=eval_items, args=args)
         trainer.add_callback(make_callback(rep, trainer, eval_tokens))
         rep.start(model.parameters())
         result = trainer.train()
