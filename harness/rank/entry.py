@@ -110,12 +110,15 @@ def runtime_figures() -> dict[str, Any]:
 
 
 def _job_runner(job: dict[str, Any]) -> Callable[[RankContext], dict[str, Any]]:
-    """A ``train`` job runs the scenario's trainer under test (``harness.trainers``)."""
+    """A ``train`` job runs the scenario's trainer under test (``harness.trainers``); ``allsum``
+    is the launch probe, ``mlx_lm_step`` the speed anchor (``harness.rank.anchor``)."""
     import importlib
 
     kind = job["kind"]
     if kind == "allsum":
         return importlib.import_module("harness.rank.probe").run
+    if kind == "mlx_lm_step":
+        return importlib.import_module("harness.rank.anchor").run
     if kind != "train":
         raise ValueError(f"unknown job kind {kind!r}")
     from harness.trainers import trainer_info

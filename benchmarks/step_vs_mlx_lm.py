@@ -1,0 +1,115 @@
+"""The reference trainer's speed beside mlx-lm's own step, on the same model, dtype, per-rank batch
+and world size, in one invocation.
+
+For each world size and compile mode it runs the harness's reference trainer (a throughput
+scenario: generated rows at least ``--seq`` tokens long, truncated to it, every token a target)
+and the anchor (``harness.rank.anchor``: mlx-lm's ``default_loss``, ``nn.average_gradients`` and
+the update in a plain loop, compiled together when compiling, on random tokens of the same
+shape), both launched by the harness, and prints post-step-1 median tok/s, the ratio, the scaling
+over one rank, and the model FLOPs utilization where the device's peak is known (``PEAKS``:
+the vendors' dense bf16/fp16 tensor-core figures; none for CPUs).
+
+usage: python benchmarks/step_vs_mlx_lm.py [--model tiny|cpu3m|gpu044b] [--world-sizes 1,2]
+                                           [--steps 12] [--backend ring|nccl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from tabulate import tabulate
+
+from harness.controller.session import execute
+from harness.controller.suite import train_job
+from harness.scenario import load_scenario
+
+# model config overrides (of the tiny qwen3), dtype, sequence length, per-rank batch
+MODELS: dict[str, tuple[dict[str, Any], str, int, int]] = {
+    "tiny": ({}, "float32", 160, 8),
+    "cpu3m": ({"hidden_size": 256, "num_hidden_layers": 4, "intermediate_size": 768, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "head_dim": 64}, "float32", 256, 8),
+    "gpu044b": ({"hidden_size": 1024, "num_hidden_layers": 28, "intermediate_size": 3072, "num_attention_heads": 16,
+                 "num_key_value_heads": 8, "head_dim": 128}, "bfloat16", 1024, 8),
+}
+# Dense bf16/fp16 tensor-core peak FLOP/s by device name (NVIDIA's data sheets, SXM parts).
+PEAKS = {"NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H200": 989e12}
+
+
+def scenario_text(model: str, world_sizes: list[int], steps: int) -> str:
+    config, dtype, seq, per_rank = MODELS[model]
+    cfg = ", ".join(f"{k} = {v}" for k, v in config.items())
+    modes = {"eager": "off", "compiled": "best_effort"}
+    runs = "".join(f'\n[[runs]]\nname = "ws{n}_{c}"\nworld_size = {n}\n'
+                   f'train = {{ global_batch = {per_rank * n}, compile = "{modes[c]}" }}\n'
+                   for n in world_sizes for c in modes)
+    return (f'[scenario]\nname = "step_vs_mlx_lm"\ndescription = "reference trainer vs mlx-lm step"\nseed = 5\n'
+            f'kind = "throughput"\n\n[model]\narch = "qwen3"\ndtype = "{dtype}"\nconfig = {{ {cfg} }}\n\n'
+            f'[data]\nsource = "generated"\nresponse_only = false\nrows = 64\nmin_chars = {2 * seq}\n'
+            f'max_chars = {2 * seq}\nmax_seq_len = {seq}\n\n[train]\nsteps = {steps}\nglobal_batch = {per_rank}\n'
+            f'learning_rate = 1e-4\n{runs}\n[checks]\nreference = "ws{world_sizes[0]}_eager"\n')
+
+
+def post_step1_median(result: dict[str, Any]) -> float:
+    values = result["tok_s_global"]
+    return statistics.median(values[1:] if len(values) > 1 else values)
+
+
+def flops_per_token(params: int, config: dict[str, Any], seq: int) -> float:
+    """6 N per trained token, plus the attention scores and values (12 x layers x seq x width)."""
+    width = config.get("num_attention_heads", 4) * config.get("head_dim", 16)
+    return 6 * params + 12 * config.get("num_hidden_layers", 2) * seq * width
+
+
+def device_peak() -> tuple[str, float | None]:
+    import mlx.core as mx
+
+    try:
+        name = str(mx.device_info().get("device_name", mx.default_device()))
+    except Exception:
+        name = str(mx.default_device())
+    return name, PEAKS.get(name)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", choices=sorted(MODELS), default="tiny")
+    ap.add_argument("--world-sizes", default="1,2")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--backend", default=None)
+    args = ap.parse_args()
+    sizes = [int(n) for n in args.world_sizes.split(",")]
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "step_vs_mlx_lm.toml"
+        path.write_text(scenario_text(args.model, sizes, args.steps))
+        s = load_scenario(path)
+    config, dtype, seq, per_rank = MODELS[args.model]
+    name, peak = device_peak()
+    mfu_ok = peak is not None and dtype in ("bfloat16", "float16")
+    rows, base = [], {}
+    for spec in s.runs:
+        figures = []
+        for job in (train_job(s, spec), {"kind": "mlx_lm_step", "scenario": s.for_run(spec).to_dict()}):
+            out = execute(spec.name, job, spec.world_size, backend=args.backend or spec.backend)
+            if not out.ok:
+                raise SystemExit(f"{spec.name} ({job['kind']}): {out.failure}")
+            figures.append((post_step1_median(out.result(0)), out.result(0)["param_count"]))
+        (ours, params), (theirs, _) = figures
+        mode = spec.name.split("_")[1]
+        base.setdefault(mode, (ours, theirs))
+        peak_all = peak * spec.world_size if mfu_ok and peak else None
+        per_token = flops_per_token(params, config, seq)
+        mfu = [f"{v * per_token / peak_all:.1%}" if peak_all else "-" for v in (ours, theirs)]
+        rows.append([spec.world_size, mode, f"{ours:.0f}", f"{theirs:.0f}", f"{ours / theirs:.2f}x",
+                     f"{ours / base[mode][0]:.2f}x / {theirs / base[mode][1]:.2f}x", *mfu])
+    print(f"{args.model}: qwen3 {params / 1e6:.2f}M, {dtype}, {per_rank} x {seq} tokens per rank, {args.steps} steps, "
+          f"on {name} (peak: {'%.0f TFLOP/s' % (peak / 1e12) if peak else 'unknown'})")
+    print(tabulate(rows, headers=["World size", "Mode", "Harness tok/s", "mlx-lm step tok/s", "Harness / mlx-lm",
+                                  f"Scaling vs {sizes[0]} (harness / mlx-lm)", "MFU harness", "MFU mlx-lm"]))
+
+
+if __name__ == "__main__":
+    main()

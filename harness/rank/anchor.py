@@ -1,0 +1,61 @@
+"""The speed anchor: mlx-lm's own training step in a plain loop, on random tokens.
+
+The step has the shape of ``mlx_lm.tuner.trainer.train``'s: its ``default_loss`` (the mean
+token loss of the micro-batch), ``nn.average_gradients`` across the ranks and the optimizer's
+update, compiled together over the model's and optimizer's state when the scenario compiles.
+There is no data pipeline, evaluation or bookkeeping: every rank draws full-length rows of random
+token ids (its own, from the scenario seed), so the figure is the step alone. Benchmarks time the
+reference trainer against it on the same model, dtype, per-rank batch and world size.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from harness.rank.entry import RankContext
+from harness.scenario import Scenario
+
+
+def run(ctx: RankContext) -> dict[str, Any]:
+    import mlx.core as mx
+    import mlx.nn as nn
+    import numpy as np
+    from mlx_lm.tuner.trainer import default_loss
+
+    from harness.rank.models import build_model, param_count
+    from harness.rank.optimizer import build_optimizer
+    from harness.rank.tokenizers import load_tokenizer
+
+    s = Scenario.from_dict(ctx.job["scenario"])
+    t = s.train
+    ctx.phase("model")
+    vocab = load_tokenizer(s.data).vocab_size
+    model, _ = build_model(s.model, vocab, s.seed)
+    optimizer = build_optimizer(t)
+    rows, length = t.global_batch // ctx.world_size, s.data.max_seq_len
+    rng = np.random.default_rng([s.seed, ctx.rank])
+    batch = mx.array(rng.integers(0, vocab, size=(rows, length), dtype=np.int32))
+    lengths = mx.array([[1, length - 1]] * rows)  # every target of every row counts
+    value_and_grad = nn.value_and_grad(model, default_loss)
+
+    def step(batch: Any, lengths: Any) -> Any:
+        (loss, tokens), grads = value_and_grad(model, batch, lengths)
+        optimizer.update(model, nn.average_gradients(grads))
+        return loss, tokens
+
+    state = [model.state, optimizer.state]
+    if t.compile != "off":
+        step = mx.compile(step, inputs=state, outputs=state)
+    ctx.phase("train")
+    tok_s, times = [], []
+    for k in range(1, t.steps + 1):
+        t0 = time.perf_counter()
+        loss, tokens = step(batch, lengths)
+        mx.eval(state, loss, tokens)
+        dt = time.perf_counter() - t0
+        times.append(dt)
+        tok_s.append(int(tokens.item()) * ctx.world_size / dt)
+        ctx.events.emit("step", step=k, rank=ctx.rank, loss=float(loss.item()), step_time_s=dt)
+    return {"tok_s_global": tok_s, "step_times_s": times, "param_count": param_count(model),
+            "tokens_global_per_step": rows * (length - 1) * ctx.world_size, "compile": t.compile != "off"}

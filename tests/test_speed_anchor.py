@@ -1,0 +1,48 @@
+"""The speed anchor (mlx-lm's own step in a plain loop) and the side-by-side benchmark, with real
+ranks under mlx.launch."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+
+from harness.controller.session import execute
+from harness.scenario import load_scenario
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.ranks
+
+
+def test_the_anchor_trains_mlx_lm_steps_on_every_rank(tmp_path) -> None:  # noqa: ANN001
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        from step_vs_mlx_lm import scenario_text
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    path = tmp_path / "s.toml"
+    path.write_text(scenario_text("tiny", [2], 4))
+    s = load_scenario(path)
+    spec = s.run("ws2_compiled")
+    out = execute(spec.name, {"kind": "mlx_lm_step", "scenario": s.for_run(spec).to_dict()}, 2)
+    assert out.ok, out.failure
+    for o in out.ranks:
+        r = o.result
+        assert r["tokens_global_per_step"] == 16 * 159 and r["compile"] is True  # 2 ranks x 8 rows x 159 targets
+        assert len(r["tok_s_global"]) == 4 and all(v > 0 for v in r["tok_s_global"])
+    losses = [[e["loss"] for e in o.events if e.get("kind") == "step"] for o in out.ranks]
+    assert losses[0] != losses[1] and all(math.isfinite(x) for row in losses for x in row)  # each rank its own rows
+
+
+def test_the_side_by_side_benchmark_prints_both_trainers() -> None:
+    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "step_vs_mlx_lm.py"), "--model", "tiny", "--steps",
+                        "3", "--world-sizes", "1,2"], capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    lines = p.stdout.splitlines()
+    assert lines[0].startswith("tiny: qwen3 0.09M, float32, 8 x 160 tokens per rank, 3 steps")
+    rows = [line.split() for line in lines[3:]]
+    assert [(r[0], r[1]) for r in rows] == [("1", "eager"), ("1", "compiled"), ("2", "eager"), ("2", "compiled")]
+    for r in rows:
+        assert float(r[2]) > 0 and float(r[3]) > 0 and abs(float(r[4][:-1]) - float(r[2]) / float(r[3])) <= 0.01
