@@ -10,7 +10,7 @@ over one rank, and the model FLOPs utilization where the device's peak is known 
 the vendors' dense bf16/fp16 tensor-core figures; none for CPUs).
 
 usage: python benchmarks/step_vs_mlx_lm.py [--model tiny|cpu3m|gpu044b] [--world-sizes 1,2]
-                                           [--steps 12] [--backend ring|nccl]
+                                           [--steps N] [--backend ring|nccl]
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from harness.scenario import load_scenario
 
 # model config overrides (of the tiny qwen3), dtype, sequence length, per-rank batch
 MODELS: dict[str, tuple[dict[str, Any], str, int, int]] = {
-    "tiny": ({}, "float32", 160, 8),
+    "tiny": ({}, "float32", 160, 8),  # steps of a few ms: time 40 of them (--steps), the median is steadier
     "cpu3m": ({"hidden_size": 256, "num_hidden_layers": 4, "intermediate_size": 768, "num_attention_heads": 4,
                "num_key_value_heads": 2, "head_dim": 64}, "float32", 256, 8),
     "gpu044b": ({"hidden_size": 1024, "num_hidden_layers": 28, "intermediate_size": 3072, "num_attention_heads": 16,
@@ -78,10 +78,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=sorted(MODELS), default="tiny")
     ap.add_argument("--world-sizes", default="1,2")
-    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default: 40 for tiny, else 12)")
     ap.add_argument("--backend", default=None)
     args = ap.parse_args()
     sizes = [int(n) for n in args.world_sizes.split(",")]
+    args.steps = args.steps or (40 if args.model == "tiny" else 12)
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "step_vs_mlx_lm.toml"
         path.write_text(scenario_text(args.model, sizes, args.steps))
