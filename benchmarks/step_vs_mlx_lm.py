@@ -60,8 +60,8 @@ def post_step1_median(result: dict[str, Any]) -> float:
 
 def flops_per_token(params: int, config: dict[str, Any], seq: int) -> float:
     """6 N per trained token, plus the attention scores and values (12 x layers x seq x width)."""
-    width = config.get("num_attention_heads", 4) * config.get("head_dim", 16)
-    return 6 * params + 12 * config.get("num_hidden_layers", 2) * seq * width
+    width = config["num_attention_heads"] * config["head_dim"]
+    return 6 * params + 12 * config["num_hidden_layers"] * seq * width
 
 
 def device_peak() -> tuple[str, float | None]:
@@ -87,7 +87,7 @@ def main() -> None:
         path = Path(d) / "step_vs_mlx_lm.toml"
         path.write_text(scenario_text(args.model, sizes, args.steps))
         s = load_scenario(path)
-    config, dtype, seq, per_rank = MODELS[args.model]
+    _, dtype, seq, per_rank = MODELS[args.model]
     name, peak = device_peak()
     mfu_ok = peak is not None and dtype in ("bfloat16", "float16")
     rows, base = [], {}
@@ -97,13 +97,13 @@ def main() -> None:
             out = execute(spec.name, job, spec.world_size, backend=args.backend or spec.backend)
             if not out.ok:
                 raise SystemExit(f"{spec.name} ({job['kind']}): {out.failure}")
-            figures.append((post_step1_median(out.result(0)), out.result(0)["param_count"]))
-        (ours, params), (theirs, _) = figures
+            figures.append((post_step1_median(out.result(0)), out.result(0)))
+        (ours, result), (theirs, _) = figures
+        params = result["param_count"]
         mode = spec.name.split("_")[1]
         base.setdefault(mode, (ours, theirs))
-        peak_all = peak * spec.world_size if mfu_ok and peak else None
-        per_token = flops_per_token(params, config, seq)
-        mfu = [f"{v * per_token / peak_all:.1%}" if peak_all else "-" for v in (ours, theirs)]
+        per_token = flops_per_token(params, result["model_config"], seq)  # the config the model was built from
+        mfu = [f"{v * per_token / (peak * spec.world_size):.1%}" if mfu_ok else "-" for v in (ours, theirs)]
         rows.append([spec.world_size, mode, f"{ours:.0f}", f"{theirs:.0f}", f"{ours / theirs:.2f}x",
                      f"{ours / base[mode][0]:.2f}x / {theirs / base[mode][1]:.2f}x", *mfu])
     print(f"{args.model}: qwen3 {params / 1e6:.2f}M, {dtype}, {per_rank} x {seq} tokens per rank, {args.steps} steps, "

@@ -132,11 +132,10 @@ def kill_group(launch: Launch, timeout: float = 10.0) -> list[int]:
         time.sleep(POLL_S)
 
 
-def watch(launch: Launch, wall_s: float, no_progress_s: float, meter: CpuMeter | None = None) -> WatchReport:
+def watch(launch: Launch, wall_s: float, no_progress_s: float, meter: CpuMeter) -> WatchReport:
     """Block until the run ends or a limit fires; always leaves the process group empty. ``meter``
     (started before the launch) measures the CPUs meanwhile."""
     t0 = time.monotonic()
-    meter = meter or CpuMeter()
     last_mark, last_progress = _progress_mark(launch), t0
     failed_since: float | None = None
     pids: dict[int, int] = {}

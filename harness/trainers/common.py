@@ -4,6 +4,7 @@ the scenario's order), and LoRA layers put on a model the way mlx-lm does."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,13 +24,20 @@ class Rows:
         return int(self.tokenizer.vocab_size)
 
 
-def split_rows(s: Scenario, tok: Any, split: str, encode: Any = None, source: Any = None) -> list[tuple[str, Any]]:
-    """The ``split`` ("train" or "eval") rows of the scenario's data, encoded by ``encode`` (the
-    text ``Encoder`` of ``tok`` unless given) from ``source`` (its row source unless given)."""
+def iter_rows(s: Scenario, tok: Any, split: str, encode: Any = None, source: Any = None) -> Iterator[tuple[str, Any]]:
+    """The ``split`` ("train" or "eval") rows of the scenario's data, read and encoded one at a
+    time by ``encode`` (the text ``Encoder`` of ``tok`` unless given) from ``source`` (its row
+    source unless given)."""
     from harness.rank.sources import Encoder, row_source
 
     encode = encode or Encoder(tok, s.data)
-    return [(where, encode(where, row)) for where, row in (source or row_source)(s.data, s.seed, split)()]
+    for where, row in (source or row_source)(s.data, s.seed, split)():
+        yield where, encode(where, row)
+
+
+def split_rows(s: Scenario, tok: Any, split: str, encode: Any = None, source: Any = None) -> list[tuple[str, Any]]:
+    """``iter_rows``, all of them."""
+    return list(iter_rows(s, tok, split, encode, source))
 
 
 def load_rows(s: Scenario, encode: Any = None, source: Any = None, tok: Any = None, train: bool = True) -> Rows:

@@ -144,16 +144,15 @@ class StreamedRows:
     rows (the floor run's order). ``rows_read`` counts the rows handed over, every pass."""
 
     def __init__(self, s: Scenario, tok: Any, reverse: int = 0):
-        from harness.rank.sources import Encoder, row_source
-
-        self.encode, self.source = Encoder(tok, s.data), row_source(s.data, s.seed, "train")
-        self.reverse = reverse
+        self.s, self.tok, self.reverse = s, tok, reverse
         self.rows_read = 0
 
     def _items(self) -> Iterator[dict[str, list[int]]]:
-        for where, row in self.source():
+        from harness.trainers.common import iter_rows
+
+        for _, ex in iter_rows(self.s, self.tok, "train"):
             self.rows_read += 1
-            yield to_item(self.encode(where, row))
+            yield to_item(ex)
 
     def __iter__(self) -> Iterator[dict[str, list[int]]]:
         return reverse_batches(self._items(), self.reverse) if self.reverse else self._items()
