@@ -45,6 +45,7 @@ class FloorRun:
     base: str
     emulate: int = 1
     grad_accum: int = 1
+    compile: str | None = None  # a twin's compile mode when it is not its base's (the compared run's)
 
     def spec(self, s: Scenario) -> RunSpec:
         base = s.run(self.base)
@@ -52,7 +53,8 @@ class FloorRun:
             return dataclasses.replace(base, name=self.name, stop_after=None, compare_to=None, expect_resume_step=None,
                                        mutation=None)
         accum = {} if self.kind == "split" else {"grad_accum": self.grad_accum}
-        return RunSpec(name=self.name, world_size=1, train={**base.train, **accum}, data=dict(base.data),
+        mode = {"compile": self.compile} if self.compile else {}
+        return RunSpec(name=self.name, world_size=1, train={**base.train, **accum, **mode}, data=dict(base.data),
                        seed=base.seed)
 
     @property
@@ -64,15 +66,22 @@ class FloorRun:
                     f"row chunks, their rows reversed")
         steps = f"{self.grad_accum} micro-step{'s' if self.grad_accum > 1 else ''} each"
         ranks = "1 rank's shard" if self.emulate == 1 else f"{self.emulate} ranks' shards"
-        return f"{self.base}'s settings in one process computing {ranks} ({steps})"
+        mode = {None: "", "off": ", eager", "best_effort": ", compiled"}[self.compile]
+        return f"{self.base}'s settings in one process computing {ranks} ({steps}{mode})"
 
 
 def _twin(s: Scenario, base: RunSpec, run: RunSpec) -> FloorRun:
+    """X's twin of B; it computes with X's kernels: compiled when X compiles and B does not (and
+    the other way round), since compiled and eager kernels may round differently (they do on CUDA)."""
     n, accum = run.world_size, s.for_run(run).train.grad_accum
     name = f"twin{n}" + (f"_accum{accum}" if accum > 1 else "")
+    compiled = s.for_run(run).train.compile != "off"
+    mode = None
+    if compiled != (s.for_run(base).train.compile != "off"):
+        mode, name = ("best_effort", name + "_compiled") if compiled else ("off", name + "_eager")
     if base.name != s.checks.reference:
         name += f"_of_{base.name}"
-    return FloorRun(name, "twin", base.name, n, accum)
+    return FloorRun(name, "twin", base.name, n, accum, mode)
 
 
 def compared(s: Scenario, run: RunSpec) -> bool:

@@ -10,6 +10,7 @@ from harness.controller.watch import WatchReport
 from harness.judge.checks import (
     data_share,
     expected_failure,
+    memory_ceilings,
     rank0_side_effects,
     ranks_agree,
     replica_consistency,
@@ -63,6 +64,21 @@ def test_memory_ceiling_fails_and_names_the_metric() -> None:
     checks = judge(s, [_run("single", 1, [1.0], ["a"]), _run("ddp2", 2, [1.0], ["a", "a"], rss_mb=200)])
     failed = {(c.name, c.run) for c in checks if not c.passed}
     assert failed == {("memory_rss_per_rank_mb", "ddp2"), ("memory_rss_total_mb", "ddp2")}
+
+
+def test_rss_ceilings_count_from_the_device_runtime() -> None:
+    """A CUDA context's RSS is the runtime's, not the trainer's: the same ceiling holds on every
+    device, and growth above the runtime still fails it."""
+    s = Scenario(name="m", runs=[RunSpec("ddp2", 2)], checks=CheckSpec(max_rss_mb=1024, max_total_rss_mb=1536))
+    cuda = _run("ddp2", 2, [1.0], ["a", "a"], rss_mb=2300)
+    for o in cuda.ranks:
+        o.result["rss_runtime_bytes"] = 1800 * MB
+    per_rank, total = memory_ceilings(cuda, s)
+    assert per_rank.passed and per_rank.value == 500 and "above the runtime's 1800, 1800" in per_rank.detail
+    assert total.passed and total.value == 1000
+    cuda.ranks[1].result["rss_peak_bytes"] = 2900 * MB  # a rank that grew 1.1 GB
+    per_rank, total = memory_ceilings(cuda, s)
+    assert not per_rank.passed and per_rank.value == 1100 and not total.passed
 
 
 def test_figures_and_exit_codes() -> None:

@@ -24,6 +24,17 @@ def test_one_twin_per_world_size_and_accumulation() -> None:
     assert _names("mutations") == {"twin2_accum2": ("twin", "single", 2, 2)}
 
 
+def test_a_compiled_run_compared_with_an_eager_reference_gets_a_compiled_twin() -> None:
+    """Compiled and eager kernels may round differently (on CUDA they do): the floor computes with
+    the compared run's kernels."""
+    assert _names("compile_modes") == {"twin2_compiled": ("twin", "eager2", 2, 1),
+                                       "twin2_accum2_compiled": ("twin", "eager2", 2, 2),
+                                       "twin1_compiled": ("twin", "eager2", 1, 1)}
+    s = load_scenario(REPO / "scenarios" / "compile_modes.toml")
+    twin = next(f for f in floor_runs(s) if f.name == "twin2_compiled")
+    assert twin.spec(s).train["compile"] == "best_effort" and "compiled" in twin.description
+
+
 def test_resumes_get_a_rerun_of_their_target_and_parity_a_twin() -> None:
     floors = _names("resume_parity")
     assert {k: v[:2] for k, v in floors.items()} == {

@@ -42,11 +42,13 @@ def _run(name: str, out: Path) -> tuple[dict[str, Any], dict[str, dict], dict[tu
 
 def compile_modes(runs: dict, checks: dict, out: Path) -> None:
     scopes = {n: checks[("compile_scope", n)]["value"] for n in ("eager2", "compiled2", "compiled1", "fallback2")}
-    assert scopes == {"eager2": "none", "compiled2": "local-grad", "compiled1": "full-step",
+    assert scopes == {"eager2": "none", "compiled2": "full-step", "compiled1": "full-step",
                       "fallback2": "fallback-eager"}
     reason = runs["fallback2"]["compile"]["fallback_reason"]
     assert reason.startswith("rank 1 failed while compiling the local step at step 3: ValueError: [eval]"), reason
     assert checks[("loss_parity", "compiled2")]["value"] == 0.0  # same kernels, same order: same bits
+    assert checks[("compile_scope", "compiled2_accum2")]["value"] == "full-step"
+    assert checks[("loss_parity", "compiled2_accum2")]["result"] == "pass"
     assert checks[("loss_parity", "fallback2")]["value"] <= 1e-5
     strict = runs["strict_fails"]["failure"]
     assert "rank 0: a peer rank failed: rank 1 failed while compiling the local step at step 3" in strict

@@ -38,11 +38,17 @@ def test_the_anchor_trains_mlx_lm_steps_on_every_rank(tmp_path) -> None:  # noqa
 
 def test_the_side_by_side_benchmark_prints_both_trainers() -> None:
     p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "step_vs_mlx_lm.py"), "--model", "tiny", "--steps",
-                        "3", "--world-sizes", "1,2"], capture_output=True, text=True, cwd=REPO, timeout=600)
+                        "3", "--world-sizes", "1,2", "--repeats", "1"], capture_output=True, text=True, cwd=REPO,
+                       timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     lines = p.stdout.splitlines()
-    assert lines[0].startswith("tiny: qwen3 0.09M, float32, 8 x 160 tokens per rank, 3 steps")
-    rows = [line.split() for line in lines[3:]]
+    assert lines[0].startswith("tiny: qwen3 0.09M, float32, 8 x 160 tokens per rank, 3 steps, best of 1")
+    rows = [line.split() for line in lines[3:7]]
     assert [(r[0], r[1]) for r in rows] == [("1", "eager"), ("1", "compiled"), ("2", "eager"), ("2", "compiled")]
     for r in rows:
         assert float(r[2]) > 0 and float(r[3]) > 0 and abs(float(r[4][:-1]) - float(r[2]) / float(r[3])) <= 0.01
+    # the all-reduce alone beside the 2-rank step: world size, MiB, all-reduce ms, step ms at 1 and 2, extra, share
+    (reduce,) = [line.split() for line in lines[10:]]
+    assert reduce[0] == "2" and float(reduce[1]) > 0 and float(reduce[2]) > 0 and float(reduce[4]) > 0
+    assert abs(float(reduce[5]) - (float(reduce[4]) - float(reduce[3]))) <= 0.02
+    assert abs(float(reduce[6][:-1]) - 100 * float(reduce[2]) / float(reduce[4])) <= 0.1

@@ -53,6 +53,7 @@ class RunOutcome:
     artifacts: Path | None = None
     notes: list[str] = field(default_factory=list)
     floor: str | None = None  # a noise-floor run the harness added: what it computes
+    backend_reason: str | None = None  # why the harness chose another backend than the usual one
 
     def result(self, rank: int = 0) -> dict[str, Any]:
         res = self.ranks[rank].result

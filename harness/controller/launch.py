@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness import schema
+from harness.controller.devices import accelerators
 from harness.controller.ports import PortLease, lease_ports
 
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
@@ -129,6 +130,9 @@ def start(run_dir: Path, world_size: int, backend: str | None = None) -> Launch:
         rank_cmd = (
             'exec "$0" -m ' + RANK_MODULE + ' "$1" >"$1/rank$MLX_RANK.stdout" 2>"$1/rank$MLX_RANK.stderr"'
         )
+        gpus = accelerators().count if backend != "nccl" and accelerators().kind == "cuda" else 0
+        if gpus:  # ring ranks on CUDA: spread over the GPUs as nccl would (mlx.launch sets nothing)
+            rank_cmd = f'export CUDA_VISIBLE_DEVICES=$((MLX_RANK % {gpus})); ' + rank_cmd
         cmd = [
             *find_launcher(),
             "--hostfile", str(hostfile),

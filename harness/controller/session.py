@@ -12,6 +12,7 @@ from harness import schema
 from harness.controller import launch as launcher
 from harness.controller.collect import RunOutcome, collect, failure_reason
 from harness.controller.cpu_use import CpuMeter
+from harness.controller.devices import BackendRefused, plan_backend
 from harness.controller.watch import kill_group, watch
 
 KEEP_SUFFIXES = (".events.jsonl", ".result.json", ".callbacks.jsonl", ".stdout", ".stderr", ".log")
@@ -52,10 +53,10 @@ def execute(
     The run directory lives under the system temp dir and is removed before returning; rank
     logs, events and results are copied to ``keep_to`` first when it is given.
     """
-    if world_size > 1:
-        backend = backend or launcher.default_backend()
-    else:
-        backend = None
+    try:
+        backend, backend_reason = plan_backend(world_size, backend)
+    except BackendRefused as e:
+        raise LaunchError(f"run {name!r}: {e}") from e
     run_dir = Path(tempfile.mkdtemp(prefix="mlx-ddp-harness-run-"))
     try:
         # launched_at lets each rank measure its startup (launch to joined group) on one clock.
@@ -80,6 +81,7 @@ def execute(
             name=name,
             world_size=world_size,
             backend=started.backend,
+            backend_reason=backend_reason,
             ok=failure is None,
             failure=failure,
             ranks=ranks,

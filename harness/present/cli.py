@@ -89,6 +89,17 @@ def check_image_rows(s: Scenario) -> None:
             raise ScenarioError(str(e)) from e
 
 
+def check_backends(s: Scenario, backend: str | None) -> None:
+    """Refuse, before anything runs, a run whose backend cannot run its world size here."""
+    from harness.controller.devices import BackendRefused, plan_backend
+
+    for r in s.runs:
+        try:
+            plan_backend(r.world_size, r.backend or backend)
+        except BackendRefused as e:
+            raise ScenarioError(f"{s.path}: run {r.name}: {e}") from e
+
+
 def _check_out(out: Path | None) -> None:
     if out is not None and out.exists() and not out.is_dir():
         raise ScenarioError(f"{out}: --out must be a directory, and this is a file")
@@ -108,6 +119,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     for s in scenarios:
         check_resume_sources(s)
         check_image_rows(s)
+        check_backends(s, args.backend)
     out = Path(args.out) if args.out else None
     _check_out(out)
     if args.repeat < 1:

@@ -14,6 +14,7 @@ def checks() -> list[tuple[str, str, bool]]:
     """(what, finding, ok) rows."""
     import mlx.core as mx
 
+    from harness.controller.devices import accelerators
     from harness.controller.environment import blas_info, device_description
     from harness.controller.launch import default_backend, mlx_launch
     from harness.controller.ports import PortError, lease_ports
@@ -22,8 +23,11 @@ def checks() -> list[tuple[str, str, bool]]:
         ("mlx version", mx.__version__, True),
         ("device", device_description(), True),
     ]
+    acc = accelerators()
+    rows.append(("GPUs", acc.describe(), True))
     avail = [b for b in BACKENDS if mx.distributed.is_available(b)]
     rows.append(("distributed backends", ", ".join(avail) or "none", bool(avail)))
+    rows.append(("ranks per backend", acc.ranks_per_backend(avail) or "none", bool(avail)))
     rows.append(("default backend", default_backend(), default_backend() in avail))
     launcher = mlx_launch()
     rows.append(("mlx.launch", " ".join(launcher[:1]), bool(launcher)))

@@ -37,6 +37,7 @@ def run_summary(run: RunOutcome, s: Scenario, ref: RunOutcome | None) -> dict[st
         "trainer": s.for_run(spec).trainer.kind,
         "world_size": run.world_size,
         "backend": run.backend or "none",
+        "backend_reason": run.backend_reason,
         "ok": run.ok,
         "failure": run.failure,
         "wall_s": run.watch.wall_s,

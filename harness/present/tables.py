@@ -208,6 +208,10 @@ def scenario_text(scenario: dict[str, Any], fmt: str = "plain") -> str:
     parts = [f"{scenario['name']}: {scenario['status'].upper()}", runs_table(scenario, fmt)]
     if floor_notes(scenario):
         parts.append("\n".join(floor_notes(scenario)))
+    backends = [f"run {r['name']} on {r['backend']}: {r['backend_reason']}" for r in scenario["runs"]
+                if r.get("backend_reason")]
+    if backends:
+        parts.append("\n".join(backends))
     if mutation_rows(scenario):
         parts.append(mutation_table(scenario, fmt))
     if repeat_rows(scenario):

@@ -6,6 +6,9 @@ update, compiled together over the model's and optimizer's state when the scenar
 There is no data pipeline, evaluation or bookkeeping: every rank draws full-length rows of random
 token ids (its own, from the scenario seed), so the figure is the step alone. Benchmarks time the
 reference trainer against it on the same model, dtype, per-rank batch and world size.
+
+``allreduce`` (job kind ``grad_allreduce``) times ``nn.average_gradients`` alone on a gradient
+tree of the model's shapes and dtype: the all-reduce a DDP step pays, without the step.
 """
 
 from __future__ import annotations
@@ -17,21 +20,51 @@ from harness.rank.entry import RankContext
 from harness.scenario import Scenario
 
 
+def _model(ctx: RankContext) -> tuple[Any, Any, int]:
+    """The scenario, its model (built as the reference trainer builds it) and the vocabulary size."""
+    from harness.rank.models import build_model
+    from harness.rank.tokenizers import load_tokenizer
+
+    s = Scenario.from_dict(ctx.job["scenario"])
+    ctx.phase("model")
+    vocab = load_tokenizer(s.data).vocab_size
+    model, _ = build_model(s.model, vocab, s.seed)
+    return s, model, vocab
+
+
+def allreduce(ctx: RankContext) -> dict[str, Any]:
+    """Median seconds of ``nn.average_gradients`` over a zero gradient of the model's
+    parameters (``repeats`` timed calls after 2 untimed ones)."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten, tree_map
+
+    _, model, _ = _model(ctx)
+    grads = tree_map(mx.zeros_like, model.trainable_parameters())
+    mx.eval(grads)
+    ctx.phase("train")
+    times = []
+    for k in range(2 + int(ctx.job.get("repeats", 10))):
+        t0 = time.perf_counter()
+        mx.eval(nn.average_gradients(grads))
+        if k >= 2:
+            times.append(time.perf_counter() - t0)
+    times.sort()
+    return {"allreduce_s": times[len(times) // 2], "times_s": times,
+            "bytes": sum(g.nbytes for _, g in tree_flatten(grads))}
+
+
 def run(ctx: RankContext) -> dict[str, Any]:
     import mlx.core as mx
     import mlx.nn as nn
     import numpy as np
     from mlx_lm.tuner.trainer import default_loss
 
-    from harness.rank.models import build_model, param_count
+    from harness.rank.models import param_count
     from harness.rank.optimizer import build_optimizer
-    from harness.rank.tokenizers import load_tokenizer
 
-    s = Scenario.from_dict(ctx.job["scenario"])
+    s, model, vocab = _model(ctx)
     t = s.train
-    ctx.phase("model")
-    vocab = load_tokenizer(s.data).vocab_size
-    model, _ = build_model(s.model, vocab, s.seed)
     optimizer = build_optimizer(t)
     rows, length = t.global_batch // ctx.world_size, s.data.max_seq_len
     rng = np.random.default_rng([s.seed, ctx.rank])

@@ -111,7 +111,8 @@ def runtime_figures() -> dict[str, Any]:
 
 def _job_runner(job: dict[str, Any]) -> Callable[[RankContext], dict[str, Any]]:
     """A ``train`` job runs the scenario's trainer under test (``harness.trainers``); ``allsum``
-    is the launch probe, ``mlx_lm_step`` the speed anchor (``harness.rank.anchor``)."""
+    is the launch probe, ``mlx_lm_step`` the speed anchor and ``grad_allreduce`` its all-reduce
+    alone (``harness.rank.anchor``)."""
     import importlib
 
     kind = job["kind"]
@@ -119,6 +120,8 @@ def _job_runner(job: dict[str, Any]) -> Callable[[RankContext], dict[str, Any]]:
         return importlib.import_module("harness.rank.probe").run
     if kind == "mlx_lm_step":
         return importlib.import_module("harness.rank.anchor").run
+    if kind == "grad_allreduce":
+        return importlib.import_module("harness.rank.anchor").allreduce
     if kind != "train":
         raise ValueError(f"unknown job kind {kind!r}")
     from harness.trainers import trainer_info
@@ -163,6 +166,9 @@ def main(argv: list[str]) -> int:
             )
         import mlx.core as mx
 
+        warm = mx.ones((8, 8))  # the device's runtime is up: a CUDA context, its BLAS (a matmul), Metal's libraries
+        mx.eval((warm @ warm).sum())
+        rss_runtime = _peak_rss_bytes()  # what a rank holds before its job: memory ceilings start here
         startup_s = time.time() - float(job.get("launched_at", time.time()))
         device = str(mx.default_device())
         events.emit("start", rank=rank, world_size=world_size, host=result["host"], pid=os.getpid(),
@@ -171,7 +177,8 @@ def main(argv: list[str]) -> int:
                           [FaultSpec(**f) for f in job.get("faults", [])])
         payload = _job_runner(job)(ctx)
         result.update(status="ok", world_size=world_size, backend=backend, device=device,
-                      is_main=rank == 0, startup_s=startup_s, **runtime_figures(), **payload)
+                      is_main=rank == 0, startup_s=startup_s, rss_runtime_bytes=rss_runtime, **runtime_figures(),
+                      **payload)
     except BaseException as e:  # noqa: BLE001 - every failure must reach the controller
         code = 1
         # Agreed failures already say which rank failed and why; other errors carry their type.

@@ -38,6 +38,7 @@ class Semantics:
 
     name = "correct"
     summary = "the reference trainer's semantics"
+    fusable = True  # reduce and accumulated are pure functions of their inputs: they may be compiled
 
     def data_rank(self) -> int:
         """The rank whose rows this rank reads."""
@@ -168,6 +169,7 @@ class StaleGradient(Semantics):
     summary = "the previous step's gradient is all-reduced (zeros at the first step)"
 
     _previous: Any = None
+    fusable = False  # keeps the previous step's gradient outside the compiled step
 
     def reduce(self, grads: Any) -> Any:
         previous = self._previous if self._previous is not None else _tree_map(lambda g: g * 0, grads)
@@ -186,6 +188,7 @@ class EmulatedRanks(Semantics):
 
     name = "emulated"
     summary = "one process emulating the ranks' shards"
+    fusable = False  # each emulated rank's shard is accumulated on its own
 
     def reduce_shards(self, per_shard: list[Any]) -> Any:
         total = per_shard[0]

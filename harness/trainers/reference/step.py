@@ -2,14 +2,20 @@
 
 Compile scopes (recorded in the result):
   none            compile is off;
-  local-grad      under DDP only the micro-batch's loss/gradient function is compiled; the
-                  gradient all-reduce, loss all-sum and the update stay eager;
-  full-step       one process, one micro-step: gradient, clipping and update in one compiled call;
+  full-step       the step's last micro-batch gradient, the gradient all-reduce, clipping and the
+                  update in one compiled call (earlier micro-batches of an accumulating step:
+                  compiled gradients), as mlx-lm compiles its step;
+  local-grad      the micro-batch's loss/gradient function and the update are compiled, the
+                  all-reduce between them stays eager (semantics that keep state between steps,
+                  and one process emulating N ranks);
   fallback-eager  compiling failed on some rank and every rank went back to eager.
 
-A compiled call that raises is re-run eagerly on the same inputs: if eager works too, the
-failure was the compiler's (``CompileFailed``); if eager fails, the model's own error is raised
-as itself. A failed trace leaves tracers in the model, so its arrays are restored first.
+The fused call is lazy: the trainer agrees with its peers that every rank built its step before
+it evaluates it, so an error raised while building (a model error, a failed trace) never leaves a
+peer waiting in the all-reduce. A compiled call that raises is re-run eagerly on the same inputs:
+if eager works too, the failure was the compiler's (``CompileFailed``); if eager fails, the
+model's own error is raised as itself. A failed trace leaves tracers in the model, so its arrays
+are restored first.
 """
 
 from __future__ import annotations
@@ -67,19 +73,22 @@ def clip(grads: Any, max_norm: float) -> tuple[Any, Any]:
 class LocalStep:
     """Runs micro-batches through the model in the scenario's compile mode."""
 
-    def __init__(self, model: Any, optimizer: Any, spec: TrainSpec, world_size: int):
+    def __init__(self, model: Any, optimizer: Any, spec: TrainSpec, semantics: Any):
         import mlx.core as mx
         import mlx.nn as nn
 
-        self.model, self.optimizer, self.spec = model, optimizer, spec
+        self.model, self.optimizer, self.spec, self.semantics = model, optimizer, spec, semantics
         self.mode = spec.compile
         self.fallback_reason: str | None = None
-        self.full_step = self.mode != "off" and world_size == 1 and spec.grad_accum == 1
+        self.fused = self.mode != "off" and semantics.fusable
         self._vg = nn.value_and_grad(model, loss_fn)
         optimizer.init(model.trainable_parameters())
         self._grad_c = mx.compile(self._grad, inputs=[model.state], outputs=[model.state])
         state = [model.state, optimizer.state]
         self._full_c = mx.compile(self._full, inputs=state, outputs=state)
+        self._full_acc_c = mx.compile(self._full_acc, inputs=state, outputs=state)
+        self._update_c = mx.compile(self.update, inputs=state, outputs=state)
+        self._before: tuple[Any, Any] | None = None
 
     @property
     def scope(self) -> str:
@@ -87,11 +96,16 @@ class LocalStep:
             return "fallback-eager"
         if self.mode == "off":
             return "none"
-        return "full-step" if self.full_step else "local-grad"
+        return "full-step" if self.fused else "local-grad"
 
     @property
     def compiled(self) -> bool:
         return self.mode != "off" and self.fallback_reason is None
+
+    @property
+    def fuses(self) -> bool:
+        """Whether the next step runs as one fused compiled call."""
+        return self.compiled and self.fused
 
     def fall_back(self, reason: str) -> None:
         self.fallback_reason = reason
@@ -102,49 +116,78 @@ class LocalStep:
 
     def _full(self, batch: dict[str, Any], scale: Any, fault: str | None) -> Any:
         loss_sum, grads = self._grad(batch, scale, fault)
-        grads, norm = clip(grads, self.spec.max_grad_norm)
-        self.optimizer.update(self.model, grads)
-        return loss_sum, norm
+        return loss_sum, self._reduce_update(grads)
 
-    def _guarded(self, compiled: Any, args: tuple) -> Any:
-        """Call a compiled function; tell a compile failure from the model's own error."""
-        import mlx.core as mx
+    def _full_acc(self, batch: dict[str, Any], scale: Any, fault: str | None, acc: Any) -> Any:
+        from mlx.utils import tree_map
+
+        loss_sum, grads = self._grad(batch, scale, fault)
+        return loss_sum, self._reduce_update(tree_map(lambda a, g: a + g, acc, grads))
+
+    def _reduce_update(self, grads: Any) -> Any:
+        sem = self.semantics
+        return self.update(sem.reduce_shards([sem.accumulated(grads)]))
+
+    def _snapshot(self) -> tuple[Any, Any]:
         from mlx.utils import tree_map
 
         # Every array the model holds (parameters and cached buffers such as RoPE frequencies):
         # a failed trace can leave tracers in any of them.
-        state = tree_map(lambda a: a, self.model.state)
-        # Only the full step updates the optimizer inside the compiled call.
-        opt_state = tree_map(lambda a: a, self.optimizer.state) if compiled is self._full_c else None
-        try:
-            out = compiled(*args)
-            mx.eval(out)
-            return out
-        except Exception as compile_error:  # noqa: BLE001 - classified just below
-            restore_in_place(self.model, state)
-            if opt_state is not None:
-                restore_in_place(self.optimizer.state, opt_state)
-            eager = self._grad(*args)  # the model's own error propagates from here
-            mx.eval(eager)
-            raise CompileFailed(str(compile_error)) from compile_error
+        return tree_map(lambda a: a, self.model.state), tree_map(lambda a: a, self.optimizer.state)
 
-    def grad(self, batch: dict[str, Any], scale: Any, fault: str | None) -> tuple[Any, Any]:
-        """(token-loss sum, gradients of sum x scale) of one micro-batch, evaluated."""
+    def discard(self) -> None:
+        """Drop the lazy update of the last fused call: the model and optimizer state from before it."""
+        if self._before is not None:
+            restore_in_place(self.model, self._before[0])
+            restore_in_place(self.optimizer.state, self._before[1])
+            self._before = None
+
+    def _classify(self, error: Exception, args: tuple) -> CompileFailed:
+        """After a compiled call raised: the model's own error (raised here) or the compiler's."""
+        import mlx.core as mx
+
+        eager = self._grad(*args)  # the model's own error propagates from here
+        mx.eval(eager)
+        return CompileFailed(str(error))
+
+    def grad(self, batch: dict[str, Any], scale: Any, fault: str | None, lazy: bool = False) -> tuple[Any, Any]:
+        """(token-loss sum, gradients of sum x scale) of one micro-batch; evaluated unless ``lazy``
+        (eager only: a compiled call is evaluated where its failure can be classified)."""
         import mlx.core as mx
 
         args = (batch, scale, fault)
-        if self.compiled and not self.full_step:
-            return self._guarded(self._grad_c, args)
+        if self.compiled:
+            state = self._snapshot()[0]
+            try:
+                out = self._grad_c(*args)
+                mx.eval(out)
+                return out
+            except Exception as compile_error:  # noqa: BLE001 - classified just below
+                restore_in_place(self.model, state)
+                raise self._classify(compile_error, args) from compile_error
         out = self._grad(*args)
-        mx.eval(out)
+        if not lazy:
+            mx.eval(out)
         return out
 
-    def full(self, batch: dict[str, Any], scale: Any, fault: str | None) -> tuple[Any, Any]:
-        """Gradient, clipping and update in one compiled call (``full-step`` scope)."""
-        return self._guarded(self._full_c, (batch, scale, fault))
+    def full(self, batch: dict[str, Any], scale: Any, fault: str | None, acc: Any = None) -> tuple[Any, Any]:
+        """The fused step (``full-step`` scope), lazy: (token-loss sum, gradient norm); the model
+        and optimizer hold the update until evaluated, or until ``discard``."""
+        self._before = self._snapshot()
+        try:
+            if acc is None:
+                return self._full_c(batch, scale, fault)
+            return self._full_acc_c(batch, scale, fault, acc)
+        except Exception as compile_error:  # noqa: BLE001 - classified just below
+            self.discard()
+            raise self._classify(compile_error, (batch, scale, fault)) from compile_error
 
     def update(self, grads: Any) -> Any:
-        """Clip the (already all-reduced) gradients and apply them; returns the gradient norm."""
+        """Clip the (already all-reduced) gradients and apply them (lazily); returns the gradient norm."""
         grads, norm = clip(grads, self.spec.max_grad_norm)
         self.optimizer.update(self.model, grads)
         return norm
+
+    def apply(self, grads: Any) -> Any:
+        """``update``, compiled when the step is (the kernels a fused step's update runs)."""
+        return self._update_c(grads) if self.compiled else self.update(grads)

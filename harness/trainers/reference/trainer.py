@@ -7,11 +7,14 @@ Each optimizer step, every rank:
      step's global supervised token count T (zero stops every rank with the same message);
   3. at a step-local probe step, computes the global gradient at the reference run's parameters
      (``step_probe``) without touching its own trajectory;
-  4. computes, per micro-batch, the gradient of (its token-loss sum) x N / T, compiled or eager
-     (``step``), and accumulates them; agrees again (a failure or a compile fallback);
+  4. builds, per micro-batch, the gradient of (its token-loss sum) x N / T, compiled or eager
+     (``step``), and accumulates them (earlier micro-batches of an accumulating step are
+     evaluated as they go, which bounds memory); agrees again that every rank built its step
+     (a failure or a compile fallback);
   5. averages gradients with ``nn.average_gradients`` (sum / N), which leaves the sum of every
      rank's token-loss gradients over T: one process's update of the same global batch;
-  6. clips and applies the update; all-sums its loss sum for the logged loss, sum / T;
+  6. clips and applies the update; all-sums its loss sum for the logged loss, sum / T; steps 4-6
+     are evaluated once, as one graph (compiled as one call in the ``full-step`` scope);
   7. on rank 0 only, runs callbacks and logs; evaluates when due (``evaluate``).
 The arithmetic of steps 4-6 (and which rows, seed and learning rate a rank uses) lives in
 ``semantics``, where a run's ``mutation`` replaces one formula with a real DDP bug.
@@ -30,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.rank import step_probe
-from harness.rank.consensus import AgreedStop, Coordinator
+from harness.rank.consensus import AgreedStop, Coordinator, RankFailure
 from harness.rank.effects import MainRankEffects
 from harness.rank.entry import RankContext
 from harness.rank.models import build_model, param_count, param_digest
@@ -143,20 +146,23 @@ class Trainer:
     def compute(self, micros: list[LocalBatch], scale: Any, fault: str | None, update: bool = True
                 ) -> tuple[Any, Any, Any]:
         """Local loss sum, the accumulated gradients of each rank this process computes (one, or
-        each emulated rank's), and the gradient norm after a full-step update (which leaves no
-        gradients: None)."""
+        each emulated rank's), and the gradient norm of a fused step (which leaves no gradients:
+        None). For an update, the last micro-batch is left lazy: the step is evaluated once, after
+        every rank agreed that it built its part."""
         import mlx.core as mx
         from mlx.utils import tree_map
 
-        if update and self.runner.compiled and self.runner.full_step:
-            loss_sum, norm = self.runner.full(micros[0].arrays(), scale, fault)
-            return loss_sum, None, norm
         loss_total, per_shard = mx.array(0.0, dtype=mx.float32), []
         size = -(-len(micros) // self.emulate) if micros else 1  # micro-batches of each (emulated) rank
+        fused = update and self.runner.fuses
         for start in range(0, len(micros), size):
             acc = None
             for m, b in enumerate(micros[start : start + size], start):
-                loss_sum, grads = self.runner.grad(b.arrays(), scale, fault if m == 0 else None)
+                last, f = m == len(micros) - 1, fault if m == 0 else None
+                if fused and last:
+                    loss_sum, norm = self.runner.full(b.arrays(), scale, f, acc)
+                    return loss_total + loss_sum, None, norm
+                loss_sum, grads = self.runner.grad(b.arrays(), scale, f, lazy=update and last)
                 loss_total = loss_total + loss_sum
                 acc = grads if acc is None else tree_map(lambda a, g: a + g, acc, grads)
             per_shard.append(self.semantics.accumulated(acc))
@@ -166,7 +172,8 @@ class Trainer:
 
     def global_gradient(self, step: int, micros: list[LocalBatch], tokens: tuple[int, int], fault: str | None,
                         update: bool = True) -> tuple[Any, Any, Any]:
-        """(logged global loss, reduced gradients or None after a full-step update, gradient norm or None)."""
+        """(logged global loss, reduced gradients or None after a fused step, gradient norm or None);
+        lazy for an update, evaluated for a probe (``update=False``)."""
         import mlx.core as mx
 
         scale = mx.array(self.semantics.scale(*tokens), dtype=mx.float32)
@@ -175,12 +182,15 @@ class Trainer:
         if per_shard is None:
             return loss, None, norm
         grads = self.semantics.reduce_shards(per_shard)
-        mx.eval(grads, loss)
+        if not update:
+            mx.eval(grads, loss)
         return loss, grads, norm
 
     def local_step(self, step: int, micros: list[LocalBatch], scale: Any, fault: str | None, update: bool = True
                    ) -> tuple[Any, Any, Any]:
-        """Compute the step; on a compile failure anywhere, strict fails and best-effort re-runs eagerly."""
+        """Build the step; on a compile failure anywhere, strict fails and best-effort re-runs eagerly."""
+        if update and self.runner.fuses:  # the update is built inside the fused call
+            self.coord.attempt("update", step, self.ctx.maybe_fault, "update", step)
         out = self.coord.attempt("step", step, self._compute_or_compile_error, step, micros, scale, fault, update)
         agreed = self.coord.agree()
         if agreed.compile_failures:
@@ -188,6 +198,7 @@ class Trainer:
                 self.coord.fail_all(agreed.compile_failures)
             first = min(agreed.compile_failures)
             reason = f"rank {first} failed while {agreed.compile_failures[first]}"
+            self.runner.discard()  # a rank whose fused call built holds its lazy update
             self.runner.fall_back(reason)
             self.ctx.events.emit("compile_fallback", step=step, rank=self.ctx.rank, reason=reason)
             out = self.coord.attempt("step", step, self.compute, micros, scale, fault, update)
@@ -203,18 +214,21 @@ class Trainer:
             return None
 
     def apply(self, step: int, loss: Any, grads: Any, norm: Any) -> tuple[float, float]:
-        """Clip and apply the reduced gradients (a local failure waits for the next agreement)."""
+        """Clip and apply the reduced gradients (a local failure waits for the next agreement),
+        then evaluate the whole step at once: its gradients, all-reduce, update and loss."""
         import mlx.core as mx
 
         if grads is not None:
             def update() -> Any:
                 self.ctx.maybe_fault("update", step)
-                n = self.runner.update(grads)
-                mx.eval(self.model.parameters(), self.optimizer.state, n)
-                return n
+                return self.runner.apply(grads)
 
             norm = self.coord.attempt("update", step, update)
-        mx.eval(loss)
+        try:  # every rank built the same collectives; an error here is this rank's alone
+            mx.eval(self.model.state, self.optimizer.state, loss, grads, norm)
+        except Exception as e:
+            raise RankFailure(f"rank {self.ctx.rank} failed while evaluating step {step}: "
+                              f"{type(e).__name__}: {e}") from e
         return float(loss.item()), float(norm.item()) if norm is not None else float("nan")
 
     # -- the loop -------------------------------------------------------------------------------
@@ -239,7 +253,7 @@ class Trainer:
         self.model, self.config = built
         self.precision = measure_precision(self.s.model.dtype)
         self.optimizer = build_optimizer(spec, self.semantics.learning_rate(spec.learning_rate))
-        self.runner = LocalStep(self.model, self.optimizer, spec, self.semantics.world_size)
+        self.runner = LocalStep(self.model, self.optimizer, spec, self.semantics)
         if loaded:
             restored = coord.attempt("resume", done, resume.restore_checkpoint, self, *loaded)
             coord.agree()

@@ -1,0 +1,38 @@
+"""Which backend runs how many ranks on which GPUs (pure logic), and the doctor's GPU rows."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.controller.devices import Accelerators, BackendRefused, plan_backend
+
+CUDA2 = Accelerators("cuda", 2, "NVIDIA H200", 140 * 2**30)
+CPU = Accelerators("cpu", 0, "AMD EPYC")
+METAL = Accelerators("metal", 1, "Apple M2")
+
+
+def test_nccl_gets_one_gpu_per_rank_and_more_ranks_go_to_ring_with_a_reason() -> None:
+    assert plan_backend(2, None, CUDA2) == ("nccl", None)
+    backend, reason = plan_backend(4, None, CUDA2)
+    assert backend == "ring" and "4 ranks on 2 GPUs" in reason and "GPU r mod 2" in reason
+    assert plan_backend(4, "ring", CUDA2) == ("ring", None)  # asked for: no reason needed
+    assert plan_backend(1, "nccl", CUDA2) == (None, None)  # one process joins no group
+
+
+def test_nccl_with_more_ranks_than_gpus_is_refused_naming_both_counts() -> None:
+    with pytest.raises(BackendRefused, match="world size 4 needs 4 GPUs with the nccl backend .* has 2"):
+        plan_backend(4, "nccl", CUDA2)
+
+
+def test_without_cuda_the_default_is_ring_and_a_named_backend_is_kept() -> None:
+    assert plan_backend(4, None, CPU) == ("ring", None)
+    assert plan_backend(2, None, METAL) == ("ring", None)
+    assert plan_backend(2, "jaccl", METAL) == ("jaccl", None)
+
+
+def test_doctor_words_for_gpus_and_backends() -> None:
+    assert CUDA2.describe() == "2 x NVIDIA H200 (cuda, 140 GiB each)"
+    assert CPU.describe() == "none: MLX computes on the CPU (AMD EPYC)"
+    words = CUDA2.ranks_per_backend(["ring", "nccl"])
+    assert words == "ring: any number (ranks share the 2 GPUs over loopback); nccl: up to 2 ranks (one per GPU)"
+    assert CPU.ranks_per_backend(["ring"]) == "ring: any number"
