@@ -28,7 +28,6 @@ def test_a_compiled_run_compared_with_an_eager_reference_gets_a_compiled_twin() 
     """Compiled and eager kernels may round differently (on CUDA they do): the floor computes with
     the compared run's kernels."""
     assert _names("compile_modes") == {"twin2_compiled": ("twin", "eager2", 2, 1),
-                                       "twin2_accum2_compiled": ("twin", "eager2", 2, 2),
                                        "twin1_compiled": ("twin", "eager2", 1, 1)}
     s = load_scenario(REPO / "scenarios" / "compile_modes.toml")
     twin = next(f for f in floor_runs(s) if f.name == "twin2_compiled")

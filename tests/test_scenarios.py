@@ -47,8 +47,6 @@ def compile_modes(runs: dict, checks: dict, out: Path) -> None:
     reason = runs["fallback2"]["compile"]["fallback_reason"]
     assert reason.startswith("rank 1 failed while compiling the local step at step 3: ValueError: [eval]"), reason
     assert checks[("loss_parity", "compiled2")]["value"] == 0.0  # same kernels, same order: same bits
-    assert checks[("compile_scope", "compiled2_accum2")]["value"] == "full-step"
-    assert checks[("loss_parity", "compiled2_accum2")]["result"] == "pass"
     assert checks[("loss_parity", "fallback2")]["value"] <= 1e-5
     strict = runs["strict_fails"]["failure"]
     assert "rank 0: a peer rank failed: rank 1 failed while compiling the local step at step 3" in strict
