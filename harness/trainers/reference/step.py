@@ -128,12 +128,13 @@ class LocalStep:
         sem = self.semantics
         return self.update(sem.reduce_shards([sem.accumulated(grads)]))
 
-    def _snapshot(self) -> tuple[Any, Any]:
+    @staticmethod
+    def _snapshot(state: Any) -> Any:
+        """The arrays of ``state`` (a failed trace can leave tracers in any array a model holds:
+        parameters and cached buffers such as RoPE frequencies)."""
         from mlx.utils import tree_map
 
-        # Every array the model holds (parameters and cached buffers such as RoPE frequencies):
-        # a failed trace can leave tracers in any of them.
-        return tree_map(lambda a: a, self.model.state), tree_map(lambda a: a, self.optimizer.state)
+        return tree_map(lambda a: a, state)
 
     def discard(self) -> None:
         """Drop the lazy update of the last fused call: the model and optimizer state from before it."""
@@ -141,6 +142,11 @@ class LocalStep:
             restore_in_place(self.model, self._before[0])
             restore_in_place(self.optimizer.state, self._before[1])
             self._before = None
+
+    def settled(self) -> None:
+        """Every rank built its step: the state from before the fused call is no longer needed
+        (kept, it would hold a second copy of the parameters and moments until the next step)."""
+        self._before = None
 
     def _classify(self, error: Exception, args: tuple) -> CompileFailed:
         """After a compiled call raised: the model's own error (raised here) or the compiler's."""
@@ -157,7 +163,7 @@ class LocalStep:
 
         args = (batch, scale, fault)
         if self.compiled:
-            state = self._snapshot()[0]
+            state = self._snapshot(self.model.state)
             try:
                 out = self._grad_c(*args)
                 mx.eval(out)
@@ -173,7 +179,7 @@ class LocalStep:
     def full(self, batch: dict[str, Any], scale: Any, fault: str | None, acc: Any = None) -> tuple[Any, Any]:
         """The fused step (``full-step`` scope), lazy: (token-loss sum, gradient norm); the model
         and optimizer hold the update until evaluated, or until ``discard``."""
-        self._before = self._snapshot()
+        self._before = self._snapshot(self.model.state), self._snapshot(self.optimizer.state)
         try:
             if acc is None:
                 return self._full_c(batch, scale, fault)

@@ -193,7 +193,9 @@ class Trainer:
             self.coord.attempt("update", step, self.ctx.maybe_fault, "update", step)
         out = self.coord.attempt("step", step, self._compute_or_compile_error, step, micros, scale, fault, update)
         agreed = self.coord.agree()
-        if agreed.compile_failures:
+        if not agreed.compile_failures:
+            self.runner.settled()
+        else:
             if self.spec.compile == "strict":
                 self.coord.fail_all(agreed.compile_failures)
             first = min(agreed.compile_failures)
