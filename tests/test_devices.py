@@ -36,3 +36,33 @@ def test_doctor_words_for_gpus_and_backends() -> None:
     words = CUDA2.ranks_per_backend(["ring", "nccl"])
     assert words == "ring: any number (ranks share the 2 GPUs over loopback); nccl: up to 2 ranks (one per GPU)"
     assert CPU.ranks_per_backend(["ring"]) == "ring: any number"
+
+
+def test_a_trainer_that_all_reduces_on_the_cpu_stream_runs_on_ring_on_cuda_and_nccl_is_refused() -> None:
+    from harness.controller.session import cpu_collectives
+
+    why = cpu_collectives("mlx_vlm")
+    assert why and "CPU stream" in why
+    assert all("CPU stream" in (cpu_collectives(k) or "") for k in ("mlx_lm", "unsloth_zoo"))
+    assert cpu_collectives("reference") is None and cpu_collectives("script") is None
+    backend, reason = plan_backend(2, None, CUDA2, cpu_collectives=why)
+    assert backend == "ring" and reason.startswith(why) and "nccl cannot serve" in reason
+    with pytest.raises(BackendRefused, match="CPU stream, which the nccl backend cannot serve"):
+        plan_backend(2, "nccl", CUDA2, cpu_collectives=why)
+    assert plan_backend(2, None, CPU, cpu_collectives=why) == ("ring", None)  # ring anyway: nothing to say
+    assert plan_backend(2, "ring", CUDA2, cpu_collectives=why) == ("ring", None)
+
+
+def test_a_rank_loads_its_trainers_libraries_before_its_memory_baseline() -> None:
+    """mlx-lm's trainer (and transformers through it) is imported before the job runs, in a fresh
+    process; a probe job imports nothing."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from harness.rank.entry import load_libraries; "
+            "load_libraries({'kind': 'allsum'}); before = 'mlx_lm.tuner.trainer' in sys.modules; "
+            "load_libraries({'kind': 'train', 'scenario': {'trainer': {'kind': 'mlx_lm'}, "
+            "'model': {'arch': 'qwen3'}}}); "
+            "print(before, 'mlx_lm.tuner.trainer' in sys.modules, 'transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "True", "True"]

@@ -4,7 +4,9 @@ NCCL needs one GPU per rank: ``mlx.launch --backend nccl`` gives rank r ``CUDA_V
 so a rank beyond the GPU count finds no device. The harness therefore refuses a run that asks for
 nccl with more ranks than GPUs (before anything starts), and runs one that names no backend on the
 ring backend instead, with the reason recorded in its result: ring ranks talk over loopback
-sockets, so any number of them can share the GPUs (rank r on GPU r mod count).
+sockets, so any number of them can share the GPUs (rank r on GPU r mod count). A trainer that
+all-reduces on MLX's CPU stream (mlx-vlm's) runs on ring on a CUDA machine for the same kind of
+reason: nccl all-reduces GPU arrays only.
 """
 
 from __future__ import annotations
@@ -64,15 +66,22 @@ def accelerators() -> Accelerators:
     return Accelerators(kind, count, str(info.get("device_name") or kind), int(memory) if memory else None)
 
 
-def plan_backend(world_size: int, requested: str | None, acc: Accelerators | None = None
-                 ) -> tuple[str | None, str | None]:
+def plan_backend(world_size: int, requested: str | None, acc: Accelerators | None = None,
+                 cpu_collectives: str | None = None) -> tuple[str | None, str | None]:
     """(backend, why the harness chose it, or None when it is the one asked for or the usual
-    default) of a run of ``world_size`` ranks; ``BackendRefused`` when it cannot run here."""
+    default) of a run of ``world_size`` ranks; ``BackendRefused`` when it cannot run here.
+    ``cpu_collectives``: why the trainer all-reduces on the CPU stream (``TrainerInfo``)."""
     if world_size == 1:
         return None, None
     acc = acc or accelerators()
     if acc.kind != "cuda":
         return requested or "ring", None
+    if cpu_collectives and requested in (None, "nccl"):
+        if requested == "nccl":
+            raise BackendRefused(f"{cpu_collectives}, which the nccl backend cannot serve (GPU arrays only); "
+                                 "name no backend to run it on ring")
+        return "ring", (f"{cpu_collectives}, which nccl cannot serve: ring over loopback, rank r on GPU "
+                        f"r mod {acc.count}")
     if requested == "nccl" and world_size > acc.count:
         raise BackendRefused(f"world size {world_size} needs {world_size} GPUs with the nccl backend (one per "
                              f"rank) and this machine has {acc.count}; name no backend to run it on ring")

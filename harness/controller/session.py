@@ -14,6 +14,7 @@ from harness.controller.collect import RunOutcome, collect, failure_reason
 from harness.controller.cpu_use import CpuMeter
 from harness.controller.devices import BackendRefused, plan_backend
 from harness.controller.watch import kill_group, watch
+from harness.trainers import TRAINERS
 
 KEEP_SUFFIXES = (".events.jsonl", ".result.json", ".callbacks.jsonl", ".stdout", ".stderr", ".log")
 
@@ -38,6 +39,12 @@ def _keep(run_dir: Path, dest: Path) -> None:
             shutil.copy2(f, dest / f.name)
 
 
+def cpu_collectives(trainer_kind: str | None) -> str | None:
+    """Why a trainer kind all-reduces on the CPU stream (None for the others and unknown kinds)."""
+    info = TRAINERS.get(trainer_kind or "reference")
+    return info.cpu_collectives if info is not None else None
+
+
 def execute(
     name: str,
     job: dict[str, Any],
@@ -54,7 +61,8 @@ def execute(
     logs, events and results are copied to ``keep_to`` first when it is given.
     """
     try:
-        backend, backend_reason = plan_backend(world_size, backend)
+        kind = (job.get("scenario") or {}).get("trainer", {}).get("kind")
+        backend, backend_reason = plan_backend(world_size, backend, cpu_collectives=cpu_collectives(kind))
     except BackendRefused as e:
         raise LaunchError(f"run {name!r}: {e}") from e
     run_dir = Path(tempfile.mkdtemp(prefix="mlx-ddp-harness-run-"))

@@ -92,10 +92,11 @@ def check_image_rows(s: Scenario) -> None:
 def check_backends(s: Scenario, backend: str | None) -> None:
     """Refuse, before anything runs, a run whose backend cannot run its world size here."""
     from harness.controller.devices import BackendRefused, plan_backend
+    from harness.controller.session import cpu_collectives
 
     for r in s.runs:
         try:
-            plan_backend(r.world_size, r.backend or backend)
+            plan_backend(r.world_size, r.backend or backend, cpu_collectives=cpu_collectives(s.for_run(r).trainer.kind))
         except BackendRefused as e:
             raise ScenarioError(f"{s.path}: run {r.name}: {e}") from e
 

@@ -109,6 +109,58 @@ def runtime_figures() -> dict[str, Any]:
     return {"mlx_peak_bytes": int(mx.get_peak_memory()), "rss_peak_bytes": _peak_rss_bytes()}
 
 
+def warm_up(job: dict[str, Any]) -> None:
+    """Bring MLX's device runtime up before the job, so that memory ceilings count from it.
+
+    Everywhere: the device and its BLAS (a matmul). On a GPU, a training job also loads what
+    its first step would load lazily and keep for the life of the process (on CUDA 0.6 GB
+    and more per rank): the compiler of fused kernels, a compiled gradient in the model's
+    dtype, and for a vision-language model the convolution library. Tiny arrays: milliseconds
+    once loaded."""
+    import mlx.core as mx
+
+    warm = mx.ones((8, 8))
+    mx.eval((warm @ warm).sum())
+    if job.get("kind") != "train" or mx.default_device() != mx.gpu:
+        return
+    from harness.scenario_spec import VLM_ARCHS
+
+    model = job["scenario"]["model"]
+    dtype = getattr(mx, model.get("dtype") or "float32", mx.float32)
+    w = mx.ones((8, 8), dtype=dtype)
+
+    def loss(w: Any) -> Any:
+        x = mx.fast.rms_norm(w @ w, mx.ones((8,), dtype=dtype), 1e-5)
+        return mx.softmax(x.astype(mx.float32), axis=-1).sum()
+
+    mx.eval(mx.compile(mx.grad(loss))(w))
+    if model.get("arch") in VLM_ARCHS:  # patch embeddings: 2-D (SigLIP) and 3-D (Qwen2-VL) convolutions
+        for conv, x, k in ((mx.conv2d, (1, 4, 4, 3), (4, 2, 2, 3)), (mx.conv3d, (1, 2, 4, 4, 3), (4, 2, 2, 2, 3))):
+            inputs = mx.ones(x, dtype=dtype)
+            mx.eval(mx.grad(lambda k, conv=conv, inputs=inputs: conv(inputs, k).astype(mx.float32).sum())(
+                mx.ones(k, dtype=dtype)))
+
+
+def load_libraries(job: dict[str, Any]) -> None:
+    """Import what a training job's trainer imports on every run (its module's
+    ``load_libraries(scenario)``), so that the rank's memory baseline holds the libraries: with
+    torch installed, transformers imports it, 0.6 GB of RSS per rank that no MLX trainer uses.
+    A library that fails to import is left to the trainer, which reports it in its own words."""
+    import importlib
+
+    if job.get("kind") != "train":
+        return
+    from harness.trainers import trainer_info
+
+    module = importlib.import_module(trainer_info(job["scenario"]["trainer"]["kind"]).module)
+    load = getattr(module, "load_libraries", None)
+    if load is not None:
+        try:
+            load(job["scenario"])
+        except Exception:  # noqa: BLE001,S110 - reported by the trainer when it imports them itself
+            pass
+
+
 def _job_runner(job: dict[str, Any]) -> Callable[[RankContext], dict[str, Any]]:
     """A ``train`` job runs the scenario's trainer under test (``harness.trainers``); ``allsum``
     is the launch probe, ``mlx_lm_step`` the speed anchor and ``grad_allreduce`` its all-reduce
@@ -166,10 +218,10 @@ def main(argv: list[str]) -> int:
             )
         import mlx.core as mx
 
-        warm = mx.ones((8, 8))  # the device's runtime is up: a CUDA context, its BLAS (a matmul), Metal's libraries
-        mx.eval((warm @ warm).sum())
-        rss_runtime = _peak_rss_bytes()  # what a rank holds before its job: memory ceilings start here
+        warm_up(job)
         startup_s = time.time() - float(job.get("launched_at", time.time()))
+        load_libraries(job)
+        rss_runtime = _peak_rss_bytes()  # what a rank holds before its job: memory ceilings start here
         device = str(mx.default_device())
         events.emit("start", rank=rank, world_size=world_size, host=result["host"], pid=os.getpid(),
                     device=device, backend=backend, startup_s=startup_s)

@@ -23,20 +23,31 @@ class TrainerInfo:
     reference run again in one process with the model computing each batch in the N ranks' row
     chunks (``common.split_forward``: the same mathematics, N ranks' rounding). Trainers that can
     resume are listed in ``harness.scenario_spec.RESUMING_TRAINERS`` and have
-    ``check_resume_source(path, step, scenario)`` in their module."""
+    ``check_resume_source(path, step, scenario)`` in their module. ``cpu_collectives``: why the
+    trainer all-reduces on MLX's CPU stream, which only the ring backend serves on a CUDA machine
+    (None: its collectives run on the device, any backend). A trainer module may define
+    ``load_libraries(scenario)``: it imports what the trainer imports on every run, before the
+    rank's memory baseline is taken (``harness.rank.entry.load_libraries``)."""
 
     module: str
     title: str
     probes: bool = False
     twin: bool = False
+    cpu_collectives: str | None = None
 
 
 TRAINERS: dict[str, TrainerInfo] = {
     "reference": TrainerInfo("harness.trainers.reference", "the harness's reference DDP trainer", probes=True,
                              twin=True),
-    "mlx_lm": TrainerInfo("harness.trainers.mlx_lm", "mlx-lm's trainer (mlx_lm.tuner.trainer.train)"),
-    "mlx_vlm": TrainerInfo("harness.trainers.mlx_vlm", "mlx-vlm's trainer (mlx_vlm.trainer.Trainer)"),
-    "unsloth_zoo": TrainerInfo("harness.trainers.unsloth_zoo", "unsloth-zoo's MLX trainer (unsloth_zoo.mlx.trainer)"),
+    "mlx_lm": TrainerInfo("harness.trainers.mlx_lm", "mlx-lm's trainer (mlx_lm.tuner.trainer.train)",
+                          cpu_collectives="mlx-lm's trainer all-sums its reported losses and token counts on "
+                                          "the CPU stream"),
+    "mlx_vlm": TrainerInfo("harness.trainers.mlx_vlm", "mlx-vlm's trainer (mlx_vlm.trainer.Trainer)",
+                           cpu_collectives="mlx-vlm's trainer all-reduces its gradients and metrics on the "
+                                           "CPU stream"),
+    "unsloth_zoo": TrainerInfo("harness.trainers.unsloth_zoo", "unsloth-zoo's MLX trainer (unsloth_zoo.mlx.trainer)",
+                               cpu_collectives="unsloth-zoo's MLX trainer all-sums its losses, token and row "
+                                               "counts on the CPU stream"),
     "script": TrainerInfo("harness.trainers.script", "a user's training script (reporting through harness.api)"),
 }
 

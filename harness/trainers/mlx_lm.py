@@ -213,6 +213,11 @@ def load_adapters(model: Any, path: Path) -> str:
     return f"{path.name} ({hashlib.sha256(path.read_bytes()).hexdigest()[:12]})"
 
 
+def load_libraries(scenario: dict[str, Any]) -> None:
+    """What every run imports: mlx-lm's trainer and, through it, transformers."""
+    import mlx_lm.tuner.trainer  # noqa: F401
+
+
 def run(ctx: RankContext) -> dict[str, Any]:
     import mlx.core as mx
     import numpy as np

@@ -141,6 +141,11 @@ def add_lora(model: Any, s: Scenario) -> None:
     get_peft_model(model, rank=t.lora_rank, alpha=t.lora_scale * t.lora_rank, dropout=0.0, verbose=False)
 
 
+def load_libraries(scenario: dict[str, Any]) -> None:
+    """What every run imports: mlx-vlm's trainer and, through it, transformers."""
+    import mlx_vlm.trainer  # noqa: F401
+
+
 def run(ctx: RankContext) -> dict[str, Any]:
     from importlib.metadata import version
 

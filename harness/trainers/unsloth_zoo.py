@@ -72,6 +72,11 @@ def available() -> str | None:
     return None
 
 
+def load_libraries(scenario: dict[str, Any]) -> None:
+    """What every run imports: unsloth-zoo's MLX trainer (``available``)."""
+    available()
+
+
 def to_item(ex: Any) -> dict[str, list[int]]:
     """A row as ``MLXTrainer`` takes it pretokenized: labels -100 where nothing is supervised."""
     ids = [int(t) for t in ex.ids]

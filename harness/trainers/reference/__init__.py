@@ -13,6 +13,18 @@ from pathlib import Path
 from typing import Any
 
 
+def load_libraries(scenario: dict[str, Any]) -> None:
+    """What every run imports beyond MLX: a vision-language model's mlx-vlm architecture (which
+    imports transformers, and with it torch where that is installed)."""
+    from harness.scenario_spec import VLM_ARCHS
+
+    arch = scenario["model"].get("arch")
+    if arch in VLM_ARCHS:
+        from harness.rank.weights import import_model_module
+
+        import_model_module("mlx_vlm", arch)
+
+
 def run(ctx: Any) -> dict[str, Any]:
     """Train the job's scenario on this rank (``harness.rank.entry`` calls it)."""
     from harness.trainers.reference.trainer import run as train

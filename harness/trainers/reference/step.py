@@ -67,7 +67,7 @@ def clip(grads: Any, max_norm: float) -> tuple[Any, Any]:
         return optim.clip_grad_norm(grads, max_norm)
     from mlx.utils import tree_flatten
 
-    return grads, mx.sqrt(sum((g.astype(mx.float32) ** 2).sum() for _, g in tree_flatten(grads)))
+    return grads, mx.sqrt(sum(mx.square(g.astype(mx.float32)).sum() for _, g in tree_flatten(grads)))
 
 
 class LocalStep:
