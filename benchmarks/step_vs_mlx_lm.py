@@ -80,11 +80,17 @@ def device_peak() -> tuple[str, float | None]:
     return name, PEAKS.get(name)
 
 
-def measure(spec: Any, job: dict[str, Any], backend: str | None) -> tuple[float, dict[str, Any]]:
-    out = execute(spec.name, job, spec.world_size, backend=backend or spec.backend)
+def launch(spec: Any, job: dict[str, Any], backend: str | None) -> dict[str, Any]:
+    """Rank 0's result of ``job`` on ``spec``'s world size; a failed run ends the benchmark."""
+    out = execute(f"{spec.name}_{job['kind']}", job, spec.world_size, backend=backend or spec.backend)
     if not out.ok:
         raise SystemExit(f"{spec.name} ({job['kind']}): {out.failure}")
-    return post_step1_median(out.result(0)), out.result(0)
+    return out.result(0)
+
+
+def measure(spec: Any, job: dict[str, Any], backend: str | None) -> tuple[float, dict[str, Any]]:
+    result = launch(spec, job, backend)
+    return post_step1_median(result), result
 
 
 def allreduce_rows(s: Any, steps: dict[tuple[int, str], float], backend: str | None) -> list[list[Any]]:
@@ -94,11 +100,7 @@ def allreduce_rows(s: Any, steps: dict[tuple[int, str], float], backend: str | N
     for spec in s.runs:
         if spec.world_size == first or not spec.name.endswith("_eager"):
             continue
-        job = {"kind": "grad_allreduce", "scenario": s.for_run(spec).to_dict(), "repeats": 10}
-        out = execute(f"{spec.name}_allreduce", job, spec.world_size, backend=backend or spec.backend)
-        if not out.ok:
-            raise SystemExit(f"{spec.name} (grad_allreduce): {out.failure}")
-        ar = out.result(0)
+        ar = launch(spec, {"kind": "grad_allreduce", "scenario": s.for_run(spec).to_dict(), "repeats": 10}, backend)
         step_n, step_1 = steps[(spec.world_size, "eager")], steps[(first, "eager")]
         rows.append([spec.world_size, f"{ar['bytes'] / 2**20:.1f}", f"{ar['allreduce_s'] * 1e3:.2f}",
                      f"{step_1 * 1e3:.2f}", f"{step_n * 1e3:.2f}", f"{(step_n - step_1) * 1e3:.2f}",

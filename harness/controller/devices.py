@@ -5,8 +5,9 @@ so a rank beyond the GPU count finds no device. The harness therefore refuses a 
 nccl with more ranks than GPUs (before anything starts), and runs one that names no backend on the
 ring backend instead, with the reason recorded in its result: ring ranks talk over loopback
 sockets, so any number of them can share the GPUs (rank r on GPU r mod count). A trainer that
-all-reduces on MLX's CPU stream (mlx-vlm's) runs on ring on a CUDA machine for the same kind of
-reason: nccl all-reduces GPU arrays only.
+all-sums on MLX's CPU stream (``TrainerInfo.cpu_collectives``: mlx-lm's, mlx-vlm's,
+unsloth-zoo's) runs on ring on a CUDA machine for the same kind of reason: nccl serves GPU
+arrays only.
 """
 
 from __future__ import annotations

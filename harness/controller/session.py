@@ -14,7 +14,7 @@ from harness.controller.collect import RunOutcome, collect, failure_reason
 from harness.controller.cpu_use import CpuMeter
 from harness.controller.devices import BackendRefused, plan_backend
 from harness.controller.watch import kill_group, watch
-from harness.trainers import TRAINERS
+from harness.trainers import cpu_collectives
 
 KEEP_SUFFIXES = (".events.jsonl", ".result.json", ".callbacks.jsonl", ".stdout", ".stderr", ".log")
 
@@ -37,12 +37,6 @@ def _keep(run_dir: Path, dest: Path) -> None:
     for f in run_dir.iterdir():
         if f.is_file() and f.name.endswith(KEEP_SUFFIXES):
             shutil.copy2(f, dest / f.name)
-
-
-def cpu_collectives(trainer_kind: str | None) -> str | None:
-    """Why a trainer kind all-reduces on the CPU stream (None for the others and unknown kinds)."""
-    info = TRAINERS.get(trainer_kind or "reference")
-    return info.cpu_collectives if info is not None else None
 
 
 def execute(

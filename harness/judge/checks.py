@@ -158,8 +158,9 @@ def _peaks(run: RunOutcome, key: str) -> list[int]:
 
 def memory_ceilings(run: RunOutcome, s: Scenario) -> list[Check]:
     """Peak MLX memory and peak RSS per rank (the largest rank) and summed over ranks. RSS counts
-    from what the rank held once MLX's device runtime was up (``rss_runtime_bytes``: about 0.1 GB
-    on a CPU, more with a CUDA context), so one ceiling holds on every device."""
+    from what the rank held before its job (``rss_runtime_bytes``: MLX's device runtime and the
+    trainer's libraries, ``harness.rank.entry``; about 0.1 GB on a CPU, 0.6 to 1.2 GB on a CUDA
+    GPU), so one ceiling holds on every device."""
     c = s.checks
     out = []
     runtime = _peaks(run, "rss_runtime_bytes")

@@ -92,7 +92,7 @@ def check_image_rows(s: Scenario) -> None:
 def check_backends(s: Scenario, backend: str | None) -> None:
     """Refuse, before anything runs, a run whose backend cannot run its world size here."""
     from harness.controller.devices import BackendRefused, plan_backend
-    from harness.controller.session import cpu_collectives
+    from harness.trainers import cpu_collectives
 
     for r in s.runs:
         try:

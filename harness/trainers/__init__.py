@@ -54,3 +54,9 @@ TRAINERS: dict[str, TrainerInfo] = {
 
 def trainer_info(kind: str) -> TrainerInfo:
     return TRAINERS[kind]
+
+
+def cpu_collectives(kind: str | None) -> str | None:
+    """Why a trainer kind all-reduces on the CPU stream (None for the others and unknown kinds)."""
+    info = TRAINERS.get(kind or "reference")
+    return info.cpu_collectives if info is not None else None
