@@ -16,9 +16,14 @@ far the same mathematics drifts when only its float rounding changes:
   (an external trainer, ``harness.trainers``): B in one process, the trainer untouched, the
   model's forward computing each batch in X's N row chunks, each chunk's rows in reverse order
   (N ranks' shapes and N partial sums of each gradient, as N ranks compute them, in another
-  order; 2 chunks for a run of one process). The trainer's loss and gradient are those of the
-  whole batch, as in B: only their rounding differs. A trainer that computes another objective
-  across ranks is not reproduced by it.
+  order; 2 chunks for a run of one process), the gradient of its output rounded once more, as
+  each rank's own loss rounds it. The trainer's loss and gradient are those of the whole batch,
+  as in B: only their rounding differs. A trainer that computes another objective across ranks
+  is not reproduced by it. Where rounding alone puts a trajectory after several steps is a
+  random draw whose size varies tenfold from draw to draw (chaotic growth), and a split run
+  reproduces X's rounding only in kind, not draw for draw (a twin does, nearly bitwise): so a
+  split floor is ``SPLIT_SAMPLES`` such runs, each another draw of the rounding, and the floor is
+  their largest deviation.
 
 Floor runs are shared by every comparison that needs the same one. The reference runs first
 (compared runs and twins read its step-local probes), then the scenario's other runs in file
@@ -33,6 +38,8 @@ from dataclasses import dataclass
 from harness.scenario import RunSpec, Scenario
 from harness.trainers import trainer_info
 
+SPLIT_SAMPLES = 3  # a split floor's draws of the rounding (``FloorRun.samples``)
+
 
 @dataclass(frozen=True)
 class FloorRun:
@@ -46,6 +53,15 @@ class FloorRun:
     emulate: int = 1
     grad_accum: int = 1
     compile: str | None = None  # a twin's compile mode when it is not its base's (the compared run's)
+    sample: int = 0  # which draw of a split floor's rounding (``samples``)
+
+    def samples(self) -> list[FloorRun]:
+        """The runs that make this floor: a split floor's ``SPLIT_SAMPLES`` draws of the rounding
+        (``single_split2``, ``single_split2_s2``, ...), else the run itself."""
+        if self.kind != "split":
+            return [self]
+        return [dataclasses.replace(self, name=self.name + (f"_s{k + 1}" if k else ""), sample=k)
+                for k in range(SPLIT_SAMPLES)]
 
     def spec(self, s: Scenario) -> RunSpec:
         base = s.run(self.base)
@@ -63,7 +79,7 @@ class FloorRun:
             return f"{self.base} run again (the device's run-to-run variation)"
         if self.kind == "split":
             return (f"{self.base}'s settings in one process, the model computing each batch in {self.emulate} "
-                    f"row chunks, their rows reversed")
+                    f"row chunks, their rows reversed; rounding draw {self.sample + 1} of {SPLIT_SAMPLES}")
         steps = f"{self.grad_accum} micro-step{'s' if self.grad_accum > 1 else ''} each"
         ranks = "1 rank's shard" if self.emulate == 1 else f"{self.emulate} ranks' shards"
         mode = {None: "", "off": ", eager", "best_effort": ", compiled"}[self.compile]
@@ -120,8 +136,8 @@ def floor_runs(s: Scenario) -> list[FloorRun]:
             bases.append(s.run(run.compare_to))
         for base in bases:
             floor = floor_for(s, run, base)
-            if floor is not None:
-                found.setdefault(floor.name, floor)
+            for sample in floor.samples() if floor is not None else []:
+                found.setdefault(sample.name, sample)
     return list(found.values())
 
 

@@ -129,6 +129,33 @@ def test_a_nondeterministic_rerun_gives_a_floor() -> None:
     assert loss_parity(_run("ddp2", 2, [3.0 + 5e-5, 2.0]), full, Floor(rerun, rerun=True), s).passed
 
 
+def test_a_split_floor_is_the_largest_deviation_of_its_draws_of_the_rounding() -> None:
+    """Each draw of a split floor is one sample of where rounding puts the trajectory; the floor
+    is their largest deviation, point by point, and every draw must have run."""
+    s = _scenario()
+    ref = _run("single", 1, [3.0, 2.0], params=0.0, evals=2.0)
+    draws = [_run("single_split2", 1, [3.0, 2.0 + 1e-5], params=1e-5, evals=2.0, floor="split"),
+             _run("single_split2_s2", 1, [3.0 + 4e-5, 2.0], params=4e-5, evals=2.0 + 3e-5, floor="split"),
+             _run("single_split2_s3", 1, [3.0, 2.0 + 2e-5], params=2e-5, evals=2.0, floor="split")]
+    floor = Floor(draws[0], samples=tuple(draws[1:]))
+    run = _run("ddp2", 2, [3.0, 2.0 + 3e-4], params=3e-4, evals=2.0 + 3e-4)
+    loss = loss_parity(run, ref, floor, s)
+    assert loss.passed and loss.floor == pytest.approx(4e-5, rel=1e-6)  # step 1's draw 2 bounds step 2 as well
+    assert "the largest of single_split2, single_split2_s2, single_split2_s3's" in loss.derivation
+    params = param_parity(run, ref, floor, s)
+    assert params.passed and params.floor == pytest.approx(4e-5, rel=1e-6)
+    assert eval_parity(run, ref, floor, s).floor == pytest.approx(4e-5, rel=1e-6)
+    # the first draw alone: the same run fails, by the margin a single draw of rounding misjudges
+    alone = param_parity(run, ref, Floor(draws[0]), s)
+    assert not alone.passed and alone.ratio == pytest.approx(30, rel=1e-6)
+    failed = _run("single_split2_s3", 1, [3.0], floor="split")
+    failed.ok, failed.failure = False, "rank 0 ended with signal SIGKILL"
+    for missing in (Floor(draws[0], samples=(draws[1], None)), Floor(draws[0], samples=(draws[1], failed))):
+        check = loss_parity(run, ref, missing, s)
+        assert not check.passed and check.limit is None
+    assert "single_split2_s3 failed" in loss_parity(run, ref, Floor(draws[0], samples=(failed,)), s).detail
+
+
 def test_missing_or_refused_floor_fails_and_says_why() -> None:
     s = _scenario()
     ref, run = _run("single", 1, [3.0]), _run("ddp2", 2, [3.0])

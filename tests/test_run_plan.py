@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.controller.suite import train_job
 from harness.run_plan import floor_runs, launch_order
 from harness.scenario import ScenarioError, load_scenario
 from tests.conftest import REPO, write_scenario
@@ -43,6 +44,17 @@ def test_resumes_get_a_rerun_of_their_target_and_parity_a_twin() -> None:
     assert _names("resume_validation") == {
         "full2_rerun": ("rerun", "full2", 1, 1), "twin4_of_full2": ("twin", "full2", 4, 1),
         "twin1_accum2_of_full2": ("twin", "full2", 1, 2)}
+
+
+def test_an_external_trainers_floor_is_three_split_draws_per_world_size() -> None:
+    s = load_scenario(REPO / "scenarios" / "mlx_lm_parity.toml")
+    got = {f.name: (f.kind, f.base, f.emulate, f.sample) for f in floor_runs(s)}
+    assert got == {"single_split2": ("split", "single", 2, 0), "single_split2_s2": ("split", "single", 2, 1),
+                   "single_split2_s3": ("split", "single", 2, 2), "single_split4": ("split", "single", 4, 0),
+                   "single_split4_s2": ("split", "single", 4, 1), "single_split4_s3": ("split", "single", 4, 2)}
+    jobs = {f.name: train_job(s, f.spec(s), None, f) for f in floor_runs(s)}
+    assert [(j["split_rows"], j["split_sample"]) for j in jobs.values()] == [(2, 0), (2, 1), (2, 2), (4, 0), (4, 1),
+                                                                            (4, 2)]
 
 
 def test_no_floors_for_throughput_or_when_turned_off(tmp_path: Path) -> None:

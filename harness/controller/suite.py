@@ -21,6 +21,7 @@ from pathlib import Path
 
 from harness.controller.collect import RunOutcome
 from harness.controller.inputs import prepare
+from harness.controller.progress import Observer
 from harness.controller.session import execute
 from harness.rank.step_probe import probe_path, probe_steps
 from harness.run_plan import FloorRun, compared, floor_runs, launch_order
@@ -76,6 +77,7 @@ def train_job(s: Scenario, run: RunSpec, workspace: Path | None = None, floor: F
         "mutation": run.mutation,
         "emulate": floor.emulate if floor and floor.kind == "twin" else None,
         "split_rows": floor.emulate if floor is not None and floor.kind == "split" else 0,
+        "split_sample": floor.sample if floor is not None else 0,
         "probe": probe_plan(s, run, workspace, floor),
     }
     if workspace is not None and writes_checkpoints(s, run):
@@ -103,9 +105,11 @@ def run_scenario(
     on_run: Callable[[RunOutcome], None] | None = None,
     keep_checkpoints: bool = False,
     backend: str | None = None,
+    progress: Observer | None = None,
 ) -> list[RunOutcome]:
     """Launch each run of ``s``, then its floor runs; rank logs go under ``artifacts/<scenario>/<run>``
-    when given. Outcomes come back in file order, the floor runs last."""
+    when given; ``progress`` is shown each run as it goes. Outcomes come back in file order, the
+    floor runs last."""
     s = prepare(s)
     outcomes: dict[str, RunOutcome] = {}
     workspace = Path(tempfile.mkdtemp(prefix=f"mlx-ddp-harness-{s.name}-"))
@@ -121,6 +125,7 @@ def run_scenario(
                 wall_s=s.limits.wall_s,
                 no_progress_s=s.limits.no_progress_s,
                 keep_to=keep,
+                progress=progress,
             )
             if floor is not None:
                 outcome.floor = floor.description

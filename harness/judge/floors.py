@@ -1,5 +1,6 @@
-"""What each comparison's trajectories are judged against: its floor run (``run_plan``), unless
-that run is refused as a floor, or the absolute tolerance the scenario set."""
+"""What each comparison's trajectories are judged against: its floor run (``run_plan``; a split
+floor's draws of the rounding, all of them), unless that run is refused as a floor, or the
+absolute tolerance the scenario set."""
 
 from __future__ import annotations
 
@@ -17,11 +18,14 @@ def floors(s: Scenario, run: RunSpec, base: RunSpec, by_name: dict[str, RunOutco
     run, or the absolute tolerance the scenario set (``resume``: ``resume_tolerance`` for all)."""
     planned = floor_for(s, run, base)
     measured = by_name.get(planned.name) if planned else None
+    samples = tuple(by_name.get(f.name) for f in planned.samples()[1:]) if planned else ()
     rerun = planned is not None and planned.kind == "rerun"
     refused = twin_refused(s, measured, by_name.get(base.name)) if planned and planned.kind == "twin" else None
-    refused = refused or other_steps(measured, by_name.get(base.name))
+    steps = (other_steps(m, by_name.get(base.name)) for m in (measured, *samples))
+    refused = refused or next(filter(None, steps), None)
     keys = dict.fromkeys(TOLERANCE_KEYS, "resume_tolerance") if resume else TOLERANCE_KEYS
-    return {metric: Floor(measured, getattr(s.checks, key), key, rerun, refused) for metric, key in keys.items()}
+    return {metric: Floor(measured, getattr(s.checks, key), key, rerun, refused, samples)
+            for metric, key in keys.items()}
 
 
 def other_steps(floor: RunOutcome | None, base: RunOutcome | None) -> str | None:

@@ -19,7 +19,9 @@ stay within ``floor_ratio``. The floor is the floor run's largest deviation over
 where in a run chaotic growth reaches a given size is itself random, so two runs of equal noise
 are compared by their worst, not step by step (per-step precision is the step-local check's
 job); an eval's floor also takes the floor run's training-loss deviations up to the last eval
-step, a larger sample of the same drift than a few eval points. The absolute floor is the
+step, a larger sample of the same drift than a few eval points. A split floor (an external
+trainer's) is several runs, draws of the rounding; its floor is their largest deviation, point by
+point (``Floor.largest``): one draw's size varies tenfold. The absolute floor is the
 rounding of one value (a loss: its float32 accumulation over T tokens, ``rounding_ulps`` x
 2^-24 x ceil(log2 T), relative; parameters: their storage in the model dtype,
 ``rounding_ulps`` x u_dtype x stored roundings), so a floor run that happens to match bitwise
@@ -31,6 +33,7 @@ means the device is deterministic, and the resume must then be bitwise too.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -198,14 +201,35 @@ class Floor:
     tolerance_key: str = ""
     rerun: bool = False  # a rerun: a floor of 0 means the device is deterministic (bitwise)
     refused: str | None = None  # why the floor run is not the base's mathematics
+    samples: tuple[RunOutcome | None, ...] = ()  # a split floor's other draws of the rounding
+
+    @property
+    def runs(self) -> list[RunOutcome | None]:
+        return [self.run, *self.samples]
+
+    @property
+    def names(self) -> str:
+        """The floor runs, named for a derivation."""
+        names = [r.name for r in self.runs if r is not None]
+        return names[0] if len(names) == 1 else f"the largest of {', '.join(names)}"
 
     @property
     def missing(self) -> str | None:
         if self.tolerance is not None:
             return None
-        if self.run is None:
+        if any(r is None for r in self.runs):
             return "no noise-floor run"
-        return self.refused or (None if self.run.ok else f"noise-floor run {self.run.name} failed")
+        failed = next((r.name for r in self.runs if r is not None and not r.ok), None)
+        return self.refused or (f"noise-floor run {failed} failed" if failed else None)
+
+    def largest(self, deviation: Callable[[RunOutcome], list[float] | None]) -> list[float] | None:
+        """Point by point, the largest ``deviation`` of the floor's runs (None: a run lacks it)."""
+        if any(r is None or not r.ok for r in self.runs):
+            return None
+        got = [deviation(r) for r in self.runs if r is not None]
+        if any(g is None for g in got):
+            return None
+        return [max(points) for points in zip(*got, strict=False)]  # type: ignore[arg-type]
 
 
 def _judge_series(name: str, run: RunOutcome, base: RunOutcome, points: list[Any], deltas: list[float],
@@ -219,7 +243,7 @@ def _judge_series(name: str, run: RunOutcome, base: RunOutcome, points: list[Any
                      f"vs {base.name}: {what}; worst at {at}",
                      derivation=f"absolute: [checks].{floor.tolerance_key} = {floor.tolerance:g} set by the scenario")
     if floor.missing or floors is None or len(floors) < len(deltas):
-        why = floor.missing or f"{floor.run.name} has fewer points than {run.name}"
+        why = floor.missing or f"{floor.names} has fewer points than {run.name}"
         return Check(name, run.name, False, max(deltas, default=None), None, f"vs {base.name}: {why}",
                      derivation="no valid noise floor: the trajectory cannot be judged")
     ratio_limit = s.checks.floor_ratio
@@ -237,7 +261,7 @@ def _judge_series(name: str, run: RunOutcome, base: RunOutcome, points: list[Any
         derivation = (f"{floor.run.name} repeated {base.name} bitwise: the device is deterministic, so the "
                       f"limit is 0 (bitwise)")
     else:
-        derivation = (f"{ratio_limit:g} x max(floor, absolute floor); floor: {floor.run.name}'s largest {deviation} "
+        derivation = (f"{ratio_limit:g} x max(floor, absolute floor); floor: {floor.names}'s largest {deviation} "
                       f"from {base.name} over the same steps ({measured:.3g}); absolute floor: the rounding of "
                       f"one value there ({absolute[i]:.3g})")
     passed = value <= limit if limit > 0 else value == 0
@@ -255,10 +279,7 @@ def loss_parity(run: RunOutcome, base: RunOutcome, floor: Floor, s: Scenario, na
     if len(a) != len(b):
         return Check(name, run.name, False, None, None, f"vs {base.name}: {len(a)} vs {len(b)} steps")
     deltas = [abs(x - y) for x, y in zip(a, b, strict=True)]
-    floors = None
-    if floor.run is not None and floor.run.ok:
-        f = _losses(floor.run)[skip:]
-        floors = [abs(x - y) for x, y in zip(f, b, strict=False)]
+    floors = floor.largest(lambda r: [abs(x - y) for x, y in zip(_losses(r)[skip:], b, strict=False)])
     model = rounding(s, run, base)
     tokens = (base.result().get("tokens_global_per_step") or [])[skip:]
     absolute = [model.accumulation(tokens[k] if k < len(tokens) else 2) * abs(y) for k, y in enumerate(b)]
@@ -285,11 +306,15 @@ def eval_parity(run: RunOutcome, base: RunOutcome, floor: Floor, s: Scenario, na
         return Check(name, run.name, False, None, None, f"eval steps {sorted(a)} vs {sorted(b)}{elsewhere}")
     steps = sorted(a)
     deltas = [abs(a[k][0] - b[k][0]) for k in steps]
-    floors = None
-    f = _evals(floor.run) if floor.run is not None and floor.run.ok else {}
-    if f and all(k in f for k in steps):
-        trained = [abs(x - y) for x, y in zip(_losses(floor.run), _losses(base), strict=False)][: steps[-1]]
-        floors = [max([abs(f[k][0] - b[k][0]) for k in steps] + trained)] * len(steps)
+
+    def worst(r: RunOutcome) -> list[float] | None:
+        f = _evals(r)
+        if not f or not all(k in f for k in steps):
+            return None
+        trained = [abs(x - y) for x, y in zip(_losses(r), _losses(base), strict=False)][: steps[-1]]
+        return [max([abs(f[k][0] - b[k][0]) for k in steps] + trained)] * len(steps)
+
+    floors = floor.largest(worst)
     model = rounding(s, run, base)
     absolute = [model.accumulation(b[k][1]) * abs(b[k][0]) for k in steps]
     return _judge_series(name, run, base, [f"step {k}" for k in steps], deltas, floors, absolute, floor, s,
@@ -304,10 +329,7 @@ def param_parity(run: RunOutcome, base: RunOutcome, floor: Floor, s: Scenario, n
     if got is None:
         return Check(name, run.name, False, None, None, f"vs {base.name}: final parameters missing or differ in shape")
     value, biggest, where = got
-    floors = None
-    if floor.run is not None and floor.run.ok:
-        f = _param_delta(floor.run, base)
-        floors = [f[0]] if f is not None else None
+    floors = floor.largest(lambda r: [d[0]] if (d := _param_delta(r, base)) is not None else None)
     model = rounding(s, run, base)
     absolute = [model.storage]
     what = "bitwise identical" if value == 0 else f"relative L2; largest element |delta| {biggest:.3g} in {where}"

@@ -19,9 +19,10 @@ class TrainerInfo:
 
     ``probes``: it computes step-local probes at the reference's parameters (otherwise the
     step-local checks are n/a). ``twin``: it can compute N ranks' shards in one process (the
-    noise-floor twin); otherwise its trajectories are judged against a *split* floor run, the
+    noise-floor twin); otherwise its trajectories are judged against *split* floor runs, the
     reference run again in one process with the model computing each batch in the N ranks' row
-    chunks (``common.split_forward``: the same mathematics, N ranks' rounding). Trainers that can
+    chunks (``common.split_forward``: the same mathematics, N ranks' rounding; three draws of
+    it, ``run_plan.SPLIT_SAMPLES``). Trainers that can
     resume are listed in ``harness.scenario_spec.RESUMING_TRAINERS`` and have
     ``check_resume_source(path, step, scenario)`` in their module. ``cpu_collectives``: why the
     trainer all-reduces on MLX's CPU stream, which only the ring backend serves on a CUDA machine

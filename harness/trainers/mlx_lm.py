@@ -36,7 +36,7 @@ from typing import Any
 from harness.rank.entry import RankContext, ReportedFailure
 from harness.rank.reporter import StepReporter
 from harness.scenario import Scenario
-from harness.trainers.common import apply_lora, split_text_model
+from harness.trainers.common import apply_lora, split_floor, split_text_model
 
 TITLE = "mlx_lm.tuner.trainer.train"
 NO_GRADIENT = "mlx-lm's trainer exposes no loss or gradient at given parameters"
@@ -259,8 +259,8 @@ def run(ctx: RankContext) -> dict[str, Any]:
                         steps_per_save=t.checkpoint_every * accum if t.checkpoint_every else iters + 1,
                         max_seq_length=s.data.max_seq_len, adapter_file=str(saves / ADAPTERS),
                         grad_accumulation_steps=accum)
-    if ctx.job.get("split_rows"):
-        split_text_model(model, int(ctx.job["split_rows"]))
+    if (plan := split_floor(ctx.job, s.seed)) is not None:
+        split_text_model(model, plan)
     batches = Batches(train_set)
     rep.start(model.parameters())
     try:

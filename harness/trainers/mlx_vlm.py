@@ -154,7 +154,7 @@ def run(ctx: RankContext) -> dict[str, Any]:
 
     from harness.rank.models import build_model
     from harness.rank.optimizer import build_optimizer
-    from harness.trainers.common import load_image_rows, split_forward
+    from harness.trainers.common import load_image_rows, split_floor, split_forward
 
     s = Scenario.from_dict(ctx.job["scenario"])
     t, lora = s.train, s.trainer.fine_tune == "lora"
@@ -168,8 +168,8 @@ def run(ctx: RankContext) -> dict[str, Any]:
     model, config = build_model(s.model, rows.vocab_size, s.seed, vision)
     if lora:
         add_lora(model, s)
-    if ctx.job.get("split_rows"):
-        split_forward(model, int(ctx.job["split_rows"]), take_vlm_rows)
+    if (plan := split_floor(ctx.job, s.seed)) is not None:
+        split_forward(model, plan, take_vlm_rows)
     saves = Path(ctx.run_dir) / f"rank{ctx.rank}.mlx_vlm"
     saves.mkdir(exist_ok=True)
     accum = t.grad_accum

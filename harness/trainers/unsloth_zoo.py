@@ -73,8 +73,11 @@ def available() -> str | None:
 
 
 def load_libraries(scenario: dict[str, Any]) -> None:
-    """What every run imports: unsloth-zoo's MLX trainer (``available``)."""
-    available()
+    """What every run imports: unsloth-zoo's MLX trainer (``available``) and, once training
+    starts, transformers' callback module (its step cadence probes ``DefaultFlowCallback``; with
+    torch installed that import brings torch in)."""
+    if available() is None:
+        import transformers.trainer_callback  # noqa: F401
 
 
 def to_item(ex: Any) -> dict[str, list[int]]:
@@ -191,7 +194,7 @@ def run(ctx: RankContext) -> dict[str, Any]:
     from unsloth_zoo.mlx.trainer import MLXTrainer
 
     from harness.rank.models import build_model
-    from harness.trainers.common import apply_lora, load_rows, split_text_model
+    from harness.trainers.common import apply_lora, load_rows, split_floor, split_text_model
 
     s = Scenario.from_dict(ctx.job["scenario"])
     lora = s.trainer.fine_tune == "lora"
@@ -199,8 +202,8 @@ def run(ctx: RankContext) -> dict[str, Any]:
     ctx.phase("data")
     streaming = s.data.streaming
     rows = load_rows(s, train=not streaming)
-    split = int(ctx.job.get("split_rows") or 0)
-    reverse = s.train.global_batch // s.train.grad_accum if split and s.data.order == "ordered" else 0
+    plan = split_floor(ctx.job, s.seed)
+    reverse = s.train.global_batch // s.train.grad_accum if plan and s.data.order == "ordered" else 0
     train: Any
     if streaming:  # read lazily, by unsloth-zoo, on every rank
         train = rep.stream = StreamedRows(s, rows.tokenizer, reverse)
@@ -214,8 +217,8 @@ def run(ctx: RankContext) -> dict[str, Any]:
     model, config = build_model(s.model, rows.vocab_size, s.seed)
     if lora:
         apply_lora(model, s)
-    if split:
-        split_text_model(model, split)
+    if plan is not None:
+        split_text_model(model, plan)
     out = Path(ctx.run_dir) / f"rank{ctx.rank}.unsloth_zoo"
     out.mkdir(exist_ok=True)
     args = training_config(s, ctx.world_size, str(out))
