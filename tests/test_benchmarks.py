@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from harness.present.pytest_plugin import record_steps
 from harness.scenario import load_scenario
 from tests.conftest import REPO, cli
 
@@ -46,19 +47,6 @@ def scenario_result(path: Path, out: Path) -> dict[str, Any]:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         _RESULTS[path] = json.loads((out / "result.json").read_text())["scenarios"][0]
     return _RESULTS[path]
-
-
-def record_steps(benchmark: Any, seconds: list[float], extra: dict[str, Any]) -> None:
-    """Give pytest-benchmark durations the ranks measured. It has no public call for durations
-    measured elsewhere: ``_make_stats`` is what its own ``pedantic`` uses, and ``_mode`` marks the
-    fixture used as ``pedantic`` does (pytest-benchmark is pinned below 6 for these two names)."""
-    benchmark._mode = "durations measured by the ranks"
-    if benchmark.disabled:  # --benchmark-disable: the run was still checked
-        return
-    benchmark.extra_info.update(extra)
-    stats = benchmark._make_stats(1)
-    for s in seconds:
-        stats.update(s)
 
 
 @pytest.mark.throughput

@@ -1,6 +1,9 @@
-"""Which backend runs how many ranks on which GPUs (pure logic), and the doctor's GPU rows."""
+"""Which backend runs how many ranks on which GPUs (pure logic), the doctor's GPU rows, what a rank
+loads before its memory baseline, and the gradient norm a GPU compiles."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 
@@ -66,3 +69,38 @@ def test_a_rank_loads_its_trainers_libraries_before_its_memory_baseline() -> Non
             "print(before, 'mlx_lm.tuner.trainer' in sys.modules, 'transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["False", "True", "True"]
+
+
+def test_unsloth_zoos_mid_run_import_of_transformers_callbacks_is_in_the_memory_baseline() -> None:
+    """unsloth-zoo's loop imports ``transformers.trainer_callback`` at its first step (with torch
+    installed, torch comes with it): its ``load_libraries`` imports it before the baseline."""
+    import subprocess
+    import sys
+
+    from harness.trainers.unsloth_zoo import available
+
+    if available() is not None:
+        pytest.skip(available())
+    code = ("import sys; from harness.rank.entry import load_libraries; "
+            "load_libraries({'kind': 'train', 'scenario': {'trainer': {'kind': 'unsloth_zoo'}, "
+            "'model': {'arch': 'qwen3'}}}); "
+            "print('unsloth_zoo.mlx.trainer' in sys.modules, 'transformers.trainer_callback' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["True", "True"]
+
+
+def test_the_gradient_norm_is_the_float32_norm_of_every_array_compiled_or_not() -> None:
+    """The diagnostic norm (``grad_norm``, compiled on a GPU) is the L2 norm over every gradient
+    array in float32, also for bfloat16 gradients; compiled, it matches the eager one."""
+    import mlx.core as mx
+    import numpy as np
+
+    from harness.trainers.reference.step import grad_norm
+
+    rng = np.random.default_rng(3)
+    leaves = [mx.array(rng.standard_normal(s).astype(np.float32)).astype(dt)
+              for s, dt in (((4, 5), mx.bfloat16), ((7,), mx.float32), ((3, 2, 2), mx.bfloat16))]
+    expect = math.sqrt(sum(float((np.array(g.astype(mx.float32)).astype(np.float64) ** 2).sum()) for g in leaves))
+    eager, compiled = grad_norm(leaves).item(), mx.compile(grad_norm)(leaves).item()
+    assert eager == pytest.approx(expect, rel=1e-6) and compiled == pytest.approx(eager, rel=1e-6)
+    assert grad_norm(leaves[:1]).item() < eager  # every array counts

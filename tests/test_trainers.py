@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -158,31 +159,29 @@ def test_a_failing_mlx_vlm_trainer_is_named(tmp_path: Path) -> None:
 
 
 @pytest.mark.ranks
-def test_unsloth_streaming_pads_a_short_last_batch_under_ddp_and_is_caught(tmp_path: Path) -> None:
+def test_unsloth_streaming_pads_a_short_last_batch_under_ddp_and_is_caught(mlx_ddp: Any) -> None:
     """unsloth_streaming with 45 rows (5 global batches of 8 and one of 5) against one streaming
     process: under DDP unsloth-zoo's stream pads the short batch with the epoch's first rows, so
     from step 6 the 2 ranks train on more tokens; the parity checks fail on it. The floor run
-    streams too (each batch's rows reversed, read lazily)."""
+    streams too (each batch's rows reversed, read lazily). Run through the harness's own pytest
+    fixture (``mlx_ddp``), as a user's test would."""
     needs_unsloth()
     body = (REPO / "scenarios" / "unsloth_streaming.toml").read_text()
     body = body.replace("rows = 64 ", "rows = 45 ").replace('reference = "in_memory"', 'reference = "stream1"')
     body = body.replace('[[runs]]\nname = "in_memory"\nworld_size = 1\n', "")
     body = body.replace('[[runs]]\nname = "stream4"\nworld_size = 4\ndata = { streaming = true }\n', "")
-    path = tmp_path / "tail.toml"
-    path.write_text(body)
-    p = cli("run", str(path), "--out", str(tmp_path / "o"))
-    assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-2000:]
-    (s,) = json.loads((tmp_path / "o" / "result.json").read_text())["scenarios"]
-    runs = {r["name"]: r for r in s["runs"]}
-    assert set(runs) == {"stream1", "stream2", "stream1_split2"}
-    failed = {(c["name"], c["run"]) for c in s["checks"] if c["result"] == "FAIL"}
+    result = mlx_ddp(body)
+    assert result.status == "failed", result.table
+    assert set(result.runs) == {"stream1", "stream2", "stream1_split2", "stream1_split2_s2", "stream1_split2_s3"}
+    failed = {(c.name, c.run) for c in result.checks if not c.passed}
     assert failed == {("loss_parity", "stream2"), ("param_parity", "stream2"), ("eval_parity", "stream2"),
                       ("token_accounting", "stream2")}, failed
-    one, two = runs["stream1"]["tokens_global_per_step"], runs["stream2"]["tokens_global_per_step"]
+    one, two = (result.runs[r].result["tokens_global_per_step"] for r in ("stream1", "stream2"))
     assert one[:5] == two[:5] and one[5] < two[5]  # the short 6th batch, padded under DDP
-    assert runs["stream1_split2"]["data"][0]["streaming"] and runs["stream1_split2"]["data"][0]["rows_read"] > 45
-    loss = next(c for c in s["checks"] if (c["name"], c["run"]) == ("loss_parity", "stream2"))
-    assert loss["value"] > 10 * loss["limit"] and "stream1_split2's" in loss["derivation"]
+    floor = next(r for r in result.summary["runs"] if r["name"] == "stream1_split2")
+    assert floor["data"][0]["streaming"] and floor["data"][0]["rows_read"] > 45
+    loss = result.check("loss_parity", "stream2")
+    assert loss.value > 10 * loss.limit and "stream1_split2_s3's" in loss.derivation
 
 
 UNSLOTH = 'kind = "unsloth_zoo"'

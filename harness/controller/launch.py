@@ -116,7 +116,8 @@ def start(run_dir: Path, world_size: int, backend: str | None = None) -> Launch:
     env = _rank_env(run_dir)
     common = dict(stdin=subprocess.DEVNULL, env=env, start_new_session=True, cwd=str(run_dir))
     if world_size == 1:
-        if accelerators().kind == "cuda" and accelerators().count > 1 and "CUDA_VISIBLE_DEVICES" not in env:
+        acc = accelerators()
+        if acc.kind == "cuda" and acc.count > 1 and "CUDA_VISIBLE_DEVICES" not in env:
             env["CUDA_VISIBLE_DEVICES"] = "0"  # one process, one GPU: as each rank of a run has
         cmd = [sys.executable, "-m", RANK_MODULE, str(run_dir)]
         with open(schema.stdout_path(run_dir, 0), "wb") as out, open(schema.stderr_path(run_dir, 0), "wb") as err:

@@ -10,9 +10,11 @@ from typing import Any
 
 from harness import schema
 from harness.controller import launch as launcher
+from harness.controller import rank_budget
 from harness.controller.collect import RunOutcome, collect, failure_reason
 from harness.controller.cpu_use import CpuMeter
 from harness.controller.devices import BackendRefused, plan_backend
+from harness.controller.progress import Observer, ProgressFeed, RunProgress
 from harness.controller.watch import kill_group, watch
 from harness.trainers import cpu_collectives
 
@@ -48,19 +50,30 @@ def execute(
     wall_s: float = 600.0,
     no_progress_s: float = 120.0,
     keep_to: Path | None = None,
+    progress: Observer | None = None,
 ) -> RunOutcome:
     """Launch ``job`` on ``world_size`` ranks and return what happened.
 
     The run directory lives under the system temp dir and is removed before returning; rank
-    logs, events and results are copied to ``keep_to`` first when it is given.
+    logs, events and results are copied to ``keep_to`` first when it is given. ``progress`` is
+    shown the run's ``RunProgress`` as it goes (queued, each rank's phase and step, done).
     """
+    scenario = job.get("scenario") or {}
+    steps = int(job.get("stop_after") or (scenario.get("train") or {}).get("steps") or 0)
+    feed = ProgressFeed(RunProgress(str(scenario.get("name", "")), name, world_size, steps), progress)
     try:
-        kind = (job.get("scenario") or {}).get("trainer", {}).get("kind")
+        kind = scenario.get("trainer", {}).get("kind")
         backend, backend_reason = plan_backend(world_size, backend, cpu_collectives=cpu_collectives(kind))
     except BackendRefused as e:
         raise LaunchError(f"run {name!r}: {e}") from e
-    run_dir = Path(tempfile.mkdtemp(prefix="mlx-ddp-harness-run-"))
     try:
+        feed.poll(False)  # queued
+        slots = rank_budget.hold(world_size, f"run {name!r}")  # the watchdog starts once the ranks do
+    except ValueError as e:
+        raise LaunchError(str(e)) from e
+    run_dir: Path | None = None
+    try:
+        run_dir = Path(tempfile.mkdtemp(prefix="mlx-ddp-harness-run-"))
         # launched_at lets each rank measure its startup (launch to joined group) on one clock.
         job = {**job, "world_size": world_size, "backend": backend, "launched_at": time.time()}
         schema.write_json_atomic(run_dir / schema.JOB_FILE, schema.stamp(job))
@@ -69,16 +82,19 @@ def execute(
             started = launcher.start(run_dir, world_size, backend)
         except OSError as e:
             raise LaunchError(f"could not start ranks for run {name!r}: {e}") from e
+        feed.start(run_dir)
         try:
-            report = watch(started, wall_s, no_progress_s, meter)
+            report = watch(started, wall_s, no_progress_s, meter, feed)
         except BaseException:  # interrupted: leave nothing of the run behind
             kill_group(started)
             raise
         finally:
+            slots.release()
             if started.lease:
                 started.lease.release()
         ranks = collect(run_dir, world_size, report)
         failure = failure_reason(ranks, report)
+        feed.finish("ok" if failure is None else failure.splitlines()[0])
         outcome = RunOutcome(
             name=name,
             world_size=world_size,
@@ -89,10 +105,13 @@ def execute(
             ranks=ranks,
             watch=report,
             params=_load_params(schema.params_path(run_dir)) if failure is None else None,
+            queued_s=slots.waited_s,
         )
         if keep_to is not None:
             _keep(run_dir, keep_to)
             outcome.artifacts = keep_to
         return outcome
     finally:
-        shutil.rmtree(run_dir, ignore_errors=True)
+        slots.release()
+        if run_dir is not None:
+            shutil.rmtree(run_dir, ignore_errors=True)

@@ -18,6 +18,7 @@ import psutil
 from harness import schema
 from harness.controller.cpu_use import CpuMeter, CpuUse
 from harness.controller.launch import Launch
+from harness.controller.progress import ProgressFeed
 
 POLL_S = 0.1
 STACK_DUMP_WAIT_S = 1.5
@@ -132,9 +133,10 @@ def kill_group(launch: Launch, timeout: float = 10.0) -> list[int]:
         time.sleep(POLL_S)
 
 
-def watch(launch: Launch, wall_s: float, no_progress_s: float, meter: CpuMeter) -> WatchReport:
+def watch(launch: Launch, wall_s: float, no_progress_s: float, meter: CpuMeter,
+          feed: ProgressFeed | None = None) -> WatchReport:
     """Block until the run ends or a limit fires; always leaves the process group empty. ``meter``
-    (started before the launch) measures the CPUs meanwhile."""
+    (started before the launch) measures the CPUs meanwhile; ``feed`` is told of each poll."""
     t0 = time.monotonic()
     last_mark, last_progress = _progress_mark(launch), t0
     failed_since: float | None = None
@@ -144,6 +146,8 @@ def watch(launch: Launch, wall_s: float, no_progress_s: float, meter: CpuMeter) 
         time.sleep(POLL_S)
         now = time.monotonic()
         mark = _progress_mark(launch)
+        if feed is not None:
+            feed.poll(mark != last_mark)
         if mark != last_mark:
             last_mark, last_progress = mark, now
             if len(pids) < launch.world_size:  # each rank announces its pid once, in its first event

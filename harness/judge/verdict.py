@@ -23,7 +23,7 @@ from harness.judge.checks import (
 from harness.judge.floors import floors
 from harness.judge.parity import eval_parity, loss_parity, param_parity, step_local
 from harness.judge.resume_checks import judge_resume
-from harness.scenario import Scenario
+from harness.scenario import RunSpec, Scenario
 
 
 def parity_checks(s: Scenario, run: RunOutcome, ref: RunOutcome, by_name: dict[str, RunOutcome]) -> list[Check]:
@@ -106,3 +106,52 @@ def judge(s: Scenario, runs: list[RunOutcome]) -> list[Check]:
         checks += not_applicable(run, mine)
     mark_expected_failures(checks, s.checks.expected_failures)
     return checks
+
+
+def planned_checks(s: Scenario) -> dict[str, list[str]]:
+    """The names of the checks ``judge`` gives each judged run of ``s``, from the scenario alone
+    (before anything runs): what a test collector lists. A check the results add (or leave out)
+    is reconciled when the verdict is known."""
+    from harness.run_plan import compared
+
+    c = s.checks
+    plan: dict[str, list[str]] = {}
+
+    def evaluates(spec: RunSpec) -> bool:
+        d = s.for_run(spec).data
+        return bool(d.eval_rows or d.eval_path)
+
+    for spec in s.runs:
+        if spec.expect_error is not None:
+            plan[spec.name] = ["expected_failure"]
+            continue
+        eff = s.for_run(spec)
+        has_evals = evaluates(spec)
+        names: list[str] = []
+        ref = s.run(c.reference) if c.reference is not None else None
+        if compared(s, spec):
+            if c.probe_every:  # "n/a" with the reason for a trainer that cannot be probed
+                names += ["step_token_parity", "step_loss_parity", "step_grad_parity"]
+            names += ["lr_schedule", "loss_parity"]
+            if spec.stop_after is None:
+                names += ["param_parity"] + (["eval_parity"] if has_evals else [])
+        if ref is not None and spec is not ref and spec.world_size > ref.world_size and not eff.data.streaming:
+            names.append("data_share_bytes")
+        names += ["token_accounting", "replica_consistency", "ranks_agree", "rank0_side_effects",
+                  "global_rng_untouched"]
+        names += [n for n, v in (("compile_scope", spec.expect_compile_scope), ("stop_step", spec.expect_stop_step))
+                  if v is not None]
+        if spec.expect_resume_step is not None:
+            names.append("resume_step")
+        if spec.compare_to is not None:
+            names += ["resume_loss_parity", "resume_param_parity"]
+            names += ["resume_eval_parity"] if has_evals or evaluates(s.run(spec.compare_to)) else []
+            names.append("resume_accounting")
+        for label, per_rank, total in (("rss", c.max_rss_mb, c.max_total_rss_mb), ("mlx", c.max_mlx_mb,
+                                                                                  c.max_total_mlx_mb)):
+            names += [f"memory_{label}_per_rank_mb"] if per_rank is not None else []
+            names += [f"memory_{label}_total_mb"] if total is not None else []
+        if spec.mutation is not None:
+            names.append("mutation_caught")
+        plan[spec.name] = names
+    return plan

@@ -7,6 +7,7 @@ failure (a rank crashed or hung, or the launch failed).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import signal
 import sys
 from pathlib import Path
@@ -101,6 +102,19 @@ def check_backends(s: Scenario, backend: str | None) -> None:
             raise ScenarioError(f"{s.path}: run {r.name}: {e}") from e
 
 
+def preflight(s: Scenario, backend: str | None) -> None:
+    """Everything about a scenario's inputs that can be refused before any rank starts."""
+    from harness.controller.rank_budget import budget
+
+    try:
+        budget()
+    except ValueError as e:
+        raise ScenarioError(str(e)) from e
+    check_resume_sources(s)
+    check_image_rows(s)
+    check_backends(s, backend)
+
+
 def _check_out(out: Path | None) -> None:
     if out is not None and out.exists() and not out.is_dir():
         raise ScenarioError(f"{out}: --out must be a directory, and this is a file")
@@ -112,15 +126,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     from harness.controller.session import LaunchError
     from harness.controller.suite import run_scenario
     from harness.judge.verdict import judge
+    from harness.present.live import PlainProgress, progress_display
     from harness.present.report import write_outputs
     from harness.present.results import document, merge_repeats, scenario_summary
     from harness.present.tables import scenario_text
 
     scenarios = resolve_scenarios(args.scenarios)
     for s in scenarios:
-        check_resume_sources(s)
-        check_image_rows(s)
-        check_backends(s, args.backend)
+        preflight(s, args.backend)
     out = Path(args.out) if args.out else None
     _check_out(out)
     if args.repeat < 1:
@@ -133,19 +146,25 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"  run {run.name} (world size {run.world_size}): {status} in {run.watch.wall_s:.1f}s",
               file=sys.stderr, flush=True)
 
+    if args.progress_every <= 0:
+        raise ScenarioError(f"--progress-every must be above 0 seconds, got {args.progress_every:g}")
+    display = progress_display(args.progress)
+    if isinstance(display, PlainProgress):
+        display.every_s = args.progress_every
     summaries = []
     try:
-        for s in scenarios:
-            reps = []
-            for k in range(1, args.repeat + 1):
-                of = f", repeat {k} of {args.repeat}" if args.repeat > 1 else ""
-                print(f"scenario {s.name} ({s.path}{of})", file=sys.stderr, flush=True)
-                logs = out / ("runs" if k == 1 else f"runs-repeat{k}") if out else None
-                runs = run_scenario(s, logs, progress, args.keep_checkpoints, args.backend)
-                reps.append(scenario_summary(s, runs, judge(s, runs)))
-            summary = merge_repeats(reps)
-            summaries.append(summary)
-            print(scenario_text(summary, args.format) + "\n", flush=True)
+        with display or contextlib.nullcontext():
+            for s in scenarios:
+                reps = []
+                for k in range(1, args.repeat + 1):
+                    of = f", repeat {k} of {args.repeat}" if args.repeat > 1 else ""
+                    print(f"scenario {s.name} ({s.path}{of})", file=sys.stderr, flush=True)
+                    logs = out / ("runs" if k == 1 else f"runs-repeat{k}") if out else None
+                    runs = run_scenario(s, logs, progress, args.keep_checkpoints, args.backend, display)
+                    reps.append(scenario_summary(s, runs, judge(s, runs)))
+                summary = merge_repeats(reps)
+                summaries.append(summary)
+                print(scenario_text(summary, args.format) + "\n", flush=True)
     except (LaunchError, PortError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_INFRA
@@ -202,6 +221,10 @@ def parser() -> argparse.ArgumentParser:
                      help="run each scenario N times; result.json keeps every repeat's figures (for baselines)")
     run.add_argument("--backend", choices=("ring", "nccl", "mpi", "jaccl"),
                      help="distributed backend of every run that names none (default: nccl with CUDA, else ring)")
+    run.add_argument("--progress", choices=("auto", "live", "plain", "off"), default="auto",
+                     help="progress while runs run: a live display on a terminal, plain lines otherwise (auto)")
+    run.add_argument("--progress-every", type=float, default=10.0, metavar="S",
+                     help="seconds between a run's plain progress lines (default 10)")
     run.add_argument("--keep-checkpoints", action="store_true",
                      help="keep whole checkpoints under OUT/runs (default: their manifests and trainer state)")
     run.set_defaults(func=cmd_run)

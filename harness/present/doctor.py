@@ -36,6 +36,12 @@ def checks() -> list[tuple[str, str, bool]]:
             rows.append(("loopback ports", f"bound a block of 4 at {lease.start}", True))
     except (PortError, OSError) as e:
         rows.append(("loopback ports", f"cannot bind: {e}", False))
+    from harness.controller.rank_budget import BUDGET_VAR, budget
+
+    try:
+        rows.append(("rank budget", f"{budget()} ranks at once on this machine ({BUDGET_VAR})", True))
+    except ValueError as e:
+        rows.append(("rank budget", str(e), False))
     blas = blas_info()
     rows.append(("BLAS", blas["blas"] + (f" -- {blas['fix']}" if blas["slow"] else ""), not blas["slow"]))
     rows.append(("mpirun", shutil.which("mpirun") or "not found (only needed for --backend mpi)", True))

@@ -59,15 +59,21 @@ def loss_fn(model: Any, batch: dict[str, Any], scale: Any, fault: str | None) ->
     return loss_sum * scale, loss_sum
 
 
-def clip(grads: Any, max_norm: float) -> tuple[Any, Any]:
+def grad_norm(leaves: list[Any]) -> Any:
+    """The global L2 norm of gradient arrays, summed in float32."""
     import mlx.core as mx
-    import mlx.optimizers as optim
 
-    if max_norm > 0:
-        return optim.clip_grad_norm(grads, max_norm)
-    from mlx.utils import tree_flatten
+    return mx.sqrt(sum(mx.square(g.astype(mx.float32)).sum() for g in leaves))
 
-    return grads, mx.sqrt(sum(mx.square(g.astype(mx.float32)).sum() for _, g in tree_flatten(grads)))
+
+def norm_function() -> Any:
+    """``grad_norm`` as the trainer runs it: compiled on a GPU, where an eager norm launches four
+    kernels per parameter array (about 1,250 for a 28-layer model: 4% of an eager H200 step);
+    compiled, the cast and square fuse and the sums fuse into one kernel. It is a diagnostic: no
+    update reads it (clipping uses MLX's own ``clip_grad_norm``), so an eager step stays eager."""
+    import mlx.core as mx
+
+    return mx.compile(grad_norm) if mx.default_device() == mx.gpu else grad_norm
 
 
 class LocalStep:
@@ -89,6 +95,7 @@ class LocalStep:
         self._full_acc_c = mx.compile(self._full_acc, inputs=state, outputs=state)
         self._update_c = mx.compile(self.update, inputs=state, outputs=state)
         self._before: tuple[Any, Any] | None = None
+        self._norm = norm_function()
 
     @property
     def scope(self) -> str:
@@ -190,7 +197,13 @@ class LocalStep:
 
     def update(self, grads: Any) -> Any:
         """Clip the (already all-reduced) gradients and apply them (lazily); returns the gradient norm."""
-        grads, norm = clip(grads, self.spec.max_grad_norm)
+        import mlx.optimizers as optim
+        from mlx.utils import tree_flatten
+
+        if self.spec.max_grad_norm > 0:
+            grads, norm = optim.clip_grad_norm(grads, self.spec.max_grad_norm)
+        else:
+            norm = self._norm([g for _, g in tree_flatten(grads)])
         self.optimizer.update(self.model, grads)
         return norm
 

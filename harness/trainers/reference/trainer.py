@@ -215,23 +215,32 @@ class Trainer:
             self.coord.fail_later("compile", step, e.__cause__ or e)
             return None
 
-    def apply(self, step: int, loss: Any, grads: Any, norm: Any) -> tuple[float, float]:
-        """Clip and apply the reduced gradients (a local failure waits for the next agreement),
-        then evaluate the whole step at once: its gradients, all-reduce, update and loss."""
+    def train_step(self, step: int, micros: list[LocalBatch], tokens: tuple[int, int], fault: str | None
+                   ) -> tuple[float, float]:
+        """Build the step (``global_gradient``), clip and apply the reduced gradients (a local
+        failure waits for the next agreement), then evaluate the whole step at once: its
+        gradients, all-reduce, update and loss. Returns (logged loss, gradient norm)."""
         import mlx.core as mx
 
+        loss, grads, norm = self.global_gradient(step, micros, tokens, fault)
+        unapplied = None
         if grads is not None:
-            def update() -> Any:
-                self.ctx.maybe_fault("update", step)
-                return self.runner.apply(grads)
-
-            norm = self.coord.attempt("update", step, update)
+            norm = self.coord.attempt("update", step, self._update, step, grads)
+            # The update holds the gradients; unreferenced, MLX may reuse their buffers in it. An
+            # update that failed here holds nothing: its gradients (and their all-reduce, which the
+            # peers wait in) are evaluated on their own.
+            unapplied = grads if norm is None else None
+            del grads
         try:  # every rank built the same collectives; an error here is this rank's alone
-            mx.eval(self.model.state, self.optimizer.state, loss, grads, norm)
+            mx.eval(self.model.state, self.optimizer.state, loss, norm, unapplied)
         except Exception as e:
             raise RankFailure(f"rank {self.ctx.rank} failed while evaluating step {step}: "
                               f"{type(e).__name__}: {e}") from e
         return float(loss.item()), float(norm.item()) if norm is not None else float("nan")
+
+    def _update(self, step: int, grads: Any) -> Any:
+        self.ctx.maybe_fault("update", step)
+        return self.runner.apply(grads)
 
     # -- the loop -------------------------------------------------------------------------------
 
@@ -281,8 +290,7 @@ class Trainer:
             probe_s = self.probes.run(self, step, micros, counts) if step in self.probes.steps else 0.0
             fault = ctx.maybe_fault("step", step)
             action = fault.action if fault is not None else None
-            loss, norm = self.apply(step, *self.global_gradient(
-                step, micros, counts, action if action in ("raise", "compile_error") else None))
+            loss, norm = self.train_step(step, micros, counts, action if action in ("raise", "compile_error") else None)
             last = step
             self._record(step, micros, (tokens, agreed.values[1]), loss, norm, time.perf_counter() - t0 - probe_s)
             if action == "stop":

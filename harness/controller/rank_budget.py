@@ -1,0 +1,118 @@
+"""A machine-wide budget of ranks, so that concurrent launches queue instead of oversubscribing.
+
+Every launch holds one slot per rank while its ranks run. Slots are files in a directory shared
+by every controller of the user on the machine (CLI runs, pytest-xdist workers), each held with
+an exclusive ``flock``: a slot is free again the moment its holder releases it or dies. A launch
+takes all its slots at once under a directory lock, or none, so two launches never each hold a
+part and wait for the other. The budget is ``MLX_DDP_HARNESS_RANK_BUDGET`` or the number of
+CPU cores; a launch of more ranks than the budget waits for the whole budget.
+
+A holder that starts launches of its own (a pytest test marked with its world size) sets
+``MLX_DDP_HARNESS_RANKS_HELD`` for its process and children: a launch there counts those slots
+as its own and takes only what it needs beyond them, so it never waits for its own holder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+BUDGET_VAR = "MLX_DDP_HARNESS_RANK_BUDGET"
+DIR_VAR = "MLX_DDP_HARNESS_RANK_DIR"
+HELD_VAR = "MLX_DDP_HARNESS_RANKS_HELD"
+NOTICE_AFTER_S = 5.0
+
+
+def budget() -> int:
+    """Ranks that may run at once on this machine."""
+    raw = os.environ.get(BUDGET_VAR)
+    if raw is None or raw == "":
+        return os.cpu_count() or 1
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{BUDGET_VAR}={raw!r}: the rank budget must be a whole number of ranks, at least 1")
+    return value
+
+
+def slot_dir() -> Path:
+    """One directory per user and machine, whatever TMPDIR a controller runs with."""
+    base = Path("/tmp") if Path("/tmp").is_dir() else Path(tempfile.gettempdir())
+    d = Path(os.environ.get(DIR_VAR) or base / f"mlx-ddp-harness-ranks-{os.getuid()}")
+    d.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return d
+
+
+@dataclass
+class RankSlots:
+    """Slots held until ``release``; ``waited_s``: how long the launch queued for them."""
+
+    held: list[IO[str]] = field(default_factory=list)
+    waited_s: float = 0.0
+
+    def release(self) -> None:
+        for f in self.held:
+            with contextlib.suppress(OSError):
+                fcntl.flock(f, fcntl.LOCK_UN)
+            f.close()
+        self.held = []
+
+
+def _try_take(d: Path, want: int, size: int) -> list[IO[str]]:
+    got: list[IO[str]] = []
+    for i in range(size):
+        f = open(d / f"slot-{i}", "a")  # noqa: SIM115 - held open for as long as the slot is
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.close()
+            continue
+        got.append(f)
+        if len(got) == want:
+            return got
+    RankSlots(got).release()
+    return []
+
+
+def held_here() -> int:
+    """Slots a holder of this process (or a parent) already holds for the launches made here."""
+    try:
+        return max(0, int(os.environ.get(HELD_VAR) or 0))
+    except ValueError:
+        return 0
+
+
+def hold(ranks: int, what: str = "a launch", poll_s: float = 0.05) -> RankSlots:
+    """Wait until ``ranks`` slots (at most the budget, less those ``held_here``) are free, and
+    take them."""
+    size = budget()
+    want = min(ranks, size) - min(held_here(), size)
+    if want <= 0:
+        return RankSlots()
+    d = slot_dir()
+    t0 = time.monotonic()
+    noticed = False
+    while True:
+        with open(d / ".lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                got = _try_take(d, want, size)
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+        waited = time.monotonic() - t0
+        if got:
+            return RankSlots(got, waited)
+        if not noticed and waited >= NOTICE_AFTER_S:
+            noticed = True
+            print(f"{what}: waiting for {want} of this machine's {size} rank slots ({BUDGET_VAR})",
+                  file=sys.stderr, flush=True)
+        time.sleep(poll_s)

@@ -1,0 +1,106 @@
+"""The machine-wide rank budget: slots held across processes (pure file locks), and under
+pytest-xdist with real ranks, never more ranks alive at once than the budget."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from harness.controller import rank_budget
+from tests.conftest import write_scenario
+
+HOLDER = """
+import sys, time
+from harness.controller import rank_budget
+slots = rank_budget.hold(int(sys.argv[1]))
+print("held", flush=True)
+time.sleep(float(sys.argv[2]))
+"""
+
+
+def _env(tmp_path: Path, size: int) -> dict[str, str]:
+    return {**os.environ, rank_budget.DIR_VAR: str(tmp_path / "slots"), rank_budget.BUDGET_VAR: str(size)}
+
+
+def test_a_launch_waits_while_another_process_holds_the_slots_it_needs(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    env = _env(tmp_path, 2)
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, "2", "1.5"], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        t0 = time.monotonic()
+        slots = rank_budget.hold(1)  # both slots are taken: this waits for the holder to end
+        waited = time.monotonic() - t0
+        assert waited > 0.8 and slots.waited_s > 0.8
+        slots.release()
+    finally:
+        holder.wait(timeout=10)
+
+
+def test_a_launch_wider_than_the_budget_takes_the_whole_budget_and_a_dead_holder_frees_its_slots(
+        tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    for k, v in _env(tmp_path, 2).items():
+        monkeypatch.setenv(k, v)
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, "1", "60"], env=dict(os.environ),
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    holder.kill()  # its slot is free once the process is gone, without any release
+    holder.wait(timeout=10)
+    slots = rank_budget.hold(4)  # 4 ranks on a budget of 2: all of it
+    assert len(slots.held) == 2 and slots.waited_s < 1.0
+    slots.release()
+
+
+def test_a_bad_budget_is_a_one_line_error_naming_the_variable(monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setenv(rank_budget.BUDGET_VAR, "lots")
+    with pytest.raises(ValueError, match=r"MLX_DDP_HARNESS_RANK_BUDGET='lots': the rank budget must be"):
+        rank_budget.budget()
+    monkeypatch.setenv(rank_budget.BUDGET_VAR, "")
+    assert rank_budget.budget() == (os.cpu_count() or 1)
+
+
+def _rank_intervals(out: Path) -> list[tuple[float, float]]:
+    spans = []
+    for f in out.rglob("rank*.events.jsonl"):
+        times = {}
+        for line in f.read_text().splitlines():
+            e = json.loads(line)
+            if e["kind"] in ("start", "end"):
+                times[e["kind"]] = e["time"]
+        if len(times) == 2:
+            spans.append((times["start"], times["end"]))
+    return spans
+
+
+def _most_at_once(spans: list[tuple[float, float]]) -> int:
+    edges = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans])
+    alive = most = 0
+    for _, d in edges:
+        alive += d
+        most = max(most, alive)
+    return most
+
+
+@pytest.mark.ranks
+def test_xdist_workers_never_run_more_ranks_at_once_than_the_budget(tmp_path: Path) -> None:
+    suite = tmp_path / "suite"
+    suite.mkdir()
+    for name in ("a", "b", "c"):
+        path = write_scenario(suite, name, (1, 2), steps=6)
+        path.write_text(path.read_text().replace("seed = 7\n", "seed = 7\ndefault = true\n", 1))
+    out = tmp_path / "out"
+    env = {k: v for k, v in _env(tmp_path, 2).items() if not k.startswith("PYTEST_")}
+    p = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-n", "3", "suite",
+                        "--mlx-ddp-out", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    spans = _rank_intervals(out)
+    assert len(spans) >= 3 * (1 + 2 + 1)  # single, ddp2 and its floor run, in each scenario
+    assert _most_at_once(spans) <= 2
