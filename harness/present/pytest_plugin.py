@@ -319,7 +319,9 @@ def progress_lines(config: pytest.Config) -> Any:
 
     def write(line: str) -> None:  # mid-test: past the test's output capture, as pytest's live logs go
         with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
-            reporter.ensure_newline()
+            writer = getattr(reporter, "_tw", None)  # mid-line after -q's dots: start a line of our own
+            if writer is not None and getattr(writer, "width_of_current_line", 0):
+                reporter.write("\n")
             reporter.write_line(f"[mlx-ddp] {line.strip()}", cyan=True)
 
     return PlainProgress(write, every)
