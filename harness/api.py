@@ -52,7 +52,6 @@ class Session:
         self.global_batch: int = scenario.train.global_batch
         self.learning_rate: float = scenario.train.learning_rate
         self.split_rows: int = int(ctx.job.get("split_rows") or 1)
-        self._split_sample: int = int(ctx.job.get("split_sample") or 0)
         self.run_dir: Path = Path(ctx.run_dir)
 
     def model(self) -> Any:
@@ -66,10 +65,10 @@ class Session:
     def split(self, model: Any) -> Any:
         """``model`` itself; in the noise-floor run, with its forward computing each batch in
         ``split_rows`` row chunks (the same logits; the rounding of that many ranks)."""
-        if self.split_rows > 1:
-            from harness.trainers.common import SplitFloor, split_text_model
+        from harness.trainers.common import split_floor, split_text_model
 
-            split_text_model(model, SplitFloor(self.split_rows, self._split_sample, self.seed))
+        if (plan := split_floor(self._ctx.job, self.seed)) is not None:
+            split_text_model(model, plan)
         return model
 
     def rows(self, split: str = "train") -> list[tuple[Any, Any]]:

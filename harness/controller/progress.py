@@ -43,7 +43,7 @@ class RunProgress:
     ranks: dict[int, RankProgress] = field(default_factory=dict)
     started: float = field(default_factory=time.monotonic)
     recent: deque = field(default_factory=lambda: deque(maxlen=RATE_STEPS))  # (step_time_s, tokens_global)
-    result: str = ""  # when done: "passed" or the failure's first line
+    result: str = ""  # when done: "ok" or the failure's first line
 
     @property
     def step(self) -> int:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from harness.judge.baselines import BaselineError
 from harness.present.baseline_cli import add_parsers
+from harness.present.live import MODES, PLAIN_EVERY_S, PlainProgress, progress_display
 from harness.present.results import EXIT_BAD_INPUT, EXIT_INFRA, load_results
 from harness.scenario import Scenario, ScenarioError, discover, load_scenario
 
@@ -126,7 +127,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     from harness.controller.session import LaunchError
     from harness.controller.suite import run_scenario
     from harness.judge.verdict import judge
-    from harness.present.live import PlainProgress, progress_display
     from harness.present.report import write_outputs
     from harness.present.results import document, merge_repeats, scenario_summary
     from harness.present.tables import scenario_text
@@ -221,10 +221,10 @@ def parser() -> argparse.ArgumentParser:
                      help="run each scenario N times; result.json keeps every repeat's figures (for baselines)")
     run.add_argument("--backend", choices=("ring", "nccl", "mpi", "jaccl"),
                      help="distributed backend of every run that names none (default: nccl with CUDA, else ring)")
-    run.add_argument("--progress", choices=("auto", "live", "plain", "off"), default="auto",
+    run.add_argument("--progress", choices=MODES, default="auto",
                      help="progress while runs run: a live display on a terminal, plain lines otherwise (auto)")
-    run.add_argument("--progress-every", type=float, default=10.0, metavar="S",
-                     help="seconds between a run's plain progress lines (default 10)")
+    run.add_argument("--progress-every", type=float, default=PLAIN_EVERY_S, metavar="S",
+                     help=f"seconds between a run's plain progress lines (default {PLAIN_EVERY_S:g})")
     run.add_argument("--keep-checkpoints", action="store_true",
                      help="keep whole checkpoints under OUT/runs (default: their manifests and trainer state)")
     run.set_defaults(func=cmd_run)

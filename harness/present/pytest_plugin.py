@@ -33,6 +33,7 @@ from typing import Any
 
 import pytest
 
+from harness.present.live import PLAIN_EVERY_S, PlainProgress
 from harness.present.scenario_result import ScenarioResult, run_scenario_file, scenario_from
 from harness.scenario import Scenario, ScenarioError, load_scenario
 
@@ -49,7 +50,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--mlx-ddp-benchmark", action="store_true", default=False,
                     help="record each run's post-step-1 step times as a pytest-benchmark benchmark "
                          "(FILE::RUN::throughput[SCENARIO-RUN]), for --benchmark-autosave / --benchmark-compare")
-    group.addoption("--mlx-ddp-progress", type=float, default=10.0, metavar="S",
+    group.addoption("--mlx-ddp-progress", type=float, default=PLAIN_EVERY_S, metavar="S",
                     help="while a scenario runs, a progress line per run every S seconds (0: none; "
                          "not from xdist workers, which have no terminal)")
     parser.addini("mlx_ddp", type="bool", default=False, help="collect scenario files wherever pytest walks")
@@ -313,8 +314,6 @@ def progress_lines(config: pytest.Config) -> Any:
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if not every or every <= 0 or reporter is None or hasattr(config, "workerinput"):
         return None
-    from harness.present.live import PlainProgress
-
     capture = config.pluginmanager.get_plugin("capturemanager")
 
     def write(line: str) -> None:  # mid-test: past the test's output capture, as pytest's live logs go
