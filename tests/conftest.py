@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "ddp_train.py"
 
 # A small, fast scenario body; tests add [[runs]] and override keys as they need.
 SMALL = """
@@ -49,6 +50,43 @@ def write_scenario(tmp: Path, name: str, world_sizes: tuple[int, ...] = (1, 2), 
     reference = 'reference = "single"' if 1 in world_sizes else ""
     body = textwrap.dedent(SMALL).format(name=name, steps=steps, checks=checks, reference=reference) + runs + extra
     path = tmp / f"{name}.toml"
+    path.write_text(body)
+    return path
+
+
+def script_scenario(d: Path, script: str, name: str = "script", world_sizes: tuple[int, ...] = (1, 2),
+                    extra: str = "", no_progress_s: int = 60) -> Path:
+    """A scenario running the user script ``script`` (written beside it) as its trainer."""
+    (d / f"{name}.py").write_text(script)
+    runs = "".join(f'\n[[runs]]\nname = "{"single" if n == 1 else f"ddp{n}"}"\nworld_size = {n}\n'
+                   for n in world_sizes)
+    reference = '[checks]\nreference = "single"\n' if 1 in world_sizes else ""
+    body = textwrap.dedent(f"""
+        [scenario]
+        name = "{name}"
+        seed = 5
+
+        [trainer]
+        kind = "script"
+        path = "{name}.py"
+
+        [model]
+        arch = "llama"
+
+        [data]
+        format = "prompt_completion"
+        rows = 32
+
+        [train]
+        steps = 6
+        global_batch = 8
+        digest_every = 3
+
+        [limits]
+        wall_s = 240
+        no_progress_s = {no_progress_s}
+        """) + runs + "\n" + reference + extra
+    path = d / f"{name}.toml"
     path.write_text(body)
     return path
 

@@ -15,7 +15,7 @@ import pytest
 from harness import schema
 from harness.controller.progress import ProgressFeed, RankProgress, RunProgress
 from harness.present.live import PlainProgress
-from tests.conftest import REPO, write_scenario
+from tests.conftest import EXAMPLE, REPO, script_scenario
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
@@ -63,17 +63,26 @@ def test_plain_lines_come_once_a_run_trains_then_every_period() -> None:
     assert len(lines) == 2
 
 
+def slow_script_scenario(tmp_path: Path, name: str) -> Path:
+    """A 2-rank run of the example script that waits 0.25 s per step (6 steps): the run outlasts
+    several display periods on any machine, however fast its steps."""
+    src = EXAMPLE.read_text().replace("import mlx.core as mx", "import time\n\nimport mlx.core as mx", 1)
+    src = src.replace("        run.step(step,", "        time.sleep(0.25)\n        run.step(step,", 1)
+    assert src.count("time.sleep(0.25)") == 1
+    return script_scenario(tmp_path, src, name=name, world_sizes=(2,))
+
+
 @pytest.mark.ranks
 def test_a_run_shows_live_progress_in_a_terminal(tmp_path: Path) -> None:
     """In a real pseudo-terminal: rich's display redraws in place (cursor codes) and shows each
     running run's steps of its total, its ranks, tokens/s."""
     pexpect = pytest.importorskip("pexpect")
-    path = write_scenario(tmp_path, "live", world_sizes=(1, 2), steps=40)
+    path = slow_script_scenario(tmp_path, "live")
     child = pexpect.spawn(sys.executable, ["-m", "harness", "run", str(path)], cwd=str(REPO), timeout=300,
                           env={**os.environ, "COLUMNS": "160", "TERM": "xterm"}, dimensions=(40, 160),
                           encoding="utf-8", codec_errors="replace")
     child.expect(r"live/ddp2 \(2\)")  # the 2-rank run's bar ...
-    child.expect(r"\d+/40")           # ... its steps of the total ...
+    child.expect(r"\d/6")             # ... its steps of the total ...
     child.expect(r"r0:\d+ r1:\d+")     # ... where each rank is
     child.expect(pexpect.EOF)
     out = child.before
@@ -85,12 +94,14 @@ def test_a_run_shows_live_progress_in_a_terminal(tmp_path: Path) -> None:
 
 @pytest.mark.ranks
 def test_piped_output_gets_plain_progress_lines(tmp_path: Path) -> None:
-    path = write_scenario(tmp_path, "piped", world_sizes=(2,), steps=40)
+    """Piped output: plain lines (no cursor codes), the first once the run trains, then one per
+    period."""
+    path = slow_script_scenario(tmp_path, "piped")
     p = subprocess.run([sys.executable, "-m", "harness", "run", str(path), "--progress-every", "0.3"],
                        capture_output=True, text=True, cwd=REPO, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert not ANSI.search(p.stderr) and not ANSI.search(p.stdout)
     lines = [ln for ln in p.stderr.splitlines() if ln.startswith("  progress piped/ddp2 (2 ranks): step ")]
-    steps = [int(re.search(r"step (\d+)/40", ln).group(1)) for ln in lines]
+    steps = [int(re.search(r"step (\d+)/6", ln).group(1)) for ln in lines]
     assert len(steps) >= 2 and steps == sorted(steps) and steps[0] >= 1, p.stderr
     assert all(re.search(r"\[r0 \S+, r1 \S+\]", ln) for ln in lines), lines

@@ -9,51 +9,12 @@ adapter files (a missing or damaged one is bad input).
 from __future__ import annotations
 
 import json
-import textwrap
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import REPO, cli, needs_unsloth
-
-EXAMPLE = REPO / "examples" / "ddp_train.py"
-
-
-def script_scenario(d: Path, script: str, name: str = "script", world_sizes: tuple[int, ...] = (1, 2),
-                    extra: str = "", no_progress_s: int = 60) -> Path:
-    (d / f"{name}.py").write_text(script)
-    runs = "".join(f'\n[[runs]]\nname = "{"single" if n == 1 else f"ddp{n}"}"\nworld_size = {n}\n'
-                   for n in world_sizes)
-    reference = '[checks]\nreference = "single"\n' if 1 in world_sizes else ""
-    body = textwrap.dedent(f"""
-        [scenario]
-        name = "{name}"
-        seed = 5
-
-        [trainer]
-        kind = "script"
-        path = "{name}.py"
-
-        [model]
-        arch = "llama"
-
-        [data]
-        format = "prompt_completion"
-        rows = 32
-
-        [train]
-        steps = 6
-        global_batch = 8
-        digest_every = 3
-
-        [limits]
-        wall_s = 240
-        no_progress_s = {no_progress_s}
-        """) + runs + "\n" + reference + extra
-    path = d / f"{name}.toml"
-    path.write_text(body)
-    return path
+from tests.conftest import EXAMPLE, REPO, cli, needs_unsloth, script_scenario
 
 
 @pytest.mark.ranks
