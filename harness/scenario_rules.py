@@ -144,6 +144,7 @@ def _validate_fault(f: FaultSpec, where: str, src: str) -> None:
              f"{f.action} damages a checkpoint just written: use phase 'checkpoint'")
     require(f.action != "stale_view" or f.phase == "resume", src, f"{where}.phase",
              "stale_view happens while resuming: use phase 'resume'")
+    require(f.action != "allocate" or f.mb > 0, src, f"{where}.mb", "allocate needs the MB to allocate (> 0)")
 
 
 EXTERNAL_FAULTS = ("raise", "exit", "exit0", "sigkill", "segfault", "hang")
@@ -282,7 +283,8 @@ def validate(s: Scenario, src: str) -> None:
     _validate_train(s.train, s.data, src, "[train]")
     require(len(s.runs) > 0, src, "[[runs]]", "at least one run is required")
     names = [r.name for r in s.runs]
-    require(len(set(names)) == len(names), src, "[[runs]].name", "run names must be unique")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    require(not twice, src, "[[runs]].name", f"run names must be unique: {', '.join(map(repr, twice))} twice")
     for i, r in enumerate(s.runs):
         where = f"[[runs]][{i}]"
         key = f"{where}.world_size"
@@ -334,9 +336,21 @@ def validate(s: Scenario, src: str) -> None:
                     "give the reason the check is expected to fail, as a string (or a table of run name -> reason)")
     require(s.limits.wall_s > 0 and s.limits.no_progress_s > 0, src, "[limits]",
              "limits must be positive")
+    for key in ("hard_rss_mb", "hard_mlx_mb"):
+        require(getattr(s.limits, key) is None or getattr(s.limits, key) > 0, src, f"[limits].{key}",
+                "must be positive")
+    require(s.limits.hard_memory_factor >= 1, src, "[limits].hard_memory_factor",
+            "must be >= 1 (a hard limit below the ceiling would stop runs the ceiling passes)")
+    require(0 < s.limits.machine_memory_fraction <= 1, src, "[limits].machine_memory_fraction",
+            "must be in (0, 1]")
     for i, f in enumerate(s.faults):
         _validate_fault(f, f"[[faults]][{i}]", src)
         require(f.step >= 1, src, f"[[faults]][{i}].step", "must be >= 1")
         require(f.rank >= 0, src, f"[[faults]][{i}].rank", "must be >= 0")
         unknown = [n for n in f.runs if n not in names]
         require(not unknown, src, f"[[faults]][{i}].runs", f"unknown run names {unknown}")
+        small = [r.name for r in s.runs if (not f.runs or r.name in f.runs) and f.rank >= r.world_size]
+        require(not small, src, f"[[faults]][{i}].rank",
+                f"rank {f.rank} is not a rank of run{'s' if len(small) > 1 else ''} {', '.join(small)} "
+                f"(world size {', '.join(str(s.run(n).world_size) for n in small)}); name the runs it is for "
+                f"in [[faults]][{i}].runs")

@@ -15,7 +15,7 @@ ARCHS = TEXT_ARCHS + VLM_ARCHS
 DTYPES = ("float32", "bfloat16", "float16")
 BACKENDS = ("ring", "nccl", "mpi", "jaccl")
 FAULT_ACTIONS = ("raise", "exit", "sigkill", "segfault", "hang", "exit0", "stop", "compile_error",
-                 "truncate", "corrupt", "delete", "stale_view")
+                 "truncate", "corrupt", "delete", "stale_view", "allocate")
 FAULT_PHASES = ("fetch", "step", "update", "eval", "checkpoint", "resume", "save")
 DAMAGE_ACTIONS = ("truncate", "corrupt", "delete")
 CHECKPOINT_FILES = ("model.safetensors", "optimizer.safetensors", "trainer.json", "manifest.json")
@@ -236,10 +236,17 @@ class CheckSpec:
 
 @dataclass
 class LimitSpec:
-    """Watchdog limits for each run, in seconds."""
+    """Watchdog limits for each run: time in seconds; hard memory limits enforced while it runs
+    (``harness.controller.memory_guard``): per rank ``hard_rss_mb`` (RSS above the rank's
+    runtime) and ``hard_mlx_mb``, by default ``hard_memory_factor`` x the ``[checks]`` ceiling
+    where one is set; all ranks together at most ``machine_memory_fraction`` of the machine."""
 
     wall_s: float = 600.0
     no_progress_s: float = 120.0
+    hard_rss_mb: float | None = None
+    hard_mlx_mb: float | None = None
+    hard_memory_factor: float = 3.0
+    machine_memory_fraction: float = 0.9
 
 
 @dataclass
@@ -260,6 +267,7 @@ class FaultSpec:
     phase: str = "step"
     runs: list[str] = field(default_factory=list)
     file: str = "model.safetensors"
+    mb: int = 0
 
 
 @dataclass

@@ -6,10 +6,11 @@ progress) and finally writes ``rank{r}.result.json`` atomically. Each record car
 ``schema_version``; a reader refuses a version it does not know.
 
 Event kinds written by ranks:
-  ``start``  rank, world_size, host, pid, device, backend, startup_s
+  ``start``  rank, world_size, host, pid, device, backend, startup_s, rss_runtime_bytes
   ``phase``  name (heartbeat between steps: "model", "data", "train", "save", ...)
   ``step``   step, loss, tokens_global, tokens_local, rows_local, step_time_s,
              mlx_peak_bytes, rss_bytes, [digest]
+  ``fault``  rank, step, phase, action (an injected fault, just before it acts)
   ``end``    status
 """
 

@@ -36,7 +36,7 @@ def with_eval(path: Path) -> Path:
         ("exit", "step", "rank 1 ended with exit code 3"),
         ("sigkill", "update", "rank 1 ended with signal SIGKILL"),
         ("segfault", "eval", "rank 1 ended with signal SIGSEGV"),
-        ("exit0", "fetch", "rank 1 exited without writing a result"),
+        ("exit0", "fetch", "rank 1 exited with exit code 0 without writing a result, after step 1"),
     ],
 )
 def test_fault_modes_in_trainer_phases(scenario_dir: Path, action: str, phase: str, expect: str) -> None:
@@ -46,8 +46,8 @@ def test_fault_modes_in_trainer_phases(scenario_dir: Path, action: str, phase: s
     assert not out.ok
     assert out.failure.splitlines()[0].startswith(expect), out.failure
     # Failures that reach the consensus end every rank at once; a rank that vanishes with exit 0
-    # leaves its peer waiting in a collective, which the watchdog ends 10 s after the exit.
-    assert out.watch.limit is None or (action == "exit0" and out.watch.limit == "peer_failed")
+    # would leave its peer waiting in a collective: the watchdog stops the run at once.
+    assert out.watch.limit is None or (action == "exit0" and out.watch.limit == "rank_gone")
     assert_clean(out)
 
 

@@ -118,7 +118,7 @@ def test_quiet_select_watches_only_output_pipes() -> None:
         ("exit", "rank 1 ended with exit code 3"),
         ("sigkill", "rank 1 ended with signal SIGKILL"),
         ("segfault", "rank 1 ended with signal SIGSEGV"),
-        ("exit0", "rank 1 exited without writing a result"),
+        ("exit0", "rank 1 exited with exit code 0 without writing a result, after step 1"),
     ],
 )
 def test_a_failing_rank_fails_the_run_with_rank_and_cause(action: str, expect: str) -> None:

@@ -87,7 +87,7 @@ def test_a_failing_mlx_lm_trainer_is_named(tmp_path: Path) -> None:
 @pytest.mark.ranks
 @pytest.mark.parametrize(("action", "line"), [
     ("hang", "trainer mlx_lm: watchdog: no progress from any rank for 8 s"),
-    ("exit0", "run ddp2 (world size 2): rank 1 exited without writing a result"),
+    ("exit0", "run ddp2 (world size 2): rank 1 exited with exit code 0 without writing a result"),
 ])
 def test_a_hanging_or_vanishing_mlx_lm_trainer_is_named(tmp_path: Path, action: str, line: str) -> None:
     """Rank 1 hangs, or exits 0 without a result, inside mlx-lm's loop (from its callback); rank 0,

@@ -6,8 +6,13 @@ writable) and its own stdin (at end of file, /dev/null is always readable): with
 forward, every wait returns at once and the launcher spins more than one CPU core for as long as
 the ranks run (5.8 CPU-seconds in 4.2 s for two sleeping ranks on Linux). The harness forwards no
 input (its launcher's stdin is /dev/null; ranks write their output to files), so here those waits
-watch only the ranks' output pipes and sleep at most ``WAIT_S``; everything else is mlx.launch's.
-Where mlx.launch has no such ``select`` (another MLX version), it runs unchanged.
+watch only the ranks' output pipes and sleep at most ``WAIT_S``.
+
+mlx.launch logs a rank that exits 0 ("Node with rank N completed") only with ``--verbose``, which
+also prints its commands; here that line is always logged, so the launcher log names every
+rank's exit status within ``WAIT_S`` of its exit (``harness.controller.launch.launcher_exits``).
+Everything else is mlx.launch's; where it has no such ``select`` or ``log`` (another MLX
+version), it runs unchanged.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import select
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 WAIT_S = 0.02  # how late an exit or a line of output can be noticed
@@ -33,11 +39,25 @@ def quiet_select(rlist: list[Any], wlist: list[Any], xlist: list[Any], timeout: 
     return ready, [], failed
 
 
+EXIT_LINE = "Node with rank "
+
+
+def logging_exits(log: Callable[..., None]) -> Callable[..., None]:
+    """mlx.launch's ``log(verbose, *args)`` that also logs its rank exit lines when not verbose."""
+
+    def log_exits(verbose: bool, *args: Any, **kwargs: Any) -> None:
+        log(verbose or bool(args and str(args[0]).startswith(EXIT_LINE)), *args, **kwargs)
+
+    return log_exits
+
+
 def main() -> int:
     from mlx._distributed_utils import launch
 
     if getattr(launch, "select", None) is select.select:
         launch.select = quiet_select
+    if callable(getattr(launch, "log", None)):
+        launch.log = logging_exits(launch.log)
     return launch.main() or 0
 
 

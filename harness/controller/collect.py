@@ -6,16 +6,16 @@ every rank wrote a result with status "ok", exited 0, and the watchdog did not s
 
 from __future__ import annotations
 
-import re
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from harness import schema
+from harness.controller.launch import launcher_exits
+from harness.controller.progress import after_step
 from harness.controller.watch import WatchReport
 
-_WARN = re.compile(r"Node with rank (\d+) (?:exited with code (-?\d+)|(was killed))")
 TAIL_LINES = 12
 
 
@@ -27,6 +27,11 @@ class RankOutcome:
     result: dict[str, Any] | None
     events: list[dict[str, Any]]
     stderr_tail: str
+
+    @property
+    def last_step(self) -> int:
+        """The last step this rank finished, from its events."""
+        return max((int(e.get("step") or 0) for e in self.events if e.get("kind") == "step"), default=0)
 
     @property
     def ok(self) -> bool:
@@ -71,17 +76,6 @@ def _tail(path: Path, lines: int = TAIL_LINES) -> str:
     return "\n".join(text.rstrip().splitlines()[-lines:])
 
 
-def _launcher_statuses(run_dir: Path) -> dict[int, tuple[int | None, bool]]:
-    """rank -> (exit code, killed by launcher) from mlx.launch's [WARN] lines."""
-    out: dict[int, tuple[int | None, bool]] = {}
-    log = run_dir / "launcher.log"
-    if log.exists():
-        for m in _WARN.finditer(log.read_text(errors="replace")):
-            rank = int(m.group(1))
-            out[rank] = (None, True) if m.group(3) else (int(m.group(2)), False)
-    return out
-
-
 def describe_exit(code: int | None) -> str:
     if code is None:
         return "an unknown status"
@@ -94,7 +88,7 @@ def describe_exit(code: int | None) -> str:
 
 
 def collect(run_dir: Path, world_size: int, report: WatchReport) -> list[RankOutcome]:
-    statuses = _launcher_statuses(run_dir) if world_size > 1 else {}
+    exits = launcher_exits(run_dir) if world_size > 1 else {}
     ranks = []
     for r in range(world_size):
         if world_size == 1:
@@ -102,7 +96,8 @@ def collect(run_dir: Path, world_size: int, report: WatchReport) -> list[RankOut
             if report.limit:
                 code, killed = None, True
         else:
-            code, killed = statuses.get(r, (0, False))
+            code = exits.get(r)  # None: not logged (killed with the launcher) or killed by it
+            killed = r in exits and code is None
         result = None
         rp = schema.result_path(run_dir, r)
         if rp.exists():
@@ -142,10 +137,12 @@ def failure_reason(ranks: list[RankOutcome], report: WatchReport) -> str | None:
         elif o.exit_code not in (0, None):
             sigterm = o.exit_code == -15
             why = " (mlx.launch stops the other ranks when one fails)" if sigterm else ""
-            detail = why if sigterm else tail
+            detail = why if sigterm else f" {after_step(o.last_step)}{tail}"
             found.append((sigterm, o.rank, f"rank {o.rank} ended with {describe_exit(o.exit_code)}{detail}"))
         elif o.result is None and (o.rank in report.exited_early or (not o.killed and not report.limit)):
-            found.append((False, o.rank, f"rank {o.rank} exited without writing a result{tail}"))
+            how = "" if o.exit_code is None else f" with {describe_exit(o.exit_code)}"
+            found.append((False, o.rank, f"rank {o.rank} exited{how} without writing a result, "
+                                         f"{after_step(o.last_step)}{tail}"))
         elif not o.ok:
             found.append((True, o.rank, f"rank {o.rank} was stopped before it finished"))
     reasons = [msg for _, _, msg in sorted(found)]
@@ -153,7 +150,8 @@ def failure_reason(ranks: list[RankOutcome], report: WatchReport) -> str | None:
         stacks = " (rank stacks dumped to their stderr)" if report.stacks_dumped else ""
         line = f"watchdog: {report.limit_detail}; process group killed{stacks}"
         # After a rank failed, the watchdog's kill is a consequence; a time limit is the cause.
-        reasons.insert(len(reasons) if report.limit == "peer_failed" and reasons else 0, line)
+        consequence = report.limit in ("peer_failed", "rank_gone") and reasons
+        reasons.insert(len(reasons) if consequence else 0, line)
     if report.survivors:
         reasons.append(f"processes survived the kill: {report.survivors}")
     return "\n".join(reasons) if reasons else None

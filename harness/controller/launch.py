@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -24,6 +25,8 @@ OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
 RANK_MODULE = "harness.rank"
 CALM_LAUNCH = "harness.controller.calm_launch"
 TMPDIR_VAR = "MLX_DDP_HARNESS_TMPDIR"
+LAUNCHER_LOG = "launcher.log"
+_EXIT = re.compile(r"Node with rank (\d+) (?:exited with code (-?\d+)|(was killed)|(completed))")
 
 
 def default_backend() -> str:
@@ -147,10 +150,23 @@ def start(run_dir: Path, world_size: int, backend: str | None = None) -> Launch:
             "--cwd", str(run_dir),
             "--", "/bin/sh", "-c", rank_cmd, sys.executable, str(run_dir),
         ]
-        with open(run_dir / "launcher.log", "wb") as log:
+        with open(run_dir / LAUNCHER_LOG, "wb") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, **common)
     except BaseException:
         lease.release()
         raise
     return Launch(proc, run_dir, world_size, backend, lease)
 
+
+
+def launcher_exits(run_dir: Path) -> dict[int, int | None]:
+    """rank -> its exit status as mlx.launch logged it (negative: the signal that ended it; None:
+    mlx.launch killed it, having seen another rank fail). Ranks still running are absent."""
+    out: dict[int, int | None] = {}
+    try:
+        text = (run_dir / LAUNCHER_LOG).read_text(errors="replace")
+    except FileNotFoundError:
+        return out
+    for m in _EXIT.finditer(text):
+        out[int(m.group(1))] = None if m.group(3) else int(m.group(2) or 0)
+    return out

@@ -14,6 +14,7 @@ from harness.controller import rank_budget
 from harness.controller.collect import RunOutcome, collect, failure_reason
 from harness.controller.cpu_use import CpuMeter
 from harness.controller.devices import BackendRefused, plan_backend
+from harness.controller.memory_guard import MemoryLimits
 from harness.controller.progress import Observer, ProgressFeed, RunProgress
 from harness.controller.watch import kill_group, watch
 from harness.trainers import cpu_collectives
@@ -51,12 +52,14 @@ def execute(
     no_progress_s: float = 120.0,
     keep_to: Path | None = None,
     progress: Observer | None = None,
+    memory: MemoryLimits | None = None,
 ) -> RunOutcome:
     """Launch ``job`` on ``world_size`` ranks and return what happened.
 
     The run directory lives under the system temp dir and is removed before returning; rank
     logs, events and results are copied to ``keep_to`` first when it is given. ``progress`` is
     shown the run's ``RunProgress`` as it goes (queued, each rank's phase and step, done).
+    ``memory``: hard memory limits the watchdog enforces while the run goes.
     """
     scenario = job.get("scenario") or {}
     steps = int(job.get("stop_after") or (scenario.get("train") or {}).get("steps") or 0)
@@ -84,7 +87,7 @@ def execute(
             raise LaunchError(f"could not start ranks for run {name!r}: {e}") from e
         feed.start(run_dir)
         try:
-            report = watch(started, wall_s, no_progress_s, meter, feed)
+            report = watch(started, wall_s, no_progress_s, meter, feed, memory)
         except BaseException:  # interrupted: leave nothing of the run behind
             kill_group(started)
             raise

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from harness.controller.collect import RunOutcome
 from harness.controller.inputs import prepare
+from harness.controller.memory_guard import MemoryLimits
 from harness.controller.progress import Observer
 from harness.controller.session import execute
 from harness.rank.step_probe import probe_path, probe_steps
@@ -126,6 +127,7 @@ def run_scenario(
                 no_progress_s=s.limits.no_progress_s,
                 keep_to=keep,
                 progress=progress,
+                memory=MemoryLimits.from_scenario(s.limits, s.checks),
             )
             if floor is not None:
                 outcome.floor = floor.description

@@ -1,9 +1,12 @@
 """Watch a started run until it ends, hangs or overruns; then make sure nothing of it survives.
 
 Progress is any growth of a rank's event file (ranks write one event per step and one per
-phase). On the wall-clock or no-progress limit, or when a rank has failed and its peers have not
-ended within a grace period, the ranks' Python stacks are dumped (SIGUSR1, which every rank
-registers with faulthandler) and the whole process group is killed.
+phase). The run is stopped at once when a rank is gone without a result (its peers would wait
+in a collective forever: mlx.launch ends a run only when a rank exits non-zero), when a rank
+passes its hard memory limit (``memory_guard``), on the wall-clock or no-progress limit, or when
+a rank reported a failure and its peers have not ended within a grace period. Before the kill,
+the live ranks' Python stacks are dumped (SIGUSR1, which every rank registers with faulthandler)
+and the whole process group is killed.
 """
 
 from __future__ import annotations
@@ -12,17 +15,21 @@ import os
 import signal
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import psutil
 
 from harness import schema
 from harness.controller.cpu_use import CpuMeter, CpuUse
-from harness.controller.launch import Launch
-from harness.controller.progress import ProgressFeed
+from harness.controller.launch import Launch, launcher_exits
+from harness.controller.memory_guard import MemoryLimits, RankMemory, over_limit
+from harness.controller.progress import EventTail, ProgressFeed
 
 POLL_S = 0.1
-STACK_DUMP_WAIT_S = 1.5
+STACK_DUMP_WAIT_S = 1.5  # the longest wait for the ranks' stack dumps
+STACK_SETTLE_S = 0.2  # a dump is complete once its stderr file stops growing this long
 PEER_GRACE_S = 10.0
+GONE_GRACE_S = 0.5  # mlx.launch ends a run itself when a rank exits non-zero; this long to do so
 
 
 @dataclass
@@ -31,26 +38,38 @@ class WatchReport:
 
     wall_s: float
     returncode: int | None
-    limit: str | None = None  # "wall" or "no_progress" when the watchdog stopped it
+    limit: str | None = None  # why the watchdog stopped it: "rank_gone", "memory", "wall", "no_progress", "peer_failed"
     limit_detail: str = ""
     stacks_dumped: bool = False
     survivors: list[int] = field(default_factory=list)
     rank_pids: dict[int, int] = field(default_factory=dict)
     exited_early: list[int] = field(default_factory=list)  # gone without a result before a limit fired
+    rank_steps: dict[int, int] = field(default_factory=dict)  # the last step each rank finished
     cpu: CpuUse | None = None  # what the machine's CPUs did meanwhile
+    ended_at: float = 0.0  # time.time() once every process of the run was gone
 
 
-def _rank_pids(launch: Launch) -> dict[int, int]:
-    """rank -> pid, from each rank's first event (``start``)."""
-    pids = {}
-    for r in range(launch.world_size):
-        try:
-            first = next(schema.read_events(schema.events_path(launch.run_dir, r)), None)
-        except schema.SchemaError:
-            first = None
-        if first and first.get("kind") == "start":
-            pids[r] = int(first["pid"])
-    return pids
+class RankEvents:
+    """What the watchdog reads from the ranks' event files as they grow: each rank's pid and
+    runtime RSS (its ``start`` event), its last step and the MLX memory it reported then."""
+
+    def __init__(self, launch: Launch):
+        self.tails = [EventTail(schema.events_path(launch.run_dir, r)) for r in range(launch.world_size)]
+        self.ranks = {r: RankMemory() for r in range(launch.world_size)}
+
+    def read(self) -> None:
+        for r, tail in enumerate(self.tails):
+            m = self.ranks[r]
+            for e in tail.read():
+                if e.get("kind") == "start":
+                    m.pid, m.rss_runtime, m.started = int(e["pid"]), int(e.get("rss_runtime_bytes") or 0), True
+                elif e.get("kind") == "step":
+                    m.step = int(e.get("step") or m.step)
+                    m.mlx_bytes = int(e.get("mlx_peak_bytes") or m.mlx_bytes)
+
+    @property
+    def pids(self) -> dict[int, int]:
+        return {r: m.pid for r, m in self.ranks.items() if m.pid}
 
 
 def _progress_mark(launch: Launch) -> tuple[int, ...]:
@@ -63,14 +82,22 @@ def _progress_mark(launch: Launch) -> tuple[int, ...]:
     return tuple(marks)
 
 
-def _exited_early(launch: Launch, pids: dict[int, int]) -> list[int]:
-    """Ranks whose process is gone without having written a result."""
-    return [r for r in range(launch.world_size)
-            if not schema.result_path(launch.run_dir, r).exists() and r in pids and not _alive(pids[r])]
+def _without_result(launch: Launch) -> list[int]:
+    return [r for r in range(launch.world_size) if not schema.result_path(launch.run_dir, r).exists()]
 
 
-def _rank_failed(launch: Launch, pids: dict[int, int]) -> bool:
-    """A rank wrote an error result, or its process is gone without a result."""
+def _gone(launch: Launch, pids: dict[int, int]) -> set[int]:
+    """Ranks whose process is gone without having written a result: mlx.launch logged their exit,
+    or their process is no more."""
+    missing = _without_result(launch)
+    if not missing:
+        return set()
+    exits = launcher_exits(launch.run_dir) if launch.world_size > 1 else {}
+    return {r for r in missing if r in exits or (r in pids and not _alive(pids[r]))}
+
+
+def _rank_failed(launch: Launch) -> bool:
+    """A rank wrote an error result."""
     for r in range(launch.world_size):
         res = schema.result_path(launch.run_dir, r)
         if res.exists():
@@ -79,7 +106,7 @@ def _rank_failed(launch: Launch, pids: dict[int, int]) -> bool:
                     return True
             except schema.SchemaError:
                 return True
-    return bool(_exited_early(launch, pids))
+    return False
 
 
 def _alive(pid: int) -> bool:
@@ -101,18 +128,34 @@ def group_members(pgid: int) -> list[int]:
     return out
 
 
-def dump_stacks(pids: dict[int, int]) -> bool:
-    """Ask each live rank to write its Python stacks to its stderr file."""
-    sent = False
-    for pid in pids.values():
+def _sizes(paths: list[Path]) -> list[int]:
+    return [p.stat().st_size if p.exists() else 0 for p in paths]
+
+
+def dump_stacks(launch: Launch, pids: dict[int, int]) -> bool:
+    """Ask each live rank to write its Python stacks to its stderr file; wait until the files
+    stop growing (faulthandler writes from its signal handler, even in a blocked collective)."""
+    sent = []
+    for r, pid in pids.items():
         try:
             os.kill(pid, signal.SIGUSR1)
-            sent = True
+            sent.append(schema.stderr_path(launch.run_dir, r))
         except ProcessLookupError:
             pass
-    if sent:
-        time.sleep(STACK_DUMP_WAIT_S)
-    return sent
+    if not sent:
+        return False
+    before = _sizes(sent)
+    t0 = last_change = time.monotonic()
+    sizes = before
+    while time.monotonic() - t0 < STACK_DUMP_WAIT_S:
+        time.sleep(0.05)
+        now_sizes = _sizes(sent)
+        if now_sizes != sizes:
+            sizes, last_change = now_sizes, time.monotonic()
+        elif (all(a > b for a, b in zip(sizes, before, strict=True))
+              and time.monotonic() - last_change >= STACK_SETTLE_S):
+            break
+    return True
 
 
 def kill_group(launch: Launch, timeout: float = 10.0) -> list[int]:
@@ -134,13 +177,16 @@ def kill_group(launch: Launch, timeout: float = 10.0) -> list[int]:
 
 
 def watch(launch: Launch, wall_s: float, no_progress_s: float, meter: CpuMeter,
-          feed: ProgressFeed | None = None) -> WatchReport:
+          feed: ProgressFeed | None = None, memory: MemoryLimits | None = None) -> WatchReport:
     """Block until the run ends or a limit fires; always leaves the process group empty. ``meter``
-    (started before the launch) measures the CPUs meanwhile; ``feed`` is told of each poll."""
+    (started before the launch) measures the CPUs meanwhile; ``feed`` is told of each poll;
+    ``memory``: the hard limits enforced meanwhile (the machine's share alone when ``None``)."""
     t0 = time.monotonic()
     last_mark, last_progress = _progress_mark(launch), t0
     failed_since: float | None = None
-    pids: dict[int, int] = {}
+    gone_since: float | None = None
+    seen = RankEvents(launch)
+    memory = memory or MemoryLimits()
     report = WatchReport(wall_s=0.0, returncode=None)
     while launch.proc.poll() is None:
         time.sleep(POLL_S)
@@ -150,11 +196,21 @@ def watch(launch: Launch, wall_s: float, no_progress_s: float, meter: CpuMeter,
             feed.poll(mark != last_mark)
         if mark != last_mark:
             last_mark, last_progress = mark, now
-            if len(pids) < launch.world_size:  # each rank announces its pid once, in its first event
-                pids = _rank_pids(launch)
-        if failed_since is None and _rank_failed(launch, pids):
+            seen.read()
+        gone = _gone(launch, seen.pids)
+        if gone and gone_since is None:
+            gone_since = now
+        if failed_since is None and _rank_failed(launch):
             failed_since = now
-        if now - t0 > wall_s:
+        over = over_limit(seen.ranks, memory)
+        exited_0 = [r for r, code in launcher_exits(launch.run_dir).items() if code == 0 and r in gone] if gone else []
+        if gone and (exited_0 or now - gone_since >= GONE_GRACE_S):
+            report.limit = "rank_gone"
+            report.limit_detail = (f"rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, sorted(gone)))} "
+                                   f"gone without a result, the others stopped at once")
+        elif over:
+            report.limit, report.limit_detail = "memory", over
+        elif now - t0 > wall_s:
             report.limit, report.limit_detail = "wall", f"wall-clock limit of {wall_s:g} s exceeded"
         elif now - last_progress > no_progress_s:
             report.limit = "no_progress"
@@ -163,12 +219,17 @@ def watch(launch: Launch, wall_s: float, no_progress_s: float, meter: CpuMeter,
             report.limit = "peer_failed"
             report.limit_detail = f"ranks still running {PEER_GRACE_S:g} s after a rank failed"
         if report.limit:
-            report.exited_early = _exited_early(launch, _rank_pids(launch))
-            report.stacks_dumped = dump_stacks(_rank_pids(launch))
+            seen.read()
+            report.exited_early = sorted(_gone(launch, seen.pids))
+            live = {r: pid for r, pid in seen.pids.items() if r not in report.exited_early and _alive(pid)}
+            report.stacks_dumped = dump_stacks(launch, live)
             break
     report.returncode = launch.proc.poll()
-    report.rank_pids = _rank_pids(launch)
+    seen.read()
+    report.rank_pids = seen.pids
+    report.rank_steps = {r: m.step for r, m in seen.ranks.items()}
     report.survivors = kill_group(launch)
+    report.ended_at = time.time()
     if report.returncode is None:
         report.returncode = launch.proc.returncode
     report.wall_s = time.monotonic() - t0

@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 from harness.present.results import EXIT_CHECK_FAILED, EXIT_PASS, load_results
+from harness.scenario import ScenarioError
 
 TOLERANCE_FLAGS = (
     ("--throughput-pct", "throughput_pct", "slowdown always allowed, in %% of baseline tok/s"),
@@ -38,6 +39,14 @@ def cmd_gate(args: argparse.Namespace) -> int:
     from harness.present.gate_report import gate_text
     from harness.present.report import append_step_summary
 
+    if args.against:
+        from harness.present.against import cmd_gate_against
+
+        if args.baseline:
+            raise ScenarioError("--against runs its own baseline: give --baseline or --against, not both")
+        return cmd_gate_against(args)
+    if not args.baseline:
+        raise ScenarioError("gate needs --baseline FILE (results against a stored baseline) or --against REV")
     docs = load_results(args.results)
     env = docs[0][1]["environment"]
     base_file, baseline = pick_baseline(Path(args.baseline), env)
@@ -87,9 +96,18 @@ def _tolerance_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
-    g = sub.add_parser("gate", help="compare results against a baseline of the same platform (exit 1 on a regression)")
-    g.add_argument("results", nargs="+", metavar="RESULT", help="result.json files or --out directories")
-    g.add_argument("--baseline", required=True, help="baseline file, or a directory of per-platform baselines")
+    g = sub.add_parser("gate", help="compare results against a baseline of the same platform, or run scenarios "
+                                     "against a git revision (exit 1 on a regression)")
+    g.add_argument("results", nargs="+", metavar="RESULT",
+                   help="result.json files or --out directories (with --against: scenario files)")
+    g.add_argument("--baseline", help="baseline file, or a directory of per-platform baselines")
+    g.add_argument("--against", metavar="REV",
+                   help="run the scenarios here and at git revision REV (a temporary worktree), in turns")
+    g.add_argument("--pairs", type=int, default=5, help="with --against: interleaved pairs of runs (default 5)")
+    g.add_argument("--slowdown-margin", type=float, default=5.0,
+                   help="with --against: the slowdown in %% that is not a regression (default 5)")
+    g.add_argument("--alpha", type=float, default=0.05,
+                   help="with --against: the chance of a false alarm over the whole gate (default 0.05)")
     g.add_argument("--force", action="store_true", help="compare even when the platforms differ")
     g.add_argument("--format", choices=("plain", "github"), default="plain", help="table format")
     _tolerance_args(g)

@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import signal
 import sys
+import tempfile
 from pathlib import Path
 
 from harness.judge.baselines import BaselineError
@@ -66,31 +67,6 @@ def check_resume_sources(s: Scenario) -> None:
             raise ScenarioError(f"{s.path}: [[runs]][{i}].resume_from: {e}") from e
 
 
-def check_image_rows(s: Scenario) -> None:
-    """Every image a VLM scenario's JSONL rows name must exist before any rank starts (the rows
-    are read as the ranks read them)."""
-    if not s.model.vision:
-        return
-    from harness.rank.images import local_image_rows
-
-    files: set[str] = set()
-    for r in s.runs:
-        d = s.for_run(r).data
-        files.update(p for p in (d.path if d.source == "jsonl" else None, d.eval_path) if p)
-    for f in sorted(files):
-        try:
-            for where, row in local_image_rows(Path(f), None):
-                image = row.get("image") if isinstance(row, dict) else None
-                if not isinstance(image, str):
-                    raise ScenarioError(f"{where}: an image row needs an \"image\" path string")
-                if not Path(image).is_file():
-                    raise ScenarioError(f"{where}: image not found: {image}")
-        except ScenarioError:
-            raise
-        except ValueError as e:  # a line that is not JSON (ScenarioError is a ValueError too)
-            raise ScenarioError(str(e)) from e
-
-
 def check_backends(s: Scenario, backend: str | None) -> None:
     """Refuse, before anything runs, a run whose backend cannot run its world size here."""
     from harness.controller.devices import BackendRefused, plan_backend
@@ -105,6 +81,7 @@ def check_backends(s: Scenario, backend: str | None) -> None:
 
 def preflight(s: Scenario, backend: str | None) -> None:
     """Everything about a scenario's inputs that can be refused before any rank starts."""
+    from harness.controller.input_checks import check_data_files
     from harness.controller.rank_budget import budget
 
     try:
@@ -112,13 +89,26 @@ def preflight(s: Scenario, backend: str | None) -> None:
     except ValueError as e:
         raise ScenarioError(str(e)) from e
     check_resume_sources(s)
-    check_image_rows(s)
+    check_data_files(s)
     check_backends(s, backend)
 
 
 def _check_out(out: Path | None) -> None:
-    if out is not None and out.exists() and not out.is_dir():
+    """``--out`` must be a directory this process can write, or one it can create: refused before
+    anything runs (a suite's results are written only at its end)."""
+    if out is None:
+        return
+    if out.exists() and not out.is_dir():
         raise ScenarioError(f"{out}: --out must be a directory, and this is a file")
+    base = out
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    if not base.is_dir():
+        raise ScenarioError(f"{out}: --out cannot be created: {base} is a file")
+    try:
+        tempfile.TemporaryDirectory(dir=base, prefix=".mlx-ddp-harness-probe-").cleanup()
+    except OSError as e:
+        raise ScenarioError(f"{out}: --out cannot be written ({e.strerror or e} in {base})") from e
 
 
 def cmd_run(args: argparse.Namespace) -> int:

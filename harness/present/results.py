@@ -158,6 +158,9 @@ def document(scenarios: list[dict[str, Any]], env: dict[str, Any]) -> dict[str, 
                          "scenarios": scenarios})
 
 
+SCENARIO_KEYS = {"name": str, "status": str, "checks": list, "runs": list}  # what every reader of a result needs
+
+
 def load_results(paths: list[str]) -> list[tuple[Path, dict]]:
     """Saved result documents: each path is a ``result.json`` or a directory holding one."""
     docs = []
@@ -171,5 +174,11 @@ def load_results(paths: list[str]) -> list[tuple[Path, dict]]:
             raise ScenarioError(str(e).splitlines()[0]) from e
         if not isinstance(doc.get("scenarios"), list):
             raise ScenarioError(f"{f}: not a result document (no \"scenarios\" list)")
+        if not isinstance(doc.get("environment"), dict):
+            raise ScenarioError(f"{f}: not a result document (no \"environment\" table)")
+        for i, sc in enumerate(doc["scenarios"]):
+            missing = [k for k, t in SCENARIO_KEYS.items() if not isinstance(sc, dict) or not isinstance(sc.get(k), t)]
+            if missing:
+                raise ScenarioError(f"{f}: scenarios[{i}] is not a scenario result (no {', '.join(missing)})")
         docs.append((f, doc))
     return docs

@@ -64,6 +64,8 @@ class RankContext:
             if f.rank == self.rank and f.step == step and f.phase == phase:
                 if f.action in RETURNED.get(phase, ()):
                     return f
+                # when and where it misbehaved, for the controller's detection times
+                self.events.emit("fault", rank=self.rank, step=step, phase=phase, action=f.action)
                 inject(f)
         return None
 
@@ -76,7 +78,25 @@ RETURNED = {
 }
 
 
+ALLOCATE_CHUNK_MB = 32
+_HELD: list[Any] = []  # what an ``allocate`` fault holds for the rest of the process
+
+
+def allocate(mb: int) -> None:
+    """Allocate and touch ``mb`` MB of MLX memory, a chunk at a time (a runaway, not one jump),
+    and keep it."""
+    import mlx.core as mx
+
+    for _ in range(max(1, mb // ALLOCATE_CHUNK_MB)):
+        chunk = mx.ones((ALLOCATE_CHUNK_MB * 1024 * 1024,), dtype=mx.uint8)
+        mx.eval(chunk)
+        _HELD.append(chunk)
+        time.sleep(0.01)
+
+
 def inject(f: FaultSpec) -> None:
+    if f.action == "allocate":
+        allocate(f.mb)
     if f.action == "raise":
         raise RuntimeError(f"injected fault in phase {f.phase} at step {f.step}")
     if f.action == "exit":
@@ -224,7 +244,7 @@ def main(argv: list[str]) -> int:
         rss_runtime = _peak_rss_bytes()  # what a rank holds before its job: memory ceilings start here
         device = str(mx.default_device())
         events.emit("start", rank=rank, world_size=world_size, host=result["host"], pid=os.getpid(),
-                    device=device, backend=backend, startup_s=startup_s)
+                    device=device, backend=backend, startup_s=startup_s, rss_runtime_bytes=rss_runtime)
         ctx = RankContext(run_dir, job, rank, world_size, group, backend, events,
                           [FaultSpec(**f) for f in job.get("faults", [])])
         payload = _job_runner(job)(ctx)

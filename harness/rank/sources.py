@@ -103,20 +103,28 @@ def detect_form(row: Any) -> str | None:
 
 
 def jsonl_rows(path: Path, limit: int | None) -> Iterator[tuple[str, Row]]:
-    count = 0
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if limit is not None and count >= limit:
-                return
-            if not line.strip():
-                continue
-            where = f"{path}:{n}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not JSON ({e.msg})") from e
-            count += 1
-            yield where, row
+    """The rows of a UTF-8 JSONL file (blank lines skipped), each named ``path:line``; a file
+    that cannot be read, is not UTF-8 or has a line that is not JSON raises ``ValueError``
+    naming the file (and the line)."""
+    count, n = 0, 0
+    try:
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):  # noqa: B007 - n names the line of a decoding error
+                if limit is not None and count >= limit:
+                    return
+                if not line.strip():
+                    continue
+                where = f"{path}:{n}"
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{where}: not JSON ({e.msg})") from e
+                count += 1
+                yield where, row
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e.reason}, at or after line {n + 1})") from e
+    except OSError as e:
+        raise ValueError(f"{path}: cannot be read ({e.strerror or e})") from e
 
 
 def row_source(spec: DataSpec, seed: int, split: str = "train",

@@ -76,12 +76,36 @@ def write(root: Path, step: int, params: dict[str, Any], optimizer: dict[str, An
     ``between_files`` runs after each tensor file is written (fault injection: a kill there
     leaves a partial directory behind, as a crash mid-write would).
     """
-    import mlx.core as mx
 
     t0 = time.perf_counter()
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f"{PARTIAL}{dir_name(step)}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        files = _write_files(tmp, step, params, optimizer, state, between_files)
+    except (OSError, RuntimeError) as e:  # a full or failing disk: free what was written, keep the rest
+        shutil.rmtree(tmp, ignore_errors=True)
+        free = shutil.disk_usage(root).free
+        raise CheckpointError(f"checkpoint {root / dir_name(step)} could not be written ({e}); {free} bytes "
+                              f"free there once the unfinished write was removed; the checkpoints before it "
+                              f"are untouched") from e
+    final = root / dir_name(step)
+    if final.exists():  # the same step written again (a re-run): replace it whole
+        old = root / f"{PARTIAL}old-{dir_name(step)}-{os.getpid()}"
+        os.replace(final, old)
+        shutil.rmtree(old)
+    os.replace(tmp, final)
+    _fsync(root)
+    return {"step": step, "path": str(final), "bytes": sum(f["bytes"] for f in files.values()),
+            "write_s": round(time.perf_counter() - t0, 4), "removed": prune(root, keep_last)}
+
+
+def _write_files(tmp: Path, step: int, params: dict[str, Any], optimizer: dict[str, Any], state: dict[str, Any],
+                 between_files: Callable[[str], None] | None) -> dict[str, Any]:
+    """Every file of a checkpoint into ``tmp``, the manifest last, all fsynced; the manifest's
+    file list."""
+    import mlx.core as mx
+
     tmp.mkdir()
     for name, arrays in ((MODEL, params), (OPTIMIZER, optimizer)):
         mx.save_safetensors(str(tmp / name), arrays)
@@ -98,15 +122,7 @@ def write(root: Path, step: int, params: dict[str, Any], optimizer: dict[str, An
         f.flush()
         os.fsync(f.fileno())
     _fsync(tmp)
-    final = root / dir_name(step)
-    if final.exists():  # the same step written again (a re-run): replace it whole
-        old = root / f"{PARTIAL}old-{dir_name(step)}-{os.getpid()}"
-        os.replace(final, old)
-        shutil.rmtree(old)
-    os.replace(tmp, final)
-    _fsync(root)
-    return {"step": step, "path": str(final), "bytes": sum(f["bytes"] for f in files.values()),
-            "write_s": round(time.perf_counter() - t0, 4), "removed": prune(root, keep_last)}
+    return files
 
 
 def prune(root: Path, keep_last: int) -> list[str]:

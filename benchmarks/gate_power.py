@@ -1,0 +1,91 @@
+"""The speed gate's power and false alarms on this machine: ``gate --against`` run many times.
+
+From a clean worktree of HEAD (the candidate, unchanged) and a worktree of HEAD with the reference
+trainer slowed down (each step sleeps ``--slowdown`` / (1 - ``--slowdown``) of its own time,
+inside the timed step: its tok/s falls by ``--slowdown``), ``gate --against HEAD`` runs
+``--tries-slow`` and ``--tries-same`` times, the two kinds in turns. Counted: how often the slow
+build raised an alarm (detections) and how often the unchanged one did (false alarms), with the
+estimated changes. The committed tree must be clean for "unchanged" to mean it.
+
+usage: python benchmarks/gate_power.py [--tries-slow 10] [--tries-same 20] [--pairs 5] [--slowdown 0.2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from tabulate import tabulate
+
+REPO = Path(__file__).resolve().parents[1]
+SCENARIO = "scenarios/speed_gate.toml"
+STEP_END = ("            self._record(step, micros, (tokens, agreed.values[1]), loss, norm, "
+            "time.perf_counter() - t0 - probe_s)")
+CHANGE = re.compile(r"throughput \(paired\).*?(\d+\.\d)% (slower|faster)")
+
+
+def slowed(tree: Path, slowdown: float) -> None:
+    """Make the reference trainer's every step take 1 / (1 - slowdown) as long."""
+    path = tree / "harness" / "trainers" / "reference" / "trainer.py"
+    src = path.read_text()
+    if STEP_END not in src:
+        raise SystemExit(f"{path}: the step's end to slow down was not found")
+    sleep = f"            time.sleep({slowdown / (1 - slowdown)!r} * (time.perf_counter() - t0 - probe_s))\n"
+    path.write_text(src.replace(STEP_END, sleep + STEP_END, 1))
+
+
+def gate_once(tree: Path, pairs: int) -> tuple[bool, list[float], str]:
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    p = subprocess.run([sys.executable, "-m", "harness", "gate", "--against", "HEAD", SCENARIO, "--pairs", str(pairs)],
+                       cwd=tree, env=env, capture_output=True, text=True)
+    if p.returncode not in (0, 1):
+        raise SystemExit(f"gate exited {p.returncode}: {p.stderr.strip()[-500:]}")
+    changes = [float(v) * (-1 if w == "slower" else 1) for v, w in CHANGE.findall(p.stdout)]
+    return p.returncode == 1, changes, p.stdout
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tries-slow", type=int, default=10)
+    ap.add_argument("--tries-same", type=int, default=20)
+    ap.add_argument("--pairs", type=int, default=5)
+    ap.add_argument("--slowdown", type=float, default=0.2)
+    args = ap.parse_args()
+    if subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,
+                      text=True).stdout.strip():
+        print("note: the checkout has uncommitted changes; both builds are HEAD's", file=sys.stderr)
+    work = Path(tempfile.mkdtemp(prefix="mlx-ddp-gate-power-"))
+    trees = {"same": work / "same", "slow": work / "slow"}
+    for tree in trees.values():
+        subprocess.run(["git", "worktree", "add", "--detach", "--quiet", str(tree), "HEAD"], cwd=REPO, check=True)
+    slowed(trees["slow"], args.slowdown)
+    # the slow tries spread evenly among the unchanged ones
+    order = [kind for _, kind in sorted([((k + 0.5) / args.tries_slow, "slow") for k in range(args.tries_slow)]
+                                        + [((k + 0.5) / args.tries_same, "same") for k in range(args.tries_same)])]
+    rows, alarms = [], {"slow": 0, "same": 0}
+    t0 = time.monotonic()
+    try:
+        for i, kind in enumerate(order, 1):
+            alarm, changes, _ = gate_once(trees[kind], args.pairs)
+            alarms[kind] += alarm
+            rows.append([i, kind, "ALARM" if alarm else "pass", " ".join(f"{c:+.1f}%" for c in changes)])
+            print(tabulate([rows[-1]], tablefmt="plain"), f"({time.monotonic() - t0:.0f} s)", flush=True)
+    finally:
+        for tree in trees.values():
+            subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=REPO, capture_output=True)
+    print()
+    print(tabulate(rows, headers=["try", "build", "gate", "estimated change per run (single, ddp2)"]))
+    print(f"\nslowed by {args.slowdown:.0%}: {alarms['slow']} alarms in {args.tries_slow} tries; "
+          f"unchanged: {alarms['same']} false alarms in {args.tries_same} tries "
+          f"({args.pairs} interleaved pairs each, {time.monotonic() - t0:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,94 @@
+"""A scenario's local input files, read before any rank starts, as the ranks will read them.
+
+A rank that meets a bad row or a bad tokenizer file stops every rank with its message, but only
+after the launch; here the same readers run in the controller first, so such input is refused
+with one line naming the file (and the line) and exit 2, before anything runs or is written.
+Text rows are encoded with the byte tokenizer (the row forms and chat structure every trainer's
+encoder demands); a ``tokenizer.json`` is loaded; a VLM row's image must exist and be an image.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+from harness.scenario import DataSpec, Scenario, ScenarioError
+
+
+def _files(s: Scenario) -> Iterator[tuple[DataSpec, str, Path, int | None]]:
+    """(data spec, key, file, rows read) for every local rows file of the scenario's runs, once."""
+    seen = set()
+    for r in s.runs:
+        d = s.for_run(r).data
+        for key, path, limit in (("path", d.path if d.source == "jsonl" else None, d.rows),
+                                 ("eval_path", d.eval_path, None)):
+            if path and (str(path), limit, d.format) not in seen:
+                seen.add((str(path), limit, d.format))
+                yield d, key, Path(path), limit
+
+
+def check_text_rows(s: Scenario) -> None:
+    from harness.rank.sources import Encoder, jsonl_rows
+    from harness.rank.tokenizers import ByteTokenizer
+
+    for d, key, path, limit in _files(s):
+        if path.is_dir():
+            raise ScenarioError(f"{s.path}: [data].{key}: {path} is a directory, not a JSONL file")
+        encode, rows = Encoder(ByteTokenizer(), d), 0
+        try:
+            for where, row in jsonl_rows(path, limit):
+                encode(where, row)
+                rows += 1
+        except ValueError as e:
+            raise ScenarioError(str(e)) from e
+        if not rows:
+            raise ScenarioError(f"{s.path}: [data].{key}: {path} has no rows")
+
+
+def check_image_rows(s: Scenario) -> None:
+    """Every image a VLM scenario's JSONL rows name must exist and be an image Pillow can read
+    (the rows are read as the ranks read them)."""
+    from PIL import Image, UnidentifiedImageError
+
+    from harness.rank.images import local_image_rows
+
+    for _, _, path, _ in _files(s):
+        try:
+            for where, row in local_image_rows(path, None):
+                image = row.get("image") if isinstance(row, dict) else None
+                if not isinstance(image, str):
+                    raise ScenarioError(f"{where}: an image row needs an \"image\" path string")
+                if not Path(image).is_file():
+                    raise ScenarioError(f"{where}: image not found: {image}")
+                try:
+                    with Image.open(image) as im:
+                        im.verify()
+                except (UnidentifiedImageError, OSError, SyntaxError) as e:
+                    raise ScenarioError(f"{where}: {image} is not an image Pillow can read ({e})") from e
+        except ScenarioError:
+            raise
+        except ValueError as e:  # a line that is not JSON, a file that is not UTF-8
+            raise ScenarioError(str(e)) from e
+
+
+def check_tokenizers(s: Scenario) -> None:
+    from harness.rank.tokenizers import FileTokenizer
+
+    for i, r in enumerate(s.runs):
+        tok = s.for_run(r).data.tokenizer
+        if tok == "byte" or tok.startswith("bpe:"):
+            continue
+        try:
+            FileTokenizer(tok)
+        except ValueError as e:
+            where = f"[[runs]][{i}].data.tokenizer" if "tokenizer" in r.data else "[data].tokenizer"
+            raise ScenarioError(f"{s.path}: {where}: {e}") from e
+
+
+def check_data_files(s: Scenario) -> None:
+    """Refuse bad local rows, images or tokenizer files before any rank starts."""
+    check_tokenizers(s)
+    if s.model.vision:
+        check_image_rows(s)
+    else:
+        check_text_rows(s)

@@ -1,0 +1,120 @@
+"""Resources that run out, with real ranks: a checkpoint write on a full disk, a rank that runs
+away in memory, an ``--out`` that cannot be written."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from harness.controller.memory_guard import MemoryLimits, RankMemory, over_limit
+from harness.controller.session import execute
+from harness.controller.suite import checkpoint_dir, train_job
+from harness.scenario import load_scenario
+from harness.scenario_spec import CheckSpec, LimitSpec
+from harness.trainers.reference import checkpoint
+from tests.conftest import cli, write_scenario
+from tests.test_launch import assert_clean
+
+CHECKPOINTS = """
+[train]
+steps = 6
+global_batch = 6
+checkpoint_every = 2
+keep_last = 5
+"""
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):  # noqa: ANN201
+    """A 1.6 MB file system (tmpfs): room for one checkpoint of the small test model, not two."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    p = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1600k", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if p.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root and mount rights): {p.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.mark.ranks
+def test_a_checkpoint_write_on_a_full_disk_fails_every_rank_and_the_previous_one_resumes(
+        tmp_path: Path, small_disk: Path) -> None:
+    path = write_scenario(tmp_path, "full", world_sizes=(2,))
+    body = path.read_text().replace("[train]\nsteps = 4\nglobal_batch = 6\n", CHECKPOINTS.strip() + "\n")
+    body += '\n[[runs]]\nname = "resumed"\nworld_size = 2\nresume_from = "ddp2"\ntrain = { checkpoint_every = 0 }\n'
+    path.write_text(body)
+    s = load_scenario(path)
+    out = execute("ddp2", train_job(s, s.run("ddp2"), small_disk), 2, wall_s=120, no_progress_s=60)
+    assert not out.ok
+    first, second = out.failure.splitlines()[:2]
+    assert first.startswith("rank 0 failed while writing a checkpoint at step 4: CheckpointError: checkpoint "), first
+    assert "could not be written" in first and "bytes free there" in first, first
+    assert second.startswith("rank 1: a peer rank failed: rank 0 failed while writing a checkpoint at step 4")
+    assert_clean(out)
+    root = checkpoint_dir(small_disk, "ddp2")
+    assert checkpoint.complete_steps(root) == [2] and checkpoint.partials(root) == []  # the failed write is gone
+    checkpoint.verify(checkpoint.resolve(root))
+    resumed = execute("resumed", train_job(s, s.run("resumed"), small_disk), 2, wall_s=120, no_progress_s=60)
+    assert resumed.ok, resumed.failure
+    assert all(o.result["resume"]["step"] == 2 for o in resumed.ranks)
+    assert all(o.result["steps"] == 6 for o in resumed.ranks)
+
+
+@pytest.mark.ranks
+def test_a_single_process_running_away_in_memory_is_stopped_at_its_hard_limit(tmp_path: Path) -> None:
+    fault = '\n[[faults]]\nrank = 0\nstep = 2\naction = "allocate"\nmb = 8192\n'
+    path = write_scenario(tmp_path, "runaway", world_sizes=(1,), extra=fault)
+    s = load_scenario(path)
+    limits = MemoryLimits(rss_mb=300, rss_source="a test's limit")
+    t0 = time.monotonic()
+    out = execute("single", train_job(s, s.run("single")), 1, wall_s=120, no_progress_s=60, memory=limits)
+    assert not out.ok and out.watch.limit == "memory"
+    line = out.failure.splitlines()[0]
+    assert line.startswith("watchdog: rank 0 exceeded its hard memory limit after step 1: RSS "), line
+    assert "limit 300 MB (a test's limit)" in line
+    above = float(line.split("RSS ")[1].split(" MB")[0])
+    assert 300 < above < 600, line  # stopped near the limit: 8 GB were on their way
+    assert time.monotonic() - t0 < 60
+    assert_clean(out)
+
+
+def test_hard_memory_limits_come_from_the_ceilings_or_are_set() -> None:
+    m = MemoryLimits.from_scenario(LimitSpec(), CheckSpec(max_rss_mb=100))
+    assert (m.rss_mb, m.mlx_mb) == (300, None) and m.rss_source == "3 x the ceiling [checks] max_rss_mb = 100"
+    m = MemoryLimits.from_scenario(LimitSpec(hard_mlx_mb=50, hard_memory_factor=2), CheckSpec(max_mlx_mb=10))
+    assert m.mlx_mb == 50 and m.mlx_source == "[limits] hard_mlx_mb"
+    assert MemoryLimits.from_scenario(LimitSpec(), CheckSpec()).rss_mb is None
+
+
+def test_over_limit_names_the_rank_the_step_the_value_and_the_limit() -> None:
+    me = RankMemory(pid=os.getpid(), rss_runtime=0, step=3, started=True)
+    assert over_limit({0: me}, MemoryLimits(rss_mb=1e6)) is None
+    line = over_limit({0: me}, MemoryLimits(rss_mb=1, rss_source="src"))
+    assert line.startswith("rank 0 exceeded its hard memory limit after step 3: RSS ") and "limit 1 MB (src)" in line
+    me.mlx_bytes = 64 << 20
+    assert "MLX peak memory 64 MB, limit 8 MB" in over_limit({0: me}, MemoryLimits(mlx_mb=8))
+    line = over_limit({0: me}, MemoryLimits(machine_fraction=0.5), total_mb=2)
+    assert line.startswith("the ranks together hold ") and "above 0.5 of the machine's memory (1 MB)" in line
+
+
+def test_an_out_that_cannot_be_written_is_refused_before_anything_launches(tmp_path: Path) -> None:
+    path = write_scenario(tmp_path, "outs", world_sizes=(1,))
+    (tmp_path / "afile").write_text("keep me")
+    cases = [(tmp_path / "afile" / "sub", "is a file")]
+    if sys.platform.startswith("linux"):
+        cases.append((Path("/proc/mlx-ddp-harness-out"), "cannot be written"))
+    for out, why in cases:
+        t0 = time.monotonic()
+        p = cli("run", str(path), "--out", str(out))
+        assert p.returncode == 2, p.stderr
+        lines = p.stderr.strip().splitlines()
+        assert len(lines) == 1 and str(out) in lines[0] and why in lines[0], p.stderr
+        assert "scenario outs" not in p.stderr and time.monotonic() - t0 < 30  # refused before any run
+    assert (tmp_path / "afile").read_text() == "keep me"
