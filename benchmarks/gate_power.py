@@ -46,7 +46,8 @@ def gate_once(tree: Path, pairs: int) -> tuple[bool, list[float], str]:
                        cwd=tree, env=env, capture_output=True, text=True)
     if p.returncode not in (0, 1):
         raise SystemExit(f"gate exited {p.returncode}: {p.stderr.strip()[-500:]}")
-    changes = [float(v) * (-1 if w == "slower" else 1) for v, w in CHANGE.findall(p.stdout)]
+    table = "\n".join(ln for ln in p.stdout.splitlines() if not ln.startswith("FAIL "))  # not the spelled-out ones
+    changes = [float(v) * (-1 if w == "slower" else 1) for v, w in CHANGE.findall(table)]
     return p.returncode == 1, changes, p.stdout
 
 
