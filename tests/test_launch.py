@@ -95,6 +95,25 @@ def test_the_launcher_does_not_spin_while_its_ranks_wait() -> None:
     assert cpu is not None and cpu.wall_s > 2.1 and cpu.own_s < 0.5 * cpu.wall_s, cpu
 
 
+def test_the_launcher_log_names_every_rank_exit(tmp_path: Path) -> None:
+    """mlx.launch logs a rank's exit 0 only when verbose; the wrapper logs it always, and the
+    controller reads every status from the log."""
+    from harness.controller.calm_launch import logging_exits
+    from harness.controller.launch import LAUNCHER_LOG, launcher_exits
+
+    seen = []
+    log = logging_exits(lambda verbose, *args, **kw: seen.append((verbose, args)))
+    log(False, "Node with rank 1 completed")
+    log(False, "Running", "cmd")
+    assert seen == [(True, ("Node with rank 1 completed",)), (False, ("Running", "cmd"))]
+    (tmp_path / LAUNCHER_LOG).write_text("\x1b[32m[INFO] Node with rank 1 completed \x1b[0m\n"
+                                         "[WARN] Node with rank 0 exited with code -9\n"
+                                         "[WARN] Node with rank 2 was killed\n"
+                                         "[WARN] Node with rank 3 exited with code 4\n")
+    assert launcher_exits(tmp_path) == {1: 0, 0: -9, 2: None, 3: 4}
+    assert launcher_exits(tmp_path / "none") == {}
+
+
 def test_quiet_select_watches_only_output_pipes() -> None:
     from harness.controller.calm_launch import WAIT_S, quiet_select
 

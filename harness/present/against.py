@@ -78,7 +78,10 @@ def cmd_gate_against(args: argparse.Namespace) -> int:
     if args.pairs < 2:
         raise ScenarioError(f"--pairs must be at least 2, got {args.pairs}")
     repo = Path(_git(["rev-parse", "--show-toplevel"], Path.cwd()))
-    commit = _git(["rev-parse", "--verify", "--quiet", f"{args.against}^{{commit}}"], repo)
+    try:
+        commit = _git(["rev-parse", "--verify", "--quiet", f"{args.against}^{{commit}}"], repo)
+    except ScenarioError as e:
+        raise ScenarioError(f"--against {args.against}: not a revision of the git repository {repo}") from e
     scenarios = [_relative(repo, s) for s in args.results]
     work = Path(tempfile.mkdtemp(prefix="mlx-ddp-harness-against-"))
     tree = work / "tree"
