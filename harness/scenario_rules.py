@@ -341,6 +341,7 @@ def validate(s: Scenario, src: str) -> None:
                 "must be positive")
     require(s.limits.hard_memory_factor >= 1, src, "[limits].hard_memory_factor",
             "must be >= 1 (a hard limit below the ceiling would stop runs the ceiling passes)")
+    require(s.limits.hard_memory_slack_mb >= 0, src, "[limits].hard_memory_slack_mb", "must be >= 0")
     require(0 < s.limits.machine_memory_fraction <= 1, src, "[limits].machine_memory_fraction",
             "must be in (0, 1]")
     for i, f in enumerate(s.faults):
@@ -349,8 +350,10 @@ def validate(s: Scenario, src: str) -> None:
         require(f.rank >= 0, src, f"[[faults]][{i}].rank", "must be >= 0")
         unknown = [n for n in f.runs if n not in names]
         require(not unknown, src, f"[[faults]][{i}].runs", f"unknown run names {unknown}")
-        small = [r.name for r in s.runs if (not f.runs or r.name in f.runs) and f.rank >= r.world_size]
+        small = [r.name for r in s.runs if r.name in f.runs and f.rank >= r.world_size]
         require(not small, src, f"[[faults]][{i}].rank",
                 f"rank {f.rank} is not a rank of run{'s' if len(small) > 1 else ''} {', '.join(small)} "
-                f"(world size {', '.join(str(s.run(n).world_size) for n in small)}); name the runs it is for "
-                f"in [[faults]][{i}].runs")
+                f"(world size {', '.join(str(s.run(n).world_size) for n in small)})")
+        require(bool(f.runs) or any(f.rank < r.world_size for r in s.runs), src, f"[[faults]][{i}].rank",
+                f"rank {f.rank} is not a rank of any run (the largest world size is "
+                f"{max(r.world_size for r in s.runs)})")

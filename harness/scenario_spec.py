@@ -238,14 +238,16 @@ class CheckSpec:
 class LimitSpec:
     """Watchdog limits for each run: time in seconds; hard memory limits enforced while it runs
     (``harness.controller.memory_guard``): per rank ``hard_rss_mb`` (RSS above the rank's
-    runtime) and ``hard_mlx_mb``, by default ``hard_memory_factor`` x the ``[checks]`` ceiling
-    where one is set; all ranks together at most ``machine_memory_fraction`` of the machine."""
+    runtime) and ``hard_mlx_mb``, by default the larger of ``hard_memory_factor`` x the
+    ``[checks]`` ceiling and the ceiling + ``hard_memory_slack_mb``, where one is set; all ranks
+    together at most ``machine_memory_fraction`` of the machine."""
 
     wall_s: float = 600.0
     no_progress_s: float = 120.0
     hard_rss_mb: float | None = None
     hard_mlx_mb: float | None = None
     hard_memory_factor: float = 3.0
+    hard_memory_slack_mb: float = 256.0
     machine_memory_fraction: float = 0.9
 
 

@@ -113,7 +113,7 @@ CORPUS: list[tuple[str, Callable[[Path], list[str]], str]] = [
      "no \"environment\" table"),
     ("result with a broken scenario",
      lambda d: ["report", str(_result(d, json.dumps({**GOOD_RESULT, "scenarios": [{}]})))],
-     "scenarios[0] is not a scenario result"),
+     "scenarios[0] is not a scenario result (no name, runs)"),
     ("result of another schema",
      lambda d: ["report", str(_result(d, json.dumps({**GOOD_RESULT, "schema_version": 1})))], "schema_version 1"),
     ("baseline truncated", lambda d: ["gate", str(_result(d, json.dumps(GOOD_RESULT))), "--baseline",

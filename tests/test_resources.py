@@ -86,8 +86,10 @@ def test_a_single_process_running_away_in_memory_is_stopped_at_its_hard_limit(tm
 
 
 def test_hard_memory_limits_come_from_the_ceilings_or_are_set() -> None:
-    m = MemoryLimits.from_scenario(LimitSpec(), CheckSpec(max_rss_mb=100))
-    assert (m.rss_mb, m.mlx_mb) == (300, None) and m.rss_source == "3 x the ceiling [checks] max_rss_mb = 100"
+    m = MemoryLimits.from_scenario(LimitSpec(), CheckSpec(max_rss_mb=200))
+    assert (m.rss_mb, m.mlx_mb) == (600, None) and m.rss_source == "3 x the ceiling [checks] max_rss_mb = 200"
+    m = MemoryLimits.from_scenario(LimitSpec(), CheckSpec(max_rss_mb=1))  # a tight ceiling: the check's to fail
+    assert m.rss_mb == 257 and m.rss_source == "the ceiling [checks] max_rss_mb = 1 + 256 MB"
     m = MemoryLimits.from_scenario(LimitSpec(hard_mlx_mb=50, hard_memory_factor=2), CheckSpec(max_mlx_mb=10))
     assert m.mlx_mb == 50 and m.mlx_source == "[limits] hard_mlx_mb"
     assert MemoryLimits.from_scenario(LimitSpec(), CheckSpec()).rss_mb is None

@@ -136,11 +136,26 @@ def resume_parity(runs: dict, checks: dict, out: Path) -> None:
     assert "### Resume" in report and "| resumed4 " in report and "part4 @ step 6" in report
 
 
+def memory_runaway(runs: dict, checks: dict, out: Path) -> None:
+    line = runs["runaway"]["failure"].splitlines()[0]
+    assert line.startswith("watchdog: rank 1 exceeded its hard memory limit after step 1: RSS "), line
+    above = float(line.split("RSS ")[1].split(" MB")[0])
+    assert 600 < above < 1200 and "limit 600 MB (3 x the ceiling [checks] max_rss_mb = 200)" in line, line
+    assert checks[("memory_rss_per_rank_mb", "within")]["passed"]
+    assert checks[("memory_rss_per_rank_mb", "within")]["value"] < 200
+
+
+def speed_gate(runs: dict, checks: dict, out: Path) -> None:
+    for name in ("single", "ddp2"):
+        assert runs[name]["steps"] == 40 and runs[name]["median_tok_s"] > 0
+    assert checks[("replica_consistency", "ddp2")]["passed"]
+
+
 def resume_after_kill(runs: dict, checks: dict, out: Path) -> None:
-    assert runs["killed2"]["failure"].splitlines()[0] == "rank 1 ended with signal SIGKILL"
+    assert runs["killed2"]["failure"].splitlines()[0] == "rank 1 ended with signal SIGKILL after step 9"
     _bitwise_resume(runs, checks, "after_kill2", "full2", 8)
     # rank 0 died inside the step-8 write: that checkpoint never became complete, and was skipped
-    assert runs["write_killed2"]["failure"].splitlines()[0] == "rank 0 ended with signal SIGKILL"
+    assert runs["write_killed2"]["failure"].splitlines()[0] == "rank 0 ended with signal SIGKILL after step 8"
     _bitwise_resume(runs, checks, "after_write_kill2", "full2", 4)
     skipped = runs["after_write_kill2"]["resume"]["skipped_partials"]
     assert len(skipped) == 1 and skipped[0].startswith(".partial-step-00000008-")
@@ -464,7 +479,7 @@ SPECIFIC: dict[str, Callable[[dict, dict, Path], None]] = {
                             guide_throughput, prose_parity, mutations, mlx_lm_parity, mlx_lm_lora,
                             mlx_lm_mean_of_means, mlx_lm_resume, mlx_vlm_parity, mlx_vlm_mean_of_means, unsloth_parity,
                             unsloth_compiled, unsloth_tail_padding, unsloth_default_order, unsloth_seed_table,
-                            unsloth_streaming, trainer_throughput, script_example)
+                            unsloth_streaming, trainer_throughput, script_example, memory_runaway, speed_gate)
 }
 
 

@@ -4,9 +4,11 @@ Memory ceilings (``[checks] max_rss_mb``, ``max_mlx_mb``) are judged after a run
 a run that runs away in memory would take the machine down before any verdict (on a Mac's
 unified memory, the whole machine). So the watchdog samples every rank's RSS at each poll (and
 reads the MLX memory a rank reports with each step) and stops the run at once when a rank passes
-its hard limit: by default ``[limits] hard_memory_factor`` times its ceiling, or an absolute
-``hard_rss_mb`` / ``hard_mlx_mb``. RSS counts from what the rank held before its job (its
-``rss_runtime_bytes``), as the ceiling does. Whatever the scenario says, the ranks together may
+its hard limit: by default the larger of ``[limits] hard_memory_factor`` times its ceiling and
+the ceiling plus ``hard_memory_slack_mb`` (a hard limit is for runaways; a run a little over a
+tight ceiling is the ceiling check's to fail), or an absolute ``hard_rss_mb`` / ``hard_mlx_mb``.
+RSS counts from what the rank held before its job (its ``rss_runtime_bytes``), as the ceiling
+does. Whatever the scenario says, the ranks together may
 not hold more than ``machine_memory_fraction`` of the machine's memory.
 """
 
@@ -38,14 +40,16 @@ class MemoryLimits:
     @classmethod
     def from_scenario(cls, limits: LimitSpec, checks: CheckSpec) -> MemoryLimits:
         """From a scenario's ``[limits]`` and ``[checks]``."""
-        factor = limits.hard_memory_factor
+        factor, slack = limits.hard_memory_factor, limits.hard_memory_slack_mb
         out = cls(machine_fraction=limits.machine_memory_fraction)
         for label, hard, ceiling in (("rss", limits.hard_rss_mb, checks.max_rss_mb),
                                      ("mlx", limits.hard_mlx_mb, checks.max_mlx_mb)):
             if hard is not None:
                 value, source = hard, f"[limits] hard_{label}_mb"
-            elif ceiling is not None:
+            elif ceiling is not None and factor * ceiling >= ceiling + slack:
                 value, source = factor * ceiling, f"{factor:g} x the ceiling [checks] max_{label}_mb = {ceiling:g}"
+            elif ceiling is not None:
+                value, source = ceiling + slack, f"the ceiling [checks] max_{label}_mb = {ceiling:g} + {slack:g} MB"
             else:
                 continue
             setattr(out, f"{label}_mb", value)

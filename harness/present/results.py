@@ -158,7 +158,7 @@ def document(scenarios: list[dict[str, Any]], env: dict[str, Any]) -> dict[str, 
                          "scenarios": scenarios})
 
 
-SCENARIO_KEYS = {"name": str, "status": str, "checks": list, "runs": list}  # what every reader of a result needs
+SCENARIO_KEYS = {"name": str, "runs": list}  # what every reader of a result needs
 
 
 def load_results(paths: list[str]) -> list[tuple[Path, dict]]:
