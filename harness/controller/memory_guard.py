@@ -8,8 +8,8 @@ its hard limit: by default the larger of ``[limits] hard_memory_factor`` times i
 the ceiling plus ``hard_memory_slack_mb`` (a hard limit is for runaways; a run a little over a
 tight ceiling is the ceiling check's to fail), or an absolute ``hard_rss_mb`` / ``hard_mlx_mb``.
 RSS counts from what the rank held before its job (its ``rss_runtime_bytes``), as the ceiling
-does. Whatever the scenario says, the ranks together may
-not hold more than ``machine_memory_fraction`` of the machine's memory.
+does. Whatever the scenario says, the ranks together may not hold more than
+``machine_memory_fraction`` of the machine's memory.
 """
 
 from __future__ import annotations
@@ -78,7 +78,8 @@ def rss_of(pid: int) -> int | None:
 
 def over_limit(ranks: dict[int, RankMemory], limits: MemoryLimits, total_mb: float | None = None) -> str | None:
     """The first rank above a hard limit, as one line naming the rank, the step, the value and the
-    limit; or the ranks together above the machine's share; else ``None``."""
+    limit; or the ranks together above the machine's share of ``total_mb`` (default: the
+    machine's memory); else ``None``."""
     total = 0
     for r, m in sorted(ranks.items()):
         rss = rss_of(m.pid) if m.pid else None

@@ -22,7 +22,7 @@ import psutil
 from harness import schema
 from harness.controller.cpu_use import CpuMeter, CpuUse
 from harness.controller.launch import Launch, launcher_exits
-from harness.controller.memory_guard import MemoryLimits, RankMemory, over_limit
+from harness.controller.memory_guard import MB, MemoryLimits, RankMemory, over_limit
 from harness.controller.progress import EventTail, ProgressFeed
 
 POLL_S = 0.1
@@ -44,7 +44,6 @@ class WatchReport:
     survivors: list[int] = field(default_factory=list)
     rank_pids: dict[int, int] = field(default_factory=dict)
     exited_early: list[int] = field(default_factory=list)  # gone without a result before a limit fired
-    rank_steps: dict[int, int] = field(default_factory=dict)  # the last step each rank finished
     cpu: CpuUse | None = None  # what the machine's CPUs did meanwhile
     ended_at: float = 0.0  # time.time() once every process of the run was gone
 
@@ -82,17 +81,10 @@ def _progress_mark(launch: Launch) -> tuple[int, ...]:
     return tuple(marks)
 
 
-def _without_result(launch: Launch) -> list[int]:
-    return [r for r in range(launch.world_size) if not schema.result_path(launch.run_dir, r).exists()]
-
-
-def _gone(launch: Launch, pids: dict[int, int]) -> set[int]:
-    """Ranks whose process is gone without having written a result: mlx.launch logged their exit,
-    or their process is no more."""
-    missing = _without_result(launch)
-    if not missing:
-        return set()
-    exits = launcher_exits(launch.run_dir) if launch.world_size > 1 else {}
+def _gone(launch: Launch, pids: dict[int, int], exits: dict[int, int | None]) -> set[int]:
+    """Ranks whose process is gone without having written a result: mlx.launch logged their exit
+    (``exits``), or their process is no more."""
+    missing = [r for r in range(launch.world_size) if not schema.result_path(launch.run_dir, r).exists()]
     return {r for r in missing if r in exits or (r in pids and not _alive(pids[r]))}
 
 
@@ -187,6 +179,7 @@ def watch(launch: Launch, wall_s: float, no_progress_s: float, meter: CpuMeter,
     gone_since: float | None = None
     seen = RankEvents(launch)
     memory = memory or MemoryLimits()
+    machine_mb = psutil.virtual_memory().total / MB
     report = WatchReport(wall_s=0.0, returncode=None)
     while launch.proc.poll() is None:
         time.sleep(POLL_S)
@@ -197,13 +190,14 @@ def watch(launch: Launch, wall_s: float, no_progress_s: float, meter: CpuMeter,
         if mark != last_mark:
             last_mark, last_progress = mark, now
             seen.read()
-        gone = _gone(launch, seen.pids)
+        exits = launcher_exits(launch.run_dir) if launch.world_size > 1 else {}
+        gone = _gone(launch, seen.pids, exits)
         if gone and gone_since is None:
             gone_since = now
         if failed_since is None and _rank_failed(launch):
             failed_since = now
-        over = over_limit(seen.ranks, memory)
-        exited_0 = [r for r, code in launcher_exits(launch.run_dir).items() if code == 0 and r in gone] if gone else []
+        over = over_limit(seen.ranks, memory, machine_mb)
+        exited_0 = any(exits.get(r) == 0 for r in gone)  # mlx.launch will not end the run for these
         if gone and (exited_0 or now - gone_since >= GONE_GRACE_S):
             report.limit = "rank_gone"
             report.limit_detail = (f"rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, sorted(gone)))} "
@@ -220,14 +214,13 @@ def watch(launch: Launch, wall_s: float, no_progress_s: float, meter: CpuMeter,
             report.limit_detail = f"ranks still running {PEER_GRACE_S:g} s after a rank failed"
         if report.limit:
             seen.read()
-            report.exited_early = sorted(_gone(launch, seen.pids))
+            report.exited_early = sorted(_gone(launch, seen.pids, launcher_exits(launch.run_dir)))
             live = {r: pid for r, pid in seen.pids.items() if r not in report.exited_early and _alive(pid)}
             report.stacks_dumped = dump_stacks(launch, live)
             break
     report.returncode = launch.proc.poll()
     seen.read()
     report.rank_pids = seen.pids
-    report.rank_steps = {r: m.step for r, m in seen.ranks.items()}
     report.survivors = kill_group(launch)
     report.ended_at = time.time()
     if report.returncode is None:

@@ -73,6 +73,7 @@ def cmd_gate_against(args: argparse.Namespace) -> int:
     from harness.judge.baselines import Tolerances, build_baseline
     from harness.judge.gates import Gate, gate
     from harness.judge.paired import paired_speed
+    from harness.present.baseline_cli import tolerance_overrides
     from harness.present.gate_report import gate_text
 
     if args.pairs < 2:
@@ -104,8 +105,7 @@ def cmd_gate_against(args: argparse.Namespace) -> int:
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=repo, capture_output=True)
         shutil.rmtree(work, ignore_errors=True)
-    tol = Tolerances().updated(**{k: getattr(args, k) for k in ("throughput_pct", "spread_multiple", "loss_abs",
-                                                                  "memory_pct")})
+    tol = Tolerances().updated(**tolerance_overrides(args))
     baseline = build_baseline(base_docs, tol)
     gates, notes, compared = gate(baseline, cand_docs, tol)
     gates = [g for g in gates if g.metric != "throughput"]

@@ -21,7 +21,8 @@ TOLERANCE_FLAGS = (
 )
 
 
-def _tolerance_overrides(args: argparse.Namespace) -> dict[str, float | None]:
+def tolerance_overrides(args: argparse.Namespace) -> dict[str, float | None]:
+    """The tolerance flags given on the command line (``None``: not given)."""
     return {dest: getattr(args, dest) for _, dest, _ in TOLERANCE_FLAGS}
 
 
@@ -53,7 +54,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
     notes: list[str] = []
     for f, doc in docs:
         notes += check_platform(baseline, base_file, doc, f, args.force)
-    tol = Tolerances(**baseline["tolerances"]).updated(**_tolerance_overrides(args))
+    tol = Tolerances(**baseline["tolerances"]).updated(**tolerance_overrides(args))
     gates, more, compared = gate(baseline, docs, tol)
     text = gate_text(gates, notes + more, compared, baseline, env, str(base_file), args.format)
     print(text)
@@ -80,7 +81,7 @@ def cmd_baseline_update(args: argparse.Namespace) -> int:
     # scenarios these results do not cover
     old = read_baseline(path) if path.exists() else None
     tol = Tolerances(**old["tolerances"]) if old else Tolerances()
-    doc = build_baseline(docs, tol.updated(**_tolerance_overrides(args)))
+    doc = build_baseline(docs, tol.updated(**tolerance_overrides(args)))
     if old and not platform_differences(old["platform"], doc["platform"]):
         kept = {k: v for k, v in old["scenarios"].items() if k not in doc["scenarios"]}
         doc["scenarios"] = {**kept, **doc["scenarios"]}
