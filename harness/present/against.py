@@ -69,11 +69,11 @@ def _tok_s(docs: list[tuple[Path, dict[str, Any]]]) -> dict[tuple[str, str], lis
     return out
 
 
-def cmd_gate_against(args: argparse.Namespace) -> int:
+def cmd_gate_against(args: argparse.Namespace, overrides: dict[str, float | None]) -> int:
+    """``gate --against``; ``overrides``: the tolerance flags given."""
     from harness.judge.baselines import Tolerances, build_baseline
     from harness.judge.gates import Gate, gate
     from harness.judge.paired import paired_speed
-    from harness.present.baseline_cli import tolerance_overrides
     from harness.present.gate_report import gate_text
 
     if args.pairs < 2:
@@ -105,7 +105,7 @@ def cmd_gate_against(args: argparse.Namespace) -> int:
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=repo, capture_output=True)
         shutil.rmtree(work, ignore_errors=True)
-    tol = Tolerances().updated(**tolerance_overrides(args))
+    tol = Tolerances().updated(**overrides)
     baseline = build_baseline(base_docs, tol)
     gates, notes, compared = gate(baseline, cand_docs, tol)
     gates = [g for g in gates if g.metric != "throughput"]

@@ -45,7 +45,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
 
         if args.baseline:
             raise ScenarioError("--against runs its own baseline: give --baseline or --against, not both")
-        return cmd_gate_against(args)
+        return cmd_gate_against(args, tolerance_overrides(args))
     if not args.baseline:
         raise ScenarioError("gate needs --baseline FILE (results against a stored baseline) or --against REV")
     docs = load_results(args.results)
