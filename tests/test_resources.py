@@ -80,7 +80,7 @@ def test_a_single_process_running_away_in_memory_is_stopped_at_its_hard_limit(tm
     assert line.startswith("watchdog: rank 0 exceeded its hard memory limit after step 1: RSS "), line
     assert "limit 300 MB (a test's limit)" in line
     above = float(line.split("RSS ")[1].split(" MB")[0])
-    assert 300 < above < 600, line  # stopped near the limit: 8 GB were on their way
+    assert 300 <= above < 600, line  # stopped near the limit (the line rounds to whole MB); 8 GB were on their way
     assert time.monotonic() - t0 < 60
     assert_clean(out)
 
