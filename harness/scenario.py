@@ -93,9 +93,23 @@ def _resolve(path: str | None, base: Path, src: str, key: str) -> str | None:
     return str(p)
 
 
+def _cluster(table: Any, src: str, base: Path) -> dict[str, Any] | None:
+    """``[cluster]``, checked as a hostfile is (``hostfile`` or ``hosts``, ``python``, ``workdir``)."""
+    if table is None:
+        return None
+    from harness.controller.cluster import ClusterError, from_mapping
+
+    require(isinstance(table, dict), src, "[cluster]", "must be a table")
+    try:
+        from_mapping(table, f"{src}: [cluster]", base)
+    except ClusterError as e:
+        raise ScenarioError(str(e)) from e
+    return dict(table)
+
+
 def parse_scenario(data: dict[str, Any], src: str, base: Path) -> Scenario:
     """Build and validate a scenario from parsed TOML; ``src`` names the file in errors."""
-    top = {"scenario", "trainer", "model", "data", "train", "checks", "limits", "runs", "faults"}
+    top = {"scenario", "trainer", "model", "data", "train", "checks", "limits", "runs", "faults", "cluster"}
     for key in data:
         if key not in top:
             raise ScenarioError(f"{src}: [{key}]: unknown section (known: {', '.join(sorted(top))})")
@@ -136,6 +150,7 @@ def parse_scenario(data: dict[str, Any], src: str, base: Path) -> Scenario:
         runs=many("runs", RunSpec),
         faults=many("faults", FaultSpec),
         path=src,
+        cluster=_cluster(data.get("cluster"), src, base),
     )
     for i, r in enumerate(s.runs):
         r.train = _coerce(TrainSpec, r.train, f"[[runs]][{i}].train", src)

@@ -293,6 +293,7 @@ class Scenario:
     runs: list[RunSpec] = field(default_factory=list)
     faults: list[FaultSpec] = field(default_factory=list)
     path: str | None = None
+    cluster: dict[str, Any] | None = None  # [cluster]: hosts to run on (``harness.controller.cluster``)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -316,6 +317,7 @@ class Scenario:
             runs=[RunSpec(**r) for r in d["runs"]],
             faults=[FaultSpec(**f) for f in d["faults"]],
             path=d["path"],
+            cluster=d.get("cluster"),
         )
 
     def run(self, name: str) -> RunSpec:

@@ -60,6 +60,7 @@ class RunOutcome:
     floor: str | None = None  # a noise-floor run the harness added: what it computes
     backend_reason: str | None = None  # why the harness chose another backend than the usual one
     queued_s: float = 0.0  # how long the launch waited for rank slots (``rank_budget``)
+    hosts: list[str] | None = None  # rank -> the cluster host it ran on (``None``: this machine)
 
     def result(self, rank: int = 0) -> dict[str, Any]:
         res = self.ranks[rank].result

@@ -16,10 +16,15 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from harness import schema
 from harness.controller.devices import accelerators
 from harness.controller.ports import PortLease, lease_ports
+
+if TYPE_CHECKING:
+    from harness.controller.cluster import Cluster
+    from harness.controller.remote import RemoteRanks
 
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
 RANK_MODULE = "harness.rank"
@@ -72,6 +77,7 @@ class Launch:
     world_size: int
     backend: str | None
     lease: PortLease | None
+    remote: RemoteRanks | None = None  # ranks on cluster hosts: their agents
 
     @property
     def pgid(self) -> int:
@@ -157,6 +163,64 @@ def start(run_dir: Path, world_size: int, backend: str | None = None) -> Launch:
         raise
     return Launch(proc, run_dir, world_size, backend, lease)
 
+
+# What a rank on a cluster host runs: its pid where its host's agent finds it, its files under
+# the host's mirror of the run directory (``D``), MLX's kernel cache inside the run's directory.
+REMOTE_RANK_CMD = (
+    'R="$MLX_DDP_HARNESS_ROOT"; D="$R/m$1"; echo $$ >"$R/pids/rank$MLX_RANK"; '
+    'export TMPDIR="$D/tmp" MLX_DDP_HARNESS_TMPDIR="$R/tmp"; '
+    'if [ -z "$MLX_DDP_HARNESS_BLAS" ] && [ -f ' + OPENBLAS + ' ]; then '
+    'export LD_PRELOAD=' + OPENBLAS + '${LD_PRELOAD:+:$LD_PRELOAD} '
+    'OPENBLAS_NUM_THREADS=${OPENBLAS_NUM_THREADS:-1}; fi; '
+    'cd "$D" && exec "$0" -m ' + RANK_MODULE + ' "$D" >"$D/rank$MLX_RANK.stdout" 2>"$D/rank$MLX_RANK.stderr"'
+)
+
+
+def _remote_envs(cluster: Cluster, root: str) -> list[str]:
+    """The environment ranks on cluster hosts get (nothing is inherited over SSH): the run's
+    directory, unbuffered output, and the MLX settings the user made for the controller."""
+    envs = [f"MLX_DDP_HARNESS_ROOT={root}", f"TMPDIR={root}/tmp", "PYTHONUNBUFFERED=1", *cluster.envs]
+    if os.environ.get("MLX_DDP_HARNESS_BLAS", "auto") == "bundled":
+        envs.append("MLX_DDP_HARNESS_BLAS=bundled")
+    envs += [f"{k}={v}" for k, v in sorted(os.environ.items())
+             if k.startswith("MLX_") and not k.startswith("MLX_DDP_HARNESS") and k not in DISTRIBUTED_VARS]
+    return envs
+
+
+def start_on_cluster(run_dir: Path, world_size: int, backend: str, cluster: Cluster,
+                     sync_dirs: list[Path]) -> Launch:
+    """Start the ranks of ``run_dir``'s job on ``cluster``'s hosts: an agent per host (its run
+    directory, ports, inputs), then mlx.launch over SSH with a hostfile of one entry per rank."""
+    from harness.controller.remote import RemoteRanks
+
+    remote = RemoteRanks(cluster, cluster.place(world_size))
+    try:
+        remote.start_agents(run_dir, sync_dirs)
+        start = remote.lease_ports(world_size + 1)
+        job = schema.read_json(run_dir / schema.JOB_FILE)
+        for h, host_job in remote.ship(job, run_dir, sync_dirs).items():
+            remote.put_text(h, run_dir / schema.JOB_FILE, json.dumps(host_job, indent=1, sort_keys=True))
+        remote.watch(run_dir, sync_dirs)
+        hosts = [{"ssh": cluster.hosts[h].ssh, "ips": cluster.hosts[h].ips} for h in remote.placement]
+        path = run_dir / "hostfile.json"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"backend": backend, "hosts": hosts}, f)
+        root = next(iter(remote.links.values())).root
+        cmd = [
+            *find_launcher(), "--hostfile", str(path), "--backend", backend,
+            "--starting-port", str(start), "--nccl-port", str(start + world_size),
+            *[a for e in _remote_envs(cluster, root) for a in ("--env", e)],
+            "--", "/bin/sh", "-c", REMOTE_RANK_CMD, cluster.python, str(run_dir),
+        ]
+        env = _rank_env(run_dir)
+        with open(run_dir / LAUNCHER_LOG, "wb") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                    start_new_session=True, cwd=str(run_dir))
+    except BaseException:
+        remote.finish()
+        raise
+    return Launch(proc, run_dir, world_size, backend, None, remote)
 
 
 def launcher_exits(run_dir: Path) -> dict[int, int | None]:

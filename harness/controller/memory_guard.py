@@ -14,6 +14,7 @@ does. Whatever the scenario says, the ranks together may not hold more than
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -76,13 +77,15 @@ def rss_of(pid: int) -> int | None:
         return None
 
 
-def over_limit(ranks: dict[int, RankMemory], limits: MemoryLimits, total_mb: float | None = None) -> str | None:
+def over_limit(ranks: dict[int, RankMemory], limits: MemoryLimits, total_mb: float | None = None,
+               rss_by: Callable[[int, int], int | None] | None = None) -> str | None:
     """The first rank above a hard limit, as one line naming the rank, the step, the value and the
     limit; or the ranks together above the machine's share of ``total_mb`` (default: the
-    machine's memory); else ``None``."""
+    machine's memory); else ``None``. ``rss_by(rank, pid)``: a rank's RSS where it is not a local
+    process (a cluster host's agent reports it)."""
     total = 0
     for r, m in sorted(ranks.items()):
-        rss = rss_of(m.pid) if m.pid else None
+        rss = (rss_by(r, m.pid) if rss_by else rss_of(m.pid)) if m.pid else None
         if rss is None:
             continue
         total += rss

@@ -26,10 +26,21 @@ class PortError(RuntimeError):
     """No free block of ports could be leased."""
 
 
+def _network_namespace() -> str:
+    """Ports belong to a network namespace: on Linux, processes in different ones (containers,
+    simulated hosts) never share a port, so their leases are kept apart."""
+    try:
+        return f"-net{os.stat('/proc/self/ns/net').st_ino}"
+    except OSError:
+        return ""
+
+
 def lease_dir() -> Path:
-    """One directory per user and machine, whatever TMPDIR a controller runs with."""
+    """One directory per user and machine (network namespace), whatever TMPDIR a controller runs
+    with."""
     base = Path("/tmp") if Path("/tmp").is_dir() else Path(tempfile.gettempdir())
-    d = Path(os.environ.get("MLX_DDP_HARNESS_PORT_DIR") or base / f"mlx-ddp-harness-ports-{os.getuid()}")
+    name = f"mlx-ddp-harness-ports-{os.getuid()}{_network_namespace()}"
+    d = Path(os.environ.get("MLX_DDP_HARNESS_PORT_DIR") or base / name)
     d.mkdir(mode=0o700, parents=True, exist_ok=True)
     return d
 
@@ -84,10 +95,10 @@ def _active_leases(d: Path) -> list[tuple[int, int]]:
     return active
 
 
-def _bindable(port: int) -> bool:
+def _bindable(port: int, ip: str = "127.0.0.1") -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         try:
-            s.bind(("127.0.0.1", port))
+            s.bind((ip, port))
         except OSError as e:
             if e.errno in (errno.EADDRINUSE, errno.EACCES):
                 return False
@@ -117,3 +128,28 @@ def lease_ports(count: int, attempts: int = 200, rng: random.Random | None = Non
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
     raise PortError(f"no block of {count} free ports in {LOW}-{HIGH} after {attempts} tries")
+
+
+def lease_block(start: int, count: int, ips: list[str] | None = None) -> PortLease | None:
+    """Lease exactly ports ``start .. start+count-1`` (free on 127.0.0.1 and on each of ``ips``),
+    or ``None`` when another lease or a socket holds one of them (``OSError``: an address
+    that cannot be bound at all): how a cluster host's agent
+    takes the block the controller proposes."""
+    d = lease_dir()
+    end = start + count
+    with open(d / ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if any(start < e and s < end for s, e in _active_leases(d)):
+                return None
+            for ip in ["127.0.0.1", *(ips or [])]:
+                try:
+                    if not all(_bindable(p, ip) for p in range(start, end)):
+                        return None
+                except OSError as e:  # e.g. an address this host does not have: its ranks could not bind
+                    raise OSError(f"cannot bind {ip}:{start} here ({e.strerror or e})") from e
+            f = d / f"lease-{start}-{count}-{os.getpid()}"
+            f.touch()
+            return PortLease(start, count, f)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)

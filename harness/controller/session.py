@@ -11,6 +11,7 @@ from typing import Any
 from harness import schema
 from harness.controller import launch as launcher
 from harness.controller import rank_budget
+from harness.controller.cluster import Cluster, ClusterError
 from harness.controller.collect import RunOutcome, collect, failure_reason
 from harness.controller.cpu_use import CpuMeter
 from harness.controller.devices import BackendRefused, plan_backend
@@ -53,25 +54,34 @@ def execute(
     keep_to: Path | None = None,
     progress: Observer | None = None,
     memory: MemoryLimits | None = None,
+    cluster: Cluster | None = None,
+    sync_dirs: tuple[Path, ...] = (),
 ) -> RunOutcome:
     """Launch ``job`` on ``world_size`` ranks and return what happened.
 
     The run directory lives under the system temp dir and is removed before returning; rank
     logs, events and results are copied to ``keep_to`` first when it is given. ``progress`` is
     shown the run's ``RunProgress`` as it goes (queued, each rank's phase and step, done).
-    ``memory``: hard memory limits the watchdog enforces while the run goes.
+    ``memory``: hard memory limits the watchdog enforces while the run goes. ``cluster``: hosts
+    a run of more than one rank runs on (``cluster``'s docstring), ``sync_dirs`` the local
+    directories its job names that the hosts read from and write to (the scenario's workspace).
     """
+    on_cluster = cluster is not None and world_size > 1
     scenario = job.get("scenario") or {}
     steps = int(job.get("stop_after") or (scenario.get("train") or {}).get("steps") or 0)
     feed = ProgressFeed(RunProgress(str(scenario.get("name", "")), name, world_size, steps), progress)
     try:
         kind = scenario.get("trainer", {}).get("kind")
-        backend, backend_reason = plan_backend(world_size, backend, cpu_collectives=cpu_collectives(kind))
+        if on_cluster:  # the hosts' devices are theirs: ring unless the scenario or hostfile says
+            backend, backend_reason = backend or "ring", None
+        else:
+            backend, backend_reason = plan_backend(world_size, backend, cpu_collectives=cpu_collectives(kind))
     except BackendRefused as e:
         raise LaunchError(f"run {name!r}: {e}") from e
     try:
         feed.poll(False)  # queued
-        slots = rank_budget.hold(world_size, f"run {name!r}")  # the watchdog starts once the ranks do
+        # the watchdog starts once the ranks do; ranks on cluster hosts take no slots here
+        slots = rank_budget.hold(0 if on_cluster else world_size, f"run {name!r}")
     except ValueError as e:
         raise LaunchError(str(e)) from e
     run_dir: Path | None = None
@@ -82,8 +92,12 @@ def execute(
         schema.write_json_atomic(run_dir / schema.JOB_FILE, schema.stamp(job))
         meter = CpuMeter()
         try:
-            started = launcher.start(run_dir, world_size, backend)
-        except OSError as e:
+            if on_cluster:
+                assert cluster is not None and backend is not None
+                started = launcher.start_on_cluster(run_dir, world_size, backend, cluster, list(sync_dirs))
+            else:
+                started = launcher.start(run_dir, world_size, backend)
+        except (OSError, ClusterError) as e:
             raise LaunchError(f"could not start ranks for run {name!r}: {e}") from e
         feed.start(run_dir)
         try:
@@ -109,6 +123,7 @@ def execute(
             watch=report,
             params=_load_params(schema.params_path(run_dir)) if failure is None else None,
             queued_s=slots.waited_s,
+            hosts=[started.remote.host_of(r) for r in range(world_size)] if started.remote else None,
         )
         if keep_to is not None:
             _keep(run_dir, keep_to)

@@ -19,6 +19,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from harness.controller.cluster import Cluster
 from harness.controller.collect import RunOutcome
 from harness.controller.inputs import prepare
 from harness.controller.memory_guard import MemoryLimits
@@ -107,10 +108,11 @@ def run_scenario(
     keep_checkpoints: bool = False,
     backend: str | None = None,
     progress: Observer | None = None,
+    cluster: Cluster | None = None,
 ) -> list[RunOutcome]:
     """Launch each run of ``s``, then its floor runs; rank logs go under ``artifacts/<scenario>/<run>``
-    when given; ``progress`` is shown each run as it goes. Outcomes come back in file order, the
-    floor runs last."""
+    when given; ``progress`` is shown each run as it goes; runs of more than one rank run on
+    ``cluster``'s hosts when given. Outcomes come back in file order, the floor runs last."""
     s = prepare(s)
     outcomes: dict[str, RunOutcome] = {}
     workspace = Path(tempfile.mkdtemp(prefix=f"mlx-ddp-harness-{s.name}-"))
@@ -128,6 +130,8 @@ def run_scenario(
                 keep_to=keep,
                 progress=progress,
                 memory=MemoryLimits.from_scenario(s.limits, s.checks),
+                cluster=cluster,
+                sync_dirs=(workspace,),
             )
             if floor is not None:
                 outcome.floor = floor.description

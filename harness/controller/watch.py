@@ -23,12 +23,13 @@ from harness import schema
 from harness.controller.cpu_use import CpuMeter, CpuUse
 from harness.controller.launch import Launch, launcher_exits
 from harness.controller.memory_guard import MB, MemoryLimits, RankMemory, over_limit
-from harness.controller.progress import EventTail, ProgressFeed
+from harness.controller.progress import EventTail, ProgressFeed, after_step
 
 POLL_S = 0.1
 STACK_DUMP_WAIT_S = 1.5  # the longest wait for the ranks' stack dumps
 STACK_SETTLE_S = 0.2  # a dump is complete once its stderr file stops growing this long
 PEER_GRACE_S = 10.0
+AGENT_SILENT_S = 5.0  # a cluster host's agent reports every tick: this long without, its link is suspect
 GONE_GRACE_S = 0.5  # mlx.launch ends a run itself when a rank exits non-zero; this long to do so
 
 
@@ -41,7 +42,7 @@ class WatchReport:
     limit: str | None = None  # why the watchdog stopped it: "rank_gone", "memory", "wall", "no_progress", "peer_failed"
     limit_detail: str = ""
     stacks_dumped: bool = False
-    survivors: list[int] = field(default_factory=list)
+    survivors: list[int | str] = field(default_factory=list)  # pids; "host:pid" on a cluster host
     rank_pids: dict[int, int] = field(default_factory=dict)
     exited_early: list[int] = field(default_factory=list)  # gone without a result before a limit fired
     cpu: CpuUse | None = None  # what the machine's CPUs did meanwhile
@@ -55,11 +56,13 @@ class RankEvents:
     def __init__(self, launch: Launch):
         self.tails = [EventTail(schema.events_path(launch.run_dir, r)) for r in range(launch.world_size)]
         self.ranks = {r: RankMemory() for r in range(launch.world_size)}
+        self.heard = {r: 0.0 for r in range(launch.world_size)}  # time.monotonic() of its last event
 
     def read(self) -> None:
         for r, tail in enumerate(self.tails):
             m = self.ranks[r]
             for e in tail.read():
+                self.heard[r] = time.monotonic()
                 if e.get("kind") == "start":
                     m.pid, m.rss_runtime, m.started = int(e["pid"]), int(e.get("rss_runtime_bytes") or 0), True
                 elif e.get("kind") == "step":
@@ -69,6 +72,21 @@ class RankEvents:
     @property
     def pids(self) -> dict[int, int]:
         return {r: m.pid for r, m in self.ranks.items() if m.pid}
+
+
+def _last_heard(launch: Launch, seen: RankEvents) -> str:
+    """Where each rank of a run across hosts stopped: its host, its last step, how long ago; the
+    one heard from least recently first; hosts whose agent went silent too."""
+    if launch.remote is None:
+        return ""
+    now = time.monotonic()
+    parts = [f"rank {r} on {launch.remote.host_of(r)} {after_step(seen.ranks[r].step)}, "
+             f"{now - seen.heard[r]:.1f} s ago" if seen.heard[r] else
+             f"rank {r} on {launch.remote.host_of(r)} never reported"
+             for r in sorted(seen.heard, key=lambda r: seen.heard[r])]
+    silent = [f"host {link.name}'s agent silent for {now - link.procs_at:.0f} s"
+              for link in launch.remote.links.values() if link.procs_at and now - link.procs_at > AGENT_SILENT_S]
+    return "; last heard: " + "; ".join(parts + silent)
 
 
 def _progress_mark(launch: Launch) -> tuple[int, ...]:
@@ -83,9 +101,16 @@ def _progress_mark(launch: Launch) -> tuple[int, ...]:
 
 def _gone(launch: Launch, pids: dict[int, int], exits: dict[int, int | None]) -> set[int]:
     """Ranks whose process is gone without having written a result: mlx.launch logged their exit
-    (``exits``), or their process is no more."""
+    (``exits``), or their process is no more. On cluster hosts, only the host's agent says so (its
+    report comes after the files the rank wrote before its end, the launcher's log may come first)."""
     missing = [r for r in range(launch.world_size) if not schema.result_path(launch.run_dir, r).exists()]
+    if launch.remote is not None:
+        return {r for r in missing if launch.remote.ended(r)}
     return {r for r in missing if r in exits or (r in pids and not _alive(pids[r]))}
+
+
+def _running(launch: Launch, rank: int, pid: int) -> bool:
+    return not launch.remote.ended(rank) if launch.remote is not None else _alive(pid)
 
 
 def _rank_failed(launch: Launch) -> bool:
@@ -126,9 +151,12 @@ def _sizes(paths: list[Path]) -> list[int]:
 
 def dump_stacks(launch: Launch, pids: dict[int, int]) -> bool:
     """Ask each live rank to write its Python stacks to its stderr file; wait until the files
-    stop growing (faulthandler writes from its signal handler, even in a blocked collective)."""
+    stop growing (faulthandler writes from its signal handler, even in a blocked collective; a
+    cluster host's file comes back through its agent)."""
     sent = []
-    for r, pid in pids.items():
+    if launch.remote is not None:
+        sent = [schema.stderr_path(launch.run_dir, r) for r in launch.remote.signal(sorted(pids), "SIGUSR1")]
+    for r, pid in pids.items() if launch.remote is None else ():
         try:
             os.kill(pid, signal.SIGUSR1)
             sent.append(schema.stderr_path(launch.run_dir, r))
@@ -150,8 +178,10 @@ def dump_stacks(launch: Launch, pids: dict[int, int]) -> bool:
     return True
 
 
-def kill_group(launch: Launch, timeout: float = 10.0) -> list[int]:
-    """SIGKILL the run's process group and wait for it to empty; return any survivors."""
+def kill_group(launch: Launch, timeout: float = 10.0) -> list[int | str]:
+    """SIGKILL the run's process group and wait for it to empty; on cluster hosts, have each
+    agent kill what is left, send the last files and remove the host's directory. Return any
+    survivors (``host:pid`` on a cluster host)."""
     try:
         os.killpg(launch.pgid, signal.SIGKILL)
     except ProcessLookupError:
@@ -160,11 +190,12 @@ def kill_group(launch: Launch, timeout: float = 10.0) -> list[int]:
         launch.proc.wait(timeout=timeout)
     except Exception:
         pass
+    remote_left: list[int | str] = list(launch.remote.finish()) if launch.remote is not None else []
     deadline = time.monotonic() + timeout
     while True:
-        left = group_members(launch.pgid)
+        left: list[int | str] = list(group_members(launch.pgid))
         if not left or time.monotonic() > deadline:
-            return left
+            return left + remote_left
         time.sleep(POLL_S)
 
 
@@ -179,7 +210,8 @@ def watch(launch: Launch, wall_s: float, no_progress_s: float, meter: CpuMeter,
     gone_since: float | None = None
     seen = RankEvents(launch)
     memory = memory or MemoryLimits()
-    machine_mb = psutil.virtual_memory().total / MB
+    machine_mb = psutil.virtual_memory().total / MB if launch.remote is None else float("inf")
+    rss = (lambda r, pid: launch.remote.rss(r)) if launch.remote is not None else None
     report = WatchReport(wall_s=0.0, returncode=None)
     while launch.proc.poll() is None:
         time.sleep(POLL_S)
@@ -196,7 +228,7 @@ def watch(launch: Launch, wall_s: float, no_progress_s: float, meter: CpuMeter,
             gone_since = now
         if failed_since is None and _rank_failed(launch):
             failed_since = now
-        over = over_limit(seen.ranks, memory, machine_mb)
+        over = over_limit(seen.ranks, memory, machine_mb, rss)
         exited_0 = any(exits.get(r) == 0 for r in gone)  # mlx.launch will not end the run for these
         if gone and (exited_0 or now - gone_since >= GONE_GRACE_S):
             report.limit = "rank_gone"
@@ -208,14 +240,15 @@ def watch(launch: Launch, wall_s: float, no_progress_s: float, meter: CpuMeter,
             report.limit, report.limit_detail = "wall", f"wall-clock limit of {wall_s:g} s exceeded"
         elif now - last_progress > no_progress_s:
             report.limit = "no_progress"
-            report.limit_detail = f"no progress from any rank for {no_progress_s:g} s"
+            report.limit_detail = f"no progress from any rank for {no_progress_s:g} s" + _last_heard(launch, seen)
         elif failed_since is not None and now - failed_since > PEER_GRACE_S:
             report.limit = "peer_failed"
             report.limit_detail = f"ranks still running {PEER_GRACE_S:g} s after a rank failed"
         if report.limit:
             seen.read()
             report.exited_early = sorted(_gone(launch, seen.pids, launcher_exits(launch.run_dir)))
-            live = {r: pid for r, pid in seen.pids.items() if r not in report.exited_early and _alive(pid)}
+            live = {r: pid for r, pid in seen.pids.items()
+                    if r not in report.exited_early and _running(launch, r, pid)}
             report.stacks_dumped = dump_stacks(launch, live)
             break
     report.returncode = launch.proc.poll()

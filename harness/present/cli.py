@@ -12,12 +12,16 @@ import signal
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from harness.judge.baselines import BaselineError
 from harness.present.baseline_cli import add_parsers
 from harness.present.live import MODES, PLAIN_EVERY_S, PlainProgress, progress_display
 from harness.present.results import EXIT_BAD_INPUT, EXIT_INFRA, load_results
 from harness.scenario import Scenario, ScenarioError, discover, load_scenario
+
+if TYPE_CHECKING:
+    from harness.controller.cluster import Cluster
 
 
 def default_scenario_dir() -> Path:
@@ -79,8 +83,9 @@ def check_backends(s: Scenario, backend: str | None) -> None:
             raise ScenarioError(f"{s.path}: run {r.name}: {e}") from e
 
 
-def preflight(s: Scenario, backend: str | None) -> None:
-    """Everything about a scenario's inputs that can be refused before any rank starts."""
+def preflight(s: Scenario, backend: str | None, cluster: Cluster | None = None) -> None:
+    """Everything about a scenario's inputs that can be refused before any rank starts (on a
+    cluster, its multi-rank runs' backends are the hosts' to say)."""
     from harness.controller.input_checks import check_data_files
     from harness.controller.rank_budget import budget
 
@@ -90,7 +95,33 @@ def preflight(s: Scenario, backend: str | None) -> None:
         raise ScenarioError(str(e)) from e
     check_resume_sources(s)
     check_data_files(s)
-    check_backends(s, backend)
+    if cluster is None:
+        check_backends(s, backend)
+
+
+def cluster_of(args: argparse.Namespace, scenarios: list[Scenario]) -> Cluster | None:
+    """The hosts of ``--hostfile``, else of the scenarios' ``[cluster]`` sections (one cluster per
+    invocation), checked: every host reachable, with this controller's harness and MLX."""
+    from harness.controller.cluster import ClusterError, from_mapping, load_hostfile
+    from harness.controller.remote import check_hosts
+
+    try:
+        if args.hostfile:
+            cluster = load_hostfile(args.hostfile)
+        else:
+            found = [(s, s.cluster) for s in scenarios if s.cluster]
+            if not found:
+                return None
+            if any(c != found[0][1] for _, c in found):
+                raise ScenarioError("scenarios name different [cluster] sections; run them separately")
+            s0 = found[0][0]
+            cluster = from_mapping(found[0][1], f"{s0.path}: [cluster]", Path(str(s0.path)).parent)
+        problems = [c.problem for c in check_hosts(cluster) if c.problem]
+    except ClusterError as e:
+        raise ScenarioError(str(e)) from e
+    if problems:
+        raise ScenarioError(problems[0])
+    return cluster
 
 
 def _check_out(out: Path | None) -> None:
@@ -122,8 +153,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     from harness.present.tables import scenario_text
 
     scenarios = resolve_scenarios(args.scenarios)
+    cluster = cluster_of(args, scenarios)
     for s in scenarios:
-        preflight(s, args.backend)
+        preflight(s, args.backend, cluster)
     out = Path(args.out) if args.out else None
     _check_out(out)
     if args.repeat < 1:
@@ -150,7 +182,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                     of = f", repeat {k} of {args.repeat}" if args.repeat > 1 else ""
                     print(f"scenario {s.name} ({s.path}{of})", file=sys.stderr, flush=True)
                     logs = out / ("runs" if k == 1 else f"runs-repeat{k}") if out else None
-                    runs = run_scenario(s, logs, progress, args.keep_checkpoints, args.backend, display)
+                    runs = run_scenario(s, logs, progress, args.keep_checkpoints, args.backend, display, cluster)
                     reps.append(scenario_summary(s, runs, judge(s, runs)))
                 summary = merge_repeats(reps)
                 summaries.append(summary)
@@ -194,6 +226,16 @@ def cmd_list(args: argparse.Namespace) -> int:
 def cmd_doctor(args: argparse.Namespace) -> int:
     from harness.present import doctor
 
+    if args.hostfile:
+        from harness.controller.cluster import ClusterError, load_hostfile
+
+        try:
+            cluster = load_hostfile(args.hostfile)
+        except ClusterError as e:
+            raise ScenarioError(str(e)) from e
+        rows = doctor.cluster_checks(cluster)
+        print(doctor.render(rows))
+        return 0 if all(ok for _, _, ok in rows) else 1
     rows = doctor.checks()
     print(doctor.render(rows))
     essential = {"distributed backends", "default backend", "loopback ports"}
@@ -215,6 +257,8 @@ def parser() -> argparse.ArgumentParser:
                      help="progress while runs run: a live display on a terminal, plain lines otherwise (auto)")
     run.add_argument("--progress-every", type=float, default=PLAIN_EVERY_S, metavar="S",
                      help=f"seconds between a run's plain progress lines (default {PLAIN_EVERY_S:g})")
+    run.add_argument("--hostfile", metavar="FILE",
+                     help="run every multi-rank run across these hosts (mlx.launch's hostfile format, over SSH)")
     run.add_argument("--keep-checkpoints", action="store_true",
                      help="keep whole checkpoints under OUT/runs (default: their manifests and trainer state)")
     run.set_defaults(func=cmd_run)
@@ -225,7 +269,9 @@ def parser() -> argparse.ArgumentParser:
     ls = sub.add_parser("list", help="list scenarios")
     ls.add_argument("directory", nargs="?", help="scenario directory (default: scenarios/)")
     ls.set_defaults(func=cmd_list)
-    doc = sub.add_parser("doctor", help="check mlx, backends, ports and BLAS on this machine")
+    doc = sub.add_parser("doctor", help="check mlx, backends, ports and BLAS on this machine (or a cluster's hosts)")
+    doc.add_argument("--hostfile", metavar="FILE",
+                     help="check these hosts instead: SSH, versions, backends, all-reduce bandwidth between them")
     doc.set_defaults(func=cmd_doctor)
     add_parsers(sub)
     return p

@@ -51,3 +51,62 @@ def checks() -> list[tuple[str, str, bool]]:
 def render(rows: list[tuple[str, str, bool]]) -> str:
     table: list[list[Any]] = [[what, "ok" if ok else "WARN", finding] for what, finding, ok in rows]
     return tabulate(table, headers=["Check", "Status", "Finding"], tablefmt="simple")
+
+
+ALLSUM_MB = 8
+ALLSUM_ROUNDS = 6
+
+
+def measure_allsum(cluster: Any, mb: int = ALLSUM_MB, rounds: int = ALLSUM_ROUNDS) -> tuple[float, float]:
+    """One rank per host all-sums ``mb`` MB of float32 ``rounds`` times over ring; (median seconds
+    of the rounds after the first, bus bandwidth in MB/s: 2 (N-1)/N x bytes / time, what each
+    link carries in a ring all-reduce)."""
+    import statistics
+
+    from harness.controller.session import LaunchError, execute
+
+    n = len(cluster.hosts)
+    job = {"kind": "allsum", "value": 1.0, "rounds": rounds, "pause_s": 0.0, "elems": mb * 1024 * 1024 // 4}
+    out = execute("doctor-allsum", job, n, backend="ring", cluster=cluster, wall_s=300, no_progress_s=60)
+    if not out.ok:
+        raise LaunchError(f"all_sum across the hosts failed: {(out.failure or '').splitlines()[0]}")
+    times = [float(e["step_time_s"]) for e in out.ranks[0].events if e.get("kind") == "step"][1:]
+    t = statistics.median(times)
+    return t, 2 * (n - 1) / n * mb / t
+
+
+def cluster_checks(cluster: Any) -> list[tuple[str, str, bool]]:
+    """(what, finding, ok) rows for each host of ``cluster`` and the links between them."""
+    from harness.controller.remote import HostLink, check_hosts
+
+    rows: list[tuple[str, str, bool]] = []
+    checks = check_hosts(cluster)
+    for i, c in enumerate(checks):
+        h = cluster.hosts[i]
+        if c.reach_s is None:
+            rows.append((f"{c.host}: SSH", c.problem or "no answer", False))
+            continue
+        v = c.versions
+        rows.append((f"{c.host}: SSH", f"agent answered in {c.reach_s:.2f} s; ranks use {', '.join(h.ips)}", True))
+        rows.append((f"{c.host}: versions", f"harness {v.get('harness')} (source {v.get('source')}), mlx {v.get('mlx')}, "
+                                            f"Python {v.get('python')}, {v.get('platform')}", not c.problem))
+        if c.problem:
+            rows.append((f"{c.host}: mismatch", c.problem, False))
+        link = HostLink(i, h, cluster.python)
+        try:
+            b = link.request("backends", timeout=60)
+            ok = "ring" in b.get("backends", [])
+            rows.append((f"{c.host}: backends", ", ".join(b.get("backends", [])) + f" (device {b.get('device')})"
+                         if "backends" in b else str(b.get("error")), ok))
+        finally:
+            link.close(timeout=10)
+    if len(cluster.hosts) > 1 and all(ok for _, _, ok in rows):
+        from harness.controller.session import LaunchError
+
+        try:
+            t, bw = measure_allsum(cluster)
+            rows.append(("all_sum between hosts", f"{ALLSUM_MB} MB float32 over ring, one rank per host: median "
+                         f"{t * 1000:.1f} ms, bus bandwidth {bw:.1f} MB/s", True))
+        except LaunchError as e:
+            rows.append(("all_sum between hosts", str(e), False))
+    return rows

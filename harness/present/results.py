@@ -20,12 +20,17 @@ def per_rank_batch(global_batch: int, world_size: int) -> str:
     return str(lo) if lo == hi else f"{lo}-{hi}"
 
 
-def rank_summary(o: Any) -> dict[str, Any]:
+def rank_summary(o: Any, cluster_host: str | None = None) -> dict[str, Any]:
+    """One rank's figures; ``cluster_host``: the hostfile's name of the host it ran on (its own
+    hostname stays under ``hostname``)."""
     r = o.result or {}
     keys = ("host", "pid", "device", "startup_s", "runtime_s", "tokens_local", "tok_s_local",
             "step_times_s", "mlx_peak_bytes", "rss_peak_bytes", "error")
-    return {"rank": o.rank, "exit_code": o.exit_code, "status": r.get("status", "missing"),
-            **{k: r[k] for k in keys if k in r}}
+    out = {"rank": o.rank, "exit_code": o.exit_code, "status": r.get("status", "missing"),
+           **{k: r[k] for k in keys if k in r}}
+    if cluster_host is not None:
+        out["hostname"], out["host"] = out.get("host"), cluster_host
+    return out
 
 
 def run_summary(run: RunOutcome, s: Scenario, ref: RunOutcome | None) -> dict[str, Any]:
@@ -45,7 +50,8 @@ def run_summary(run: RunOutcome, s: Scenario, ref: RunOutcome | None) -> dict[st
         "cpu_use": run.watch.cpu.to_json() if run.watch.cpu else None,
         "per_rank_batch": micro if train.grad_accum == 1 else f"{micro} x {train.grad_accum} accum",
         "global_batch": train.global_batch,
-        "ranks": [rank_summary(o) for o in run.ranks],
+        "ranks": [rank_summary(o, run.hosts[o.rank] if run.hosts else None) for o in run.ranks],
+        "hosts": run.hosts,
         "artifacts": str(run.artifacts) if run.artifacts else None,
         "expect_error": spec.expect_error,
         "resume_from": spec.resume_from,

@@ -203,6 +203,13 @@ def repeat_table(scenario: dict[str, Any], fmt: str = "plain") -> str:
     return tabulate(repeat_rows(scenario), headers=REPEAT_HEADERS, tablefmt=FORMATS[fmt], disable_numparse=True)
 
 
+def host_ranks(hosts: list[str]) -> str:
+    """``a: ranks 0,1; b: ranks 2,3`` from a run's rank -> host list."""
+    names = list(dict.fromkeys(hosts))
+    return "; ".join(f"{h}: rank{'s' if hosts.count(h) > 1 else ''} "
+                     f"{','.join(str(r) for r, x in enumerate(hosts) if x == h)}" for h in names)
+
+
 def scenario_text(scenario: dict[str, Any], fmt: str = "plain") -> str:
     """The table block the CLI prints for one scenario."""
     parts = [f"{scenario['name']}: {scenario['status'].upper()}", runs_table(scenario, fmt)]
@@ -212,6 +219,9 @@ def scenario_text(scenario: dict[str, Any], fmt: str = "plain") -> str:
                 if r.get("backend_reason")]
     if backends:
         parts.append("\n".join(backends))
+    placed = [f"run {r['name']} across hosts: {host_ranks(r['hosts'])}" for r in scenario["runs"] if r.get("hosts")]
+    if placed:
+        parts.append("\n".join(placed))
     if mutation_rows(scenario):
         parts.append(mutation_table(scenario, fmt))
     if repeat_rows(scenario):

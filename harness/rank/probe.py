@@ -1,4 +1,5 @@
-"""A minimal collective job: each round all-sums this job's own value, and records the sums.
+"""A minimal collective job: each round all-sums this job's own value (``elems`` float32 values,
+4096 unless the job says), and records the sums and each round's time.
 
 Used to prove that concurrent launches stay isolated (a cross-talk shows as a wrong sum) and to
 exercise failure handling without a model.
@@ -25,7 +26,7 @@ def run(ctx: RankContext) -> dict[str, Any]:
         if fault is not None and fault.action == "raise":
             raise RuntimeError(f"injected fault at step {step}")
         t0 = time.perf_counter()
-        x = mx.full((4096,), value * step + ctx.rank, dtype=mx.float32)
+        x = mx.full((int(ctx.job.get("elems", 4096)),), value * step + ctx.rank, dtype=mx.float32)
         s = mx.distributed.all_sum(x, group=ctx.group)
         mx.eval(s)
         lo, hi = float(s.min()), float(s.max())

@@ -1,0 +1,318 @@
+"""The controller's agent on a cluster host: ``python -m harness.controller.host_agent``.
+
+The controller starts one agent per host over SSH for each run across hosts (as pytest-xdist
+starts its workers) and talks to it in JSON lines over the SSH session's stdin/stdout. The agent
+never imports MLX: it starts in a fraction of a second. It
+
+- answers ``hello`` with the host's harness, MLX and Python versions (preflight);
+- ``setup``: makes the run's private directory on the host; ``lease``: leases the run's ring
+  ports there (the same machine-wide lease as local runs, held by the agent's own process);
+- ``have`` / ``put``: says whether an input file is already present with the same content, and
+  writes shipped files;
+- ``watch``: from then on, every ``TICK_S`` it sends what the ranks wrote under the watched
+  directories (events, results, logs, probes, checkpoints: the versioned protocol files) as
+  ``file`` messages, and each rank's process state as a ``procs`` message (a rank reported
+  ended has all it wrote before its end already sent);
+- ``signal``: signals ranks (stack dumps);
+- ``finish``, or the end of its input (the controller or the SSH link is gone): kills the ranks
+  still running, sends the last files, removes the run's directory, releases the ports and
+  exits. Nothing of the run stays on the host.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import json
+import os
+import platform
+import select
+import shutil
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+TICK_S = 0.05
+CHUNK = 1 << 20  # bytes of one file per message
+KILL_WAIT_S = 5.0
+
+
+def source_digest() -> str:
+    """A digest of the harness's own source files: hosts must run the same code."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for p in sorted(root.rglob("*.py")):
+        h.update(str(p.relative_to(root)).encode())
+        h.update(p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def versions() -> dict[str, Any]:
+    """What the controller compares across hosts."""
+    from importlib import metadata
+
+    import harness
+
+    def dist(name: str) -> str | None:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return None
+
+    mlx = dist("mlx") or dist("mlx-cuda") or dist("mlx-metal")
+    return {"harness": harness.__version__, "source": source_digest(), "mlx": mlx,
+            "python": platform.python_version(), "platform": f"{platform.system()} {platform.machine()}",
+            "hostname": socket.gethostname(), "executable": sys.executable}
+
+
+def sha256_of(path: Path) -> str | None:
+    try:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(CHUNK), b""):
+                h.update(block)
+        return h.hexdigest()
+    except OSError:
+        return None
+
+
+class Mirror:
+    """Sends the growth of every file under the watched directories; a file replaced (a new
+    inode, as atomic writes do) or shrunk is sent again whole."""
+
+    def __init__(self, root: Path, dirs: list[str]):
+        self.root, self.dirs = root, [Path(d) for d in dirs]
+        self.sent: dict[Path, tuple[int, int]] = {}  # path -> (inode, bytes sent)
+
+    def scan(self, send: Any) -> None:
+        for d in self.dirs:
+            if not d.is_dir():
+                continue
+            for dirpath, _, files in os.walk(d):
+                for name in files:
+                    if name.startswith("."):
+                        continue  # a file being written under a temporary name
+                    self._send_file(Path(dirpath) / name, send)
+
+    def _send_file(self, path: Path, send: Any) -> None:
+        try:
+            st = path.stat()
+        except OSError:
+            return
+        inode, done = self.sent.get(path, (None, 0))
+        offset = done if inode == st.st_ino and st.st_size >= done else 0
+        if inode == st.st_ino and offset == st.st_size:
+            return
+        try:
+            with open(path, "rb") as f:
+                f.seek(offset)
+                while True:
+                    data = f.read(CHUNK)
+                    if not data and offset > 0:
+                        break
+                    send({"op": "file", "path": str(path.relative_to(self.root)), "offset": offset,
+                          "data": base64.b64encode(data).decode()})
+                    offset += len(data)
+                    if not data or len(data) < CHUNK:
+                        break
+        except OSError:
+            return
+        self.sent[path] = (st.st_ino, offset)
+
+
+class Agent:
+    def __init__(self) -> None:
+        self.root: Path | None = None
+        self.lease: Any = None
+        self.mirror: Mirror | None = None
+        self.pids: dict[int, int] = {}
+        self.ended: set[int] = set()
+        self.out: Any = sys.stdout
+
+    def send(self, msg: dict[str, Any]) -> None:
+        if self.out is None:
+            return
+        try:
+            self.out.write(json.dumps(msg) + "\n")
+            self.out.flush()
+        except (BrokenPipeError, OSError):
+            self.out = None  # the controller is gone: clean up all the same
+
+    # requests ------------------------------------------------------------------------------
+    def op_hello(self, req: dict[str, Any]) -> dict[str, Any]:
+        import psutil
+
+        return {**versions(), "memory_bytes": psutil.virtual_memory().total, "cpus": os.cpu_count()}
+
+    def op_backends(self, req: dict[str, Any]) -> dict[str, Any]:
+        """The distributed backends MLX has here, and its default device (imports MLX)."""
+        import mlx.core as mx
+
+        names = ("ring", "nccl", "mpi", "jaccl")
+        return {"backends": [b for b in names if mx.distributed.is_available(b)], "device": str(mx.default_device())}
+
+    def op_setup(self, req: dict[str, Any]) -> dict[str, Any]:
+        root = Path(req["root"])
+        root.mkdir(mode=0o700, parents=True, exist_ok=False)
+        self.root = root
+        (root / "pids").mkdir()
+        (root / "tmp").mkdir()  # the launcher's and MLX's temporary files
+        return {"ok": True}
+
+    def op_lease(self, req: dict[str, Any]) -> dict[str, Any]:
+        """Hold ports ``start .. start+count-1`` here (instead of any block held before)."""
+        from harness.controller.ports import lease_block
+
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
+        start, count = req["ports"]
+        try:
+            self.lease = lease_block(start, count, req.get("ips") or [])
+        except OSError as e:
+            return {"ok": False, "fatal": True, "error": str(e)}
+        if self.lease is None:
+            return {"ok": False, "error": f"ports {start}-{start + count - 1} are taken on this host"}
+        return {"ok": True}
+
+    def op_have(self, req: dict[str, Any]) -> dict[str, Any]:
+        return {"sha256": [sha256_of(Path(p)) for p in req["paths"]]}
+
+    def op_put(self, req: dict[str, Any]) -> dict[str, Any]:
+        path = self._inside(req["path"])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "ab" if req.get("offset") else "wb") as f:
+            f.write(base64.b64decode(req["data"]))
+        return {"ok": True}
+
+    def op_mkdir(self, req: dict[str, Any]) -> dict[str, Any]:
+        for p in req["paths"]:
+            self._inside(p).mkdir(parents=True, exist_ok=True)
+        return {"ok": True}
+
+    def op_watch(self, req: dict[str, Any]) -> dict[str, Any]:
+        assert self.root is not None
+        self.mirror = Mirror(self.root, [str(self._inside(d)) for d in req["dirs"]])
+        return {"ok": True}
+
+    def op_signal(self, req: dict[str, Any]) -> dict[str, Any]:
+        sent = []
+        for r in req["ranks"]:
+            pid = self.pids.get(int(r))
+            if pid and int(r) not in self.ended:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, getattr(signal, req["sig"]))
+                    sent.append(int(r))
+        return {"sent": sent}
+
+    def _inside(self, path: str) -> Path:
+        assert self.root is not None, "no setup yet"
+        p = (self.root / path).resolve()
+        if self.root.resolve() not in (p, *p.parents):
+            raise ValueError(f"{path}: outside the run's directory")
+        return p
+
+    # the watch loop ------------------------------------------------------------------------
+    def _read_pids(self) -> None:
+        if self.root is None:
+            return
+        for f in (self.root / "pids").glob("rank*"):
+            with contextlib.suppress(ValueError, OSError):
+                self.pids.setdefault(int(f.name[4:]), int(f.read_text().strip()))
+
+    def _procs(self) -> dict[str, Any]:
+        import psutil
+
+        out = {}
+        for r, pid in self.pids.items():
+            rss, alive = None, False
+            if r not in self.ended:
+                try:
+                    p = psutil.Process(pid)
+                    alive = p.status() != psutil.STATUS_ZOMBIE
+                    rss = p.memory_info().rss if alive else None
+                except psutil.Error:
+                    alive = False
+            if not alive:
+                self.ended.add(r)
+            out[str(r)] = {"pid": pid, "alive": alive, "rss": rss}
+        return out
+
+    def tick(self) -> None:
+        self._read_pids()
+        procs = self._procs()  # before the files: what a rank wrote before it ended is sent below
+        if self.mirror is not None:
+            self.mirror.scan(self.send)
+            self.send({"op": "procs", "ranks": procs, "time": time.time()})
+
+    def finish(self) -> dict[str, Any]:
+        """Kill the ranks left, send the last files, remove everything of the run."""
+        import psutil
+
+        self._read_pids()
+        live = []
+        for pid in self.pids.values():
+            with contextlib.suppress(psutil.Error):
+                p = psutil.Process(pid)
+                p.kill()
+                live.append(p)
+        _, alive = psutil.wait_procs(live, timeout=KILL_WAIT_S)
+        survivors = [p.pid for p in alive]
+        if self.mirror is not None:
+            self.mirror.scan(self.send)
+        removed = True
+        if self.root is not None:
+            shutil.rmtree(self.root, ignore_errors=True)
+            removed = not self.root.exists()
+        if self.lease is not None:
+            self.lease.release()
+        return {"survivors": survivors, "removed": removed}
+
+    def serve(self) -> None:
+        buf = b""
+        fd = sys.stdin.fileno()
+        while True:
+            ready, _, _ = select.select([fd], [], [], TICK_S)
+            if ready:
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    self.finish()
+                    return
+                buf += chunk
+                while b"\n" in buf:
+                    line, buf = buf.split(b"\n", 1)
+                    req = json.loads(line)
+                    op = req["op"]
+                    if op == "finish":
+                        self.send({"id": req.get("id"), **self.finish()})
+                        return
+                    try:
+                        reply = getattr(self, f"op_{op}")(req)
+                    except Exception as e:  # a request that fails is answered, never fatal
+                        reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+                    self.send({"id": req.get("id"), **reply})
+            self.tick()
+
+
+def _exit(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+def main() -> int:
+    for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _exit)
+    agent = Agent()
+    try:
+        agent.serve()
+    except BaseException:
+        agent.finish()
+        raise
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,262 @@
+"""Runs across hosts: hostfiles, placement, the host agent, and scenarios across simulated hosts
+(network namespaces with an SSH server each, ``tests/simhosts.py``) with link faults."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from harness.controller.cluster import Cluster, ClusterError, ClusterHost, from_mapping, load_hostfile
+from harness.controller.remote import _rewrite
+from tests.conftest import REPO, cli
+from tests.simhosts import SimHosts, unavailable
+
+TEXT_PARITY = REPO / "scenarios" / "text_parity.toml"
+
+
+# -- pure logic --------------------------------------------------------------------------------
+
+def test_placement_puts_ranks_in_blocks_over_the_hosts() -> None:
+    c = Cluster([ClusterHost("a", ["1"]), ClusterHost("b", ["2"])])
+    assert c.place(1) == [0]
+    assert c.place(2) == [0, 1]
+    assert c.place(4) == [0, 0, 1, 1]
+    assert c.place(3) == [0, 0, 1]
+    assert Cluster([ClusterHost("a", ["1"]), ClusterHost("b", ["2"]), ClusterHost("c", ["3"])]).place(2) == [0, 1]
+
+
+def test_a_hostfile_in_mlx_launch_form_is_read_with_the_harness_settings(tmp_path: Path) -> None:
+    f = tmp_path / "hosts.json"
+    f.write_text(json.dumps({"backend": "ring", "envs": ["MLX_METAL_FAST_SYNCH=1"],
+                             "hosts": [{"ssh": "mac1", "ips": ["10.0.0.1"]}, {"ssh": "mac1", "ips": ["10.0.0.1"]},
+                                       {"ssh": "mac2", "ips": ["10.0.0.2"]}],
+                             "harness": {"python": "/opt/venv/bin/python", "workdir": "/var/tmp"}}))
+    c = load_hostfile(f)
+    assert [h.ssh for h in c.hosts] == ["mac1", "mac2"]  # one entry per rank, as mlx.launch's own
+    assert (c.python, c.workdir, c.envs) == ("/opt/venv/bin/python", "/var/tmp", ["MLX_METAL_FAST_SYNCH=1"])
+    assert load_hostfile(f).hosts == from_mapping({"hostfile": str(f)}, "[cluster]").hosts
+
+
+@pytest.mark.parametrize(("content", "expect"), [
+    ("[", "not a JSON hostfile"),
+    ('{"hosts": []}', "non-empty list"),
+    ('[{"ips": ["1.2.3.4"]}]', 'needs "ssh"'),
+    ('[{"ssh": "mac1"}]', 'needs "ips"'),
+    ('{"hosts": [{"ssh": "a", "ips": ["1"]}], "harness": {"workdir": "tmp"}}', "absolute path"),
+    ('{"hosts": [{"ssh": "a", "ips": ["1"]}], "harness": {"pyhton": "/x"}}', "unknown key"),
+])
+def test_a_bad_hostfile_is_refused_naming_the_file_and_the_problem(tmp_path: Path, content: str, expect: str) -> None:
+    f = tmp_path / "hosts.json"
+    f.write_text(content)
+    with pytest.raises(ClusterError, match=expect) as e:
+        load_hostfile(f)
+    assert str(f) in str(e.value)
+    r = cli("run", str(TEXT_PARITY), "--hostfile", str(f))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and expect in r.stderr, r.stderr
+
+
+def test_job_paths_are_rewritten_to_the_hosts_mirror_only_at_path_boundaries() -> None:
+    job = {"a": "/tmp/run-1/x", "b": ["/tmp/run-10/y", "/tmp/run-1"], "c": {"d": "/data/rows.jsonl"}, "e": 3}
+    out = _rewrite(job, {"/tmp/run-1": "/w/m/tmp/run-1", "/data/rows.jsonl": "/w/m/data/rows.jsonl"})
+    assert out == {"a": "/w/m/tmp/run-1/x", "b": ["/tmp/run-10/y", "/w/m/tmp/run-1"],
+                   "c": {"d": "/w/m/data/rows.jsonl"}, "e": 3}
+
+
+@pytest.mark.ranks
+def test_a_run_on_a_cluster_of_this_machine_goes_through_the_agent_and_leaves_nothing(tmp_path: Path) -> None:
+    """127.0.0.1 is the one host mlx.launch starts without SSH: the agent path runs anywhere."""
+    from harness.controller.session import execute
+
+    work = tmp_path / "hostwork"
+    work.mkdir()
+    c = Cluster([ClusterHost("127.0.0.1", ["127.0.0.1"])], workdir=str(work))
+    o = execute("c", {"kind": "allsum", "value": 2.0, "rounds": 3, "pause_s": 0.05}, 2, cluster=c,
+                wall_s=120, no_progress_s=60)
+    assert o.ok, o.failure
+    assert o.hosts == ["127.0.0.1", "127.0.0.1"]
+    assert [r.result["sums"] for r in o.ranks] == [[5.0, 9.0, 13.0]] * 2  # (2k + 0) + (2k + 1)
+    assert list(work.iterdir()) == []  # the host's run directory is gone
+
+
+# -- simulated hosts ---------------------------------------------------------------------------
+
+WHY_NOT = unavailable()
+needs_hosts = pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT))
+
+
+@pytest.fixture(scope="module")
+def sim() -> SimHosts:
+    with SimHosts(2, link="relay") as hosts:
+        yield hosts
+
+
+@pytest.fixture(scope="module")
+def hostfile(sim: SimHosts, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    f = tmp_path_factory.mktemp("cluster") / "hosts.json"
+    hosts = [{"ssh": h.ssh_addr, "ips": [h.data_addr]} for h in sim.hosts]
+    f.write_text(json.dumps({"backend": "ring", "hosts": hosts, "harness": {"workdir": sim.private_dir}}))
+    return f
+
+
+def sim_cli(sim: SimHosts, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return cli(*args, timeout=timeout, env={"PATH": sim.path_env["PATH"]})
+
+
+def assert_nothing_left(sim: SimHosts) -> None:
+    for i in range(len(sim.hosts)):
+        assert sim.processes(i) == [], f"host {i} still runs {sim.processes(i)}"
+        listing = sim.ssh(i, f"ls -A {sim.private_dir}")
+        assert listing.returncode == 0 and listing.stdout == "", f"host {i} keeps {listing.stdout!r}"
+
+
+def verdicts(result: Path) -> dict[tuple[str, str], str]:
+    doc = json.loads(result.read_text())
+    return {(c["name"], c["run"]): c["result"] for s in doc["scenarios"] for c in s["checks"]}
+
+
+def runs_of(result: Path) -> dict[str, dict]:
+    doc = json.loads(result.read_text())
+    return {r["name"]: r for s in doc["scenarios"] for r in s["runs"]}
+
+
+CLUSTER_RESULTS: dict[str, Path] = {}
+
+
+@needs_hosts
+@pytest.mark.ranks
+@pytest.mark.mlx_ddp_world_size(2)
+def test_text_parity_across_two_hosts_gives_the_single_host_verdicts(sim: SimHosts, hostfile: Path,
+                                                                     tmp_path: Path) -> None:
+    local = cli("run", str(TEXT_PARITY), "--out", str(tmp_path / "local"), "--progress", "off")
+    across = sim_cli(sim, "run", str(TEXT_PARITY), "--hostfile", str(hostfile), "--out", str(tmp_path / "across"),
+                     "--progress", "off")
+    assert local.returncode == 0, local.stdout[-3000:] + local.stderr[-2000:]
+    assert across.returncode == 0, across.stdout[-3000:] + across.stderr[-2000:]
+    CLUSTER_RESULTS["plain"] = tmp_path / "across" / "result.json"
+    v_local, v_across = verdicts(tmp_path / "local" / "result.json"), verdicts(CLUSTER_RESULTS["plain"])
+    assert v_across == v_local and set(v_local.values()) == {"pass"}
+    runs = runs_of(CLUSTER_RESULTS["plain"])
+    a, b = sim.hosts[0].ssh_addr, sim.hosts[1].ssh_addr
+    assert runs["ddp2"]["hosts"] == [a, b] and runs["ddp4"]["hosts"] == [a, a, b, b]
+    assert [rk["host"] for rk in runs["ddp4"]["ranks"]] == [a, a, b, b]
+    assert runs["single"]["hosts"] is None  # one process runs on the controller's machine
+    assert f"run ddp4 across hosts: {a}: ranks 0,1; {b}: ranks 2,3" in across.stdout
+    assert_nothing_left(sim)
+
+
+@needs_hosts
+@pytest.mark.ranks
+@pytest.mark.mlx_ddp_world_size(2)
+@pytest.mark.parametrize(("delay_ms", "loss"), [(15.0, 0.0), (0.0, 0.03)], ids=["latency", "loss"])
+def test_a_slow_or_lossy_link_costs_throughput_but_not_correctness(sim: SimHosts, hostfile: Path, tmp_path: Path,
+                                                                   delay_ms: float, loss: float) -> None:
+    if "plain" not in CLUSTER_RESULTS:
+        pytest.skip("needs the plain-link run of test_text_parity_across_two_hosts_gives_the_single_host_verdicts")
+    sim.set_link(delay_ms=delay_ms, loss=loss, seed=3)
+    try:
+        r = sim_cli(sim, "run", str(TEXT_PARITY), "--hostfile", str(hostfile), "--out", str(tmp_path), "--progress",
+                    "off")
+    finally:
+        sim.set_link()
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert set(verdicts(tmp_path / "result.json").values()) == {"pass"}
+    slow, plain = runs_of(tmp_path / "result.json"), runs_of(CLUSTER_RESULTS["plain"])
+    if delay_ms:  # 30 ms a round trip against steps of a few ms: the table shows it many times over
+        for run in ("ddp2", "ddp4"):
+            assert slow[run]["median_tok_s"] < 0.5 * plain[run]["median_tok_s"], (run, slow[run]["median_tok_s"])
+    assert_nothing_left(sim)
+
+
+LONG_RUN = """
+[scenario]
+name = "link_down"
+seed = 3
+
+[model]
+arch = "qwen3"
+
+[data]
+rows = 64
+
+[train]
+steps = 2000
+global_batch = 4
+
+[[runs]]
+name = "ddp2"
+world_size = 2
+
+[limits]
+wall_s = 300
+no_progress_s = {no_progress_s}
+"""
+
+
+@needs_hosts
+@pytest.mark.ranks
+@pytest.mark.mlx_ddp_world_size(2)
+def test_a_link_that_goes_down_mid_run_ends_it_within_the_no_progress_limit(sim: SimHosts, hostfile: Path,
+                                                                            tmp_path: Path) -> None:
+    no_progress_s = 6
+    scenario = tmp_path / "link_down.toml"
+    scenario.write_text(LONG_RUN.format(no_progress_s=no_progress_s))
+    tmp = tmp_path / "controller-tmp"
+    tmp.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "harness", "run", str(scenario), "--hostfile", str(hostfile),
+                             "--progress", "off"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PATH": sim.path_env["PATH"], "TMPDIR": str(tmp)})
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # rank 1's events come back from its host as it trains
+            steps = [ln for f in tmp.glob("mlx-ddp-harness-run-*/rank1.events.jsonl")
+                     for ln in f.read_text().splitlines() if '"kind": "step"' in ln]
+            if len(steps) >= 5:
+                break
+            assert proc.poll() is None and time.monotonic() < deadline, "the run did not reach step 5"
+            time.sleep(0.05)
+        sim.link_down(1)
+        down_at = time.monotonic()
+        out, err = proc.communicate(timeout=120)
+        took = time.monotonic() - down_at
+    finally:
+        sim.link_up(1)
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 3, out[-2000:] + err[-2000:]
+    assert f"no progress from any rank for {no_progress_s} s" in out
+    b = sim.hosts[1].ssh_addr
+    assert f"rank 1 on {b} after step" in out, out[-2000:]
+    assert no_progress_s <= took < no_progress_s + 15, took
+    assert_nothing_left(sim)
+
+
+@needs_hosts
+def test_an_unreachable_host_is_refused_before_anything_runs(sim: SimHosts, tmp_path: Path) -> None:
+    f = tmp_path / "hosts.json"
+    hosts = [{"ssh": sim.hosts[0].ssh_addr, "ips": [sim.hosts[0].data_addr]},
+             {"ssh": "10.213.77.2", "ips": ["10.214.0.77"]}]
+    f.write_text(json.dumps({"hosts": hosts, "harness": {"workdir": sim.private_dir}}))
+    r = sim_cli(sim, "run", str(TEXT_PARITY), "--hostfile", str(f), "--out", str(tmp_path / "out"), timeout=120)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "host 10.213.77.2" in r.stderr and "did not answer" in r.stderr
+    assert not (tmp_path / "out").exists()
+    assert_nothing_left(sim)
+
+
+@needs_hosts
+@pytest.mark.ranks
+def test_doctor_reports_each_host_and_the_bandwidth_between_them(sim: SimHosts, hostfile: Path) -> None:
+    r = sim_cli(sim, "doctor", "--hostfile", str(hostfile), timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    for h in sim.hosts:
+        assert f"{h.ssh_addr}: SSH" in r.stdout and f"ranks use {h.data_addr}" in r.stdout
+        assert f"{h.ssh_addr}: backends" in r.stdout
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("all_sum between hosts"))
+    assert float(line.split("bus bandwidth ")[1].split(" MB/s")[0]) > 0
+    assert_nothing_left(sim)
