@@ -97,7 +97,7 @@ def _cluster(table: Any, src: str, base: Path) -> dict[str, Any] | None:
     """``[cluster]``, checked as a hostfile is (``hostfile`` or ``hosts``, ``python``, ``workdir``)."""
     if table is None:
         return None
-    from harness.controller.cluster import ClusterError, from_mapping
+    from harness.cluster_spec import ClusterError, from_mapping
 
     require(isinstance(table, dict), src, "[cluster]", "must be a table")
     try:

@@ -293,7 +293,7 @@ class Scenario:
     runs: list[RunSpec] = field(default_factory=list)
     faults: list[FaultSpec] = field(default_factory=list)
     path: str | None = None
-    cluster: dict[str, Any] | None = None  # [cluster]: hosts to run on (``harness.controller.cluster``)
+    cluster: dict[str, Any] | None = None  # [cluster]: hosts to run on (``harness.cluster_spec``)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.controller.cluster import Cluster, ClusterError, ClusterHost, from_mapping, load_hostfile
+from harness.cluster_spec import Cluster, ClusterError, ClusterHost, from_mapping, load_hostfile
 from harness.controller.remote import _rewrite
 from tests.conftest import REPO, cli
 from tests.simhosts import SimHosts, unavailable

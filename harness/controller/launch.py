@@ -23,7 +23,7 @@ from harness.controller.devices import accelerators
 from harness.controller.ports import PortLease, lease_ports
 
 if TYPE_CHECKING:
-    from harness.controller.cluster import Cluster
+    from harness.cluster_spec import Cluster
     from harness.controller.remote import RemoteRanks
 
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.controller.cluster import LOCAL, Cluster, ClusterError, ClusterHost
+from harness.cluster_spec import LOCAL, Cluster, ClusterError, ClusterHost
 
 AGENT = "harness.controller.host_agent"
 REPLY_TIMEOUT_S = 60.0

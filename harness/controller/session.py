@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from harness import schema
+from harness.cluster_spec import Cluster, ClusterError
 from harness.controller import launch as launcher
 from harness.controller import rank_budget
-from harness.controller.cluster import Cluster, ClusterError
 from harness.controller.collect import RunOutcome, collect, failure_reason
 from harness.controller.cpu_use import CpuMeter
 from harness.controller.devices import BackendRefused, plan_backend

@@ -19,7 +19,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from harness.controller.cluster import Cluster
+from harness.cluster_spec import Cluster
 from harness.controller.collect import RunOutcome
 from harness.controller.inputs import prepare
 from harness.controller.memory_guard import MemoryLimits

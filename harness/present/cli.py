@@ -21,7 +21,7 @@ from harness.present.results import EXIT_BAD_INPUT, EXIT_INFRA, load_results
 from harness.scenario import Scenario, ScenarioError, discover, load_scenario
 
 if TYPE_CHECKING:
-    from harness.controller.cluster import Cluster
+    from harness.cluster_spec import Cluster
 
 
 def default_scenario_dir() -> Path:
@@ -102,7 +102,7 @@ def preflight(s: Scenario, backend: str | None, cluster: Cluster | None = None) 
 def cluster_of(args: argparse.Namespace, scenarios: list[Scenario]) -> Cluster | None:
     """The hosts of ``--hostfile``, else of the scenarios' ``[cluster]`` sections (one cluster per
     invocation), checked: every host reachable, with this controller's harness and MLX."""
-    from harness.controller.cluster import ClusterError, from_mapping, load_hostfile
+    from harness.cluster_spec import ClusterError, from_mapping, load_hostfile
     from harness.controller.remote import check_hosts
 
     try:
@@ -227,7 +227,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from harness.present import doctor
 
     if args.hostfile:
-        from harness.controller.cluster import ClusterError, load_hostfile
+        from harness.cluster_spec import ClusterError, load_hostfile
 
         try:
             cluster = load_hostfile(args.hostfile)

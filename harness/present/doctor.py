@@ -88,8 +88,9 @@ def cluster_checks(cluster: Any) -> list[tuple[str, str, bool]]:
             continue
         v = c.versions
         rows.append((f"{c.host}: SSH", f"agent answered in {c.reach_s:.2f} s; ranks use {', '.join(h.ips)}", True))
-        rows.append((f"{c.host}: versions", f"harness {v.get('harness')} (source {v.get('source')}), mlx {v.get('mlx')}, "
-                                            f"Python {v.get('python')}, {v.get('platform')}", not c.problem))
+        found = (f"harness {v.get('harness')} (source {v.get('source')}), mlx {v.get('mlx')}, "
+                 f"Python {v.get('python')}, {v.get('platform')}")
+        rows.append((f"{c.host}: versions", found, not c.problem))
         if c.problem:
             rows.append((f"{c.host}: mismatch", c.problem, False))
         link = HostLink(i, h, cluster.python)

@@ -1,4 +1,5 @@
-"""Hosts to run ranks on: a hostfile in the format ``mlx.launch`` takes, or a ``[cluster]`` section.
+"""Hosts to run ranks on: a hostfile in the format ``mlx.launch`` takes, or a scenario's
+``[cluster]`` section (pure data, read by the scenario layer and the controller).
 
 A hostfile is a JSON list of hosts (``{"ssh": NAME, "ips": [ADDRESS, ...]}``), or an object
 with ``"hosts"`` (and mlx.launch's ``"backend"`` and ``"envs"``). mlx.launch ignores other keys,
