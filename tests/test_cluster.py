@@ -232,6 +232,7 @@ def test_a_link_that_goes_down_mid_run_ends_it_within_the_no_progress_limit(sim:
     assert f"no progress from any rank for {no_progress_s} s" in out
     b = sim.hosts[1].ssh_addr
     assert f"rank 1 on {b} after step" in out, out[-2000:]
+    assert f"host {b} cannot reach {sim.hosts[0].data_addr}" in out, out[-2000:]  # the link, named
     assert no_progress_s <= took < no_progress_s + 15, took
     assert_nothing_left(sim)
 
@@ -259,4 +260,32 @@ def test_doctor_reports_each_host_and_the_bandwidth_between_them(sim: SimHosts, 
         assert f"{h.ssh_addr}: backends" in r.stdout
     line = next(ln for ln in r.stdout.splitlines() if ln.startswith("all_sum between hosts"))
     assert float(line.split("bus bandwidth ")[1].split(" MB/s")[0]) > 0
+    assert_nothing_left(sim)
+
+
+@needs_hosts
+@pytest.mark.ranks
+@pytest.mark.mlx_ddp_world_size(2)
+def test_a_cluster_section_runs_a_scenario_whose_data_the_hosts_lack(sim: SimHosts, hostfile: Path,
+                                                                     tmp_path: Path) -> None:
+    """The data file is where only the controller sees it (the hosts have their own disk at that
+    path): it is shipped to each host for the run and gone from them afterwards."""
+    hidden = Path(sim.private_dir) / "controller-only"
+    hidden.mkdir()
+    try:
+        rows = hidden / "chat.jsonl"
+        rows.write_text((REPO / "scenarios" / "data" / "chat.jsonl").read_text())
+        assert sim.ssh(0, f"test -e {rows}").returncode == 1  # not on the host
+        body = (REPO / "scenarios" / "chat_jsonl.toml").read_text().replace('path = "data/chat.jsonl"',
+                                                                            f'path = "{rows}"')
+        scenario = tmp_path / "chat_across.toml"
+        scenario.write_text(body + f'\n[cluster]\nhostfile = "{hostfile}"\n')
+        r = sim_cli(sim, "run", str(scenario), "--out", str(tmp_path / "out"), "--progress", "off")
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+        assert runs_of(tmp_path / "out" / "result.json")["ddp2"]["hosts"] == [h.ssh_addr for h in sim.hosts]
+        assert set(verdicts(tmp_path / "out" / "result.json").values()) == {"pass"}
+    finally:
+        for f in hidden.iterdir():
+            f.unlink()
+        hidden.rmdir()
     assert_nothing_left(sim)

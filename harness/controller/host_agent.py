@@ -13,7 +13,8 @@ never imports MLX: it starts in a fraction of a second. It
   directories (events, results, logs, probes, checkpoints: the versioned protocol files) as
   ``file`` messages, and each rank's process state as a ``procs`` message (a rank reported
   ended has all it wrote before its end already sent);
-- ``signal``: signals ranks (stack dumps);
+- ``signal``: signals ranks (stack dumps); ``reach``: whether this host reaches the others'
+  addresses (why a run stopped progressing);
 - ``finish``, or the end of its input (the controller or the SSH link is gone): kills the ranks
   still running, sends the last files, removes the run's directory, releases the ports and
   exits. Nothing of the run stays on the host.
@@ -39,6 +40,7 @@ from typing import Any
 TICK_S = 0.05
 CHUNK = 1 << 20  # bytes of one file per message
 KILL_WAIT_S = 5.0
+REACH_PORT = 9  # discard: a host that answers at all (even refusing) is reachable
 
 
 def source_digest() -> str:
@@ -154,6 +156,23 @@ class Agent:
 
         names = ("ring", "nccl", "mpi", "jaccl")
         return {"backends": [b for b in names if mx.distributed.is_available(b)], "device": str(mx.default_device())}
+
+    def op_reach(self, req: dict[str, Any]) -> dict[str, Any]:
+        """Whether this host reaches each address over TCP: a connection made or refused is
+        reached; a timeout or an unreachable network is not (the error, as one line)."""
+        timeout = float(req.get("timeout", 1.0))
+        out = {}
+        for addr in req["addrs"]:
+            try:
+                socket.create_connection((addr, REACH_PORT), timeout=timeout).close()
+                out[addr] = ""
+            except ConnectionRefusedError:
+                out[addr] = ""
+            except TimeoutError:
+                out[addr] = f"no answer in {timeout:g} s"
+            except OSError as e:
+                out[addr] = e.strerror or str(e) or type(e).__name__
+        return {"reach": out}
 
     def op_setup(self, req: dict[str, Any]) -> dict[str, Any]:
         root = Path(req["root"])

@@ -9,7 +9,7 @@ the ceiling plus ``hard_memory_slack_mb`` (a hard limit is for runaways; a run a
 tight ceiling is the ceiling check's to fail), or an absolute ``hard_rss_mb`` / ``hard_mlx_mb``.
 RSS counts from what the rank held before its job (its ``rss_runtime_bytes``), as the ceiling
 does. Whatever the scenario says, the ranks together may not hold more than
-``machine_memory_fraction`` of the machine's memory.
+``machine_memory_fraction`` of the machine's memory (on a cluster, of each host's).
 """
 
 from __future__ import annotations
@@ -78,11 +78,12 @@ def rss_of(pid: int) -> int | None:
 
 
 def over_limit(ranks: dict[int, RankMemory], limits: MemoryLimits, total_mb: float | None = None,
-               rss_by: Callable[[int, int], int | None] | None = None) -> str | None:
+               rss_by: Callable[[int, int], int | None] | None = None,
+               machine: str = "the machine") -> str | None:
     """The first rank above a hard limit, as one line naming the rank, the step, the value and the
     limit; or the ranks together above the machine's share of ``total_mb`` (default: the
     machine's memory); else ``None``. ``rss_by(rank, pid)``: a rank's RSS where it is not a local
-    process (a cluster host's agent reports it)."""
+    process (a cluster host's agent reports it); ``machine``: what ``total_mb`` is the memory of."""
     total = 0
     for r, m in sorted(ranks.items()):
         rss = (rss_by(r, m.pid) if rss_by else rss_of(m.pid)) if m.pid else None
@@ -97,8 +98,8 @@ def over_limit(ranks: dict[int, RankMemory], limits: MemoryLimits, total_mb: flo
         if limits.mlx_mb is not None and m.mlx_bytes / MB > limits.mlx_mb:
             return (f"{who}: MLX peak memory {m.mlx_bytes / MB:.0f} MB, "
                     f"limit {limits.mlx_mb:.0f} MB ({limits.mlx_source})")
-    machine = (total_mb if total_mb is not None else psutil.virtual_memory().total / MB) * limits.machine_fraction
-    if total / MB > machine:
-        return (f"the ranks together hold {total / MB:.0f} MB RSS, above {limits.machine_fraction:g} of the "
-                f"machine's memory ({machine:.0f} MB)")
+    share = (total_mb if total_mb is not None else psutil.virtual_memory().total / MB) * limits.machine_fraction
+    if total / MB > share:
+        return (f"the ranks together hold {total / MB:.0f} MB RSS, above {limits.machine_fraction:g} of "
+                f"{machine}'s memory ({share:.0f} MB)")
     return None

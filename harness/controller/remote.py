@@ -14,7 +14,6 @@ the end kill what is left and remove the host's directory and port lease.
 from __future__ import annotations
 
 import base64
-import hashlib
 import itertools
 import json
 import queue
@@ -28,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.cluster_spec import LOCAL, Cluster, ClusterError, ClusterHost
+from harness.controller.host_agent import sha256_of
 
 AGENT = "harness.controller.host_agent"
 REPLY_TIMEOUT_S = 60.0
@@ -63,6 +63,7 @@ class HostLink:
         self._lock = threading.Lock()
         self.ranks: dict[int, RankState] = {}
         self.procs_at = 0.0  # when the last process report came
+        self.memory_bytes = 0  # the host's memory, as its agent said
         self.closed = threading.Event()
         self.error = ""
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -149,14 +150,6 @@ class HostLink:
         return reply
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _strings(obj: Any) -> list[str]:
     if isinstance(obj, str):
         return [obj]
@@ -213,6 +206,7 @@ class RemoteRanks:
             hello = link.request("hello")
             if "harness" not in hello:
                 raise ClusterError(f"host {link.name}: {hello.get('error', 'no answer to hello')}")
+            link.memory_bytes = int(hello.get("memory_bytes") or 0)
             made = link.request("setup", root=link.root)
             if not made.get("ok"):
                 shared = " (hosts that share a filesystem need workdirs of their own)" if "exists" in str(
@@ -247,7 +241,7 @@ class RemoteRanks:
             for p in inputs:
                 files = _files(p)
                 have = link.request("have", paths=[str(f) for f in files])["sha256"]
-                if have != [_sha256(f) for f in files]:
+                if have != [sha256_of(f) for f in files]:
                     ship += files
                     mapping[str(p)] = link.remote(p)
             ship += [f for p in named if _under(p, sync_dirs) for f in _files(p)]
@@ -282,6 +276,12 @@ class RemoteRanks:
     def state(self, rank: int) -> RankState | None:
         return self.link_of(rank).ranks.get(rank)
 
+    def groups(self) -> list[tuple[list[int], float, str]]:
+        """Each host's ranks, its memory in MB (infinite: unknown) and its name."""
+        return [([r for r, x in enumerate(self.placement) if x == h], link.memory_bytes / (1 << 20) or float("inf"),
+                 link.name)
+                for h, link in self.links.items()]
+
     def ended(self, rank: int) -> bool:
         """The rank's process was seen and is gone (its files up to then have come back)."""
         s = self.state(rank)
@@ -301,6 +301,28 @@ class RemoteRanks:
                 except ClusterError:
                     continue
         return sent
+
+    def unreachable(self, timeout: float = 1.0) -> list[str]:
+        """``host A cannot reach B's address (why)`` for each pair of hosts whose link fails a TCP
+        connection now (a refused connection reaches its host)."""
+        found: list[str] = []
+        threads = []
+
+        def ask(link: HostLink) -> None:
+            others = [a for h, other in self.links.items() if other is not link for a in other.host.ips]
+            try:
+                reach = link.request("reach", addrs=others, timeout=timeout + 5).get("reach", {})
+            except ClusterError:
+                found.append(f"host {link.name}'s agent does not answer")
+                return
+            found.extend(f"host {link.name} cannot reach {addr} ({why})" for addr, why in reach.items() if why)
+
+        for link in self.links.values():
+            threads.append(threading.Thread(target=ask, args=(link,)))
+            threads[-1].start()
+        for t in threads:
+            t.join()
+        return sorted(found)
 
     def finish(self) -> list[str]:
         """Stop every agent: its ranks killed, last files back, its directory removed; survivors

@@ -76,7 +76,8 @@ class RankEvents:
 
 def _last_heard(launch: Launch, seen: RankEvents) -> str:
     """Where each rank of a run across hosts stopped: its host, its last step, how long ago; the
-    one heard from least recently first; hosts whose agent went silent too."""
+    one heard from least recently first; hosts whose agent went silent, and hosts that cannot
+    reach another's ring address now."""
     if launch.remote is None:
         return ""
     now = time.monotonic()
@@ -86,7 +87,21 @@ def _last_heard(launch: Launch, seen: RankEvents) -> str:
              for r in sorted(seen.heard, key=lambda r: seen.heard[r])]
     silent = [f"host {link.name}'s agent silent for {now - link.procs_at:.0f} s"
               for link in launch.remote.links.values() if link.procs_at and now - link.procs_at > AGENT_SILENT_S]
-    return "; last heard: " + "; ".join(parts + silent)
+    return "; last heard: " + "; ".join(parts + silent + launch.remote.unreachable())
+
+
+def _over_memory(launch: Launch, seen: RankEvents, memory: MemoryLimits, machine_mb: float) -> str | None:
+    """The hard memory limits; on a cluster, each host's ranks against that host's memory, with
+    the RSS its agent reports."""
+    if launch.remote is None:
+        return over_limit(seen.ranks, memory, machine_mb)
+    remote = launch.remote
+    for ranks, host_mb, name in remote.groups():
+        over = over_limit({r: seen.ranks[r] for r in ranks}, memory, host_mb, lambda r, pid: remote.rss(r),
+                          f"host {name}")
+        if over:
+            return over
+    return None
 
 
 def _progress_mark(launch: Launch) -> tuple[int, ...]:
@@ -210,8 +225,7 @@ def watch(launch: Launch, wall_s: float, no_progress_s: float, meter: CpuMeter,
     gone_since: float | None = None
     seen = RankEvents(launch)
     memory = memory or MemoryLimits()
-    machine_mb = psutil.virtual_memory().total / MB if launch.remote is None else float("inf")
-    rss = (lambda r, pid: launch.remote.rss(r)) if launch.remote is not None else None
+    machine_mb = psutil.virtual_memory().total / MB
     report = WatchReport(wall_s=0.0, returncode=None)
     while launch.proc.poll() is None:
         time.sleep(POLL_S)
@@ -228,7 +242,7 @@ def watch(launch: Launch, wall_s: float, no_progress_s: float, meter: CpuMeter,
             gone_since = now
         if failed_since is None and _rank_failed(launch):
             failed_since = now
-        over = over_limit(seen.ranks, memory, machine_mb, rss)
+        over = _over_memory(launch, seen, memory, machine_mb)
         exited_0 = any(exits.get(r) == 0 for r in gone)  # mlx.launch will not end the run for these
         if gone and (exited_0 or now - gone_since >= GONE_GRACE_S):
             report.limit = "rank_gone"
