@@ -4,7 +4,8 @@ Two simulated hosts (network namespaces with an SSH server each, ``tests/simhost
 data link goes through ``tests/linkrelay.py``, which adds latency and loss where the kernel has no
 netem). For each link condition, ``text_parity`` runs with ``--hostfile`` (ddp2: one rank per
 host, ddp4: two per host) and the table shows each run's verdicts and median tok/s, and the
-same on this machine alone. Then a long 2-rank run has host 1's data link taken down after its
+same on this machine alone. Then ``scenarios/link_down.toml`` (a long 2-rank run) has host 1's
+data link taken down after its
 5th step (``--down-repeats`` times): the figure is the time from the link going down to the moment
 every process of the run is gone on every host, under a no-progress limit of ``--no-progress-s``.
 
@@ -34,12 +35,15 @@ from harness.controller.session import execute  # noqa: E402
 from harness.controller.suite import train_job  # noqa: E402
 from harness.scenario import load_scenario  # noqa: E402
 from tests.simhosts import SimHosts, unavailable  # noqa: E402
-from tests.test_cluster import LONG_RUN  # noqa: E402
 
 TEXT_PARITY = REPO / "scenarios" / "text_parity.toml"
 
 
-def run_text_parity(out: Path, env: dict[str, str], hostfile: Path | None) -> list[list[str]]:
+PARITY = ("step_loss_parity", "step_grad_parity", "loss_parity", "param_parity", "eval_parity")
+parity_rows: list[list[str]] = []
+
+
+def run_text_parity(out: Path, env: dict[str, str], hostfile: Path | None, label: str = "") -> list[list[str]]:
     args = [sys.executable, "-m", "harness", "run", str(TEXT_PARITY), "--out", str(out), "--progress", "off"]
     r = subprocess.run([*args, *(["--hostfile", str(hostfile)] if hostfile else [])], env=env, cwd=REPO,
                        capture_output=True, text=True)
@@ -54,13 +58,18 @@ def run_text_parity(out: Path, env: dict[str, str], hostfile: Path | None) -> li
         passed = sum(c["result"] == "pass" for c in mine)
         rows.append([run["name"], f"{run.get('median_tok_s') or 0:.0f}", f"{passed}/{len(mine)} pass",
                      f"exit {r.returncode}"])
+        if label:
+            value = {c["name"]: c for c in mine}
+            parity_rows.append([label, run["name"], *(f"{value[n]['value']:.3g} ({value[n]['result']})"
+                                                      if n in value else "-" for n in PARITY)])
     return rows
 
 
 def link_down(sim: SimHosts, hostfile: Path, no_progress_s: float) -> tuple[float, str]:
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "link_down.toml"
-        path.write_text(LONG_RUN.format(no_progress_s=no_progress_s))
+        path.write_text((REPO / "scenarios" / "link_down.toml").read_text().replace(
+            "no_progress_s = 10", f"no_progress_s = {no_progress_s:g}"))
         s = load_scenario(path)
         keep = Path(d) / "kept"
         box: dict = {}
@@ -103,18 +112,20 @@ def main() -> int:
         hosts = [{"ssh": h.ssh_addr, "ips": [h.data_addr]} for h in sim.hosts]
         hostfile.write_text(json.dumps({"hosts": hosts, "harness": {"workdir": sim.private_dir}}))
         env = sim.path_env
-        for run in run_text_parity(Path(d) / "local", env, None):
+        for run in run_text_parity(Path(d) / "local", env, None, "this machine alone"):
             rows.append(["this machine alone", *run])
         conditions = [("plain", 0.0, 0.0)] + [(f"+{x} ms one way", float(x), 0.0) for x in args.delays.split(",") if x]
         conditions += [(f"{float(p):.0%} loss", 0.0, float(p)) for p in args.losses.split(",") if p]
         for label, delay, loss in conditions:
             sim.set_link(delay_ms=delay, loss=loss, seed=1)
-            for run in run_text_parity(Path(d) / label.replace(" ", "_"), env, hostfile):
+            for run in run_text_parity(Path(d) / label.replace(" ", "_"), env, hostfile, f"2 hosts, {label}"):
                 rows.append([f"2 hosts, {label}", *run])
             print(tabulate(rows[-2:], tablefmt="plain"), flush=True)
         sim.set_link()
         print()
         print(tabulate(rows, headers=["link", "run", "median tok/s", "checks", "CLI"]))
+        print()
+        print(tabulate(parity_rows, headers=["link", "run", *PARITY]))
         os.environ["PATH"] = env["PATH"]
         tries = [link_down(sim, hostfile, args.no_progress_s) for _ in range(args.down_repeats)]
         times = [t for t, _ in tries]

@@ -2,13 +2,16 @@
 
 Each host is a network namespace with two links, as a small cluster of Macs has:
 
-- a management link (a veth pair to the machine, addresses ``10.213.<i>.1`` here and
-  ``10.213.<i>.2`` in the host) that SSH uses;
-- a data link (a veth into a bridge shared by the hosts, ``10.214.0.<i+1>``) that the ranks'
-  ring connections use. ``link_down(i)`` takes host ``i``'s data link down, as an unplugged cable.
-  With ``link="relay"`` a relay (``tests/linkrelay.py``) takes the bridge's place, and
+- a management link (a veth pair to the machine, addresses ``10.213.<4n+i>.1`` here and
+  ``10.213.<4n+i>.2`` in the host) that SSH uses;
+- a data link (a veth into a bridge shared by the hosts, ``10.214.<n>.<i+1>``) that the ranks'
+  ring connections use. ``link_down(i)`` takes host ``i``'s data link down, as an unplugged
+  cable. With ``link="relay"`` a relay (``tests/linkrelay.py``) takes the bridge's place, and
   ``set_link(delay_ms, loss)`` sets the data links' latency and packet loss (the kernels this
   runs on may lack ``tc netem``, so the relay does it in user space).
+
+``n`` is a network slot this fixture holds (a lock under /run) while it lives, so fixtures in
+concurrent test workers never share addresses.
 
 Each host's SSH server runs in a mount namespace of its own with a private tmpfs at
 ``private_dir``: what ranks write there is on that host only, as with separate machines (the
@@ -20,6 +23,7 @@ nothing is written to ``~/.ssh``. Needs root, ``ip`` (iproute2), ``sshd`` (opens
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import secrets
@@ -31,8 +35,10 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 SSHD = "/usr/sbin/sshd"
+MAX_SLOTS = 60  # 4 management subnets each in 10.213.0-239
 PACKAGES = "openssh-server openssh-client iproute2"
 HERE = Path(__file__).resolve().parent
 # ethtool -K IFACE tx off, without ethtool: a veth leaves TCP checksums to the receiving end's
@@ -98,6 +104,8 @@ class SimHosts:
     workdir: Path | None = None
     relay: subprocess.Popen | None = None
     link: str = "bridge"  # "bridge" (the kernel's) or "relay" (latency and loss, ``linkrelay``)
+    slot: int = -1
+    _slot_file: Any = None
 
     @property
     def bridge(self) -> str:
@@ -119,11 +127,27 @@ class SimHosts:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+    def _take_slot(self) -> None:
+        for n in range(MAX_SLOTS):
+            f = open(f"/run/mxh-net-{n}.lock", "a")
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                f.close()
+                continue
+            self.slot, self._slot_file = n, f
+            return
+        raise RuntimeError(f"all {MAX_SLOTS} network slots for simulated hosts are in use")
+
     def _start(self) -> None:
+        if self.count > 4:
+            raise ValueError("at most 4 simulated hosts")
+        self._take_slot()
         where = "/run" if os.path.isdir("/run") else None  # outside /tmp, which tests may use freely
         self.workdir = Path(tempfile.mkdtemp(prefix=f"mxh-{self.token}-", dir=where))
         os.chmod(self.workdir, 0o700)
         os.makedirs(self.private_dir, exist_ok=True)
+        os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # sshd's privilege separation directory
         key = self.workdir / "id_ed25519"
         _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key))
         _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(self.workdir / "host_key"))
@@ -133,13 +157,14 @@ class SimHosts:
         _run("ip", "link", "set", self.bridge, "up")
         for i in range(self.count):
             ns = f"mxh{self.token}{i}"
-            h = SimHost(i, ns, f"10.213.{i}.2", f"10.214.0.{i + 1}", f"mxd{self.token}{i}")
+            m = 4 * self.slot + i
+            h = SimHost(i, ns, f"10.213.{m}.2", f"10.214.{self.slot}.{i + 1}", f"mxd{self.token}{i}")
             self.hosts.append(h)
             _run("ip", "netns", "add", ns)
             _run("ip", "-n", ns, "link", "set", "lo", "up")
             mgmt = f"mxm{self.token}{i}"
             _run("ip", "link", "add", mgmt, "type", "veth", "peer", "name", "mgmt0", "netns", ns)
-            _run("ip", "addr", "add", f"10.213.{i}.1/24", "dev", mgmt)
+            _run("ip", "addr", "add", f"10.213.{m}.1/24", "dev", mgmt)
             _run("ip", "link", "set", mgmt, "up")
             _run("ip", "-n", ns, "addr", "add", f"{h.ssh_addr}/24", "dev", "mgmt0")
             _run("ip", "-n", ns, "link", "set", "mgmt0", "up")
@@ -269,3 +294,6 @@ class SimHosts:
                 os.rmdir(self.private_dir)
             except OSError:
                 pass
+        if self._slot_file is not None:
+            self._slot_file.close()  # the slot is free again
+            self._slot_file = None

@@ -89,7 +89,7 @@ def describe_exit(code: int | None) -> str:
 
 
 def collect(run_dir: Path, world_size: int, report: WatchReport) -> list[RankOutcome]:
-    exits = launcher_exits(run_dir) if world_size > 1 else {}
+    exits = launcher_exits(run_dir, report.remote) if world_size > 1 else {}
     ranks = []
     for r in range(world_size):
         if world_size == 1:

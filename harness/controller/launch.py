@@ -164,16 +164,21 @@ def start(run_dir: Path, world_size: int, backend: str | None = None) -> Launch:
     return Launch(proc, run_dir, world_size, backend, lease)
 
 
-# What a rank on a cluster host runs: its pid where its host's agent finds it, its files under
-# the host's mirror of the run directory (``D``), MLX's kernel cache inside the run's directory.
+# What a rank on a cluster host runs: its files under the host's mirror of the run directory
+# (``D``), MLX's kernel cache inside the run's directory, its pid where its host's agent finds it.
+# The shell waits for the rank rather than exec it: its exit status (128 + N for signal N) is
+# what SSH passes back, where a rank ended by a signal would otherwise read as SSH's own 255.
 REMOTE_RANK_CMD = (
-    'R="$MLX_DDP_HARNESS_ROOT"; D="$R/m$1"; echo $$ >"$R/pids/rank$MLX_RANK"; '
+    'R="$MLX_DDP_HARNESS_ROOT"; D="$R/m$1"; '
     'export TMPDIR="$D/tmp" MLX_DDP_HARNESS_TMPDIR="$R/tmp"; '
     'if [ -z "$MLX_DDP_HARNESS_BLAS" ] && [ -f ' + OPENBLAS + ' ]; then '
     'export LD_PRELOAD=' + OPENBLAS + '${LD_PRELOAD:+:$LD_PRELOAD} '
     'OPENBLAS_NUM_THREADS=${OPENBLAS_NUM_THREADS:-1}; fi; '
-    'cd "$D" && exec "$0" -m ' + RANK_MODULE + ' "$D" >"$D/rank$MLX_RANK.stdout" 2>"$D/rank$MLX_RANK.stderr"'
+    'cd "$D" || exit 126; '
+    '"$0" -m ' + RANK_MODULE + ' "$D" >"$D/rank$MLX_RANK.stdout" 2>"$D/rank$MLX_RANK.stderr" & '
+    'echo $! >"$R/pids/rank$MLX_RANK"; wait $!'
 )
+SIGNAL_STATUS = 128  # a shell's exit status for a child ended by signal N is 128 + N
 
 
 def _remote_envs(cluster: Cluster, root: str) -> list[str]:
@@ -223,14 +228,18 @@ def start_on_cluster(run_dir: Path, world_size: int, backend: str, cluster: Clus
     return Launch(proc, run_dir, world_size, backend, None, remote)
 
 
-def launcher_exits(run_dir: Path) -> dict[int, int | None]:
+def launcher_exits(run_dir: Path, remote: bool = False) -> dict[int, int | None]:
     """rank -> its exit status as mlx.launch logged it (negative: the signal that ended it; None:
-    mlx.launch killed it, having seen another rank fail). Ranks still running are absent."""
+    mlx.launch killed it, having seen another rank fail). Ranks still running are absent.
+    ``remote``: the ranks ran on cluster hosts, whose statuses come through a shell (128 + N: signal N)."""
     out: dict[int, int | None] = {}
     try:
         text = (run_dir / LAUNCHER_LOG).read_text(errors="replace")
     except FileNotFoundError:
         return out
     for m in _EXIT.finditer(text):
-        out[int(m.group(1))] = None if m.group(3) else int(m.group(2) or 0)
+        code = None if m.group(3) else int(m.group(2) or 0)
+        if remote and code is not None and SIGNAL_STATUS < code < SIGNAL_STATUS + 65:
+            code = SIGNAL_STATUS - code
+        out[int(m.group(1))] = code
     return out

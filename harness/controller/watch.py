@@ -47,6 +47,7 @@ class WatchReport:
     exited_early: list[int] = field(default_factory=list)  # gone without a result before a limit fired
     cpu: CpuUse | None = None  # what the machine's CPUs did meanwhile
     ended_at: float = 0.0  # time.time() once every process of the run was gone
+    remote: bool = False  # its ranks ran on cluster hosts
 
 
 class RankEvents:
@@ -226,7 +227,7 @@ def watch(launch: Launch, wall_s: float, no_progress_s: float, meter: CpuMeter,
     seen = RankEvents(launch)
     memory = memory or MemoryLimits()
     machine_mb = psutil.virtual_memory().total / MB
-    report = WatchReport(wall_s=0.0, returncode=None)
+    report = WatchReport(wall_s=0.0, returncode=None, remote=launch.remote is not None)
     while launch.proc.poll() is None:
         time.sleep(POLL_S)
         now = time.monotonic()
