@@ -125,9 +125,6 @@ def runs_of(result: Path) -> dict[str, dict]:
     return {r["name"]: r for s in doc["scenarios"] for r in s["runs"]}
 
 
-CLUSTER_RESULTS: dict[str, Path] = {}
-
-
 @needs_hosts
 @pytest.mark.ranks
 @pytest.mark.mlx_ddp_world_size(2)
@@ -138,10 +135,9 @@ def test_text_parity_across_two_hosts_gives_the_single_host_verdicts(sim: SimHos
                      "--progress", "off")
     assert local.returncode == 0, local.stdout[-3000:] + local.stderr[-2000:]
     assert across.returncode == 0, across.stdout[-3000:] + across.stderr[-2000:]
-    CLUSTER_RESULTS["plain"] = tmp_path / "across" / "result.json"
-    v_local, v_across = verdicts(tmp_path / "local" / "result.json"), verdicts(CLUSTER_RESULTS["plain"])
+    v_local, v_across = verdicts(tmp_path / "local" / "result.json"), verdicts(tmp_path / "across" / "result.json")
     assert v_across == v_local and set(v_local.values()) == {"pass"}
-    runs = runs_of(CLUSTER_RESULTS["plain"])
+    runs = runs_of(tmp_path / "across" / "result.json")
     a, b = sim.hosts[0].ssh_addr, sim.hosts[1].ssh_addr
     assert runs["ddp2"]["hosts"] == [a, b] and runs["ddp4"]["hosts"] == [a, a, b, b]
     assert [rk["host"] for rk in runs["ddp4"]["ranks"]] == [a, a, b, b]
@@ -153,11 +149,9 @@ def test_text_parity_across_two_hosts_gives_the_single_host_verdicts(sim: SimHos
 @needs_hosts
 @pytest.mark.ranks
 @pytest.mark.mlx_ddp_world_size(2)
-@pytest.mark.parametrize(("delay_ms", "loss"), [(15.0, 0.0), (0.0, 0.03)], ids=["latency", "loss"])
+@pytest.mark.parametrize(("delay_ms", "loss"), [(40.0, 0.0), (0.0, 0.03)], ids=["latency", "loss"])
 def test_a_slow_or_lossy_link_costs_throughput_but_not_correctness(sim: SimHosts, hostfile: Path, tmp_path: Path,
                                                                    delay_ms: float, loss: float) -> None:
-    if "plain" not in CLUSTER_RESULTS:
-        pytest.skip("needs the plain-link run of test_text_parity_across_two_hosts_gives_the_single_host_verdicts")
     sim.set_link(delay_ms=delay_ms, loss=loss, seed=3)
     try:
         r = sim_cli(sim, "run", str(TEXT_PARITY), "--hostfile", str(hostfile), "--out", str(tmp_path), "--progress",
@@ -166,10 +160,15 @@ def test_a_slow_or_lossy_link_costs_throughput_but_not_correctness(sim: SimHosts
         sim.set_link()
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     assert set(verdicts(tmp_path / "result.json").values()) == {"pass"}
-    slow, plain = runs_of(tmp_path / "result.json"), runs_of(CLUSTER_RESULTS["plain"])
-    if delay_ms:  # 30 ms a round trip against steps of a few ms: the table shows it many times over
-        for run in ("ddp2", "ddp4"):
-            assert slow[run]["median_tok_s"] < 0.5 * plain[run]["median_tok_s"], (run, slow[run]["median_tok_s"])
+    runs = runs_of(tmp_path / "result.json")
+    for run in ("ddp2", "ddp4"):
+        steps = runs[run]["ranks"][0]["step_times_s"][1:]
+        if delay_ms:  # a step crosses the link at least twice in turn (the ranks' agreement that they
+            # built the step, then its gradient all-reduce): twice the added latency, where a step
+            # on the plain link takes 30-50 ms on a 2-core machine
+            assert sorted(steps)[len(steps) // 2] >= 2 * delay_ms / 1000, (run, steps)
+        tok_s = runs[run]["median_tok_s"]
+        assert f"{tok_s:.1f}" in r.stdout  # the run table shows the speed the link allowed
     assert_nothing_left(sim)
 
 
