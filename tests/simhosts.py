@@ -105,6 +105,7 @@ class SimHosts:
     relay: subprocess.Popen | None = None
     link: str = "bridge"  # "bridge" (the kernel's) or "relay" (latency and loss, ``linkrelay``)
     slot: int = -1
+    started: float = 0.0  # time.time() when the hosts were made
     _slot_file: Any = None
 
     @property
@@ -143,6 +144,7 @@ class SimHosts:
         if self.count > 4:
             raise ValueError("at most 4 simulated hosts")
         self._take_slot()
+        self.started = time.time() - 1
         where = "/run" if os.path.isdir("/run") else None  # outside /tmp, which tests may use freely
         self.workdir = Path(tempfile.mkdtemp(prefix=f"mxh-{self.token}-", dir=where))
         os.chmod(self.workdir, 0o700)
@@ -255,6 +257,16 @@ class SimHosts:
 
     def link_up(self, i: int) -> None:
         _run("ip", "link", "set", self.hosts[i].root_data_if, "up")
+
+    def shared_leftovers(self, i: int) -> list[str]:
+        """What host ``i`` left where the machine's files are visible to it (its /tmp is the
+        machine's): its port lease directory (named after its network namespace), and files of
+        mlx.launch's remote launches (``tmp.*`` in /tmp) made since the hosts started."""
+        ino = os.stat(f"/run/netns/{self.hosts[i].netns}").st_ino
+        out = [str(p) for p in Path("/tmp").glob(f"mlx-ddp-harness-ports-*-net{ino}")]
+        out += [str(p) for p in Path("/tmp").glob("tmp.*")
+                if p.is_file() and p.stat().st_mtime >= self.started and p.read_text().strip().isdigit()]
+        return out
 
     def processes(self, i: int) -> list[str]:
         """Command lines of the processes in host ``i``'s namespace other than its SSH server."""

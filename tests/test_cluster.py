@@ -113,6 +113,7 @@ def assert_nothing_left(sim: SimHosts) -> None:
         assert sim.processes(i) == [], f"host {i} still runs {sim.processes(i)}"
         listing = sim.ssh(i, f"ls -A {sim.private_dir}")
         assert listing.returncode == 0 and listing.stdout == "", f"host {i} keeps {listing.stdout!r}"
+        assert sim.shared_leftovers(i) == []
 
 
 def verdicts(result: Path) -> dict[tuple[str, str], str]:

@@ -16,7 +16,8 @@ never imports MLX: it starts in a fraction of a second. It
 - ``signal``: signals ranks (stack dumps); ``reach``: whether this host reaches the others'
   addresses (why a run stopped progressing);
 - ``finish``, or the end of its input (the controller or the SSH link is gone): kills the ranks
-  still running, sends the last files, removes the run's directory, releases the ports and
+  still running, sends the last files, removes the run's directory and mlx.launch's pidfiles,
+  releases the ports (and the lease directory, when no other run holds a lease there) and
   exits. Nothing of the run stays on the host.
 """
 
@@ -243,6 +244,24 @@ class Agent:
             with contextlib.suppress(ValueError, OSError):
                 self.pids.setdefault(int(f.name[4:]), int(f.read_text().strip()))
 
+    def _launcher_files(self) -> list[Path]:
+        """mlx.launch's pidfiles for this run's ranks on this host: it makes one per rank with
+        ``mktemp`` in the login shell's temporary directory (this agent's, as both come over SSH)
+        holding the pid of the shell that became the rank's, and removes it only when it kills."""
+        if self.root is None:
+            return []
+        shells = set()
+        for f in (self.root / "pids").glob("shell*"):
+            with contextlib.suppress(OSError):
+                shells.add(f.read_text().strip())
+        tmp = Path(os.environ.get("TMPDIR") or "/tmp")
+        found = []
+        for f in tmp.glob("tmp.*"):
+            with contextlib.suppress(OSError):
+                if f.is_file() and f.stat().st_size < 32 and f.read_text().strip() in shells:
+                    found.append(f)
+        return found
+
     def _procs(self) -> dict[str, Any]:
         import psutil
 
@@ -284,11 +303,19 @@ class Agent:
         if self.mirror is not None:
             self.mirror.scan(self.send)
         removed = True
+        for f in self._launcher_files():
+            with contextlib.suppress(OSError):
+                f.unlink()
         if self.root is not None:
             shutil.rmtree(self.root, ignore_errors=True)
             removed = not self.root.exists()
         if self.lease is not None:
+            from harness.controller.ports import drop_idle_lease_dir
+
             self.lease.release()
+            self.lease = None
+            drop_idle_lease_dir()
+        self.root = None
         return {"survivors": survivors, "removed": removed}
 
     def serve(self) -> None:

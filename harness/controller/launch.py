@@ -165,11 +165,12 @@ def start(run_dir: Path, world_size: int, backend: str | None = None) -> Launch:
 
 
 # What a rank on a cluster host runs: its files under the host's mirror of the run directory
-# (``D``), MLX's kernel cache inside the run's directory, its pid where its host's agent finds it.
+# (``D``), MLX's kernel cache inside the run's directory, its pid (and its shell's, which
+# mlx.launch records in a temporary file of its own) where its host's agent finds them.
 # The shell waits for the rank rather than exec it: its exit status (128 + N for signal N) is
 # what SSH passes back, where a rank ended by a signal would otherwise read as SSH's own 255.
 REMOTE_RANK_CMD = (
-    'R="$MLX_DDP_HARNESS_ROOT"; D="$R/m$1"; '
+    'R="$MLX_DDP_HARNESS_ROOT"; D="$R/m$1"; echo $$ >"$R/pids/shell$MLX_RANK"; '
     'export TMPDIR="$D/tmp" MLX_DDP_HARNESS_TMPDIR="$R/tmp"; '
     'if [ -z "$MLX_DDP_HARNESS_BLAS" ] && [ -f ' + OPENBLAS + ' ]; then '
     'export LD_PRELOAD=' + OPENBLAS + '${LD_PRELOAD:+:$LD_PRELOAD} '

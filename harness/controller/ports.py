@@ -16,6 +16,7 @@ import os
 import random
 import socket
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,6 +96,44 @@ def _active_leases(d: Path) -> list[tuple[int, int]]:
     return active
 
 
+@contextlib.contextmanager
+def _locked() -> Iterator[Path]:
+    """The lease directory, under its exclusive lock. A directory removed while this process
+    waited for the lock (``drop_idle_lease_dir``) is made again."""
+    while True:
+        d = lease_dir()
+        try:
+            lock = open(d / ".lock", "a")
+        except FileNotFoundError:  # removed between making and opening it
+            continue
+        with lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                try:
+                    current = os.stat(d / ".lock")
+                except FileNotFoundError:
+                    continue
+                if not os.path.samestat(os.fstat(lock.fileno()), current):
+                    continue
+                yield d
+                return
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def drop_idle_lease_dir() -> bool:
+    """Remove this machine's lease directory when no live process holds a lease in it (what a
+    cluster host's agent does last, so that nothing of a run stays on the host)."""
+    with _locked() as d:
+        if _active_leases(d):
+            return False
+        with contextlib.suppress(OSError):
+            (d / ".lock").unlink()
+            d.rmdir()
+            return True
+    return False
+
+
 def _bindable(port: int, ip: str = "127.0.0.1") -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         try:
@@ -111,22 +150,17 @@ def lease_ports(count: int, attempts: int = 200, rng: random.Random | None = Non
     if count < 1:
         raise ValueError("count must be >= 1")
     rng = rng or random.Random()
-    d = lease_dir()
-    with open(d / ".lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            taken = _active_leases(d)
-            for _ in range(attempts):
-                start = rng.randrange(LOW, HIGH - count)
-                end = start + count
-                if any(start < e and s < end for s, e in taken):
-                    continue
-                if all(_bindable(p) for p in range(start, end)):
-                    f = d / f"lease-{start}-{count}-{os.getpid()}"
-                    f.touch()
-                    return PortLease(start, count, f)
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    with _locked() as d:
+        taken = _active_leases(d)
+        for _ in range(attempts):
+            start = rng.randrange(LOW, HIGH - count)
+            end = start + count
+            if any(start < e and s < end for s, e in taken):
+                continue
+            if all(_bindable(p) for p in range(start, end)):
+                f = d / f"lease-{start}-{count}-{os.getpid()}"
+                f.touch()
+                return PortLease(start, count, f)
     raise PortError(f"no block of {count} free ports in {LOW}-{HIGH} after {attempts} tries")
 
 
@@ -135,21 +169,16 @@ def lease_block(start: int, count: int, ips: list[str] | None = None) -> PortLea
     or ``None`` when another lease or a socket holds one of them (``OSError``: an address
     that cannot be bound at all): how a cluster host's agent
     takes the block the controller proposes."""
-    d = lease_dir()
     end = start + count
-    with open(d / ".lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            if any(start < e and s < end for s, e in _active_leases(d)):
-                return None
-            for ip in ["127.0.0.1", *(ips or [])]:
-                try:
-                    if not all(_bindable(p, ip) for p in range(start, end)):
-                        return None
-                except OSError as e:  # e.g. an address this host does not have: its ranks could not bind
-                    raise OSError(f"cannot bind {ip}:{start} here ({e.strerror or e})") from e
-            f = d / f"lease-{start}-{count}-{os.getpid()}"
-            f.touch()
-            return PortLease(start, count, f)
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    with _locked() as d:
+        if any(start < e and s < end for s, e in _active_leases(d)):
+            return None
+        for ip in ["127.0.0.1", *(ips or [])]:
+            try:
+                if not all(_bindable(p, ip) for p in range(start, end)):
+                    return None
+            except OSError as e:  # e.g. an address this host does not have: its ranks could not bind
+                raise OSError(f"cannot bind {ip}:{start} here ({e.strerror or e})") from e
+        f = d / f"lease-{start}-{count}-{os.getpid()}"
+        f.touch()
+        return PortLease(start, count, f)
