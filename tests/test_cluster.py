@@ -266,3 +266,37 @@ def test_a_cluster_section_runs_a_scenario_whose_data_the_hosts_lack(sim: SimHos
             f.unlink()
         hidden.rmdir()
     assert_nothing_left(sim)
+
+
+@needs_hosts
+@pytest.mark.ranks
+@pytest.mark.mlx_ddp_world_size(2)
+def test_a_controller_that_dies_leaves_nothing_on_the_hosts(sim: SimHosts, hostfile: Path, tmp_path: Path) -> None:
+    """SIGKILL the controller mid-run: each agent sees its SSH session end, kills its ranks and
+    removes the host's files; the local launcher then ends too."""
+    tmp = tmp_path / "controller-tmp"
+    tmp.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "harness", "run", str(LINK_DOWN), "--hostfile", str(hostfile),
+                             "--progress", "off"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "PATH": sim.path_env["PATH"], "TMPDIR": str(tmp)})
+    deadline = time.monotonic() + 120
+    while not any('"kind": "step"' in f.read_text() for f in tmp.glob("mlx-ddp-harness-run-*/rank1.events.jsonl")):
+        assert proc.poll() is None and time.monotonic() < deadline, "the run did not start training"
+        time.sleep(0.05)
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 30
+    while any(sim.processes(i) for i in range(len(sim.hosts))) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert_nothing_left(sim)
+    # nothing of the run survives on this machine either (its launcher and SSH clients)
+    import psutil
+
+    left = [p.info["cmdline"] for p in psutil.process_iter(["cmdline"])
+            if any(str(tmp) in part for part in (p.info["cmdline"] or []))]
+    deadline = time.monotonic() + 30
+    while left and time.monotonic() < deadline:
+        time.sleep(0.2)
+        left = [p.info["cmdline"] for p in psutil.process_iter(["cmdline"])
+                if any(str(tmp) in part for part in (p.info["cmdline"] or []))]
+    assert left == []

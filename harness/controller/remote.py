@@ -34,6 +34,7 @@ REPLY_TIMEOUT_S = 60.0
 SSH_OPTIONS = ("-o", "BatchMode=yes", "-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=3")
 PORT_TRIES = 20
 SHIP_CHUNK = 4 << 20
+MAX_SHIP_FILES = 10_000
 
 
 def agent_command(host: ClusterHost, python: str) -> list[str]:
@@ -233,6 +234,12 @@ class RemoteRanks:
         """Send each host what the job needs; return each host's job with its paths rewritten."""
         jobs = {}
         named = {Path(s) for s in _strings(job) if s.startswith("/") and Path(s).exists()}
+        # a directory above the run's own (a bare "/tmp") is no input to ship
+        named = {p for p in named if not any(p in d.parents for d in [run_dir, *sync_dirs])}
+        for p in named:
+            if p.is_dir() and not _under(p, [run_dir, *sync_dirs]) and len(_files(p)) > MAX_SHIP_FILES:
+                raise ClusterError(f"{p}: the job names a directory of more than {MAX_SHIP_FILES} files; "
+                                   f"put it on every host at the same path instead of shipping it")
         for h, link in self.links.items():
             mapping = {str(run_dir): link.remote(run_dir)}
             mapping.update({str(d): link.remote(d) for d in sync_dirs})
