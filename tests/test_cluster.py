@@ -84,6 +84,25 @@ def test_a_run_on_a_cluster_of_this_machine_goes_through_the_agent_and_leaves_no
     assert list(work.iterdir()) == []  # the host's run directory is gone
 
 
+def test_a_host_with_other_harness_code_is_refused_naming_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The agent on 127.0.0.1 runs a copy of the harness with one line changed: preflight names
+    the host and the mismatch; the unchanged copy passes."""
+    import shutil
+
+    from harness.controller.remote import check_hosts
+
+    copy = tmp_path / "other" / "harness"
+    shutil.copytree(REPO / "harness", copy, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.chdir(tmp_path)  # python -m puts the working directory first on its path
+    monkeypatch.setenv("PYTHONPATH", str(copy.parent))
+    c = Cluster([ClusterHost("127.0.0.1", ["127.0.0.1"])])
+    assert [h.problem for h in check_hosts(c)] == [""]
+    with open(copy / "controller" / "remote.py", "a") as f:
+        f.write("# a host with other code\n")
+    (problem,) = [h.problem for h in check_hosts(c)]
+    assert problem.startswith("host 127.0.0.1 runs harness source digest ") and "install the same" in problem
+
+
 # -- simulated hosts ---------------------------------------------------------------------------
 
 WHY_NOT = unavailable()

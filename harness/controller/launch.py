@@ -105,10 +105,11 @@ def _rank_env(run_dir: Path) -> dict[str, str]:
     return env
 
 
-def write_hostfile(run_dir: Path, world_size: int, backend: str) -> Path:
-    """A launcher hostfile of ``world_size`` local hosts, readable by the owner only."""
+def write_hostfile(run_dir: Path, world_size: int, backend: str, hosts: list[dict] | None = None) -> Path:
+    """A launcher hostfile of ``world_size`` local hosts (or of ``hosts``, one entry per rank),
+    readable by the owner only."""
     path = run_dir / "hostfile.json"
-    hosts = [{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]} for _ in range(world_size)]
+    hosts = hosts or [{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]} for _ in range(world_size)]
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump({"backend": backend, "hosts": hosts}, f)
@@ -205,13 +206,10 @@ def start_on_cluster(run_dir: Path, world_size: int, backend: str, cluster: Clus
         start = remote.lease_ports(world_size + 1)
         job = schema.read_json(run_dir / schema.JOB_FILE)
         for h, host_job in remote.ship(job, run_dir, sync_dirs).items():
-            remote.put_text(h, run_dir / schema.JOB_FILE, json.dumps(host_job, indent=1, sort_keys=True))
+            remote.links[h].put(run_dir / schema.JOB_FILE, json.dumps(host_job, indent=1, sort_keys=True).encode())
         remote.watch(run_dir, sync_dirs)
         hosts = [{"ssh": cluster.hosts[h].ssh, "ips": cluster.hosts[h].ips} for h in remote.placement]
-        path = run_dir / "hostfile.json"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump({"backend": backend, "hosts": hosts}, f)
+        path = write_hostfile(run_dir, world_size, backend, hosts)
         root = next(iter(remote.links.values())).root
         cmd = [
             *find_launcher(), "--hostfile", str(path), "--backend", backend,

@@ -129,12 +129,25 @@ class HostLink:
         return reply
 
     def _last_error(self) -> str:
-        self.closed.wait(0.5) if self.proc.poll() is not None else None
+        if self.proc.poll() is not None:
+            self.closed.wait(0.5)  # its stderr, read to the end
         return self.error.splitlines()[-1] if self.error else ""
+
+    def relative(self, local: Path | str) -> str:
+        """Where a local path is mirrored on the host, inside the run's directory there."""
+        return f"m{Path(local)}"
 
     def remote(self, local: Path | str) -> str:
         """Where a local path is mirrored on the host."""
-        return f"{self.root}/m{Path(local)}"
+        return f"{self.root}/{self.relative(local)}"
+
+    def put(self, local: Path, data: bytes) -> None:
+        """Write ``data`` at ``local``'s place on the host, in chunks."""
+        for offset in range(0, max(len(data), 1), SHIP_CHUNK):
+            r = self.request("put", path=self.relative(local), offset=offset,
+                             data=base64.b64encode(data[offset:offset + SHIP_CHUNK]).decode())
+            if not r.get("ok"):
+                raise ClusterError(f"host {self.name}: could not write {local}: {r.get('error')}")
 
     def close(self, timeout: float = 30.0) -> dict[str, Any]:
         """Finish the agent (kill its ranks, last files, remove the host's directory)."""
@@ -253,31 +266,14 @@ class RemoteRanks:
                     mapping[str(p)] = link.remote(p)
             ship += [f for p in named if _under(p, sync_dirs) for f in _files(p)]
             for f in sorted(set(ship)):
-                self._put(link, f)
-            link.request("mkdir", paths=[link.remote(run_dir)[len(link.root) + 1:] + "/tmp"]
-                         + [link.remote(d)[len(link.root) + 1:] for d in sync_dirs])
+                link.put(f, f.read_bytes())
+            link.request("mkdir", paths=[link.relative(run_dir / "tmp"), *map(link.relative, sync_dirs)])
             jobs[h] = _rewrite(job, dict(sorted(mapping.items(), key=lambda kv: -len(kv[0]))))
         return jobs
 
-    def _put(self, link: HostLink, f: Path) -> None:
-        rel = link.remote(f)[len(link.root) + 1:]
-        data = f.read_bytes()
-        for offset in range(0, max(len(data), 1), SHIP_CHUNK):
-            r = link.request("put", path=rel, offset=offset,
-                             data=base64.b64encode(data[offset:offset + SHIP_CHUNK]).decode())
-            if not r.get("ok"):
-                raise ClusterError(f"host {link.name}: could not write {f}: {r.get('error')}")
-
-    def put_text(self, h: int, local: Path, text: str) -> None:
-        link = self.links[h]
-        r = link.request("put", path=link.remote(local)[len(link.root) + 1:], offset=0,
-                         data=base64.b64encode(text.encode()).decode())
-        if not r.get("ok"):
-            raise ClusterError(f"host {link.name}: could not write {local}: {r.get('error')}")
-
     def watch(self, run_dir: Path, sync_dirs: list[Path]) -> None:
         for link in self.links.values():
-            link.request("watch", dirs=[link.remote(d)[len(link.root) + 1:] for d in [run_dir, *sync_dirs]])
+            link.request("watch", dirs=[link.relative(d) for d in [run_dir, *sync_dirs]])
 
     # what the watchdog asks ---------------------------------------------------------------
     def state(self, rank: int) -> RankState | None:
@@ -337,11 +333,11 @@ class RemoteRanks:
         left: list[str] = []
         threads = []
 
-        def close(h: int, link: HostLink) -> None:
+        def close(link: HostLink) -> None:
             self.finished[link.name] = link.close()
 
-        for h, link in self.links.items():
-            t = threading.Thread(target=close, args=(h, link))
+        for link in self.links.values():
+            t = threading.Thread(target=close, args=(link,))
             t.start()
             threads.append(t)
         for t in threads:
@@ -364,11 +360,13 @@ class HostCheck:
     reach_s: float | None = None  # SSH connection and agent start to its first answer
     versions: dict[str, Any] = field(default_factory=dict)
     problem: str = ""
+    backends: dict[str, Any] = field(default_factory=dict)  # with ``backends=True``: its MLX's, and its device
 
 
-def check_hosts(cluster: Cluster, hosts: list[int] | None = None) -> list[HostCheck]:
+def check_hosts(cluster: Cluster, hosts: list[int] | None = None, backends: bool = False) -> list[HostCheck]:
     """Reach each host's agent and compare its harness source, harness version and MLX with this
-    controller's; each problem as one line naming the host."""
+    controller's; each problem as one line naming the host. ``backends``: also ask each host's
+    MLX for its distributed backends (it imports MLX there)."""
     from harness.controller.host_agent import versions
 
     mine = versions()
@@ -393,6 +391,11 @@ def check_hosts(cluster: Cluster, hosts: list[int] | None = None) -> list[HostCh
                     check.problem = (f"host {link.name} runs {what} {theirs.get(key)} ({theirs.get('executable')}), "
                                      f"this controller {mine.get(key)}: install the same on every host")
                     break
+            if backends:
+                try:
+                    check.backends = link.request("backends", timeout=60)
+                except ClusterError as e:
+                    check.backends = {"error": str(e)}
     finally:
         for link in links:
             link.close(timeout=10)

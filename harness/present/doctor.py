@@ -77,11 +77,10 @@ def measure_allsum(cluster: Any, mb: int = ALLSUM_MB, rounds: int = ALLSUM_ROUND
 
 def cluster_checks(cluster: Any) -> list[tuple[str, str, bool]]:
     """(what, finding, ok) rows for each host of ``cluster`` and the links between them."""
-    from harness.controller.remote import HostLink, check_hosts
+    from harness.controller.remote import check_hosts
 
     rows: list[tuple[str, str, bool]] = []
-    checks = check_hosts(cluster)
-    for i, c in enumerate(checks):
+    for i, c in enumerate(check_hosts(cluster, backends=True)):
         h = cluster.hosts[i]
         if c.reach_s is None:
             rows.append((f"{c.host}: SSH", c.problem or "no answer", False))
@@ -93,14 +92,12 @@ def cluster_checks(cluster: Any) -> list[tuple[str, str, bool]]:
         rows.append((f"{c.host}: versions", found, not c.problem))
         if c.problem:
             rows.append((f"{c.host}: mismatch", c.problem, False))
-        link = HostLink(i, h, cluster.python)
-        try:
-            b = link.request("backends", timeout=60)
-            ok = "ring" in b.get("backends", [])
-            rows.append((f"{c.host}: backends", ", ".join(b.get("backends", [])) + f" (device {b.get('device')})"
-                         if "backends" in b else str(b.get("error")), ok))
-        finally:
-            link.close(timeout=10)
+        b = c.backends
+        if "backends" in b:
+            rows.append((f"{c.host}: backends", ", ".join(b["backends"]) + f" (device {b.get('device')})",
+                         "ring" in b["backends"]))
+        else:
+            rows.append((f"{c.host}: backends", str(b.get("error")), False))
     if len(cluster.hosts) > 1 and all(ok for _, _, ok in rows):
         from harness.controller.session import LaunchError
 
