@@ -84,6 +84,20 @@ def test_a_run_on_a_cluster_of_this_machine_goes_through_the_agent_and_leaves_no
     assert list(work.iterdir()) == []  # the host's run directory is gone
 
 
+@pytest.mark.ranks
+def test_a_hosts_memory_share_is_judged_from_its_agents_figures(tmp_path: Path) -> None:
+    """With a share no process fits in, the run on a cluster host is stopped, naming the host."""
+    from harness.controller.memory_guard import MemoryLimits
+    from harness.controller.session import execute
+
+    c = Cluster([ClusterHost("127.0.0.1", ["127.0.0.1"])], workdir=str(tmp_path))
+    o = execute("c", {"kind": "allsum", "value": 1.0, "rounds": 200, "pause_s": 0.05}, 2, cluster=c,
+                wall_s=120, no_progress_s=60, memory=MemoryLimits(machine_fraction=1e-6))
+    assert not o.ok and o.watch.limit == "memory", o.failure
+    assert "of host 127.0.0.1's memory" in (o.failure or "")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_host_with_other_harness_code_is_refused_naming_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The agent on 127.0.0.1 runs a copy of the harness with one line changed: preflight names
     the host and the mismatch; the unchanged copy passes."""
