@@ -9,7 +9,7 @@ judges what it reports: N ranks must reproduce one process. The step below is co
 rank r takes every N-th row of each global batch, the loss is the sum of token losses over the
 global batch's supervised token count (all-summed), and ``nn.average_gradients`` makes every
 rank apply the same update. Replace the model, the rows or the step with your own; keep the
-``run.step`` / ``run.finish`` calls.
+``run.probe`` / ``run.step`` / ``run.finish`` calls.
 """
 
 import mlx.core as mx
@@ -53,20 +53,26 @@ def main():
     rng = np.random.default_rng(run.seed)  # a local RNG: the same batch order on every rank
     order = []
 
+    def global_loss_and_grad(inputs, targets, mask):
+        """The step's global loss, all-reduced gradient and supervised tokens, from this rank's rows."""
+        tokens = mx.distributed.all_sum(mask.sum(), group=group)
+        loss_sum, grads = grad_fn(model, inputs, targets, mask)
+        # sum over ranks of (local token-loss gradient x N / T), averaged: the global gradient / T
+        grads = nn.average_gradients(scaled(grads, size / tokens), group=group)
+        return mx.distributed.all_sum(loss_sum, group=group) / tokens, grads, tokens
+
     for step in range(1, run.steps + 1):
         while len(order) < run.global_batch:
             order.extend(rng.permutation(len(rows)).tolist())
         batch, order = order[: run.global_batch], order[run.global_batch :]
         mine = [rows[i] for i in batch[rank::size]]
         inputs, targets, mask = collate(mine)
-        tokens_local = mask.sum()
-        tokens = mx.distributed.all_sum(tokens_local, group=group)
+        # step-local parity: the harness may call this at the reference run's parameters
+        run.probe(step, model, global_loss_and_grad, inputs, targets, mask)
 
-        loss_sum, grads = grad_fn(model, inputs, targets, mask)
-        # sum over ranks of (local token-loss gradient x N / T), averaged: the global gradient / T
-        grads = nn.average_gradients(scaled(grads, size / tokens), group=group)
+        loss, grads, tokens = global_loss_and_grad(inputs, targets, mask)
         optimizer.update(model, grads)
-        loss = mx.distributed.all_sum(loss_sum, group=group) / tokens
+        tokens_local = mask.sum()
         mx.eval(model.parameters(), optimizer.state, loss, tokens, tokens_local)
 
         run.step(step, loss.item(), int(tokens.item()), int(tokens_local.item()),

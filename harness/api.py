@@ -12,12 +12,25 @@ did::
     rows = run.rows()                    # the scenario's train rows: [(token ids, supervised mask)]
     optimizer = run.optimizer()          # the scenario's optimizer and learning-rate schedule
     for step in range(1, run.steps + 1):
+        run.probe(step, model, global_loss_and_grad, batch)   # optional: step-local parity
         ...                              # your DDP step
         run.step(step, loss, tokens, tokens_local, lr=lr, params=model.parameters())
     if run.rank == 0:
         ...                              # your own save
         run.saved()                      # announce it (rank 0 only, if the script is correct)
     run.finish(model.parameters())       # the final parameters, judged for parity
+
+A script that saves declares it with ``[trainer] saves = true``: the judge then demands a save
+on rank 0 (and, declared or not, fails a save announced on any other rank).
+
+``run.probe`` hands over, before the step's update, the function the step computes its global
+loss and gradient with: ``global_loss_and_grad(batch)`` returns ``(loss, grads, tokens)``, the
+global loss, the all-reduced gradient (the one the optimizer applies) and the global supervised
+token count, on this rank's part of the step's batch and without updating anything. At the
+steps the harness probes, it calls the function at the reference run's parameters (put into
+``model`` and taken out again), so N ranks and one process are compared at identical parameters,
+where only rounding separates a correct script's figures (step-local parity); at other steps it
+returns at once. A script that never calls it has its step-local checks reported as n/a.
 
 ``loss`` is the step's global loss as the script computes it, ``tokens`` the step's global
 supervised token count and ``tokens_local`` this rank's. In the noise-floor run (one process)
@@ -85,6 +98,15 @@ class Session:
         from harness.rank.optimizer import build_optimizer
 
         return build_optimizer(self.scenario.train)
+
+    def probe(self, step: int, model: Any, fn: Any, *args: Any) -> None:
+        """Before step ``step``'s update: ``fn(*args)`` computes ``(global loss, all-reduced
+        gradient, global supervised tokens)`` at ``model``'s parameters (module docstring)."""
+        def compute() -> tuple[Any, Any, int]:
+            loss, grads, tokens = fn(*args)
+            return loss, grads, int(tokens.item() if hasattr(tokens, "item") else tokens)
+
+        self._rep.probe(step, model, compute)
 
     def step(self, step: int, loss: float, tokens: int, tokens_local: int, lr: float | None = None,
              params: Any = None) -> None:

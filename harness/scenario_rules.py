@@ -25,6 +25,7 @@ from harness.scenario_spec import (
     MUTATION_NAMES,
     OPTIMIZERS,
     ORDERS,
+    PRECISIONS,
     RESUMING_TRAINERS,
     STREAMING_TRAINERS,
     TEXT_ARCHS,
@@ -36,6 +37,7 @@ from harness.scenario_spec import (
     Scenario,
     TrainerSpec,
     TrainSpec,
+    is_behaviour_table,
     require,
     writes_checkpoints,
 )
@@ -86,6 +88,7 @@ def _validate_train(t: TrainSpec, d: DataSpec, src: str, where: str) -> None:
     require(t.max_grad_norm >= 0, src, f"{where}.max_grad_norm", "must be >= 0 (0: no clipping)")
     require(0 <= t.input_dropout < 1, src, f"{where}.input_dropout", "must be in [0, 1)")
     _one_of(t.compile, COMPILE_MODES, src, f"{where}.compile")
+    _one_of(t.precision, PRECISIONS, src, f"{where}.precision")
     require(t.digest_every >= 0, src, f"{where}.digest_every", "must be >= 0")
     require(t.eval_every >= 0, src, f"{where}.eval_every", "must be >= 0")
     require(t.eval_batch >= 1, src, f"{where}.eval_batch", "must be >= 1")
@@ -209,6 +212,8 @@ def _validate_trainer_spec(t: TrainerSpec, src: str, at: str) -> None:
     _one_of(t.fine_tune, FINE_TUNES, src, f"{at}.fine_tune")
     require(t.kind == "script" or t.path is None, src, f"{at}.path", "only a 'script' trainer takes a path")
     require(t.kind == "script" or not t.args, src, f"{at}.args", "only a 'script' trainer takes args")
+    require(t.kind == "script" or t.saves is None, src, f"{at}.saves",
+            "only a 'script' trainer declares its saves (the others' are known)")
     require(t.kind in LORA_TRAINERS or t.fine_tune == "full", src, f"{at}.fine_tune",
             f"LoRA is an option of the {', '.join(map(repr, LORA_TRAINERS))} trainers")
     require(t.lora_rank > 0 and t.lora_scale > 0, src, f"{at}.lora_rank", "lora_rank and lora_scale must be positive")
@@ -326,8 +331,11 @@ def validate(s: Scenario, src: str) -> None:
     require(c.noise_floor or not missing, src, "[checks].noise_floor",
             f"without noise-floor runs the comparisons need absolute limits: set {', '.join(missing)}")
     for key, reason in s.checks.expected_failures.items():
+        if is_behaviour_table(reason):
+            _validate_behaviour(s, key, reason, src)
+            continue
         require(key in CHECK_NAMES, src, f"[checks].expected_failures.{key}",
-                 f"unknown check (known: {', '.join(CHECK_NAMES)})")
+                 f"unknown check (known: {', '.join(CHECK_NAMES)}), or a behaviour table without checks")
         per_run = reason if isinstance(reason, dict) else {"": reason}
         for run, why in per_run.items():
             where = f"[checks].expected_failures.{key}" + (f".{run}" if run else "")
@@ -357,3 +365,24 @@ def validate(s: Scenario, src: str) -> None:
         require(bool(f.runs) or any(f.rank < r.world_size for r in s.runs), src, f"[[faults]][{i}].rank",
                 f"rank {f.rank} is not a rank of any run (the largest world size is "
                 f"{max(r.world_size for r in s.runs)})")
+
+
+def _validate_behaviour(s: Scenario, key: str, table: dict[str, Any], src: str) -> None:
+    """A behaviour of ``[checks.expected_failures]`` (``harness.judge.behaviours``)."""
+    where = f"[checks].expected_failures.{key}"
+    unknown = sorted(set(table) - {"reason", "runs", "checks"})
+    require(not unknown, src, f"{where}.{unknown[0] if unknown else ''}", "unknown key (known: reason, runs, checks)")
+    reason = table.get("reason")
+    require(isinstance(reason, str) and reason.strip() != "", src, f"{where}.reason",
+            "give the reason the behaviour is expected, as a string")
+    checks = table["checks"]
+    require(isinstance(checks, dict) and len(checks) > 0, src, f"{where}.checks",
+            "a table of check name -> the deviation it measured (its Value), e.g. { loss_parity = 9.5e-3 }")
+    for name, delta in checks.items():
+        require(name in CHECK_NAMES, src, f"{where}.checks.{name}", f"unknown check (known: {', '.join(CHECK_NAMES)})")
+        require(isinstance(delta, int | float) and not isinstance(delta, bool) and delta > 0, src,
+                f"{where}.checks.{name}", "must be the positive deviation the check measured")
+    runs = table.get("runs")
+    names = {r.name for r in s.runs}
+    require(runs is None or (isinstance(runs, list) and all(r in names for r in runs)), src, f"{where}.runs",
+            f"a list of run names (runs: {', '.join(sorted(names))})")

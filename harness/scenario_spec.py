@@ -22,6 +22,7 @@ CHECKPOINT_FILES = ("model.safetensors", "optimizer.safetensors", "trainer.json"
 DATA_FORMATS = ("auto", "text", "prompt_completion", "chat")
 ORDERS = ("ordered", "shuffled", "length_sorted")
 COMPILE_MODES = ("off", "strict", "best_effort")
+PRECISIONS = ("auto", "full", "device")
 KINDS = ("parity", "throughput")
 COMPILE_SCOPES = ("none", "local-grad", "full-step", "fallback-eager")
 LR_SCHEDULES = ("constant", "cosine", "linear")
@@ -43,7 +44,8 @@ class TrainerSpec:
     ``unsloth_zoo``: ``unsloth_zoo.mlx.trainer.MLXTrainer`` (each ``fine_tune`` "full", or "lora"
     with ``lora_rank``, ``lora_scale`` and ``lora_layers`` adapted layers, -1: all). ``script``: a
     user's training script at ``path`` (run with ``args`` as its command line), reporting through
-    ``harness.api``."""
+    ``harness.api``; ``saves = true`` declares that it saves on rank 0, which the judge then demands
+    (the other trainers' saves are known: ``harness.trainers.TrainerInfo.saves``)."""
 
     kind: str = "reference"
     path: str | None = None
@@ -52,6 +54,7 @@ class TrainerSpec:
     lora_rank: int = 8
     lora_scale: float = 20.0
     lora_layers: int = -1
+    saves: bool | None = None
 
     @property
     def external(self) -> bool:
@@ -111,7 +114,12 @@ class TrainSpec:
     the optimizer (``adamw``, or ``sgd``: plain SGD, which keeps no state but its step) with an
     optional warmup + decay schedule and gradient clipping (``max_grad_norm`` > 0),
     the compile mode, how often to evaluate, and how often to write a checkpoint (``checkpoint_every``
-    steps, keeping the newest ``keep_last``; 0 keeps all)."""
+    steps, keeping the newest ``keep_last``; 0 keeps all).
+
+    ``precision``: how float32 matmuls compute. ``full``: at float32 (TF32 off on CUDA, where MLX
+    uses TF32 by default); ``device``: the device's default; ``auto`` (the default): ``full`` in a
+    parity scenario, whose verdicts must see defects of 1e-3 and less, ``device`` in a throughput
+    scenario, which times what users train with."""
 
     steps: int = 20
     global_batch: int = 8
@@ -125,6 +133,7 @@ class TrainSpec:
     max_grad_norm: float = 0.0
     input_dropout: float = 0.0
     compile: str = "off"
+    precision: str = "auto"
     eval_every: int = 0
     eval_batch: int = 4
     digest_every: int = 0
@@ -238,7 +247,7 @@ class CheckSpec:
 class LimitSpec:
     """Watchdog limits for each run: time in seconds; hard memory limits enforced while it runs
     (``harness.controller.memory_guard``): per rank ``hard_rss_mb`` (RSS above the rank's
-    runtime) and ``hard_mlx_mb``, by default the larger of ``hard_memory_factor`` x the
+    baseline) and ``hard_mlx_mb``, by default the larger of ``hard_memory_factor`` x the
     ``[checks]`` ceiling and the ceiling + ``hard_memory_slack_mb``, where one is set; all ranks
     together at most ``machine_memory_fraction`` of the machine."""
 
@@ -327,12 +336,16 @@ class Scenario:
         raise KeyError(name)
 
     def for_run(self, run: RunSpec) -> Scenario:
-        """This scenario as one run sees it: the run's overrides applied, its faults only."""
+        """This scenario as one run sees it: the run's overrides applied (``precision = "auto"``
+        resolved by the scenario's kind), its faults only."""
+        train = dataclasses.replace(self.train, **run.train)
+        if train.precision == "auto":
+            train = dataclasses.replace(train, precision="full" if self.kind == "parity" else "device")
         return dataclasses.replace(
             self,
             seed=self.seed if run.seed is None else run.seed,
             data=dataclasses.replace(self.data, **run.data),
-            train=dataclasses.replace(self.train, **run.train),
+            train=train,
             trainer=dataclasses.replace(self.trainer, **run.trainer),
             faults=[f for f in self.faults if not f.runs or run.name in f.runs],
         )
@@ -348,6 +361,12 @@ CHECK_NAMES = (
 )
 MUTATION_NAMES = ("mean_of_means", "sum_not_average", "unreduced_norms", "same_shard", "drop_uneven", "rank_seeds",
                   "lr_times_world", "accum_twice", "stale_gradient")
+
+
+def is_behaviour_table(value: Any) -> bool:
+    """Whether a ``[checks.expected_failures]`` entry is a behaviour table (it has ``checks``;
+    ``harness.judge.behaviours``)."""
+    return isinstance(value, dict) and "checks" in value
 
 
 def require(cond: bool, src: str, key: str, msg: str) -> None:

@@ -6,10 +6,14 @@ progress) and finally writes ``rank{r}.result.json`` atomically. Each record car
 ``schema_version``; a reader refuses a version it does not know.
 
 Event kinds written by ranks:
-  ``start``  rank, world_size, host, pid, device, backend, startup_s, rss_runtime_bytes
+  ``start``  rank, world_size, host, pid, device, backend, startup_s, rss_runtime_bytes,
+             rss_baseline ("job start", or on CUDA "end of the first step"), rss_baseline_bytes
   ``phase``  name (heartbeat between steps: "model", "data", "train", "save", ...)
   ``step``   step, loss, tokens_global, tokens_local, rows_local, step_time_s,
-             mlx_peak_bytes, rss_bytes, [digest]
+             mlx_peak_bytes, rss_bytes, [digest], [rss_baseline ("end of step N"),
+             rss_baseline_bytes: at the step that set a CUDA rank's baseline]
+  ``memory`` rank, mlx_active_bytes, mlx_peak_bytes, rss_bytes (sampled while the rank runs,
+             written when a figure rose: ``harness.rank.memory``)
   ``fault``  rank, step, phase, action (an injected fault, just before it acts)
   ``end``    status
 """
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -88,18 +93,22 @@ def read_json(path: Path | str) -> dict[str, Any]:
 
 
 class EventWriter:
-    """Appends schema-stamped events to a JSONL file, flushing each line."""
+    """Appends schema-stamped events to a JSONL file, flushing each line; safe to share between
+    threads (a rank's memory sampler writes from its own)."""
 
     def __init__(self, path: Path | str):
         self._f = open(path, "a", buffering=1)
+        self._lock = threading.Lock()
 
     def emit(self, kind: str, **fields: Any) -> None:
-        record = stamp({"kind": kind, "time": time.time(), **fields})
-        self._f.write(json.dumps(record, sort_keys=True) + "\n")
-        self._f.flush()
+        line = json.dumps(stamp({"kind": kind, "time": time.time(), **fields}), sort_keys=True) + "\n"
+        with self._lock:
+            self._f.write(line)
+            self._f.flush()
 
     def close(self) -> None:
-        self._f.close()
+        with self._lock:
+            self._f.close()
 
 
 def read_events(path: Path | str) -> Iterator[dict[str, Any]]:

@@ -19,7 +19,7 @@ from harness.judge.checks import (
 from harness.judge.verdict import judge
 from harness.present.results import exit_code, median_after_first, per_rank_batch
 from harness.present.tables import runs_table
-from harness.scenario import CheckSpec, RunSpec, Scenario
+from harness.scenario import CheckSpec, RunSpec, Scenario, TrainerSpec
 
 MB = 1024 * 1024
 
@@ -31,6 +31,7 @@ def _run(name: str, ws: int, losses: list[float], digests: list[str], params: fl
         RankOutcome(r, 0, False, {
             "status": "ok", "losses": losses, "digests": {"0": digests[r], "4": digests[r]},
             "tokens_local": tokens[r], "tokens_global": sum(tokens), "rss_peak_bytes": int(rss_mb * MB),
+            "rss_baseline": "job start", "rss_baseline_bytes": 0, "rss_peak_after_baseline_bytes": int(rss_mb * MB),
             "mlx_peak_bytes": 10 * MB, "runtime_s": 1.0, "tok_s_global": [1.0, 2.0, 3.0], "final_digest": "d",
             "steps": len(losses), "stop": None, "compile": {"scope": "none"},
             "learning_rates": [1e-3] * len(losses),
@@ -66,19 +67,35 @@ def test_memory_ceiling_fails_and_names_the_metric() -> None:
     assert failed == {("memory_rss_per_rank_mb", "ddp2"), ("memory_rss_total_mb", "ddp2")}
 
 
-def test_rss_ceilings_count_from_the_device_runtime() -> None:
-    """A CUDA context's RSS is the runtime's, not the trainer's: the same ceiling holds on every
-    device, and growth above the runtime still fails it."""
+def test_rss_ceilings_count_from_the_baseline_each_rank_reports() -> None:
+    """A CUDA rank's RSS counts from the end of its first step (the runtime's kernels are loaded
+    then, not the trainer's memory): the same ceiling holds on every device, and growth above the
+    baseline still fails it."""
     s = Scenario(name="m", runs=[RunSpec("ddp2", 2)], checks=CheckSpec(max_rss_mb=1024, max_total_rss_mb=1536))
-    cuda = _run("ddp2", 2, [1.0], ["a", "a"], rss_mb=2300)
+    cuda = _run("ddp2", 2, [1.0], ["a", "a"])
     for o in cuda.ranks:
-        o.result["rss_runtime_bytes"] = 1800 * MB
+        o.result.update(rss_baseline="end of step 1", rss_baseline_bytes=1800 * MB,
+                        rss_peak_after_baseline_bytes=2300 * MB, rss_peak_bytes=2400 * MB)
     per_rank, total = memory_ceilings(cuda, s)
-    assert per_rank.passed and per_rank.value == 500 and "above the runtime's 1800, 1800" in per_rank.detail
-    assert total.passed and total.value == 1000
-    cuda.ranks[1].result["rss_peak_bytes"] = 2900 * MB  # a rank that grew 1.1 GB
+    assert per_rank.passed and per_rank.value == 500
+    assert per_rank.detail == "per rank: 500.0, 500.0 above the RSS baseline (end of step 1: 1800, 1800 MB)"
+    assert total.passed and total.value == 1000 and total.detail.startswith("sum of 2 ranks above the RSS baseline")
+    cuda.ranks[1].result["rss_peak_after_baseline_bytes"] = 2900 * MB  # a rank that grew 1.1 GB
     per_rank, total = memory_ceilings(cuda, s)
     assert not per_rank.passed and per_rank.value == 1100 and not total.passed
+
+
+def test_a_memory_figure_a_rank_does_not_report_fails_its_ceiling() -> None:
+    s = Scenario(name="m", runs=[RunSpec("ddp2", 2)], checks=CheckSpec(max_rss_mb=1024, max_mlx_mb=64))
+    run = _run("ddp2", 2, [1.0], ["a", "a"])
+    assert all(c.passed for c in memory_ceilings(run, s))
+    del run.ranks[1].result["rss_baseline"]
+    run.ranks[0].result["rss_peak_after_baseline_bytes"] = None  # a CUDA rank whose first step never ended
+    del run.ranks[0].result["mlx_peak_bytes"]
+    rss, mlx = memory_ceilings(run, s)
+    assert not rss.passed and rss.value is None
+    assert rss.detail == "not reported: rank 0 rss_peak_after_baseline_bytes, rank 1 rss_baseline"
+    assert not mlx.passed and mlx.detail == "not reported: rank 0 mlx_peak_bytes"
 
 
 def test_figures_and_exit_codes() -> None:
@@ -126,13 +143,33 @@ def test_ranks_agree_fails_when_one_rank_saw_another_stop_or_eval() -> None:
 
 
 def test_side_effects_on_a_non_main_rank_fail() -> None:
+    ref = TrainerSpec()
     run = _run("d", 2, [1.0], ["a", "a"])
-    assert rank0_side_effects(run).passed
+    assert rank0_side_effects(run, ref).passed
     run.ranks[1].result["side_effects"]["saves"] = 1
-    assert not rank0_side_effects(run).passed
+    bad = rank0_side_effects(run, ref)
+    assert not bad.passed and "other ranks: rank 1 {'callbacks': 0, 'log_lines': 0, 'saves': 1}" in bad.detail
     run = _run("d", 2, [1.0], ["a", "a"])
-    run.ranks[0].result["side_effects"]["saves"] = 0  # rank 0 must have saved
-    assert not rank0_side_effects(run).passed
+    run.ranks[0].result["side_effects"]["saves"] = 0  # the reference trainer must have saved
+    bad = rank0_side_effects(run, ref)
+    assert not bad.passed and "a save on rank 0 demanded: the reference trainer saves its final" in bad.detail
+    del run.ranks[1].result["side_effects"]  # not reported: a failure, not zero
+    bad = rank0_side_effects(run, ref)
+    assert not bad.passed and bad.detail == "rank 1 reported no side-effect counts (side_effects)"
+
+
+def test_a_save_on_rank_0_is_demanded_only_where_promised() -> None:
+    run = _run("d", 2, [1.0], ["a", "a"])
+    for r in run.ranks:
+        r.result["side_effects"] = {"saves": 0}
+    script = TrainerSpec(kind="script", path="t.py")
+    ok = rank0_side_effects(run, script)
+    assert ok.passed and ok.detail.endswith("not demanded: the script does not declare [trainer] saves")
+    assert rank0_side_effects(run, TrainerSpec(kind="script", path="t.py", saves=False)).passed
+    bad = rank0_side_effects(run, TrainerSpec(kind="script", path="t.py", saves=True))
+    assert not bad.passed and bad.detail.endswith("demanded: the script declares [trainer] saves = true")
+    for kind in ("mlx_lm", "mlx_vlm", "unsloth_zoo"):
+        assert not rank0_side_effects(run, TrainerSpec(kind=kind)).passed
 
 
 def test_data_share_fails_when_a_rank_holds_the_whole_dataset() -> None:

@@ -1,5 +1,5 @@
 """Resources that run out, with real ranks: a checkpoint write on a full disk, a rank that runs
-away in memory, an ``--out`` that cannot be written."""
+away in memory (RSS, or MLX memory sampled during a step), an ``--out`` that cannot be written."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from harness.controller.memory_guard import MemoryLimits, RankMemory, over_limit
@@ -78,10 +79,46 @@ def test_a_single_process_running_away_in_memory_is_stopped_at_its_hard_limit(tm
     assert not out.ok and out.watch.limit == "memory"
     line = out.failure.splitlines()[0]
     assert line.startswith("watchdog: rank 0 exceeded its hard memory limit after step 1: RSS "), line
-    assert "limit 300 MB (a test's limit)" in line
+    assert "above its baseline (job start: " in line and "limit 300 MB (a test's limit)" in line
     above = float(line.split("RSS ")[1].split(" MB")[0])
     assert 300 <= above < 600, line  # stopped near the limit (the line rounds to whole MB); 8 GB were on their way
     assert time.monotonic() - t0 < 60
+    assert_clean(out)
+
+
+ALLOCATE_THEN_HANG = """
+[[faults]]
+rank = 1
+step = 2
+action = "allocate"
+mb = 1024
+
+[[faults]]
+rank = 1
+step = 2
+action = "hang"
+"""
+
+
+@pytest.mark.ranks
+def test_mlx_memory_running_away_inside_a_step_is_stopped_by_the_sampled_figure(tmp_path: Path) -> None:
+    """Only an MLX ceiling, and the rank hangs inside step 2 once it allocated 1 GB: no step event
+    comes after the allocation (and on CUDA its RSS would not move), so only the MLX memory its
+    sampler reports during the step can stop it, long before the no-progress limit."""
+    path = write_scenario(tmp_path, "mlx_runaway", world_sizes=(2,), checks="max_mlx_mb = 100",
+                          extra=ALLOCATE_THEN_HANG)
+    s = load_scenario(path)
+    limits = MemoryLimits.from_scenario(s.limits, s.checks)
+    assert limits.rss_mb is None and limits.mlx_mb == 356
+    t0 = time.monotonic()
+    out = execute("ddp2", train_job(s, s.run("ddp2")), 2, wall_s=120, no_progress_s=60, memory=limits)
+    assert not out.ok and out.watch.limit == "memory", out.failure
+    line = out.failure.splitlines()[0]
+    assert line.startswith("watchdog: rank 1 exceeded its hard memory limit after step 1: MLX memory "), line
+    assert "MB (sampled during the step), limit 356 MB (the ceiling [checks] max_mlx_mb = 100 + 256 MB)" in line
+    value = float(line.split("MLX memory ")[1].split(" MB")[0])
+    assert 356 <= value < 1024, line  # stopped on its way up
+    assert time.monotonic() - t0 < 45
     assert_clean(out)
 
 
@@ -95,15 +132,55 @@ def test_hard_memory_limits_come_from_the_ceilings_or_are_set() -> None:
     assert MemoryLimits.from_scenario(LimitSpec(), CheckSpec()).rss_mb is None
 
 
-def test_over_limit_names_the_rank_the_step_the_value_and_the_limit() -> None:
-    me = RankMemory(pid=os.getpid(), rss_runtime=0, step=3, started=True)
+def _start(baseline: str = "job start", baseline_bytes: int | None = 0) -> dict:
+    return {"kind": "start", "pid": os.getpid(), "rss_baseline": baseline, "rss_baseline_bytes": baseline_bytes}
+
+
+def test_over_limit_names_the_rank_the_step_the_figure_the_value_and_the_limit() -> None:
+    me = RankMemory()
+    me.saw(0, _start())
+    me.saw(0, {"kind": "step", "step": 3, "mlx_peak_bytes": 1 << 20})
     assert over_limit({0: me}, MemoryLimits(rss_mb=1e6)) is None
     line = over_limit({0: me}, MemoryLimits(rss_mb=1, rss_source="src"))
     assert line.startswith("rank 0 exceeded its hard memory limit after step 3: RSS ") and "limit 1 MB (src)" in line
-    me.mlx_bytes = 64 << 20
-    assert "MLX peak memory 64 MB, limit 8 MB" in over_limit({0: me}, MemoryLimits(mlx_mb=8))
+    assert "MB above its baseline (job start: 0 MB), limit" in line
+    assert over_limit({0: me}, MemoryLimits(mlx_mb=8)) is None
+    me.saw(0, {"kind": "step", "step": 4, "mlx_peak_bytes": 64 << 20})
+    assert over_limit({0: me}, MemoryLimits(mlx_mb=8, mlx_source="src")) == (
+        "rank 0 exceeded its hard memory limit after step 4: MLX memory 64 MB (its peak, reported at the end "
+        "of the step), limit 8 MB (src)")
+    me.saw(0, {"kind": "memory", "mlx_active_bytes": 90 << 20, "mlx_peak_bytes": 90 << 20, "rss_bytes": 1})
+    line = over_limit({0: me}, MemoryLimits(mlx_mb=8))
+    assert "after step 4: MLX memory 90 MB (sampled during the step), limit 8 MB" in line
     line = over_limit({0: me}, MemoryLimits(machine_fraction=0.5), total_mb=2)
     assert line.startswith("the ranks together hold ") and "above 0.5 of the machine's memory (1 MB)" in line
+
+
+def test_a_cuda_rank_s_rss_counts_from_the_end_of_its_first_step() -> None:
+    """Until its first step ends a CUDA rank has no RSS baseline (the runtime loads that step's
+    kernels): only the machine's share holds it; then the baseline its step event reports does,
+    and only RSS sampled after it counts."""
+    rss = psutil.Process().memory_info().rss
+    me = RankMemory()
+    me.saw(0, _start("end of the first step", None))
+    me.saw(0, {"kind": "memory", "mlx_active_bytes": 0, "mlx_peak_bytes": 0, "rss_bytes": rss + (900 << 20)})
+    limits = MemoryLimits(rss_mb=100, rss_source="src")
+    assert me.rss_baseline_bytes is None and over_limit({0: me}, limits) is None
+    me.saw(0, {"kind": "step", "step": 1, "mlx_peak_bytes": 0, "rss_baseline": "end of step 1",
+               "rss_baseline_bytes": rss - (50 << 20)})
+    assert over_limit({0: me}, limits) is None  # polled now: about 50 MB above; the 900 MB came before the baseline
+    me.saw(0, {"kind": "memory", "mlx_active_bytes": 0, "mlx_peak_bytes": 0, "rss_bytes": rss + (150 << 20)})
+    assert over_limit({0: me}, limits) == (
+        "rank 0 exceeded its hard memory limit after step 1: RSS 200 MB above its baseline (end of step 1: "
+        f"{(rss - (50 << 20)) / 2**20:.0f} MB), sampled during the step, limit 100 MB (src)")
+
+
+def test_a_start_event_without_its_rss_baseline_stops_a_run_with_an_rss_limit() -> None:
+    me = RankMemory()
+    me.saw(2, {"kind": "start", "pid": os.getpid(), "rss_runtime_bytes": 1})
+    assert over_limit({2: me}, MemoryLimits(mlx_mb=1e6)) is None  # no RSS limit: the baseline is not needed
+    assert over_limit({2: me}, MemoryLimits(rss_mb=1e6)) == (
+        "rank 2's start event has no rss_baseline or rss_baseline_bytes: its RSS has no baseline")
 
 
 def test_an_out_that_cannot_be_written_is_refused_before_anything_launches(tmp_path: Path) -> None:

@@ -1,9 +1,9 @@
 """Trainers under test (``[trainer] kind``): real ranks under mlx.launch, through the CLI.
 
 The shipped adapter scenarios run in tests/test_scenarios.py; here: a user's script with real DDP
-bugs is caught, a broken trainer (raises, hangs, exits without a result) fails with one line
-naming it (exit 3), settings a trainer cannot honour are bad input, and mlx-lm resumes from kept
-adapter files (a missing or damaged one is bad input).
+bugs is caught, a script is held to the saves it declares, a broken trainer (raises, hangs, exits
+without a result) fails with one line naming it (exit 3), settings a trainer cannot honour are
+bad input, and mlx-lm resumes from kept adapter files (a missing or damaged one is bad input).
 """
 
 from __future__ import annotations
@@ -20,11 +20,12 @@ from tests.conftest import EXAMPLE, REPO, cli, needs_unsloth, script_scenario
 @pytest.mark.ranks
 def test_a_script_with_ddp_bugs_is_caught(tmp_path: Path) -> None:
     """The example with two real bugs: each rank's gradient of its own mean loss (the mean of
-    per-rank means) and a save on every rank. Parity and the rank-0 check fail; exit 1."""
+    per-rank means) and a save on every rank. Step-local parity (through the script's
+    ``run.probe``), the trajectories and the rank-0 check fail; exit 1."""
     src = EXAMPLE.read_text()
-    buggy = src.replace("scaled(grads, size / tokens)", "scaled(grads, 1 / tokens_local)")
+    buggy = src.replace("scaled(grads, size / tokens)", "scaled(grads, 1 / mask.sum())")
     buggy = buggy.replace("if rank == 0:  # save once, on rank 0", "if True:")
-    assert buggy.count("1 / tokens_local") == 1 and "if True:" in buggy
+    assert buggy.count("1 / mask.sum()") == 1 and "if True:" in buggy
     path = script_scenario(tmp_path, buggy)
     p = cli("run", str(path), "--out", str(tmp_path / "o"))
     assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-2000:]
@@ -34,7 +35,56 @@ def test_a_script_with_ddp_bugs_is_caught(tmp_path: Path) -> None:
     assert checks[("param_parity", "ddp2")]["value"] > 10 * checks[("param_parity", "ddp2")]["limit"]
     assert checks[("rank0_side_effects", "ddp2")]["result"] == "FAIL"
     assert checks[("rank0_side_effects", "single")]["result"] == "pass"
-    assert checks[("step_grad_parity", "ddp2")]["result"] == "n/a"  # never reported as passed
+    grad = checks[("step_grad_parity", "ddp2")]  # the script's own step, at single's parameters
+    assert grad["result"] == "FAIL" and grad["value"] > 10 * grad["limit"], grad
+    assert checks[("step_token_parity", "ddp2")]["result"] == "pass"
+
+
+SAVE_EVERYWHERE = ('    mx.save_safetensors(str(run.run_dir / f"model{rank}.safetensors"),\n'
+                   "                        dict(tree_flatten(model.parameters())))\n"
+                   "    run.saved()\n")
+
+
+def example_saving(save: str) -> str:
+    """The example script with its rank-0 save (up to ``run.finish``) replaced by ``save``."""
+    head, rest = EXAMPLE.read_text().split("    if rank == 0:  # save once, on rank 0\n")
+    return head + save + rest[rest.index("    run.finish("):]
+
+
+def run_checks(path: Path, out: Path, rc: int) -> dict[tuple[str, str], dict[str, Any]]:
+    p = cli("run", str(path), "--out", str(out))
+    assert p.returncode == rc, p.stdout[-3000:] + p.stderr[-2000:]
+    return {(c["name"], c["run"]): c for c in json.loads((out / "result.json").read_text())["scenarios"][0]["checks"]}
+
+
+@pytest.mark.ranks
+def test_a_correct_script_that_saves_nothing_passes(tmp_path: Path) -> None:
+    """A save on rank 0 is demanded only where the script declares one: a correct script that
+    saves nothing passes every check, at 1 and 2 ranks."""
+    checks = run_checks(script_scenario(tmp_path, example_saving("")), tmp_path / "o", 0)
+    assert {c["result"] for c in checks.values()} <= {"pass", "n/a"}
+    for name in ("single", "ddp2"):
+        c = checks[("rank0_side_effects", name)]
+        assert c["result"] == "pass" and c["detail"].endswith(
+            "; other ranks: none; a save on rank 0 not demanded: the script does not declare [trainer] saves"), c
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize(("save", "declared", "detail"), [
+    (SAVE_EVERYWHERE, False, "rank 0: {'saves': 1}; other ranks: rank 1 {'saves': 1}; a save on rank 0 not "
+                             "demanded: the script does not declare [trainer] saves"),
+    ("", True, "rank 0: {'saves': 0}; other ranks: none; a save on rank 0 demanded: the script declares [trainer] "
+               "saves = true"),
+], ids=["saves-on-every-rank", "declared-save-missing"])
+def test_a_script_breaking_its_save_promise_fails(tmp_path: Path, save: str, declared: bool, detail: str) -> None:
+    """A save on rank 1 fails the check, and so does a missing save the script declared; every
+    other check passes."""
+    path = script_scenario(tmp_path, example_saving(save), world_sizes=(2,))
+    if declared:
+        path.write_text(path.read_text().replace('path = "script.py"\n', 'path = "script.py"\nsaves = true\n'))
+    checks = run_checks(path, tmp_path / "o", 1)
+    assert [k for k, c in checks.items() if c["result"] not in ("pass", "n/a")] == [("rank0_side_effects", "ddp2")]
+    assert checks[("rank0_side_effects", "ddp2")]["detail"] == detail
 
 
 HEAD = "from harness import api\nrun = api.session()\n"
@@ -154,6 +204,8 @@ UNSLOTH = 'kind = "unsloth_zoo"'
     ('kind = "script"', "", "[trainer].path: a 'script' trainer needs the path of a Python training script"),
     ('kind = "script"\npath = "nowhere.py"', "", "[trainer].path: path does not exist"),
     ('kind = "mlx_vlm2"', "", "[trainer].kind: must be one of"),
+    ('kind = "script"\npath = "t.py"\nsaves = "yes"', "", "[trainer].saves: expected bool | None, got 'yes'"),
+    ('kind = "mlx_lm"\nsaves = false', "", "[trainer].saves: only a 'script' trainer declares its saves"),
     ('kind = "reference"\nfine_tune = "lora"', "", "[trainer].fine_tune: LoRA is an option of the 'mlx_lm', "
                                                     "'mlx_vlm', 'unsloth_zoo' trainers"),
     ('kind = "mlx_vlm"', "", "[model].arch: the mlx_vlm trainer trains vision-language models (qwen2_vl, paligemma)"),

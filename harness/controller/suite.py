@@ -42,8 +42,8 @@ def probe_dir(workspace: Path, s: Scenario) -> Path:
 
 
 def probe_plan(s: Scenario, run: RunSpec, workspace: Path | None, floor: FloorRun | None = None) -> dict | None:
-    """The reference records step-local probes; each compared run, and each twin of the
-    reference, probes the steps it recorded."""
+    """The reference records step-local probes; each compared run, and each twin or split floor
+    run of the reference (the step-local noise floor), probes the steps it recorded."""
     every = s.checks.probe_every
     if workspace is None or not every or s.kind != "parity" or s.checks.reference is None:
         return None
@@ -52,8 +52,8 @@ def probe_plan(s: Scenario, run: RunSpec, workspace: Path | None, floor: FloorRu
     directory = probe_dir(workspace, s)
     if run.name == s.checks.reference:
         return {"mode": "record", "dir": str(directory), "steps": probe_steps(s.for_run(run).train.steps, every)}
-    twin_of_ref = floor is not None and floor.kind == "twin" and floor.base == s.checks.reference
-    if not (compared(s, run) if floor is None else twin_of_ref):
+    floor_of_ref = floor is not None and floor.kind in ("twin", "split") and floor.base == s.checks.reference
+    if not (compared(s, run) if floor is None else floor_of_ref):
         return None
     steps = [k for k in probe_steps(s.for_run(run).train.steps, every) if probe_path(directory, k).exists()]
     return {"mode": "compare", "dir": str(directory), "steps": steps} if steps else None

@@ -51,8 +51,8 @@ class WatchReport:
 
 
 class RankEvents:
-    """What the watchdog reads from the ranks' event files as they grow: each rank's pid and
-    runtime RSS (its ``start`` event), its last step and the MLX memory it reported then."""
+    """What the watchdog reads from the ranks' event files as they grow: each rank's pid, last
+    step and memory figures (``RankMemory.saw``)."""
 
     def __init__(self, launch: Launch):
         self.tails = [EventTail(schema.events_path(launch.run_dir, r)) for r in range(launch.world_size)]
@@ -64,11 +64,7 @@ class RankEvents:
             m = self.ranks[r]
             for e in tail.read():
                 self.heard[r] = time.monotonic()
-                if e.get("kind") == "start":
-                    m.pid, m.rss_runtime, m.started = int(e["pid"]), int(e.get("rss_runtime_bytes") or 0), True
-                elif e.get("kind") == "step":
-                    m.step = int(e.get("step") or m.step)
-                    m.mlx_bytes = int(e.get("mlx_peak_bytes") or m.mlx_bytes)
+                m.saw(r, e)
 
     @property
     def pids(self) -> dict[int, int]:

@@ -4,7 +4,7 @@ checkpoint every rank resumed from."""
 from __future__ import annotations
 
 from harness.controller.collect import RunOutcome
-from harness.judge.checks import Check, fastest_after_first
+from harness.judge.checks import Check, fastest_after_first, with_power
 from harness.judge.floors import floors
 from harness.judge.parity import eval_parity, loss_parity, param_parity, unrecorded
 from harness.run_plan import same_execution
@@ -114,7 +114,7 @@ def judge_resume(s: Scenario, run: RunOutcome, by_name: dict[str, RunOutcome]) -
         if target is None or not target.ok:
             return [*out, Check("resume_loss_parity", run.name, False, None, None,
                                 f"{spec.compare_to} did not complete: nothing to compare with")]
-        out.extend(resume_parity(run, target, s, by_name))
+        out.extend(with_power(resume_parity(run, target, s, by_name), run, target))
         source = by_name.get(spec.resume_from) if spec.resume_from else None
         out.append(resume_accounting(run, target, source, s.checks.resume_tok_s_factor))
     return out

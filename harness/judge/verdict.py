@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 from harness.controller.collect import RunOutcome
+from harness.judge.behaviours import mark_expected_failures
 from harness.judge.checks import (
     Check,
     data_share,
@@ -13,12 +14,12 @@ from harness.judge.checks import (
     expected_failure,
     global_rng_untouched,
     lr_schedule,
-    mark_expected_failures,
     memory_ceilings,
     rank0_side_effects,
     ranks_agree,
     replica_consistency,
     token_accounting,
+    with_power,
 )
 from harness.judge.floors import floors
 from harness.judge.parity import eval_parity, loss_parity, param_parity, step_local
@@ -40,7 +41,7 @@ def parity_checks(s: Scenario, run: RunOutcome, ref: RunOutcome, by_name: dict[s
         out.append(param_parity(run, ref, f["param"], s))
         if run.result().get("evals"):
             out.append(eval_parity(run, ref, f["eval"], s))
-    return out
+    return with_power(out, run, ref)
 
 
 def mutation_caught(run: RunOutcome, mutation: str, checks: list[Check], margin: float) -> Check:
@@ -97,7 +98,8 @@ def judge(s: Scenario, runs: list[RunOutcome]) -> list[Check]:
             train = s.for_run(spec).train
             mine.append(data_share(run, ref, s.checks.data_share_slack, train.global_batch // train.grad_accum))
         mine.append(token_accounting(run, ref if ref is not None and ref.ok and parity else None))
-        mine += [replica_consistency(run), ranks_agree(run), rank0_side_effects(run), global_rng_untouched(run)]
+        mine += [replica_consistency(run), ranks_agree(run), rank0_side_effects(run, s.for_run(spec).trainer),
+                 global_rng_untouched(run)]
         mine += expectations(run, spec)
         mine += judge_resume(s, run, by_name)
         mine += memory_ceilings(run, s)

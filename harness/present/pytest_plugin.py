@@ -144,7 +144,7 @@ class ScenarioFile(pytest.File):
     _result: ScenarioResult | None = None
 
     def collect(self) -> Any:
-        from harness.judge.checks import expected_reason
+        from harness.judge.behaviours import reason_for
         from harness.judge.verdict import planned_checks
 
         self.scenario = load_scenario(self.path)
@@ -152,7 +152,7 @@ class ScenarioFile(pytest.File):
         for spec in self.scenario.runs:
             run = RunNode.from_parent(self, name=spec.name)
             run.checks = plan[spec.name]
-            run.expected = {n: expected_reason(self.scenario.checks.expected_failures, n, spec.name)
+            run.expected = {n: reason_for(self.scenario.checks.expected_failures, n, spec.name)
                             for n in run.checks}
             run.expect_error = spec.expect_error is not None
             yield run
@@ -253,6 +253,8 @@ class CheckItem(ScenarioItem):
             pytest.skip(why)
         for c in found:
             if not c.applicable:
+                pytest.skip(c.detail)
+            if c.result == "inconclusive":
                 pytest.skip(c.detail)
             measured_pass = (not c.passed) if c.xfail is not None else c.passed
             if not measured_pass:

@@ -126,6 +126,7 @@ def scenario_summary(s: Scenario, runs: list[RunOutcome], checks: list[Check]) -
         "reference": s.checks.reference,
         "status": status,
         "passed": status == "passed",
+        "inconclusive": [f"{c.name} ({c.run})" for c in checks if c.result == "inconclusive"],
         "checks": [c.to_dict() for c in checks],
         "runs": [run_summary(r, s, ref) for r in runs],
     }

@@ -92,10 +92,12 @@ def _fmt(v: Any) -> str:
 
 def checks_table(scenario: dict[str, Any], fmt: str = "plain") -> str:
     """Every check: its value, the measured noise floor and value / floor where the limit was
-    derived from one, the limit, and the result."""
+    derived from one, the limit (for a parity check also its power: the smallest deviation it
+    could detect), the result, and the precision a parity check's runs computed at."""
     rows = [[c["name"], c["run"], _fmt(c["value"]), _fmt(c.get("floor")), _fmt(c.get("ratio")), _fmt(c["limit"]),
-             c.get("result", "pass" if c["passed"] else "FAIL"), c["detail"]] for c in scenario["checks"]]
-    return tabulate(rows, headers=["Check", "Run", "Value", "Floor", "Ratio", "Limit", "Result", "Detail"],
+             c.get("result", "pass" if c["passed"] else "FAIL"), c.get("precision") or "-", c["detail"]]
+            for c in scenario["checks"]]
+    return tabulate(rows, headers=["Check", "Run", "Value", "Floor", "Ratio", "Limit", "Result", "Precision", "Detail"],
                     tablefmt=FORMATS[fmt], disable_numparse=True)
 
 
@@ -212,7 +214,10 @@ def host_ranks(hosts: list[str]) -> str:
 
 def scenario_text(scenario: dict[str, Any], fmt: str = "plain") -> str:
     """The table block the CLI prints for one scenario."""
-    parts = [f"{scenario['name']}: {scenario['status'].upper()}", runs_table(scenario, fmt)]
+    unseen = scenario.get("inconclusive") or []
+    status = scenario["status"].upper() + (f" (inconclusive, without power to see a known behaviour: "
+                                           f"{', '.join(unseen)})" if unseen else "")
+    parts = [f"{scenario['name']}: {status}", runs_table(scenario, fmt)]
     if floor_notes(scenario):
         parts.append("\n".join(floor_notes(scenario)))
     backends = [f"run {r['name']} on {r['backend']}: {r['backend_reason']}" for r in scenario["runs"]

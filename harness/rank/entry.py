@@ -1,7 +1,8 @@
 """Rank entry point: ``python -m harness.rank RUN_DIR``.
 
 Reads the job file, joins the distributed group (none for world size 1), announces itself with a
-``start`` event, runs the job and writes its result. A failure is written as an error result and
+``start`` event, runs the job while a thread samples its memory (``harness.rank.memory``) and
+writes its result. A failure is written as an error result and
 the process exits 1, so the controller learns the cause from the rank itself.
 """
 
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import schema
+from harness.rank.memory import MemorySampler, device_baseline_kind, peak_rss_bytes
 from harness.scenario import FaultSpec
 
 TMPDIR_VAR = "MLX_DDP_HARNESS_TMPDIR"
@@ -43,10 +45,18 @@ class RankContext:
     events: schema.EventWriter
     faults: list[FaultSpec] = field(default_factory=list)
     host: str = field(default_factory=socket.gethostname)
+    memory: MemorySampler | None = None  # trainers tell it of each step (``step_memory``)
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    def step_memory(self, step: int) -> dict[str, Any]:
+        """Optimizer step ``step`` ended: the memory fields of its ``step`` event
+        (``MemorySampler.step_ended``)."""
+        if self.memory is None:
+            raise RuntimeError("this rank has no memory sampler: steps are trained under harness.rank.entry.main")
+        return self.memory.step_ended(step)
 
     def phase(self, name: str) -> None:
         """Heartbeat between steps, so the watchdog sees progress through long phases."""
@@ -115,22 +125,22 @@ def inject(f: FaultSpec) -> None:
             time.sleep(3600)
 
 
-def _peak_rss_bytes() -> int:
-    import resource
-
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
+def set_precision(job: dict[str, Any]) -> None:
+    """A training job at ``[train] precision = "full"`` computes float32 matmuls at float32: MLX's
+    CUDA backend otherwise rounds their operands to TF32 (read at the first matmul)."""
+    if job.get("kind") == "train" and job["scenario"]["train"]["precision"] == "full":
+        os.environ["MLX_ENABLE_TF32"] = "0"
 
 
 def runtime_figures() -> dict[str, Any]:
-    """Memory figures every result carries."""
+    """Memory figures every result carries (with its ``MemorySampler.figures``)."""
     import mlx.core as mx
 
-    return {"mlx_peak_bytes": int(mx.get_peak_memory()), "rss_peak_bytes": _peak_rss_bytes()}
+    return {"mlx_peak_bytes": int(mx.get_peak_memory()), "rss_peak_bytes": peak_rss_bytes()}
 
 
 def warm_up(job: dict[str, Any]) -> None:
-    """Bring MLX's device runtime up before the job, so that memory ceilings count from it.
+    """Bring MLX's device runtime up before the job, so that the rank's RSS baseline holds it.
 
     Everywhere: the device and its BLAS (a matmul). On a GPU, a training job also loads what
     its first step would load lazily and keep for the life of the process (on CUDA 0.6 GB
@@ -226,9 +236,11 @@ def main(argv: list[str]) -> int:
     rank = int(os.environ.get("MLX_RANK", "0"))
     events = schema.EventWriter(schema.events_path(run_dir, rank))
     result: dict[str, Any] = {"rank": rank, "pid": os.getpid(), "host": socket.gethostname()}
+    sampler: MemorySampler | None = None
     code = 0
     try:
         job = schema.read_json(run_dir / schema.JOB_FILE)
+        set_precision(job)
         world_size = int(job["world_size"])
         group, backend = _init_group(world_size, job.get("backend"))
         if group.size() != world_size or group.rank() != rank:
@@ -241,22 +253,28 @@ def main(argv: list[str]) -> int:
         warm_up(job)
         startup_s = time.time() - float(job.get("launched_at", time.time()))
         load_libraries(job)
-        rss_runtime = _peak_rss_bytes()  # what a rank holds before its job: memory ceilings start here
+        rss_runtime = peak_rss_bytes()  # what a rank holds before its job
         device = str(mx.default_device())
+        sampler = MemorySampler(events, rank, rss_runtime, device_baseline_kind())
         events.emit("start", rank=rank, world_size=world_size, host=result["host"], pid=os.getpid(),
-                    device=device, backend=backend, startup_s=startup_s, rss_runtime_bytes=rss_runtime)
+                    device=device, backend=backend, startup_s=startup_s, rss_runtime_bytes=rss_runtime,
+                    **sampler.start_fields())
+        sampler.start()
         ctx = RankContext(run_dir, job, rank, world_size, group, backend, events,
-                          [FaultSpec(**f) for f in job.get("faults", [])])
+                          [FaultSpec(**f) for f in job.get("faults", [])], memory=sampler)
         payload = _job_runner(job)(ctx)
+        sampler.stop()
         result.update(status="ok", world_size=world_size, backend=backend, device=device,
                       is_main=rank == 0, startup_s=startup_s, rss_runtime_bytes=rss_runtime, **runtime_figures(),
-                      **payload)
+                      **sampler.figures(), **payload)
     except BaseException as e:  # noqa: BLE001 - every failure must reach the controller
         code = 1
         # Agreed failures already say which rank failed and why; other errors carry their type.
         error = str(e) if isinstance(e, ReportedFailure) else f"{type(e).__name__}: {e}"
         result.update(status="error", error=error, traceback=traceback.format_exc())
         traceback.print_exc()
+    if sampler is not None:
+        sampler.stop()
     events.emit("end", rank=rank, status=result["status"])
     events.close()
     schema.write_json_atomic(schema.result_path(run_dir, rank), schema.stamp(result))

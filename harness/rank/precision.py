@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 UNIT_ROUNDOFF = {"float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11}
+TF32_SEEN = 2.0**-16  # a float32 matmul rounding its operands coarser than this rounds them to TF32 (2^-11)
 
 
 def measure_precision(dtype: str) -> dict[str, Any]:
@@ -20,5 +21,7 @@ def measure_precision(dtype: str) -> dict[str, Any]:
     y = x @ mx.eye(256, dtype=dt)
     a, b = np.array(x.astype(mx.float32)), np.array(y.astype(mx.float32))
     u_matmul = float(np.max(np.abs(a - b) / np.maximum(np.abs(a), np.finfo(np.float32).tiny)))
+    tf32 = dtype == "float32" and u_matmul > TF32_SEEN
     return {"dtype": dtype, "u_dtype": UNIT_ROUNDOFF[dtype], "u_matmul": u_matmul,
-            "u_in": max(UNIT_ROUNDOFF[dtype], u_matmul), "device": str(mx.default_device())}
+            "u_in": max(UNIT_ROUNDOFF[dtype], u_matmul), "device": str(mx.default_device()), "tf32": tf32,
+            "label": f"{dtype}, TF32 matmuls" if tf32 else dtype}

@@ -4,15 +4,17 @@ An adapter (``harness.trainers``) or a user's script (through ``harness.api``) c
 ``step`` once per optimizer step with the loss and token counts the trainer itself computed,
 ``eval`` for each evaluation, ``saved`` for each file the trainer writes, and ``finish`` with the
 final parameters. The reporter adds what every rank result carries (per-step timings and tok/s,
-replica digests every ``digest_every`` steps, RSS, faults injected at the scenario's steps),
-writes the ``step`` and ``eval`` events the watchdog and the progress lines read, and builds the
-result the judge reads. Checks the trainer cannot support are named in ``not_applicable`` (check
-name -> why) and reported as "n/a".
+replica digests every ``digest_every`` steps, MLX memory and RSS from the rank's memory sampler,
+which takes a CUDA rank's RSS baseline at the end of its first step (``harness.rank.memory``),
+faults injected at the scenario's steps), writes the ``step`` and ``eval`` events the watchdog and
+the progress lines read, and builds the result the judge reads. Checks the trainer cannot
+support are named in ``not_applicable`` (check name -> why) and reported as "n/a".
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from harness.rank.entry import RankContext, ReportedFailure
@@ -61,6 +63,7 @@ class StepReporter:
         import psutil
 
         from harness.rank.effects import MainRankEffects
+        from harness.rank.step_probe import Probes
 
         self.ctx, self.s = ctx, s
         self.name = f"trainer {s.trainer.kind}"
@@ -82,6 +85,9 @@ class StepReporter:
         self.finished: dict[str, Any] | None = None
         self.done = 0  # steps trained before this run: it resumed after them
         self.resume: dict[str, Any] | None = None
+        self.probes = Probes(ctx.job.get("probe"))
+        self.probe_s = 0.0  # probe time since the last step, not counted in the step's time
+        self.probe_offered = False  # the trainer called ``probe`` (at any step)
 
     @property
     def steps(self) -> int:
@@ -101,6 +107,14 @@ class StepReporter:
         self.ctx.phase("train")
         self.t_start = self.t_last = time.perf_counter()
 
+    def probe(self, step: int, model: Any, compute: Callable[[], tuple[Any, Any, int]]) -> None:
+        """Before optimizer step ``step`` updates anything: a step-local probe there when the job
+        plans one (``compute``: the trainer's own global loss, all-reduced gradient and global
+        supervised tokens at ``model``'s current parameters; ``step_probe.Probes.take``)."""
+        self.probe_offered = True
+        if step in self.probes.steps:
+            self.probe_s += self.probes.take(step, model, compute, self.ctx.rank, self.ctx.world_size)
+
     def step(self, step: int, loss: float | None, tokens_global: int | None, tokens_local: int,
              lr: float | None = None, params: Any = None, step_time_s: float | None = None) -> None:
         """Optimizer step ``step`` (1, 2, ...) is done: its global loss and supervised tokens as the
@@ -112,11 +126,11 @@ class StepReporter:
             raise ReportedFailure(f"{self.name} reported step {step} after step {self.steps}: steps are reported "
                                   f"once each, in order, from {self.done + 1}")
         now = time.perf_counter()
-        dt = float(step_time_s) if step_time_s is not None else now - self.t_last
-        self.t_last = now
+        dt = float(step_time_s) if step_time_s is not None else now - self.t_last - self.probe_s
+        self.t_last, self.probe_s = now, 0.0
         dt = max(dt, 1e-9)
-        rss = self.proc.memory_info().rss
-        self.rss_peak = max(self.rss_peak, rss)
+        memory = self.ctx.step_memory(step)
+        self.rss_peak = max(self.rss_peak, memory["rss_bytes"])
         h = self.history
         loss = None if loss is None else float(loss)
         tokens_global = None if tokens_global is None else int(tokens_global)
@@ -126,11 +140,8 @@ class StepReporter:
                            ("learning_rates", None if lr is None else float(lr)),
                            ("tokens_global_per_step", tokens_global)):
             h[key].append(value)
-        import mlx.core as mx
-
         event = dict(step=step, rank=self.ctx.rank, loss=loss, tokens_global=tokens_global,
-                     tokens_local=int(tokens_local), step_time_s=dt, lr=lr, mlx_peak_bytes=int(mx.get_peak_memory()),
-                     rss_bytes=rss)
+                     tokens_local=int(tokens_local), step_time_s=dt, lr=lr, **memory)
         every = self.s.train.digest_every
         if params is not None and every and step % every == 0:
             self.digests[step] = event["digest"] = tree_digest(params)
@@ -210,7 +221,7 @@ class StepReporter:
             "seed_used": self.s.seed,
             "precision": measure_precision(self.s.model.dtype),
             "global_rng_untouched": global_rng_digest() == self.rng_before,
-            "probes": None,
+            "probes": self.probes.records if self.probes.mode else None,
             "from_rank0": self.from_rank0,
             **(extra or {}),
         }

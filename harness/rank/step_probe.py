@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,37 @@ class Probes:
             self.records.append({"step": step, "loss": float(loss.item()), "tokens": counts[0]})
         else:
             self.records.append(self._compare(t, step, micros, counts))
+        self.records[-1]["probe_s"] = time.perf_counter() - start
+        return self.records[-1]["probe_s"]
+
+    def take(self, step: int, model: Any, compute: Callable[[], tuple[Any, Any, int]], rank: int,
+             world_size: int) -> float:
+        """A trainer under test probes ``step`` through its own seam: ``compute()`` returns its global
+        loss, all-reduced gradient and global supervised tokens at ``model``'s current parameters on
+        the step's batch, exactly as its training step computes them, without updating anything.
+        Recording, rank 0 keeps the parameters and gradient; comparing, ``compute`` runs
+        at the reference's parameters and the model gets its own back. Returns the seconds it took."""
+        import mlx.core as mx
+        from mlx.utils import tree_unflatten
+
+        start = time.perf_counter()
+        if self.mode == "record":
+            loss, grads, tokens = compute()
+            mx.eval(loss, grads)
+            if rank == 0:
+                write_probe(probe_path(self.dir, step), model, grads, {"step": step, "loss": float(loss.item()),
+                                                                       "tokens": int(tokens), "world_size": world_size})
+            self.records.append({"step": step, "loss": float(loss.item()), "tokens": int(tokens)})
+        else:
+            ref = read_probe(probe_path(self.dir, step))
+            saved = model.parameters()
+            model.update(tree_unflatten(list(ref["params"].items())))
+            try:
+                loss, grads, tokens = compute()
+                mx.eval(loss, grads)
+            finally:
+                model.update(saved)
+            self.records.append(compare(step, loss, grads, int(tokens), ref))
         self.records[-1]["probe_s"] = time.perf_counter() - start
         return self.records[-1]["probe_s"]
 

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 class TrainerInfo:
     """A trainer kind: its module, what it is, and what the harness can measure of it.
 
-    ``probes``: it computes step-local probes at the reference's parameters (otherwise the
-    step-local checks are n/a). ``twin``: it can compute N ranks' shards in one process (the
+    ``probes``: it computes step-local probes at the reference's parameters through its own
+    code (``StepReporter.probe``; otherwise the step-local checks are n/a). ``twin``: it can
+    compute N ranks' shards in one process (the
     noise-floor twin); otherwise its trajectories are judged against *split* floor runs, the
     reference run again in one process with the model computing each batch in the N ranks' row
     chunks (``common.split_forward``: the same mathematics, N ranks' rounding; three draws of
@@ -28,28 +29,36 @@ class TrainerInfo:
     trainer all-reduces on MLX's CPU stream, which only the ring backend serves on a CUDA machine
     (None: its collectives run on the device, any backend). A trainer module may define
     ``load_libraries(scenario)``: it imports what the trainer imports on every run, before the
-    rank's memory baseline is taken (``harness.rank.entry.load_libraries``)."""
+    rank's memory baseline is taken (``harness.rank.entry.load_libraries``). ``saves``: why the
+    trainer always saves on rank 0, so ``rank0_side_effects`` demands a save there (None: it
+    promises none; a script declares its own with ``[trainer] saves``)."""
 
     module: str
     title: str
     probes: bool = False
     twin: bool = False
     cpu_collectives: str | None = None
+    saves: str | None = None
 
 
 TRAINERS: dict[str, TrainerInfo] = {
     "reference": TrainerInfo("harness.trainers.reference", "the harness's reference DDP trainer", probes=True,
-                             twin=True),
-    "mlx_lm": TrainerInfo("harness.trainers.mlx_lm", "mlx-lm's trainer (mlx_lm.tuner.trainer.train)",
+                             twin=True, saves="the reference trainer saves its final parameters on rank 0"),
+    "mlx_lm": TrainerInfo("harness.trainers.mlx_lm", "mlx-lm's trainer (mlx_lm.tuner.trainer.train)", probes=True,
                           cpu_collectives="mlx-lm's trainer all-sums its reported losses and token counts on "
-                                          "the CPU stream"),
-    "mlx_vlm": TrainerInfo("harness.trainers.mlx_vlm", "mlx-vlm's trainer (mlx_vlm.trainer.Trainer)",
+                                          "the CPU stream",
+                          saves="mlx-lm's trainer saves its adapter file on rank 0 after the last step"),
+    "mlx_vlm": TrainerInfo("harness.trainers.mlx_vlm", "mlx-vlm's trainer (mlx_vlm.trainer.Trainer)", probes=True,
                            cpu_collectives="mlx-vlm's trainer all-reduces its gradients and metrics on the "
-                                           "CPU stream"),
+                                           "CPU stream",
+                           saves="mlx-vlm's trainer saves its adapter file on rank 0 after the last step"),
     "unsloth_zoo": TrainerInfo("harness.trainers.unsloth_zoo", "unsloth-zoo's MLX trainer (unsloth_zoo.mlx.trainer)",
+                               probes=True,
                                cpu_collectives="unsloth-zoo's MLX trainer all-sums its losses, token and row "
-                                               "counts on the CPU stream"),
-    "script": TrainerInfo("harness.trainers.script", "a user's training script (reporting through harness.api)"),
+                                               "counts on the CPU stream",
+                               saves="unsloth-zoo's trainer saves its final adapters (or model) on rank 0"),
+    "script": TrainerInfo("harness.trainers.script", "a user's training script (reporting through harness.api)",
+                          probes=True),
 }
 
 

@@ -30,6 +30,7 @@ from the beginning: that is mlx-lm's resume, and the harness judges it as it is.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,11 +40,7 @@ from harness.scenario import Scenario
 from harness.trainers.common import apply_lora, split_floor, split_text_model
 
 TITLE = "mlx_lm.tuner.trainer.train"
-NO_GRADIENT = "mlx-lm's trainer exposes no loss or gradient at given parameters"
 NOT_APPLICABLE = {
-    "step_token_parity": NO_GRADIENT,
-    "step_loss_parity": NO_GRADIENT,
-    "step_grad_parity": NO_GRADIENT,
     "data_share_bytes": "mlx-lm's train() takes the whole dataset on every rank and indexes each rank's rows",
     "global_rng_untouched": "mlx-lm draws its batch order from numpy's global RNG: the adapter seeds it (and MLX's) "
                             "with the scenario seed on every rank",
@@ -88,25 +85,67 @@ def supervised_tokens(lengths: Any, width: int) -> int:
 
 
 class Batches:
-    """mlx-lm's ``iterate_batches``, counting each batch's supervised tokens on this rank."""
+    """mlx-lm's ``iterate_batches``, counting each batch's supervised tokens on this rank; before
+    the first micro-batch of a step the job probes, it hands that step's micro-batches to
+    ``probe(step, micros)`` (the model then holds the parameters the step's gradient is taken at)."""
 
-    def __init__(self, train_set: Any):
+    def __init__(self, train_set: Any, accum: int = 1, first_step: int = 1,
+                 probe: Callable[[int, list[Any]], None] | None = None, probe_steps: Any = ()):
         self.train_set = train_set
         self.train_tokens: list[int] = []
         self.eval_tokens = 0
+        self.accum, self.first_step = accum, first_step
+        self.probe, self.probe_steps = probe, set(probe_steps)
+        self.yielded = 0  # training micro-batches handed to the trainer
+
+    def _count(self, dataset: Any, batch: Any, lengths: Any) -> tuple[Any, Any]:
+        count = supervised_tokens(lengths, batch.shape[1])
+        if dataset is self.train_set:
+            self.train_tokens.append(count)
+            self.yielded += 1
+        else:
+            self.eval_tokens += count
+        return batch, lengths
 
     def __call__(self, dataset: Any, batch_size: int, max_seq_length: int, loop: bool = False, seed: Any = None,
                  comm_group: Any = None) -> Any:
         from mlx_lm.tuner.trainer import iterate_batches
 
-        for batch, lengths in iterate_batches(dataset=dataset, batch_size=batch_size, max_seq_length=max_seq_length,
-                                              loop=loop, seed=seed, comm_group=comm_group):
-            count = supervised_tokens(lengths, batch.shape[1])
-            if dataset is self.train_set:
-                self.train_tokens.append(count)
-            else:
-                self.eval_tokens += count
-            yield batch, lengths
+        it = iterate_batches(dataset=dataset, batch_size=batch_size, max_seq_length=max_seq_length, loop=loop,
+                             seed=seed, comm_group=comm_group)
+        for batch, lengths in it:
+            step = self.first_step + self.yielded // self.accum
+            if dataset is self.train_set and self.yielded % self.accum == 0 and step in self.probe_steps \
+                    and self.probe is not None:
+                micros = [(batch, lengths), *(next(it) for _ in range(self.accum - 1))]
+                self.probe(step, micros)
+                for b, n in micros:
+                    yield self._count(dataset, b, n)
+                continue
+            yield self._count(dataset, batch, lengths)
+
+
+def probe_gradient(model: Any, loss: Any, micros: list[Any], world_size: int) -> tuple[Any, Any, int]:
+    """mlx-lm's step on ``micros`` without its update, through its own parts: the ``loss`` it
+    trains with, its gradient summed over the micro-batches, ``average_gradients`` as its trainer
+    imports it, the division by the micro-batch count, and its reported loss (the all-summed
+    micro-batch losses over micro-batches x world size) and token count."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_map
+    from mlx_lm.tuner import trainer
+
+    value_and_grad = nn.value_and_grad(model, loss)
+    grad, loss_sum, tokens = None, mx.array(0.0), mx.array(0)
+    for batch, lengths in micros:
+        (value, toks), g = value_and_grad(model, batch, lengths)
+        grad = g if grad is None else tree_map(lambda x, y: x + y, grad, g)
+        loss_sum, tokens = loss_sum + value, tokens + toks
+    grad = trainer.average_gradients(grad)
+    if len(micros) > 1:
+        grad = tree_map(lambda x: x / len(micros), grad)
+    total = mx.distributed.all_sum(loss_sum, stream=mx.cpu) / (len(micros) * world_size)
+    return total, grad, int(mx.distributed.all_sum(tokens, stream=mx.cpu).item())
 
 
 def make_callback(rep: StepReporter, batches: Batches, model: Any, accum: int) -> Any:
@@ -261,11 +300,16 @@ def run(ctx: RankContext) -> dict[str, Any]:
                         grad_accumulation_steps=accum)
     if (plan := split_floor(ctx.job, s.seed)) is not None:
         split_text_model(model, plan)
-    batches = Batches(train_set)
+    from mlx_lm.tuner.trainer import default_loss
+
+    def probe(step: int, micros: list[Any]) -> None:
+        rep.probe(step, model, lambda: probe_gradient(model, default_loss, micros, ctx.world_size))
+
+    batches = Batches(train_set, accum, rep.done + 1, probe, rep.probes.steps)
     rep.start(model.parameters())
     try:
-        train(model, build_optimizer(t), train_set, eval_set or None, args, iterate_batches=batches,
-              training_callback=make_callback(rep, batches, model, accum))
+        train(model, build_optimizer(t), train_set, eval_set or None, args, loss=default_loss,
+              iterate_batches=batches, training_callback=make_callback(rep, batches, model, accum))
     except ReportedFailure:
         raise
     except Exception as e:

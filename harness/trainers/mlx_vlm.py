@@ -19,11 +19,24 @@ there for replica digests. In a floor run the model computes each batch in the r
 (``common.split_forward``; image patches picked image by image). mlx-vlm calls its training
 callback on rank 0 only, so the global loss, tokens and evaluations are rank 0's, sent to the
 other ranks after training (``ranks_agree`` says so and does not compare them).
+
+Step-local probes go through mlx-vlm's own step (``mlx_vlm.trainer.common.engine.train``): when
+the engine draws the first micro-batch of a probe step, the model holds the parameters that step's
+gradient is taken at; the wrapped iterator draws the step's other micro-batches too (the engine
+gets them next, in the same order) and the probe runs them through ``apply_gradient_step`` with
+``update=False`` (the task's own loss under ``nn.value_and_grad``, ``normalize_loss_output``,
+``accumulate_gradients``), then what ``apply_accumulated_gradients`` does before its update:
+``average_gradients`` as mlx-vlm imports it and the division by the micro-batch count. The loss
+and tokens are its own ``MetricAccumulator``'s (token-weighted, all-summed), as it reports them.
+Not covered: its compiled step (``compile``) is not called, the probe computes the same loss and
+reduction eagerly (SFT's task has no ``value_and_grad_factory``: the engine differentiates
+``task.loss`` with ``nn.value_and_grad``, as the probe does).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,11 +45,7 @@ from harness.rank.reporter import StepReporter
 from harness.scenario import Scenario
 
 TITLE = "mlx_vlm.trainer.Trainer"
-NO_GRADIENT = "mlx-vlm's trainer exposes no loss or gradient at given parameters"
 NOT_APPLICABLE = {
-    "step_token_parity": NO_GRADIENT,
-    "step_loss_parity": NO_GRADIENT,
-    "step_grad_parity": NO_GRADIENT,
     "data_share_bytes": "mlx-vlm's Trainer takes the whole dataset on every rank and indexes each rank's rows",
     "global_rng_untouched": "mlx-vlm's train() seeds MLX's global RNG with the seed it is given (the scenario's)",
 }
@@ -80,27 +89,44 @@ def take_vlm_rows(args: tuple[Any, ...], kwargs: dict[str, Any], rows: int, pick
 
 class Batches:
     """mlx-vlm's ``iterate_vlm_batches`` seen from this rank (see the module docstring): draws of
-    training micro-batches mark the optimizer steps, which are reported to ``rep``."""
+    training micro-batches mark the optimizer steps, which are reported to ``rep``. Before the
+    first micro-batch of a step the job probes is handed over, that step's micro-batches go to
+    ``probe(step, micros)``."""
 
-    def __init__(self, rep: StepReporter, model: Any, accum: int):
-        self.rep, self.model, self.accum = rep, model, accum
+    def __init__(self, rep: StepReporter, model: Any, accum: int,
+                 probe: Callable[[int, list[Any]], None] | None = None):
+        self.rep, self.model, self.accum, self.probe = rep, model, accum, probe
         self.drawn = 0
         self.tokens: list[int] = []  # this rank's supervised tokens in the pending step's micro-batches
         self.losses: dict[int, tuple[float, int, float]] = {}  # rank 0: step -> (loss, tokens, lr)
         self.eval_s = 0.0  # time spent evaluating since the last step was reported
+
+    def _take(self, batch: Any) -> Any:
+        self.drawn += 1
+        self.tokens.append(int((batch["completion_mask"][:, 1:] * batch["attention_mask"][:, 1:]).sum()))
+        return batch
 
     def __call__(self, dataset: Any, batch_size: int, max_seq_length: int, *, train: bool = False,
                  seed: Any = None, **kw: Any) -> Any:
         from mlx_vlm.trainer.vlm.sft.runtime import iterate_vlm_batches
 
         started = time.perf_counter()
-        for batch in iterate_vlm_batches(dataset, batch_size, max_seq_length, train=train, seed=seed, **kw):
-            if train:
-                if self.drawn and self.drawn % self.accum == 0:
+        it = iterate_vlm_batches(dataset, batch_size, max_seq_length, train=train, seed=seed, **kw)
+        for batch in it:
+            if not train:
+                yield batch
+                continue
+            if self.drawn % self.accum == 0:
+                if self.drawn:
                     self.report()
-                self.drawn += 1
-                self.tokens.append(int((batch["completion_mask"][:, 1:] * batch["attention_mask"][:, 1:]).sum()))
-            yield batch
+                step = self.drawn // self.accum + 1
+                if self.probe is not None and step in self.rep.probes.steps:
+                    micros = [batch, *(next(it) for _ in range(self.accum - 1))]
+                    self.probe(step, micros)
+                    for b in micros:
+                        yield self._take(b)
+                    continue
+            yield self._take(batch)
         if not train:
             self.eval_s += time.perf_counter() - started
 
@@ -108,10 +134,40 @@ class Batches:
         """The optimizer step whose micro-batches were drawn last is done (on this rank)."""
         step = self.rep.steps + 1
         loss, tokens, lr = self.losses.get(step, (None, None, None))
-        dt = time.perf_counter() - self.rep.t_last - self.eval_s
+        dt = time.perf_counter() - self.rep.t_last - self.eval_s - self.rep.probe_s
         self.eval_s = 0.0
         self.rep.step(step, loss, tokens, sum(self.tokens), lr=lr, params=self.model.parameters(), step_time_s=dt)
         self.tokens = []
+
+
+def probe_gradient(model: Any, task: Any, micros: list[Any], accum: int) -> tuple[Any, Any, int]:
+    """mlx-vlm's step on ``micros`` without its update, through its own parts: each micro-batch
+    through ``apply_gradient_step(..., update=False)`` (the task's loss under ``nn.value_and_grad``,
+    as its engine builds it, and ``accumulate_gradients``), then ``apply_accumulated_gradients``'s
+    reduction (``average_gradients``, divided by the micro-batch count) without its optimizer
+    update; the loss and supervised tokens as its ``MetricAccumulator`` reports them. The global
+    RNG is left as it was."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_map
+    from mlx_vlm.trainer.common import utils
+    from mlx_vlm.trainer.common.metrics import MetricAccumulator
+
+    key = mx.random.state[0].tolist()
+    value_and_grad = nn.value_and_grad(model, task.loss)
+    grads, metrics = None, MetricAccumulator()
+    for batch in micros:
+        extra = task.loss_args(batch) if task.loss_args is not None else ()
+        loss, batch_metrics, grads = utils.apply_gradient_step(model, None, value_and_grad, batch, grads, update=False,
+                                                               accumulation_steps=accum, loss_args=extra)
+        metrics.add(loss, batch_metrics)
+    grads = utils.average_gradients(grads)
+    if accum > 1:
+        grads = tree_map(lambda value: value / accum, grads)
+    values = metrics.compute()
+    if mx.random.state[0].tolist() != key:  # a key (hi, lo) is what seeding with hi << 32 | lo makes
+        mx.random.seed((int(key[0]) << 32) | int(key[1]))
+    return mx.array(values["loss"], dtype=mx.float32), grads, int(values["num_tokens"])
 
 
 def make_callback(batches: Batches, accum: int) -> Any:
@@ -183,6 +239,7 @@ def run(ctx: RankContext) -> dict[str, Any]:
     batches = Batches(rep, model, accum)
     try:
         task = make_task(model, args, iterate_batches=batches)
+        batches.probe = lambda step, micros: rep.probe(step, model, lambda: probe_gradient(model, task, micros, accum))
         trainer = Trainer(model, args, task=task, train_dataset=train_set, eval_dataset=eval_set,
                           optimizer=build_optimizer(t), prepared=True,
                           training_callback=make_callback(batches, accum), seed=s.seed)

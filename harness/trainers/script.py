@@ -18,11 +18,10 @@ from harness.rank.entry import RankContext, ReportedFailure
 from harness.rank.reporter import StepReporter
 from harness.scenario import Scenario
 
-NOT_EXPOSED = "a script exposes no loss or gradient at given parameters"
+NOT_PROBED = ("the script hands over no loss-and-gradient function (harness.api: run.probe(step, model, fn, "
+              "batch) before each update)")
+STEP_CHECKS = ("step_token_parity", "step_loss_parity", "step_grad_parity")
 NOT_APPLICABLE = {
-    "step_token_parity": NOT_EXPOSED,
-    "step_loss_parity": NOT_EXPOSED,
-    "step_grad_parity": NOT_EXPOSED,
     "data_share_bytes": "the harness cannot see which rows a script holds",
 }
 
@@ -56,4 +55,6 @@ def run(ctx: RankContext) -> dict[str, Any]:
                                   f"optimizer step)")
         raise ReportedFailure(f"{label} never handed over its final parameters "
                               f"(call harness.api.session().finish(params))")
+    if not rep.probe_offered:
+        rep.finished["not_applicable"].update(dict.fromkeys(STEP_CHECKS, NOT_PROBED))
     return {**rep.finished, "trainer": {"kind": "script", "title": label, "path": path}}

@@ -18,6 +18,23 @@ replica digests) and each evaluation. In a floor run the model computes each bat
 row chunks (``common.split_text_model``), and in its sequential order the adapter hands each
 batch's rows over in reverse order as well (its fused loss then sums them in another order too).
 
+Step-local probes go through unsloth-zoo's own parts, called eagerly: at its ``on_step_begin``
+(fired on every rank before the step's first micro-batch is fetched, the model holding the
+parameters the step's gradient is taken at) the probe reads the step's micro-batches from the
+batch plan the loop trains from (its visits located with ``_mlx_epoch_microbatches`` and
+``_mlx_microstep_for_step``, fetched as its eager path fetches them, ``plan[index]`` and
+``prepare_cce_batch``), differentiates the loss its factory builds for the run
+(``make_cce_loss_fn``, or ``make_baseline_loss_fn`` without cut cross-entropy) with
+``nn.value_and_grad``, weights each micro-batch's gradient by its tokens as its step does, sums the
+ranks' gradients and tokens with the trainer's own ``_distributed_sum_gradient_tree`` and
+``_distributed_all_sum`` and divides (or, in one process with one micro-batch and no clipping,
+keeps the raw gradient, as its direct update does); the loss is its reported one (the ranks'
+summed loss x tokens over their summed tokens), the tokens its supervised-token count. Not covered:
+the step function it builds inside ``train()`` (and compiles) is a closure no caller can reach, so
+that glue is replicated; the gradient is taken before its clipping; a streamed run
+(``[data] streaming``) draws each micro-batch from its own iterator as it trains, so nothing can
+read a step's batches before it does: its step-local checks are "n/a".
+
 With ``[data] streaming`` the rows go as an unsized stream (``StreamedRows``: no length, no
 indexing, read afresh each epoch) with ``streaming=True``; unsloth-zoo reads it on rank 0 alone and
 sends each rank its rows (``rows_read`` in each rank's ``data`` says how many it read).
@@ -44,11 +61,10 @@ from harness.scenario import Scenario
 
 TITLE = "unsloth_zoo.mlx.trainer.MLXTrainer"
 INSTALL = "pip install --no-deps 'unsloth_zoo>=2026.10.9'"
-NO_GRADIENT = "unsloth-zoo's trainer exposes no loss or gradient at given parameters"
+NO_PROBE = ("unsloth-zoo draws a streamed run's micro-batches from its own iterator as it trains: a step's "
+            "batches cannot be read before it without consuming its stream")
+STREAMED = {"step_token_parity": NO_PROBE, "step_loss_parity": NO_PROBE, "step_grad_parity": NO_PROBE}
 NOT_APPLICABLE = {
-    "step_token_parity": NO_GRADIENT,
-    "step_loss_parity": NO_GRADIENT,
-    "step_grad_parity": NO_GRADIENT,
     "data_share_bytes": "MLXTrainer takes the whole dataset on every rank and picks each rank's rows itself",
 }
 LORA_RNG = {"global_rng_untouched": "the LoRA layers are mlx-lm's, which draw their weights from MLX's global RNG: "
@@ -166,10 +182,91 @@ class StreamedRows:
         return reverse_batches(self._items(), self.reverse) if self.reverse else self._items()
 
 
-def make_callback(rep: StepReporter, trainer: Any, eval_tokens: int) -> Any:
-    """The callback unsloth-zoo calls on every rank after each log and evaluation."""
+def step_batches(trainer: Any, step: int) -> list[Any]:
+    """Optimizer step ``step``'s micro-batches on this rank, from the batch plan ``train()`` trains
+    from, located and fetched as its loop does (eagerly: ``plan[index]``, ``prepare_cce_batch``)."""
+    from unsloth_zoo.mlx.trainer import FiniteTextBatchPlan, _mlx_epoch_microbatches, _mlx_microstep_for_step
+
+    plan, args = trainer._text_shape_guard_preflight[0], trainer.args
+    accum = max(1, int(args.gradient_accumulation_steps))
+    epoch = _mlx_epoch_microbatches(args, plan, includes_epochs=getattr(trainer, "_prepared_batches_include_epochs",
+                                                                        False))
+    first, end = ((_mlx_microstep_for_step(k, epoch, accum) if epoch else k * accum) for k in (step - 1, step))
+    micros = []
+    for visit in range(first, end):
+        index = plan.batch_index_for_visit(visit) if hasattr(plan, "batch_index_for_visit") else visit % len(plan)
+        batch = plan[index]
+        micros.append(plan.prepare_cce_batch(index, batch) if isinstance(plan, FiniteTextBatchPlan) else batch)
+    return micros
+
+
+def run_loss(trainer: Any) -> Any:
+    """The loss ``train()`` builds for a text run, from its own factory with its settings (when it
+    compiles, the compiled variant the factory attaches, if any)."""
+    from unsloth_zoo.mlx import trainer as zoo
+
+    args = trainer.args
+    smoothing = zoo._validate_label_smoothing(getattr(args, "label_smoothing_factor", 0.0), False)
+    if not args.use_cce:
+        return zoo.make_baseline_loss_fn(label_smoothing=smoothing)
+    loss = zoo.make_cce_loss_fn(trainer.model, label_smoothing=smoothing)
+    compiled = getattr(loss, "_unsloth_compiled_loss_fn", None)
+    return compiled if args.compile and compiled is not None else loss
+
+
+def probe_gradient(trainer: Any, loss_fn: Any, micros: list[Any]) -> tuple[Any, Any, int]:
+    """unsloth-zoo's step on ``micros`` without its update: each micro-batch's gradient weighted by
+    its tokens and summed, the ranks' sums and tokens summed by the trainer's own reductions, scaled
+    by one over the tokens (one process, one micro-batch, no clipping: the raw gradient, its direct
+    update); its reported loss and supervised tokens. The global RNG is left as it was."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_map
+    from unsloth_zoo.mlx import trainer as zoo
+
+    args, key = trainer.args, zoo._mlx_rng_key()
+    value_and_grad = nn.value_and_grad(trainer.model, loss_fn)
+    grad = raw = toks_f = None
+    loss_sum = n_tokens = supervised = 0
+    for batch in micros:
+        (value, toks, *_), g = value_and_grad(trainer.model, *batch)
+        f = toks.astype(mx.float32)
+        raw = g
+        g = tree_map(lambda x, f=f: x * f.astype(x.dtype), g)
+        grad, toks_f = (g, f) if grad is None else (tree_map(mx.add, grad, g), toks_f + f)
+        loss_sum, n_tokens = loss_sum + value * toks, n_tokens + toks
+        supervised = supervised + (loss_fn._unsloth_supervised_tokens(batch)
+                                   if hasattr(loss_fn, "_unsloth_supervised_tokens") else toks)
+    clipping = zoo._resolve_mlx_grad_clipping(args)[:3]
+    rescaled = args.lora_plus_ratio > 0 or args.embedding_learning_rate > 0
+    if trainer.distributed_world_size <= 1 and args.gradient_accumulation_steps == 1 and max(clipping) <= 0 \
+            and not rescaled:
+        grad = raw
+    else:
+        grad = trainer._distributed_sum_gradient_tree(grad)
+        toks_f = mx.maximum(trainer._distributed_all_sum(toks_f), mx.array(1.0, dtype=mx.float32))
+        grad = tree_map(lambda x: x * (mx.array(1.0, dtype=mx.float32) / toks_f).astype(x.dtype), grad)
+    total = trainer._distributed_all_sum(loss_sum, stream=mx.cpu) / trainer._distributed_all_sum(n_tokens,
+                                                                                                 stream=mx.cpu)
+    tokens = int(trainer._distributed_all_sum(mx.array(supervised), stream=mx.cpu).item())
+    zoo._restore_mlx_rng_key(key)
+    return total, grad, tokens
+
+
+def make_callback(rep: StepReporter, trainer: Any, eval_tokens: int, probes: bool = True) -> Any:
+    """The callback unsloth-zoo calls on every rank before each optimizer step (a step-local probe
+    there when the job plans one), and after each log and evaluation."""
+    loss: list[Any] = []  # the run's loss, built at the first probe
 
     class Report:
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            step = int(state.global_step) + 1
+            if probes and step in rep.probes.steps:
+                if not loss:
+                    loss.append(run_loss(trainer))
+                micros = step_batches(trainer, step)
+                rep.probe(step, trainer.model, lambda: probe_gradient(trainer, loss[0], micros))
+
         def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kw: Any) -> None:
             if not logs or "loss" not in logs or "eval_loss" in logs or "train_runtime" in logs:
                 return
@@ -198,9 +295,9 @@ def run(ctx: RankContext) -> dict[str, Any]:
 
     s = Scenario.from_dict(ctx.job["scenario"])
     lora = s.trainer.fine_tune == "lora"
-    rep = StepReporter(ctx, s, {**NOT_APPLICABLE, **(LORA_RNG if lora else {})})
-    ctx.phase("data")
     streaming = s.data.streaming
+    rep = StepReporter(ctx, s, {**NOT_APPLICABLE, **(LORA_RNG if lora else {}), **(STREAMED if streaming else {})})
+    ctx.phase("data")
     rows = load_rows(s, train=not streaming)
     plan = split_floor(ctx.job, s.seed)
     reverse = s.train.global_batch // s.train.grad_accum if plan and s.data.order == "ordered" else 0
@@ -225,7 +322,7 @@ def run(ctx: RankContext) -> dict[str, Any]:
     try:
         tokenizer = TokenizerView(rows.tokenizer, s.data.tokenizer)
         trainer = MLXTrainer(model, tokenizer, train, eval_dataset=eval_items, args=args)
-        trainer.add_callback(make_callback(rep, trainer, eval_tokens))
+        trainer.add_callback(make_callback(rep, trainer, eval_tokens, probes=not streaming))
         rep.start(model.parameters())
         result = trainer.train()
     except ReportedFailure:

@@ -349,14 +349,12 @@ class Trainer:
 
     def _record(self, step: int, micros: list[LocalBatch], counts: tuple[int, int], loss: float, norm: float,
                 dt: float) -> None:
-        import mlx.core as mx
-
         ctx, h = self.ctx, self.history
         tokens, images = counts
         local = sum(b.tokens for b in micros)
         self.images_local += sum(b.images for b in micros)
-        rss = self.proc.memory_info().rss
-        self.rss_peak = max(self.rss_peak, rss)
+        memory = ctx.step_memory(step)
+        self.rss_peak = max(self.rss_peak, memory["rss_bytes"])
         lr = float(self.optimizer.learning_rate.item())
         for key, value in (("losses", loss), ("step_times_s", dt), ("tok_s_local", local / dt),
                            ("tok_s_global", tokens / dt), ("tokens_local_per_step", local), ("grad_norms", norm),
@@ -368,7 +366,7 @@ class Trainer:
         event: dict[str, Any] = dict(
             step=step, rank=ctx.rank, loss=loss, tokens_global=tokens, tokens_local=local,
             rows_local=sum(len(b.inputs) for b in micros), images_global=images, step_time_s=dt, grad_norm=norm, lr=lr,
-            mlx_peak_bytes=int(mx.get_peak_memory()), rss_bytes=rss,
+            **memory,
         )
         if self.spec.digest_every and step % self.spec.digest_every == 0:
             self.digests[step] = event["digest"] = param_digest(self.model)

@@ -1,0 +1,83 @@
+"""A rank's memory sampler, with real MLX allocations in this process: which RSS baseline each
+device gets, and few ``memory`` events, each for a figure that rose."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+from harness import schema
+from harness.rank.memory import (
+    FIRST_STEP,
+    JOB_START,
+    MemorySampler,
+    device_baseline_kind,
+    peak_rss_bytes,
+    rose,
+    rss_baseline_kind,
+)
+
+MB = 1024 * 1024
+
+
+def test_the_rss_baseline_is_job_start_where_mlx_memory_is_host_memory_and_the_first_step_on_cuda() -> None:
+    assert rss_baseline_kind(gpu=False, cuda=False) == JOB_START  # a CPU
+    assert rss_baseline_kind(gpu=True, cuda=False) == JOB_START  # Metal: unified memory
+    assert rss_baseline_kind(gpu=False, cuda=True) == JOB_START  # a CUDA build running on its CPU
+    assert rss_baseline_kind(gpu=True, cuda=True) == FIRST_STEP
+    expected = FIRST_STEP if mx.default_device() == mx.gpu and mx.cuda.is_available() else JOB_START
+    assert device_baseline_kind() == expected
+
+
+def test_a_rise_is_8_mb_and_5_percent() -> None:
+    assert not rose(8 * MB, 0) and rose(8 * MB + 1, 0)
+    assert not rose(1050 * MB, 1000 * MB) and rose(1051 * MB, 1000 * MB)
+
+
+def test_a_first_step_baseline_is_taken_when_the_first_step_ends(tmp_path: Path) -> None:
+    events = schema.EventWriter(tmp_path / "events.jsonl")
+    sampler = MemorySampler(events, 0, peak_rss_bytes(), FIRST_STEP)
+    assert sampler.start_fields() == {"rss_baseline": FIRST_STEP, "rss_baseline_bytes": None}
+    assert sampler.figures()["rss_peak_after_baseline_bytes"] is None  # no step ended: no baseline
+    first = sampler.step_ended(3)  # a resumed run's first step
+    assert first["rss_baseline"] == "end of step 3" and first["rss_baseline_bytes"] == first["rss_bytes"] > 0
+    second = sampler.step_ended(4)
+    assert "rss_baseline" not in second and second["mlx_peak_bytes"] >= 0
+    figures = sampler.figures()
+    assert figures["rss_baseline"] == "end of step 3" and figures["rss_baseline_bytes"] == first["rss_bytes"]
+    assert figures["rss_peak_after_baseline_bytes"] >= max(first["rss_bytes"], second["rss_bytes"])
+    events.close()
+
+
+def test_the_sampler_writes_few_memory_events_each_for_a_figure_that_rose(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    events = schema.EventWriter(path)
+    runtime = peak_rss_bytes()
+    mx.reset_peak_memory()
+    sampler = MemorySampler(events, 5, runtime, JOB_START, every_s=0.005)
+    assert sampler.start_fields() == {"rss_baseline": JOB_START, "rss_baseline_bytes": runtime}
+    sampler.start()
+    held = []
+    for _ in range(8):  # 128 MB, 16 MB at a time, while the sampler's thread samples
+        chunk = mx.ones((16 * MB,), dtype=mx.uint8)
+        mx.eval(chunk)
+        held.append(chunk)
+        time.sleep(0.05)
+    sampler.stop()
+    events.emit("after", rank=5)  # the writer is still open; nothing was torn
+    events.close()
+    recorded = list(schema.read_events(path))
+    assert recorded[-1]["kind"] == "after"
+    memory = [e for e in recorded if e["kind"] == "memory"]
+    mlx = [max(e["mlx_active_bytes"], e["mlx_peak_bytes"]) for e in memory]
+    assert all(e["rank"] == 5 for e in memory)
+    seen = [(m // MB, e["rss_bytes"] // MB) for m, e in zip(mlx, memory, strict=True)]
+    assert 128 * MB <= mlx[-1] and 4 <= len(memory) <= 20, seen
+    for before, after, e, b in zip(mlx, mlx[1:], memory[1:], memory, strict=False):
+        assert rose(after, before) or rose(e["rss_bytes"], b["rss_bytes"])  # against the last one written
+    figures = sampler.figures()
+    assert figures["rss_baseline"] == JOB_START and figures["rss_baseline_bytes"] == runtime
+    assert figures["rss_peak_after_baseline_bytes"] >= max(e["rss_bytes"] for e in memory)
+    del held
