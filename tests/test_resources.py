@@ -15,6 +15,7 @@ import pytest
 from harness.controller.memory_guard import MemoryLimits, RankMemory, over_limit
 from harness.controller.session import execute
 from harness.controller.suite import checkpoint_dir, train_job
+from harness.rank.memory import JOB_START, device_baseline_kind
 from harness.scenario import load_scenario
 from harness.scenario_spec import CheckSpec, LimitSpec
 from harness.trainers.reference import checkpoint
@@ -69,7 +70,10 @@ def test_a_checkpoint_write_on_a_full_disk_fails_every_rank_and_the_previous_one
 
 
 @pytest.mark.ranks
+@pytest.mark.skipif(device_baseline_kind() != JOB_START, reason="on CUDA MLX's buffers are not in RSS: "
+                    "test_mlx_memory_running_away_inside_a_step_is_stopped_by_the_sampled_figure covers them")
 def test_a_single_process_running_away_in_memory_is_stopped_at_its_hard_limit(tmp_path: Path) -> None:
+    """Where MLX memory is host memory (CPU, Metal), an RSS limit alone stops a runaway."""
     fault = '\n[[faults]]\nrank = 0\nstep = 2\naction = "allocate"\nmb = 8192\n'
     path = write_scenario(tmp_path, "runaway", world_sizes=(1,), extra=fault)
     s = load_scenario(path)

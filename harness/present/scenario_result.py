@@ -33,7 +33,8 @@ class RunResult:
 
     @property
     def rss_peak_bytes(self) -> list[int]:
-        return [int(r.get("rss_peak_bytes", 0)) - int(r.get("rss_runtime_bytes", 0)) for r in self.ranks]
+        """Each rank's peak RSS above its baseline (``harness.rank.memory``), as the ceilings count it."""
+        return [int(r["rss_peak_after_baseline_bytes"]) - int(r["rss_baseline_bytes"]) for r in self.ranks]
 
     @property
     def mlx_peak_bytes(self) -> list[int]:
