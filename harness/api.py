@@ -103,8 +103,16 @@ class Session:
         """Before step ``step``'s update: ``fn(*args)`` computes ``(global loss, all-reduced
         gradient, global supervised tokens)`` at ``model``'s parameters (module docstring)."""
         def compute() -> tuple[Any, Any, int]:
-            loss, grads, tokens = fn(*args)
-            return loss, grads, int(tokens.item() if hasattr(tokens, "item") else tokens)
+            import mlx.core as mx
+
+            from harness.rank.entry import ReportedFailure
+
+            out = fn(*args)
+            if not isinstance(out, tuple | list) or len(out) != 3 or not isinstance(out[1], dict):
+                raise ReportedFailure(f"{self._rep.name}: run.probe's function returned {type(out).__name__}; it must "
+                                      f"return (global loss, all-reduced gradient tree (a dict), global tokens)")
+            loss, grads, tokens = out
+            return mx.array(loss), grads, int(tokens.item() if hasattr(tokens, "item") else tokens)
 
         self._rep.probe(step, model, compute)
 

@@ -42,6 +42,16 @@ def test_a_behaviour_is_gone_only_where_a_passing_check_had_power() -> None:
     assert "step_grad_parity limit 0.1 vs recorded 0.07" in blind[1].detail
 
 
+def test_a_check_that_measured_nothing_shows_nothing() -> None:
+    """A step check that failed for want of probes (no value) neither shows the behaviour nor
+    counts as xfail: it stays a failure; a second behaviour on the same check does not re-judge it."""
+    checks = [Check("step_loss_parity", "ddp2", False, None, None, "single recorded no probes"),
+              Check("step_grad_parity", "ddp2", False, 0.077, 3.9e-3)]
+    mark_expected_failures(checks, {**BEHAVIOUR, "again": {"reason": "twice", "checks": {"step_grad_parity": 0.07}}})
+    assert checks[0].result == "FAIL" and not checks[0].passed
+    assert checks[1].result == "xfail" and checks[1].xfail == "depends on the split"
+
+
 def test_short_form_markers_and_runs() -> None:
     expected = {"loss_parity": "why", "token_accounting": {"ddp2": "only here"}}
     assert reason_for(expected, "loss_parity", "ddp4") == "why"

@@ -12,7 +12,8 @@ its Value column shows it). And the short form, ``check = "reason"`` (or ``check
 "reason" }``), is a behaviour of that one check with no measured deviation.
 
 A behaviour is *shown* in a run when any of its checks fails there: all its checks then read
-"xfail" (a check that passed names the one that showed it). It is *gone* ("XPASS", which fails
+"xfail" (a check that passed names the one that showed it); a check that failed without
+measuring anything (a missing probe or figure) shows nothing and stays a failure. It is *gone* ("XPASS", which fails
 the scenario until the marker is removed) only when every one of its checks passed and at least
 one of them had the power to see its recorded deviation (its limit below it); a check of the
 short form has no recorded deviation and counts as having power. Otherwise the checks passed
@@ -67,11 +68,12 @@ def reason_for(expected: dict[str, Any], check: str, run: str) -> str | None:
 def mark_expected_failures(checks: list[Any], expected: dict[str, Any]) -> None:
     """Give every check a behaviour covers its outcome (the module docstring): ``xfail`` holds the
     reason, ``expected_state`` "shown", "gone" or "inconclusive"."""
+    measured = {id(c): c.passed for c in checks}  # before any behaviour marks them
     for b in behaviours(expected):
         runs = sorted({c.run for c in checks if b.covers(c.name, c.run) and c.applicable})
-        for run in runs:
-            mine = [c for c in checks if c.run == run and b.covers(c.name, c.run) and c.applicable]
-            _judge(b, mine)
+        for run in runs:  # a check claimed by an earlier behaviour stays with it
+            mine = [c for c in checks if c.run == run and b.covers(c.name, c.run) and c.applicable and c.xfail is None]
+            _judge(b, mine, measured)
 
 
 def _fmt(v: Any) -> str:
@@ -83,8 +85,11 @@ def _power(c: Any, delta: float | None) -> bool:
     return delta is None or (isinstance(c.limit, int | float) and c.limit < delta)
 
 
-def _judge(b: Behaviour, mine: list[Any]) -> None:
-    failed = [c for c in mine if not c.passed]
+def _judge(b: Behaviour, mine: list[Any], measured: dict[int, bool]) -> None:
+    """A check that failed without a value (nothing was measured: a missing probe or figure)
+    shows nothing and stays a failure."""
+    mine = [c for c in mine if measured[id(c)] or c.value is not None]
+    failed = [c for c in mine if not measured[id(c)]]
     powered = [c for c in mine if _power(c, b.checks[c.name])]
     for c in mine:
         c.xfail = b.reason

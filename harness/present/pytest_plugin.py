@@ -10,7 +10,8 @@ Installed with the package (entry point ``pytest11``), it collects nothing until
   (``text_parity.toml::ddp2::loss_parity``), plus ``launch``: the run completed (a run that
   crashed or hung fails here, with the harness's one-line cause). So ``-k loss_parity`` selects
   checks and ``--junitxml`` lists each one. A check the scenario expects to fail
-  (``[checks.expected_failures]``) is ``xfail``; if it passes, ``XPASS(strict)`` fails.
+  (``[checks.expected_failures]``) is ``xfail`` while its behaviour is shown, ``XPASS(strict)``
+  (a failure) when it is gone, and skipped when it is inconclusive (``harness.judge.behaviours``).
 - The scenario runs once, at its first selected test, and its tests report its verdict; a failed
   check names its value and limit, and the report holds the scenario's check table and the
   directory of its artifacts (``--mlx-ddp-out``, default: pytest's temporary directory).

@@ -11,6 +11,12 @@ from typing import Any
 from harness.scenario import Scenario, ScenarioError, load_scenario, parse_scenario
 
 
+def rss_above_baseline(r: dict[str, Any]) -> int | None:
+    """A rank result's peak RSS above its baseline, or None where it reported no baseline."""
+    peak, base = r.get("rss_peak_after_baseline_bytes"), r.get("rss_baseline_bytes")
+    return None if peak is None or base is None else int(peak) - int(base)
+
+
 @dataclass
 class RunResult:
     """One run: whether it completed, why not, and what rank 0 reported."""
@@ -32,9 +38,10 @@ class RunResult:
         return list(self.result.get("tok_s_global") or [])
 
     @property
-    def rss_peak_bytes(self) -> list[int]:
-        """Each rank's peak RSS above its baseline (``harness.rank.memory``), as the ceilings count it."""
-        return [int(r["rss_peak_after_baseline_bytes"]) - int(r["rss_baseline_bytes"]) for r in self.ranks]
+    def rss_peak_bytes(self) -> list[int | None]:
+        """Each rank's peak RSS above its baseline (``harness.rank.memory``), as the ceilings count
+        it; None for a rank that reported none (it failed, or ended before its baseline)."""
+        return [rss_above_baseline(r) for r in self.ranks]
 
     @property
     def mlx_peak_bytes(self) -> list[int]:

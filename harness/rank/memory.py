@@ -74,6 +74,7 @@ class MemorySampler:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.error: str | None = None  # why sampling stopped before the job ended
 
     def start_fields(self) -> dict[str, Any]:
         """What the ``start`` event says of the baseline."""
@@ -91,8 +92,11 @@ class MemorySampler:
             self._thread = None
 
     def _run(self) -> None:
-        while not self._stop.wait(self.every_s):
-            self.sample()
+        try:
+            while not self._stop.wait(self.every_s):
+                self.sample()
+        except Exception as e:  # noqa: BLE001 - the result says the sampled figures stopped there
+            self.error = f"{type(e).__name__}: {e}"
 
     @staticmethod
     def _mlx() -> int:
@@ -136,4 +140,4 @@ class MemorySampler:
             known = self.baseline_bytes is not None
             peak = max(self.rss_peak, rss, peak_rss_bytes() if self.baseline == JOB_START else 0)
             return {"rss_baseline": self.baseline, "rss_baseline_bytes": self.baseline_bytes,
-                    "rss_peak_after_baseline_bytes": peak if known else None}
+                    "rss_peak_after_baseline_bytes": peak if known else None, "memory_sampler_error": self.error}

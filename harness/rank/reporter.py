@@ -112,6 +112,9 @@ class StepReporter:
         plans one (``compute``: the trainer's own global loss, all-reduced gradient and global
         supervised tokens at ``model``'s current parameters; ``step_probe.Probes.take``)."""
         self.probe_offered = True
+        if step != self.steps + 1:
+            raise ReportedFailure(f"{self.name} probed step {step} before step {self.steps + 1}: a probe comes "
+                                  f"before the update of the step it is taken at")
         if step in self.probes.steps:
             self.probe_s += self.probes.take(step, model, compute, self.ctx.rank, self.ctx.world_size)
 

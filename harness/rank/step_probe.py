@@ -5,11 +5,12 @@ the parameters its step's gradient is taken at, and that global gradient: rank 0
 ``probe-step-NNNNNNNN.safetensors`` (``param.<name>`` and ``grad.<name>`` tensors; the global
 loss, the token count and the schema version in its metadata). A compared run, at the same step
 and on the same global batch, puts the reference's parameters into its model, computes the
-global gradient exactly as its training step does (its micro-batches, scaling, accumulation and
-all-reduce; only the update is skipped), measures how far its loss, token count and gradient are
-from the reference's, and puts its own parameters back. Its trajectory is untouched: parameters,
-optimizer state, data position and the semantics' state are what they were before the probe,
-and the probe's time is not counted in the step's.
+global gradient as its training step does (the reference trainer: its own step, only the
+update skipped; a trainer under test: through its own loss and reduction, ``Probes.take``, run
+eagerly where the trainer compiles its step), measures how far its loss, token count and
+gradient are from the reference's, and puts its own parameters back. Its trajectory is
+untouched: parameters, optimizer state, data position, MLX's global RNG key and the semantics'
+state are what they were before the probe, and the probe's time is not counted in the step's.
 
 Optimizer amplification cannot enter these figures, so the judge holds them to a limit derived
 from floating-point rounding alone.
@@ -70,9 +71,13 @@ class Probes:
         from mlx.utils import tree_unflatten
 
         start = time.perf_counter()
+        key = mx.random.state[0].tolist()  # MLX's global RNG, as the step will find it
         if self.mode == "record":
-            loss, grads, tokens = compute()
-            mx.eval(loss, grads)
+            try:
+                loss, grads, tokens = compute()
+                mx.eval(loss, grads)
+            finally:
+                restore_key(key)
             if rank == 0:
                 write_probe(probe_path(self.dir, step), model, grads, {"step": step, "loss": float(loss.item()),
                                                                        "tokens": int(tokens), "world_size": world_size})
@@ -86,6 +91,7 @@ class Probes:
                 mx.eval(loss, grads)
             finally:
                 model.update(saved)
+                restore_key(key)
             self.records.append(compare(step, loss, grads, int(tokens), ref))
         self.records[-1]["probe_s"] = time.perf_counter() - start
         return self.records[-1]["probe_s"]
@@ -105,6 +111,15 @@ class Probes:
         record = t.coord.attempt("probe", step, compare, step, loss, grads, counts[0], ref)
         t.coord.agree()
         return record
+
+
+def restore_key(key: list[int]) -> None:
+    """Put MLX's global RNG key back where a probe found it (a key ``[hi, lo]`` is what seeding
+    with ``hi << 32 | lo`` makes), so that a probe that draws (dropout) leaves the step's draws alone."""
+    import mlx.core as mx
+
+    if mx.random.state[0].tolist() != key:
+        mx.random.seed((int(key[0]) << 32) | int(key[1]))
 
 
 def compare(step: int, loss: Any, grads: Any, tokens: int, ref: dict[str, Any]) -> dict[str, Any]:

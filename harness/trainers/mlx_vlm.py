@@ -145,15 +145,14 @@ def probe_gradient(model: Any, task: Any, micros: list[Any], accum: int) -> tupl
     through ``apply_gradient_step(..., update=False)`` (the task's loss under ``nn.value_and_grad``,
     as its engine builds it, and ``accumulate_gradients``), then ``apply_accumulated_gradients``'s
     reduction (``average_gradients``, divided by the micro-batch count) without its optimizer
-    update; the loss and supervised tokens as its ``MetricAccumulator`` reports them. The global
-    RNG is left as it was."""
+    update; the loss and supervised tokens as its ``MetricAccumulator`` reports them (MLX's
+    global RNG key is put back by ``Probes.take``)."""
     import mlx.core as mx
     import mlx.nn as nn
     from mlx.utils import tree_map
     from mlx_vlm.trainer.common import utils
     from mlx_vlm.trainer.common.metrics import MetricAccumulator
 
-    key = mx.random.state[0].tolist()
     value_and_grad = nn.value_and_grad(model, task.loss)
     grads, metrics = None, MetricAccumulator()
     for batch in micros:
@@ -165,8 +164,6 @@ def probe_gradient(model: Any, task: Any, micros: list[Any], accum: int) -> tupl
     if accum > 1:
         grads = tree_map(lambda value: value / accum, grads)
     values = metrics.compute()
-    if mx.random.state[0].tolist() != key:  # a key (hi, lo) is what seeding with hi << 32 | lo makes
-        mx.random.seed((int(key[0]) << 32) | int(key[1]))
     return mx.array(values["loss"], dtype=mx.float32), grads, int(values["num_tokens"])
 
 
