@@ -64,7 +64,7 @@ class Probes:
              world_size: int) -> float:
         """A trainer under test probes ``step`` through its own seam: ``compute()`` returns its global
         loss, all-reduced gradient and global supervised tokens at ``model``'s current parameters on
-        the step's batch, exactly as its training step computes them, without updating anything.
+        the step's batch, through the trainer's own loss and reduction, without updating anything.
         Recording, rank 0 keeps the parameters and gradient; comparing, ``compute`` runs
         at the reference's parameters and the model gets its own back. Returns the seconds it took."""
         import mlx.core as mx
