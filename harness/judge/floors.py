@@ -20,8 +20,8 @@ def floors(s: Scenario, run: RunSpec, base: RunSpec, by_name: dict[str, RunOutco
     measured = by_name.get(planned.name) if planned else None
     samples = tuple(by_name.get(f.name) for f in planned.samples()[1:]) if planned else ()
     rerun = planned is not None and planned.kind == "rerun"
-    probed = planned is not None and planned.kind in ("twin", "split")
-    refused = floor_refused(s, measured, by_name.get(base.name)) if probed else None
+    twin = planned is not None and planned.kind == "twin"
+    refused = floor_refused(s, measured, by_name.get(base.name)) if twin else None
     steps = (other_steps(m, by_name.get(base.name)) for m in (measured, *samples))
     refused = refused or next(filter(None, steps), None)
     keys = dict.fromkeys(TOLERANCE_KEYS, "resume_tolerance") if resume else TOLERANCE_KEYS
@@ -40,10 +40,10 @@ def other_steps(floor: RunOutcome | None, base: RunOutcome | None) -> str | None
 
 
 def floor_refused(s: Scenario, twin: RunOutcome | None, base: RunOutcome | None) -> str | None:
-    """Why a twin or split floor run is not a noise floor: its step-local parity with the
-    reference failed at the rounding limit, so it does not compute the reference's mathematics
-    (a model whose result depends on how a batch is split), and neither its trajectories nor its
-    step-local error may widen a limit. Floors of other runs than the reference are not probed."""
+    """Why a twin is not a noise floor: its step-local parity with the reference failed at the
+    rounding limit, so it does not compute the reference's mathematics (a model whose result
+    depends on how a batch is split). A split floor run is not held to it: it rounds its logits'
+    gradient once more by design. Floors of other runs than the reference are not probed."""
     if twin is None or base is None or not twin.ok or not base.ok or not twin.result().get("probes"):
         return None
     bad = [c for c in step_local(twin, base, s) if not c.passed and c.value is not None]
