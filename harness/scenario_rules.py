@@ -92,6 +92,7 @@ def _validate_train(t: TrainSpec, d: DataSpec, src: str, where: str) -> None:
     require(t.digest_every >= 0, src, f"{where}.digest_every", "must be >= 0")
     require(t.eval_every >= 0, src, f"{where}.eval_every", "must be >= 0")
     require(t.eval_batch >= 1, src, f"{where}.eval_batch", "must be >= 1")
+    require(t.pad_to >= 1, src, f"{where}.pad_to", "must be >= 1 (1 pads to the longest row only)")
     require(t.checkpoint_every >= 0, src, f"{where}.checkpoint_every", "must be >= 0 (0: no periodic checkpoints)")
     require(t.keep_last >= 0, src, f"{where}.keep_last", "must be >= 0 (0: keep every checkpoint)")
     require(t.eval_every == 0 or d.eval_rows > 0 or d.eval_path is not None, src, f"{where}.eval_every",

@@ -24,13 +24,33 @@ def rank_summary(o: Any, cluster_host: str | None = None) -> dict[str, Any]:
     """One rank's figures; ``cluster_host``: the hostfile's name of the host it ran on (its own
     hostname stays under ``hostname``)."""
     r = o.result or {}
-    keys = ("host", "pid", "device", "startup_s", "runtime_s", "tokens_local", "tok_s_local",
-            "step_times_s", "mlx_peak_bytes", "rss_peak_bytes", "precision", "error")
+    keys = ("host", "pid", "device", "accelerator", "startup_s", "startup_total_s", "startup_parts_s", "runtime_s",
+            "tokens_local", "tok_s_local", "step_times_s", "mlx_peak_bytes", "rss_peak_bytes", "precision", "error")
     out = {"rank": o.rank, "exit_code": o.exit_code, "status": r.get("status", "missing"),
            **{k: r[k] for k in keys if k in r}}
     if cluster_host is not None:
         out["hostname"], out["host"] = out.get("host"), cluster_host
     return out
+
+
+def step_widths(per_rank: list[list[int | None]]) -> list[int]:
+    """Per step, the widest micro-batch input width (padding included) of any rank; empty when
+    the trainer reports none."""
+    steps = [[w for w in ws if w is not None] for ws in zip(*per_rank, strict=False)] if all(per_rank) else []
+    return [max(ws) for ws in steps if ws]
+
+
+def startup_summary(run: RunOutcome) -> dict[str, Any] | None:
+    """The slowest rank's time from launch to its first step, by part (``harness.rank.startup``),
+    and what its first step took beyond the median of the others (compilation, first kernels)."""
+    timed = [o.result for o in run.ranks if o.result and "startup_total_s" in o.result]
+    if not timed:
+        return None
+    r = max(timed, key=lambda r: r["startup_total_s"])
+    times = r.get("step_times_s") or []
+    extra = times[0] - statistics.median(times[1:]) if len(times) > 1 else None
+    return {"rank": r["rank"], "total_s": r["startup_total_s"], "parts_s": r["startup_parts_s"],
+            "first_step_extra_s": None if extra is None else round(extra, 4)}
 
 
 def run_summary(run: RunOutcome, s: Scenario, ref: RunOutcome | None) -> dict[str, Any]:
@@ -98,6 +118,9 @@ def run_summary(run: RunOutcome, s: Scenario, ref: RunOutcome | None) -> dict[st
         checkpoints=[{k: c[k] for k in ("step", "bytes", "write_s", "removed") if k in c}
                      for c in r0.get("checkpoints", [])],
         precision=r0.get("precision"),
+        accelerator=r0.get("accelerator"),
+        startup=startup_summary(run),
+        input_widths=step_widths([(o.result or {}).get("input_widths") or [] for o in run.ranks]),
         probes=[(o.result or {}).get("probes") or [] for o in run.ranks] if r0.get("probes") else None,
     )
     ref_losses = ref.result(0)["losses"] if ref is not None and ref.ok and ref is not run else []

@@ -6,6 +6,8 @@ from typing import Any
 
 from tabulate import tabulate
 
+from harness.present.shapes import width_cell, width_warnings
+
 FORMATS = {"plain": "simple", "github": "github"}
 MB = 1024 * 1024
 
@@ -15,7 +17,7 @@ PARITY_HEADERS = [
 ]
 THROUGHPUT_HEADERS = [
     "Model / seq", "Run", "World size", "Per-rank batch", "Effective global batch", "Runtime", "Tokens",
-    "Post-step-1 median tok/s", "Speed vs {ref}", "Avg loss", "Final loss", "Peak MLX MB per rank",
+    "Padded width", "Post-step-1 median tok/s", "Speed vs {ref}", "Avg loss", "Final loss", "Peak MLX MB per rank",
     "Peak RSS MB per rank",
 ]
 IMAGES_HEADER = "Post-step-1 median img/s"
@@ -60,7 +62,7 @@ def run_rows(scenario: dict[str, Any]) -> list[list[Any]]:
         memory = [_mb(r["mlx_peak_bytes"]), _mb(r["rss_peak_bytes"])]
         runtime = f"{r['runtime_s']:.3f}s"
         if throughput:
-            rows.append(head + [runtime, r["tokens_global"], *speed, _speed(r, ref), *losses, *memory])
+            rows.append(head + [runtime, r["tokens_global"], width_cell(r), *speed, _speed(r, ref), *losses, *memory])
         else:
             delta = r.get("final_loss_delta")
             rows.append(head + [runtime, *speed, *losses, "-" if delta is None else f"{delta:+.6f}", *memory])
@@ -224,6 +226,8 @@ def scenario_text(scenario: dict[str, Any], fmt: str = "plain") -> str:
                 if r.get("backend_reason")]
     if backends:
         parts.append("\n".join(backends))
+    if scenario.get("kind") == "throughput" and width_warnings(scenario):
+        parts.append("\n".join(width_warnings(scenario)))
     placed = [f"run {r['name']} across hosts: {host_ranks(r['hosts'])}" for r in scenario["runs"] if r.get("hosts")]
     if placed:
         parts.append("\n".join(placed))

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from harness import schema
-from harness.rank.memory import MemorySampler, device_baseline_kind, peak_rss_bytes
+from harness.rank.memory import MemorySampler, accelerator, device_baseline_kind, peak_rss_bytes
+from harness.rank.startup import StartupClock
 from harness.scenario import FaultSpec
 
 TMPDIR_VAR = "MLX_DDP_HARNESS_TMPDIR"
@@ -46,6 +47,7 @@ class RankContext:
     faults: list[FaultSpec] = field(default_factory=list)
     host: str = field(default_factory=socket.gethostname)
     memory: MemorySampler | None = None  # trainers tell it of each step (``step_memory``)
+    startup: StartupClock | None = None  # times the phases before training
 
     @property
     def is_main(self) -> bool:
@@ -59,7 +61,10 @@ class RankContext:
         return self.memory.step_ended(step)
 
     def phase(self, name: str) -> None:
-        """Heartbeat between steps, so the watchdog sees progress through long phases."""
+        """Heartbeat between steps, so the watchdog sees progress through long phases; the
+        phases before ``train`` are timed as start-up."""
+        if self.startup is not None:
+            self.startup.phase(name)
         self.events.emit("phase", name=name, rank=self.rank)
 
     def maybe_fault(self, phase: str, step: int) -> FaultSpec | None:
@@ -240,6 +245,7 @@ def main(argv: list[str]) -> int:
     code = 0
     try:
         job = schema.read_json(run_dir / schema.JOB_FILE)
+        clock = StartupClock(job.get("launched_at"))
         set_precision(job)
         world_size = int(job["world_size"])
         group, backend = _init_group(world_size, job.get("backend"))
@@ -250,9 +256,12 @@ def main(argv: list[str]) -> int:
             )
         import mlx.core as mx
 
+        clock.done("device")
         warm_up(job)
+        clock.done("warm_up")
         startup_s = time.time() - float(job.get("launched_at", time.time()))
         load_libraries(job)
+        clock.done("libraries")
         rss_runtime = peak_rss_bytes()  # what a rank holds before its job
         device = str(mx.default_device())
         sampler = MemorySampler(events, rank, rss_runtime, device_baseline_kind())
@@ -261,11 +270,12 @@ def main(argv: list[str]) -> int:
                     **sampler.start_fields())
         sampler.start()
         ctx = RankContext(run_dir, job, rank, world_size, group, backend, events,
-                          [FaultSpec(**f) for f in job.get("faults", [])], memory=sampler)
+                          [FaultSpec(**f) for f in job.get("faults", [])], memory=sampler, startup=clock)
         payload = _job_runner(job)(ctx)
         sampler.stop()
         result.update(status="ok", world_size=world_size, backend=backend, device=device,
-                      is_main=rank == 0, startup_s=startup_s, rss_runtime_bytes=rss_runtime, **runtime_figures(),
+                      is_main=rank == 0, accelerator=accelerator(), startup_s=startup_s,
+                      rss_runtime_bytes=rss_runtime, **runtime_figures(), **clock.figures(),
                       **sampler.figures(), **payload)
     except BaseException as e:  # noqa: BLE001 - every failure must reach the controller
         code = 1

@@ -44,12 +44,20 @@ def rss_baseline_kind(gpu: bool, cuda: bool) -> str:
     return FIRST_STEP if gpu and cuda else JOB_START
 
 
-def device_baseline_kind() -> str:
-    """``rss_baseline_kind`` of MLX's default device in this process."""
+def accelerator() -> str:
+    """What MLX's default device in this process is: ``cuda``, ``metal`` or ``cpu``."""
     import mlx.core as mx
 
+    if mx.default_device() != mx.gpu:
+        return "cpu"
     cuda = getattr(mx, "cuda", None)
-    return rss_baseline_kind(mx.default_device() == mx.gpu, bool(cuda is not None and cuda.is_available()))
+    return "cuda" if cuda is not None and cuda.is_available() else "metal"
+
+
+def device_baseline_kind() -> str:
+    """``rss_baseline_kind`` of MLX's default device in this process."""
+    kind = accelerator()
+    return rss_baseline_kind(kind != "cpu", kind == "cuda")
 
 
 def rose(value: int, last: int) -> bool:

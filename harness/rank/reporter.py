@@ -88,6 +88,8 @@ class StepReporter:
         self.probes = Probes(ctx.job.get("probe"))
         self.probe_s = 0.0  # probe time since the last step, not counted in the step's time
         self.probe_offered = False  # the trainer called ``probe`` (at any step)
+        self.widths: list[int | None] = []  # per step: the widest batch's input width (``width``)
+        self.step_width: int | None = None
 
     @property
     def steps(self) -> int:
@@ -118,6 +120,11 @@ class StepReporter:
         if step in self.probes.steps:
             self.probe_s += self.probes.take(step, model, compute, self.ctx.rank, self.ctx.world_size)
 
+    def width(self, inputs: int) -> None:
+        """The trainer runs a micro-batch ``inputs`` positions wide (padding included) in the
+        current step: the run's padded width, which a device may run at very different speeds."""
+        self.step_width = max(self.step_width or 0, int(inputs))
+
     def step(self, step: int, loss: float | None, tokens_global: int | None, tokens_local: int,
              lr: float | None = None, params: Any = None, step_time_s: float | None = None) -> None:
         """Optimizer step ``step`` (1, 2, ...) is done: its global loss and supervised tokens as the
@@ -131,6 +138,8 @@ class StepReporter:
         now = time.perf_counter()
         dt = float(step_time_s) if step_time_s is not None else now - self.t_last - self.probe_s
         self.t_last, self.probe_s = now, 0.0
+        self.widths.append(self.step_width)
+        self.step_width = None
         dt = max(dt, 1e-9)
         memory = self.ctx.step_memory(step)
         self.rss_peak = max(self.rss_peak, memory["rss_bytes"])
@@ -202,6 +211,7 @@ class StepReporter:
             "steps": last,
             "steps_planned": self.s.train.steps,
             "steps_start": self.done + 1,
+            "input_widths": self.widths if any(w is not None for w in self.widths) else [],
             "history_start": self.done + 1,
             "resume": self.resume,
             **{k: v for k, v in self.history.items() if k != "learning_rates"},

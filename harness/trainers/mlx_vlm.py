@@ -103,6 +103,7 @@ class Batches:
 
     def _take(self, batch: Any) -> Any:
         self.drawn += 1
+        self.rep.width(batch["input_ids"].shape[1] - 1)  # its loss shifts: inputs are all but the last
         self.tokens.append(int((batch["completion_mask"][:, 1:] * batch["attention_mask"][:, 1:]).sum()))
         return batch
 

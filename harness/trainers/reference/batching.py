@@ -211,7 +211,7 @@ def eval_share(source: RowSource, encode: Any, batch: int, rank: int, world_size
 
 @dataclass
 class LocalBatch:
-    """Inputs, targets and a loss mask of one rank's rows, padded to the longest of them; for a
+    """Inputs, targets and a loss mask of one rank's rows, padded to a common width; for a
     VLM also the attention mask (1 on real tokens) and the rows' vision inputs, concatenated."""
 
     inputs: np.ndarray
@@ -238,15 +238,16 @@ class LocalBatch:
 
 
 def collate(rows: list[Example], pad_id: int, dropout: float = 0.0, keys: list[tuple[int, ...]] | None = None,
-            vlm: bool = False, protect: tuple[int, ...] = ()) -> LocalBatch:
-    """Pad with the tokenizer's pad id; mask padding and unsupervised targets.
+            vlm: bool = False, protect: tuple[int, ...] = (), pad_to: int = 1) -> LocalBatch:
+    """Pad with the tokenizer's pad id to the longest row's inputs, rounded up to a multiple of
+    ``pad_to``; mask padding and unsupervised targets.
 
     ``dropout`` replaces that fraction of input tokens with the pad id, drawn from a generator
     keyed by each row's ``keys`` entry (seed, step, row), so any rank, and any re-run, draws the
     same tokens for the same row; ``protect`` ids (image tokens) are never dropped. A ``vlm``
     batch also carries its attention mask and the vision inputs of its rows that have an image.
     """
-    width = max(len(r.ids) for r in rows) - 1
+    width = -(-(max(len(r.ids) for r in rows) - 1) // pad_to) * pad_to
     inputs = np.full((len(rows), width), pad_id, dtype=np.int32)
     targets = np.full((len(rows), width), pad_id, dtype=np.int32)
     mask = np.zeros((len(rows), width), dtype=np.float32)

@@ -16,12 +16,12 @@ from harness.trainers.reference.batching import EvalShare, collate
 from harness.trainers.reference.step import loss_fn
 
 
-def _local(model: Any, share: EvalShare, pad_id: int, vlm: bool) -> tuple[Any, int]:
+def _local(model: Any, share: EvalShare, pad_id: int, vlm: bool, pad_to: int) -> tuple[Any, int]:
     import mlx.core as mx
 
     total, tokens = mx.array(0.0, dtype=mx.float32), 0
     for rows in share.batches:
-        b = collate(rows, pad_id, vlm=vlm)
+        b = collate(rows, pad_id, vlm=vlm, pad_to=pad_to)
         _, loss_sum = loss_fn(model, b.arrays(), 1.0, None)
         total = total + loss_sum
         tokens += b.tokens
@@ -30,7 +30,7 @@ def _local(model: Any, share: EvalShare, pad_id: int, vlm: bool) -> tuple[Any, i
 
 
 def evaluate(model: Any, share: EvalShare, pad_id: int, coord: Coordinator, step: int,
-             before: Any = None, vlm: bool = False) -> dict[str, Any]:
+             before: Any = None, vlm: bool = False, pad_to: int = 1) -> dict[str, Any]:
     """Eval metrics after optimizer step ``step``, identical on every rank.
 
     ``before`` runs first inside the eval phase (fault injection); its result is returned as
@@ -40,7 +40,7 @@ def evaluate(model: Any, share: EvalShare, pad_id: int, coord: Coordinator, step
 
     def local() -> tuple[Any, int, Any]:
         requested = before() if before else None
-        return (*_local(model, share, pad_id, vlm), requested)
+        return (*_local(model, share, pad_id, vlm, pad_to), requested)
 
     out = coord.attempt("eval", step, local)
     agreed = coord.agree([out[1] if out else 0])

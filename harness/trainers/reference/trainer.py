@@ -133,14 +133,15 @@ class Trainer:
         self.resumed: dict[str, Any] | None = None
         self.start_step, self.train_time_before, self.t_train = 1, 0.0, time.perf_counter()
         self.segments: list[dict[str, Any]] = []
+        self.input_widths: list[int] = []  # per step this run trained: its widest micro-batch, padding included
 
     # -- phases ---------------------------------------------------------------------------------
 
     def fetch(self, step: int) -> list[LocalBatch]:
         self.ctx.maybe_fault("fetch", step)
         pad, seed, drop, vlm = self.data.tok.pad_id, self.s.seed, self.spec.input_dropout, self.s.model.vision
-        micros = [collate([e for _, e in rows], pad, drop, [(seed, step, i) for i, _ in rows], vlm, self.data.protected)
-                  for rows in self.data.train.micro_batches(step)]
+        micros = [collate([e for _, e in rows], pad, drop, [(seed, step, i) for i, _ in rows], vlm, self.data.protected,
+                          self.spec.pad_to) for rows in self.data.train.micro_batches(step)]
         return self.semantics.micro_batches(micros, self.uneven)
 
     def compute(self, micros: list[LocalBatch], scale: Any, fault: str | None, update: bool = True
@@ -335,7 +336,7 @@ class Trainer:
             return fault.action if fault is not None else None
 
         metrics = evaluate(self.model, self.data.evals, self.data.tok.pad_id, self.coord, step, before,
-                           self.s.model.vision)
+                           self.s.model.vision, self.spec.pad_to)
         if metrics.pop("requested") == "stop":
             self.coord.stop_requested = True
         self.evals.append(metrics)
@@ -363,6 +364,7 @@ class Trainer:
             h[key].append(value)
         self.tokens_local += local
         self.tokens_global += tokens
+        self.input_widths.append(max((b.inputs.shape[1] for b in micros), default=0))
         event: dict[str, Any] = dict(
             step=step, rank=ctx.rank, loss=loss, tokens_global=tokens, tokens_local=local,
             rows_local=sum(len(b.inputs) for b in micros), images_global=images, step_time_s=dt, grad_norm=norm, lr=lr,
@@ -401,6 +403,7 @@ class Trainer:
             "runtime_s": runtime,
             "train_time_s_total": self.train_time_before + runtime,
             "steps_start": self.start_step,
+            "input_widths": self.input_widths,
             "stop_after": self.end_step if self.end_step < self.spec.steps else None,
             "tokens_local_unattributed": self.tokens_unattributed,
             "resume": self.resumed,

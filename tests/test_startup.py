@@ -1,0 +1,44 @@
+"""A rank's time before its first step, by part: the runtime's own parts, then the trainer's phases."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from harness.rank.startup import StartupClock
+from tests.conftest import cli, write_scenario
+
+
+def test_the_clock_splits_launch_to_training_into_parts() -> None:
+    clock = StartupClock(time.time() - 0.5)
+    for part in ("device", "warm_up", "libraries"):
+        clock.done(part)
+    time.sleep(0.02)
+    clock.phase("data")
+    clock.phase("model")
+    time.sleep(0.03)
+    clock.phase("train")
+    clock.phase("save")  # after training began: not start-up
+    f = clock.figures()
+    parts = f["startup_parts_s"]
+    assert list(parts)[:4] == ["spawn", "device", "warm_up", "libraries"] and parts["spawn"] >= 0.5
+    assert parts["trainer"] >= 0.02 and parts["model"] >= 0.03 and "train" not in parts and "save" not in parts
+    assert abs(f["startup_total_s"] - sum(parts.values())) < 1e-3
+
+
+@pytest.mark.ranks
+def test_every_run_reports_its_startup_by_part(tmp_path: Path) -> None:
+    path = write_scenario(tmp_path, "startup", world_sizes=(1, 2), steps=2)
+    p = cli("run", str(path), "--out", str(tmp_path / "out"))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    (s,) = json.loads((tmp_path / "out" / "result.json").read_text())["scenarios"]
+    for run in s["runs"]:
+        st = run["startup"]
+        assert {"spawn", "device", "warm_up", "libraries", "trainer", "data", "model"} <= set(st["parts_s"]), st
+        assert 0 < st["total_s"] <= run["wall_s"] - run["runtime_s"] + 0.05, (st, run["wall_s"], run["runtime_s"])
+        assert st["first_step_extra_s"] is not None
+        for rank in run["ranks"]:
+            assert rank["startup_total_s"] <= st["total_s"]
