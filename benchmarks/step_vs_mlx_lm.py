@@ -1,18 +1,27 @@
-"""The reference trainer's speed beside mlx-lm's own step, on the same model, dtype, per-rank batch
-and world size, in one invocation.
+"""The reference trainer's speed beside mlx-lm's own trainer and mlx-lm's bare step, on the same
+model, dtype, per-rank batch and world size, in one invocation.
 
-For each world size and compile mode it runs the harness's reference trainer (a throughput
-scenario: generated rows at least ``--seq`` tokens long, truncated to it, every token a target)
-and the anchor (``harness.rank.anchor``: mlx-lm's ``default_loss``, ``nn.average_gradients`` and
-the update in a plain loop, compiled together when compiling, on random tokens of the same
-shape), both launched by the harness, and prints post-step-1 median tok/s, the ratio, the scaling
-over one rank, and the model FLOPs utilization where the device's peak is known (``PEAKS``:
-the vendors' dense bf16/fp16 tensor-core figures; none for CPUs).
+For each world size and compile mode it runs, all launched by the harness on one throughput
+scenario (generated rows longer than ``max_seq_len`` = inputs + 1 tokens, truncated to it,
+every token a target):
+- the harness's reference trainer;
+- the anchor, mlx-lm's real trainer: the harness's mlx-lm adapter (``trainer = { kind = "mlx_lm" }``
+  on a run of its own), which calls ``mlx_lm.tuner.trainer.train`` with its ``iterate_batches``,
+  its compiled step and its all-reduce, on the same rows; ``max_seq_length`` = ``max_seq_len``
+  clamps its padded width, so it trains the same inputs per row;
+- mlx-lm's step alone (``harness.rank.anchor``: ``default_loss``, ``nn.average_gradients`` and the
+  update in a plain loop, compiled together when compiling, on random tokens of the same shape).
+mlx-lm's ``train`` always compiles its step: the eager rows launch every rank of all three with
+``MLX_DISABLE_COMPILE=1`` (nothing compiles, mlx-lm's activations included), which the step loop's
+rank confirms. It prints post-step-1 median tok/s, the ratio reference / mlx-lm trainer, the
+scaling over the first world size, the model FLOPs utilization where the device's peak is known
+(``PEAKS``: the vendors' dense bf16/fp16 tensor-core figures; none for CPUs), and the padded input
+width each trained at (its ``input_widths``, per optimizer step: min-max, ``?`` when unreported).
 
-Each run alternates the two trainers ``--repeats`` times and keeps each one's best post-step-1
-median, so that a slow phase of a shared machine does not decide the ratio. For every world size
-above the first, a second table puts the gradient all-reduce alone (``nn.average_gradients`` on
-a gradient of the model's shapes, ``harness.rank.anchor.allreduce``) beside what the harness's
+Each run alternates the three ``--repeats`` times and keeps each one's best post-step-1 median,
+so that a slow phase of a shared machine does not decide the ratio. For every world size above
+the first, a second table puts the gradient all-reduce alone (``nn.average_gradients`` on a
+gradient of the model's shapes, ``harness.rank.anchor.allreduce``) beside what the harness's
 eager step takes over the first world size's at the same per-rank batch.
 
 usage: python benchmarks/step_vs_mlx_lm.py [--model tiny|cpu3m|gpu044b] [--world-sizes 1,2]
@@ -22,8 +31,11 @@ usage: python benchmarks/step_vs_mlx_lm.py [--model tiny|cpu3m|gpu044b] [--world
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +45,7 @@ from harness.controller.session import execute
 from harness.controller.suite import train_job
 from harness.scenario import load_scenario
 
-# model config overrides (of the tiny qwen3), dtype, sequence length, per-rank batch
+# model config overrides (of the tiny qwen3), dtype, inputs per row (a multiple of 32), per-rank batch
 MODELS: dict[str, tuple[dict[str, Any], str, int, int]] = {
     "tiny": ({}, "float32", 160, 8),  # steps of a few ms: time 40 of them (--steps), the median is steadier
     "cpu3m": ({"hidden_size": 256, "num_hidden_layers": 4, "intermediate_size": 768, "num_attention_heads": 4,
@@ -43,25 +55,38 @@ MODELS: dict[str, tuple[dict[str, Any], str, int, int]] = {
 }
 # Dense bf16/fp16 tensor-core peak FLOP/s by device name (NVIDIA's data sheets, SXM parts).
 PEAKS = {"NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H200": 989e12}
+MODES = {"eager": "off", "compiled": "best_effort"}
+MLX_LM = "_mlx_lm"  # the name suffix of a run of mlx-lm's trainer
 
 
 def scenario_text(model: str, world_sizes: list[int], steps: int) -> str:
+    """Per world size and mode, a reference run ``ws{n}_{mode}`` and an mlx-lm run beside it
+    (``ws{n}_{mode}_mlx_lm``). Rows of 2 x seq characters, truncated to ``max_seq_len`` = seq + 1
+    tokens: seq inputs per row, which mlx-lm's padded width (clamped to it) also is."""
     config, dtype, seq, per_rank = MODELS[model]
     cfg = ", ".join(f"{k} = {v}" for k, v in config.items())
-    modes = {"eager": "off", "compiled": "best_effort"}
-    runs = "".join(f'\n[[runs]]\nname = "ws{n}_{c}"\nworld_size = {n}\n'
-                   f'train = {{ global_batch = {per_rank * n}, compile = "{modes[c]}" }}\n'
-                   for n in world_sizes for c in modes)
-    return (f'[scenario]\nname = "step_vs_mlx_lm"\ndescription = "reference trainer vs mlx-lm step"\nseed = 5\n'
-            f'kind = "throughput"\n\n[model]\narch = "qwen3"\ndtype = "{dtype}"\nconfig = {{ {cfg} }}\n\n'
+    runs = "".join(f'\n[[runs]]\nname = "ws{n}_{c}{suffix}"\nworld_size = {n}\n{trainer}'
+                   f'train = {{ global_batch = {per_rank * n}, compile = "{MODES[c]}" }}\n'
+                   for n in world_sizes for c in MODES
+                   for suffix, trainer in (("", ""), (MLX_LM, 'trainer = { kind = "mlx_lm" }\n')))
+    return (f'[scenario]\nname = "step_vs_mlx_lm"\ndescription = "reference trainer vs mlx-lm trainer and step"\n'
+            f'seed = 5\nkind = "throughput"\n\n[model]\narch = "qwen3"\ndtype = "{dtype}"\nconfig = {{ {cfg} }}\n\n'
             f'[data]\nsource = "generated"\nresponse_only = false\nrows = 64\nmin_chars = {2 * seq}\n'
-            f'max_chars = {2 * seq}\nmax_seq_len = {seq}\n\n[train]\nsteps = {steps}\nglobal_batch = {per_rank}\n'
+            f'max_chars = {2 * seq}\nmax_seq_len = {seq + 1}\n\n[train]\nsteps = {steps}\nglobal_batch = {per_rank}\n'
             f'learning_rate = 1e-4\n{runs}\n[checks]\nreference = "ws{world_sizes[0]}_eager"\n')
 
 
 def post_step1_median(result: dict[str, Any]) -> float:
     values = result["tok_s_global"]
     return statistics.median(values[1:] if len(values) > 1 else values)
+
+
+def widths(result: dict[str, Any]) -> str:
+    """A run's padded input widths: ``1024``, or ``96-160`` when its steps differ; ``?`` if unreported."""
+    found = [w for w in result.get("input_widths") or [] if w is not None]
+    if not found:
+        return "?"
+    return str(found[0]) if min(found) == max(found) else f"{min(found)}-{max(found)}"
 
 
 def flops_per_token(params: int, config: dict[str, Any], seq: int) -> float:
@@ -78,6 +103,22 @@ def device_peak() -> tuple[str, float | None]:
     except Exception:
         name = str(mx.default_device())
     return name, PEAKS.get(name)
+
+
+@contextmanager
+def compile_disabled(disabled: bool) -> Iterator[None]:
+    """Ranks launched inside see ``MLX_DISABLE_COMPILE=1`` when ``disabled`` (they inherit the
+    launcher's environment); the variable is as it was afterwards."""
+    before = os.environ.get("MLX_DISABLE_COMPILE")
+    if disabled:
+        os.environ["MLX_DISABLE_COMPILE"] = "1"
+    try:
+        yield
+    finally:
+        if disabled and before is None:
+            del os.environ["MLX_DISABLE_COMPILE"]
+        elif disabled:
+            os.environ["MLX_DISABLE_COMPILE"] = before
 
 
 def launch(spec: Any, job: dict[str, Any], backend: str | None) -> dict[str, Any]:
@@ -114,7 +155,7 @@ def main() -> None:
     ap.add_argument("--world-sizes", default="1,2")
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default: 40 for tiny, else 12)")
     ap.add_argument("--repeats", type=int, default=3,
-                    help="alternate the two trainers this many times per run and keep each one's best median")
+                    help="alternate the three this many times per run and keep each one's best median")
     ap.add_argument("--backend", default=None)
     args = ap.parse_args()
     sizes = [int(n) for n in args.world_sizes.split(",")]
@@ -128,24 +169,36 @@ def main() -> None:
     mfu_ok = peak is not None and dtype in ("bfloat16", "float16")
     rows, base, step_s = [], {}, {}
     for spec in s.runs:
-        jobs = (train_job(s, spec), {"kind": "mlx_lm_step", "scenario": s.for_run(spec).to_dict()})
-        best: list[tuple[float, dict[str, Any]]] = [(0.0, {}), (0.0, {})]
-        for _ in range(args.repeats):  # alternating, so that a slow phase of the machine hits both
-            for i, job in enumerate(jobs):
-                best[i] = max(best[i], measure(spec, job, args.backend), key=lambda f: f[0])
-        (ours, result), (theirs, _) = best
-        params = result["param_count"]
+        if spec.name.endswith(MLX_LM):
+            continue
         mode = spec.name.split("_")[1]
-        base.setdefault(mode, (ours, theirs))
-        step_s[(spec.world_size, mode)] = result["tokens_global_per_step"][0] / ours
-        per_token = flops_per_token(params, result["model_config"], seq)  # the config the model was built from
-        mfu = [f"{v * per_token / (peak * spec.world_size):.1%}" if mfu_ok else "-" for v in (ours, theirs)]
-        rows.append([spec.world_size, mode, f"{ours:.0f}", f"{theirs:.0f}", f"{ours / theirs:.2f}x",
-                     f"{ours / base[mode][0]:.2f}x / {theirs / base[mode][1]:.2f}x", *mfu])
-    print(f"{args.model}: qwen3 {params / 1e6:.2f}M, {dtype}, {per_rank} x {seq} tokens per rank, {args.steps} steps, "
+        theirs = s.run(spec.name + MLX_LM)
+        runs = ((spec, train_job(s, spec)), (theirs, train_job(s, theirs)),
+                (spec, {"kind": "mlx_lm_step", "scenario": s.for_run(spec).to_dict()}))
+        best: list[tuple[float, dict[str, Any]]] = [(0.0, {})] * 3
+        for _ in range(args.repeats):  # alternating, so that a slow phase of the machine hits all three
+            for i, (run, job) in enumerate(runs):
+                with compile_disabled(mode == "eager"):
+                    best[i] = max(best[i], measure(run, job, args.backend), key=lambda f: f[0])
+        tok_s = [v for v, _ in best]
+        ours, trainer, loop = (r for _, r in best)
+        if loop["mlx_compile"] != (mode == "compiled"):
+            raise SystemExit(f"{spec.name}: MLX compiles {'' if loop['mlx_compile'] else 'not '}in the ranks")
+        params = ours["param_count"]
+        base.setdefault(mode, tok_s)
+        step_s[(spec.world_size, mode)] = ours["tokens_global_per_step"][0] / tok_s[0]
+        per_token = flops_per_token(params, ours["model_config"], seq)  # the config the model was built from
+        mfu = [f"{v * per_token / (peak * spec.world_size):.1%}" if mfu_ok else "-" for v in tok_s[:2]]
+        rows.append([spec.world_size, mode, *(f"{v:.0f}" for v in tok_s), f"{tok_s[0] / tok_s[1]:.2f}x",
+                     "/".join(f"{v / b:.2f}x" for v, b in zip(tok_s, base[mode], strict=True)), *mfu,
+                     *(widths(r) for r in (ours, trainer, loop))])
+    print(f"{args.model}: qwen3 {params / 1e6:.2f}M, {dtype}, {per_rank} x {seq} inputs per rank, {args.steps} steps, "
           f"best of {args.repeats}, on {name} (peak: {'%.0f TFLOP/s' % (peak / 1e12) if peak else 'unknown'})")
-    print(tabulate(rows, headers=["World size", "Mode", "Harness tok/s", "mlx-lm step tok/s", "Harness / mlx-lm",
-                                  f"Scaling vs {sizes[0]} (harness / mlx-lm)", "MFU harness", "MFU mlx-lm"]))
+    print(tabulate(rows, headers=["World size", "Mode", "Harness tok/s", "mlx-lm trainer tok/s", "mlx-lm step tok/s",
+                                  "Harness / trainer", f"Scaling vs {sizes[0]} (harness/trainer/step)",
+                                  "MFU harness", "MFU trainer", "Width harness", "Width trainer", "Width step"]))
+    print("trainer: mlx_lm.tuner.trainer.train (the anchor); step: its step in a plain loop. eager: every rank run "
+          "with MLX_DISABLE_COMPILE=1 (mlx-lm's train() compiles its step otherwise). Width: padded inputs per row.")
     reduce_rows = allreduce_rows(s, step_s, args.backend)
     if reduce_rows:
         print()

@@ -1,5 +1,5 @@
-"""The speed anchor (mlx-lm's own step in a plain loop) and the side-by-side benchmark, with real
-ranks under mlx.launch."""
+"""The speed anchor (mlx-lm's own step in a plain loop) and the side-by-side benchmark (the reference
+trainer, mlx-lm's trainer and that step), with real ranks under mlx.launch."""
 
 from __future__ import annotations
 
@@ -30,25 +30,29 @@ def test_the_anchor_trains_mlx_lm_steps_on_every_rank(tmp_path) -> None:  # noqa
     assert out.ok, out.failure
     for o in out.ranks:
         r = o.result
-        assert r["tokens_global_per_step"] == 16 * 159 and r["compile"] is True  # 2 ranks x 8 rows x 159 targets
+        assert r["tokens_global_per_step"] == 16 * 160 and r["compile"] is True  # 2 ranks x 8 rows x 160 targets
+        assert r["input_widths"] == [160] * 4 and r["mlx_compile"] is True  # rows of max_seq_len = 161 tokens
         assert len(r["tok_s_global"]) == 4 and all(v > 0 for v in r["tok_s_global"])
     losses = [[e["loss"] for e in o.events if e.get("kind") == "step"] for o in out.ranks]
     assert losses[0] != losses[1] and all(math.isfinite(x) for row in losses for x in row)  # each rank its own rows
 
 
-def test_the_side_by_side_benchmark_prints_both_trainers() -> None:
+def test_the_side_by_side_benchmark_prints_the_three() -> None:
     p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "step_vs_mlx_lm.py"), "--model", "tiny", "--steps",
                         "3", "--world-sizes", "1,2", "--repeats", "1"], capture_output=True, text=True, cwd=REPO,
                        timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     lines = p.stdout.splitlines()
-    assert lines[0].startswith("tiny: qwen3 0.09M, float32, 8 x 160 tokens per rank, 3 steps, best of 1")
+    assert lines[0].startswith("tiny: qwen3 0.09M, float32, 8 x 160 inputs per rank, 3 steps, best of 1")
     rows = [line.split() for line in lines[3:7]]
     assert [(r[0], r[1]) for r in rows] == [("1", "eager"), ("1", "compiled"), ("2", "eager"), ("2", "compiled")]
-    for r in rows:
-        assert float(r[2]) > 0 and float(r[3]) > 0 and abs(float(r[4][:-1]) - float(r[2]) / float(r[3])) <= 0.01
+    for r in rows:  # tok/s of the harness, mlx-lm's trainer and its step; harness / trainer; scaling; MFU; widths
+        assert all(float(v) > 0 for v in r[2:5]) and abs(float(r[5][:-1]) - float(r[2]) / float(r[3])) <= 0.01
+        assert len(r[6].split("/")) == 3 and r[7:9] == ["-", "-"]
+        assert r[9:] == ["160", "160", "160"]  # every trainer trained the rows' 160 inputs, none padded wider
+    assert "MLX_DISABLE_COMPILE=1" in lines[7]  # the eager rows ran with compile off (the step loop's rank checked)
     # the all-reduce alone beside the 2-rank step: world size, MiB, all-reduce ms, step ms at 1 and 2, extra, share
-    (reduce,) = [line.split() for line in lines[10:]]
+    (reduce,) = [line.split() for line in lines[11:]]
     assert reduce[0] == "2" and float(reduce[1]) > 0 and float(reduce[2]) > 0 and float(reduce[4]) > 0
     assert abs(float(reduce[5]) - (float(reduce[4]) - float(reduce[3]))) <= 0.02
     assert abs(float(reduce[6][:-1]) - 100 * float(reduce[2]) / float(reduce[4])) <= 0.1

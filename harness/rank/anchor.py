@@ -3,9 +3,12 @@
 The step has the shape of ``mlx_lm.tuner.trainer.train``'s: its ``default_loss`` (the mean
 token loss of the micro-batch), ``nn.average_gradients`` across the ranks and the optimizer's
 update, compiled together over the model's and optimizer's state when the scenario compiles.
-There is no data pipeline, evaluation or bookkeeping: every rank draws full-length rows of random
-token ids (its own, from the scenario seed), so the figure is the step alone. Benchmarks time the
-reference trainer against it on the same model, dtype, per-rank batch and world size.
+There is no data pipeline, evaluation or bookkeeping: every rank draws rows of ``max_seq_len``
+random token ids (its own, from the scenario seed; ``max_seq_len - 1`` inputs each, the
+``input_widths`` it reports), so the figure is the step alone. Benchmarks time it beside the
+reference trainer and mlx-lm's own trainer on the same model, dtype, per-rank batch and world
+size. ``mlx_compile`` in its result says whether MLX compiles in the rank at all (not under
+``MLX_DISABLE_COMPILE``).
 
 ``allreduce`` (job kind ``grad_allreduce``) times ``nn.average_gradients`` alone on a gradient
 tree of the model's shapes and dtype: the all-reduce a DDP step pays, without the step.
@@ -54,6 +57,18 @@ def allreduce(ctx: RankContext) -> dict[str, Any]:
             "bytes": sum(g.nbytes for _, g in tree_flatten(grads))}
 
 
+def compile_enabled() -> bool:
+    """Whether ``mx.compile`` compiles in this process: a compiled function is traced once for
+    repeated calls on one shape, and called every time when compiling is disabled."""
+    import mlx.core as mx
+
+    calls = []
+    f = mx.compile(lambda x: calls.append(1) or x + 1)
+    for _ in range(3):
+        mx.eval(f(mx.zeros((2,))))
+    return len(calls) == 1
+
+
 def run(ctx: RankContext) -> dict[str, Any]:
     import mlx.core as mx
     import mlx.nn as nn
@@ -91,4 +106,5 @@ def run(ctx: RankContext) -> dict[str, Any]:
         tok_s.append(int(tokens.item()) * ctx.world_size / dt)
         ctx.events.emit("step", step=k, rank=ctx.rank, loss=float(loss.item()), step_time_s=dt)
     return {"tok_s_global": tok_s, "step_times_s": times, "param_count": param_count(model),
-            "tokens_global_per_step": rows * (length - 1) * ctx.world_size, "compile": t.compile != "off"}
+            "tokens_global_per_step": rows * (length - 1) * ctx.world_size, "compile": t.compile != "off",
+            "input_widths": [length - 1] * t.steps, "mlx_compile": compile_enabled()}

@@ -176,18 +176,30 @@ def warm_up(job: dict[str, Any]) -> None:
                 mx.ones(k, dtype=dtype)))
 
 
+def hide(names: tuple[str, ...]) -> None:
+    """Mark top-level packages ``names`` absent in this process (``sys.modules[name] = None``):
+    ``importlib.util.find_spec`` then finds nothing, so libraries that import them only when
+    available skip them, and an ``import`` of one fails at once. A package already imported
+    stays."""
+    for name in names:
+        sys.modules.setdefault(name, None)
+
+
 def load_libraries(job: dict[str, Any]) -> None:
     """Import what a training job's trainer imports on every run (its module's
-    ``load_libraries(scenario)``), so that the rank's memory baseline holds the libraries: with
-    torch installed, transformers imports it, 0.6 GB of RSS per rank that no MLX trainer uses.
-    A library that fails to import is left to the trainer, which reports it in its own words."""
+    ``load_libraries(scenario)``), so that the rank's memory baseline holds the libraries (with
+    torch installed, transformers imports it, 0.6 GB of RSS per rank that no MLX trainer uses,
+    unless the trainer ``hides`` it). A library that fails to import is left to the trainer,
+    which reports it in its own words."""
     import importlib
 
     if job.get("kind") != "train":
         return
     from harness.trainers import trainer_info
 
-    module = importlib.import_module(trainer_info(job["scenario"]["trainer"]["kind"]).module)
+    info = trainer_info(job["scenario"]["trainer"]["kind"])
+    hide(info.hides)
+    module = importlib.import_module(info.module)
     load = getattr(module, "load_libraries", None)
     if load is not None:
         try:

@@ -31,7 +31,10 @@ class TrainerInfo:
     ``load_libraries(scenario)``: it imports what the trainer imports on every run, before the
     rank's memory baseline is taken (``harness.rank.entry.load_libraries``). ``saves``: why the
     trainer always saves on rank 0, so ``rank0_side_effects`` demands a save there (None: it
-    promises none; a script declares its own with ``[trainer] saves``)."""
+    promises none; a script declares its own with ``[trainer] saves``). ``hides``: installed
+    libraries the trainer never calls but its dependencies import whenever they are present
+    (transformers' image utilities import torch and torchvision: 8.5 s per rank on an H100);
+    the rank marks them absent before the trainer's imports (``harness.rank.entry.hide``)."""
 
     module: str
     title: str
@@ -39,11 +42,13 @@ class TrainerInfo:
     twin: bool = False
     cpu_collectives: str | None = None
     saves: str | None = None
+    hides: tuple[str, ...] = ()
 
 
 TRAINERS: dict[str, TrainerInfo] = {
     "reference": TrainerInfo("harness.trainers.reference", "the harness's reference DDP trainer", probes=True,
-                             twin=True, saves="the reference trainer saves its final parameters on rank 0"),
+                             twin=True, saves="the reference trainer saves its final parameters on rank 0",
+                             hides=("torch", "torchvision")),
     "mlx_lm": TrainerInfo("harness.trainers.mlx_lm", "mlx-lm's trainer (mlx_lm.tuner.trainer.train)", probes=True,
                           cpu_collectives="mlx-lm's trainer all-sums its reported losses and token counts on "
                                           "the CPU stream",

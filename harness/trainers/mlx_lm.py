@@ -85,24 +85,30 @@ def supervised_tokens(lengths: Any, width: int) -> int:
 
 
 class Batches:
-    """mlx-lm's ``iterate_batches``, counting each batch's supervised tokens on this rank; before
-    the first micro-batch of a step the job probes, it hands that step's micro-batches to
-    ``probe(step, micros)`` (the model then holds the parameters the step's gradient is taken at)."""
+    """mlx-lm's ``iterate_batches``, counting each batch's supervised tokens on this rank and
+    handing each training micro-batch's input width (padding included: mlx-lm's inputs are
+    ``batch[:, :-1]``) to ``width``; before the first micro-batch of a step the job probes, it
+    hands that step's micro-batches to ``probe(step, micros)`` (the model then holds the
+    parameters the step's gradient is taken at)."""
 
     def __init__(self, train_set: Any, accum: int = 1, first_step: int = 1,
-                 probe: Callable[[int, list[Any]], None] | None = None, probe_steps: Any = ()):
+                 probe: Callable[[int, list[Any]], None] | None = None, probe_steps: Any = (),
+                 width: Callable[[int], None] | None = None):
         self.train_set = train_set
         self.train_tokens: list[int] = []
         self.eval_tokens = 0
         self.accum, self.first_step = accum, first_step
         self.probe, self.probe_steps = probe, set(probe_steps)
         self.yielded = 0  # training micro-batches handed to the trainer
+        self.width = width
 
     def _count(self, dataset: Any, batch: Any, lengths: Any) -> tuple[Any, Any]:
         count = supervised_tokens(lengths, batch.shape[1])
         if dataset is self.train_set:
             self.train_tokens.append(count)
             self.yielded += 1
+            if self.width is not None:
+                self.width(batch.shape[1] - 1)
         else:
             self.eval_tokens += count
         return batch, lengths
@@ -305,7 +311,7 @@ def run(ctx: RankContext) -> dict[str, Any]:
     def probe(step: int, micros: list[Any]) -> None:
         rep.probe(step, model, lambda: probe_gradient(model, default_loss, micros, ctx.world_size))
 
-    batches = Batches(train_set, accum, rep.done + 1, probe, rep.probes.steps)
+    batches = Batches(train_set, accum, rep.done + 1, probe, rep.probes.steps, rep.width)
     rep.start(model.parameters())
     try:
         train(model, build_optimizer(t), train_set, eval_set or None, args, loss=default_loss,
