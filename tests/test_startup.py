@@ -40,5 +40,6 @@ def test_every_run_reports_its_startup_by_part(tmp_path: Path) -> None:
         assert {"spawn", "device", "warm_up", "libraries", "trainer", "data", "model"} <= set(st["parts_s"]), st
         assert 0 < st["total_s"] <= run["wall_s"] - run["runtime_s"] + 0.05, (st, run["wall_s"], run["runtime_s"])
         assert st["first_step_extra_s"] is not None
+        assert st["libraries_loaded"] == ["mlx_lm"], st  # its architectures only: no transformers, no torch
         for rank in run["ranks"]:
             assert rank["startup_total_s"] <= st["total_s"]

@@ -24,7 +24,8 @@ def rank_summary(o: Any, cluster_host: str | None = None) -> dict[str, Any]:
     """One rank's figures; ``cluster_host``: the hostfile's name of the host it ran on (its own
     hostname stays under ``hostname``)."""
     r = o.result or {}
-    keys = ("host", "pid", "device", "accelerator", "startup_s", "startup_total_s", "startup_parts_s", "runtime_s",
+    keys = ("host", "pid", "device", "accelerator", "startup_s", "startup_total_s", "startup_parts_s",
+            "libraries_loaded", "runtime_s",
             "tokens_local", "tok_s_local", "step_times_s", "mlx_peak_bytes", "rss_peak_bytes", "precision", "error")
     out = {"rank": o.rank, "exit_code": o.exit_code, "status": r.get("status", "missing"),
            **{k: r[k] for k in keys if k in r}}
@@ -50,6 +51,7 @@ def startup_summary(run: RunOutcome) -> dict[str, Any] | None:
     times = r.get("step_times_s") or []
     extra = times[0] - statistics.median(times[1:]) if len(times) > 1 else None
     return {"rank": r["rank"], "total_s": r["startup_total_s"], "parts_s": r["startup_parts_s"],
+            "libraries_loaded": r.get("libraries_loaded", []),
             "first_step_extra_s": None if extra is None else round(extra, 4)}
 
 

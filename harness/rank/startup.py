@@ -10,6 +10,15 @@ from typing import Any
 # The parts the rank runtime times itself, in order; the trainer's phases ("data", "model",
 # "resume", ...) follow, and "trainer" is its set-up before its first phase (its imports).
 PARTS = ("spawn", "device", "warm_up", "libraries")
+# Libraries whose import costs seconds: ``libraries_loaded`` names those a rank ended up holding.
+HEAVY = ("torch", "torchvision", "transformers", "mlx_lm", "mlx_vlm", "unsloth_zoo")
+
+
+def libraries_loaded() -> list[str]:
+    """The ``HEAVY`` libraries imported in this process (not those marked absent)."""
+    import sys
+
+    return [name for name in HEAVY if sys.modules.get(name) is not None]
 
 
 class StartupClock:
@@ -41,4 +50,5 @@ class StartupClock:
         """``startup_parts_s`` (seconds per part, in order) and ``startup_total_s`` (launch to the
         start of training, or to now when the job never trained)."""
         parts = {k: round(v, 4) for k, v in self.parts.items() if v > 0 or k in PARTS}
-        return {"startup_parts_s": parts, "startup_total_s": round(sum(self.parts.values()), 4)}
+        return {"startup_parts_s": parts, "startup_total_s": round(sum(self.parts.values()), 4),
+                "libraries_loaded": libraries_loaded()}

@@ -156,6 +156,19 @@ def vision_setup(spec: ModelSpec, vocab_size: int, pad_id: int, image_size: int)
                        True, True, size)
 
 
+def model_config(module: Any, config: dict[str, Any]) -> Any:
+    """The architecture module's ``ModelConfig`` of ``config``, its text and vision parts built by
+    their own classes, as mlx-vlm's loader builds them (without importing its loader, which
+    imports transformers)."""
+    config = json.loads(json.dumps(config))
+    out = module.ModelConfig.from_dict(config)
+    for part in ("text", "vision"):
+        key = f"{part}_config"
+        if hasattr(out, key) and config.get(key) is not None:
+            setattr(out, key, getattr(module, f"{part.title()}Config").from_dict(config[key]))
+    return out
+
+
 def build_vlm(setup: VisionSetup, spec: ModelSpec, seed: int) -> Any:
     """The mlx-vlm model of ``setup``: weights from the model directory, or drawn from ``seed``."""
     module = import_model_module("mlx_vlm", setup.arch)
@@ -164,13 +177,8 @@ def build_vlm(setup: VisionSetup, spec: ModelSpec, seed: int) -> Any:
 
         with placeholder_init():
             return load_model(Path(spec.path))
-    from mlx_vlm.utils import update_module_configs
-
-    config = json.loads(json.dumps(setup.config))
-    model_config = module.ModelConfig.from_dict(config)
-    model_config = update_module_configs(model_config, module, config, ["text", "vision"])
     with placeholder_init():
-        model = module.Model(model_config)
+        model = module.Model(model_config(module, setup.config))
     seeded_init(model, seed)
     return model
 

@@ -63,6 +63,11 @@ def import_model_module(package: str, arch: str) -> Any:
     ``mlx_lm``'s and ``mlx_vlm``'s package ``__init__`` import their generation and serving
     stacks; the architecture modules need none of it. When nobody has imported the package yet,
     it is registered from its location and only the architecture module is imported.
+
+    An mlx-vlm architecture also imports its ``processing_<arch>`` module, only to patch
+    transformers' ``AutoProcessor`` (2.6 s of transformers per rank on a GPU machine). While
+    transformers is not loaded, that module is skipped during the import (an empty stand-in,
+    removed afterwards, so a later import gets the real one).
     """
     import importlib
     import importlib.util
@@ -78,4 +83,13 @@ def import_model_module(package: str, arch: str) -> Any:
         pkg.__path__ = list(spec.submodule_search_locations)
         pkg.__spec__ = spec
         sys.modules[package] = pkg
-    return importlib.import_module(f"{package}.models.{arch}")
+    name = f"{package}.models.{arch}"
+    processing = f"{name}.processing_{arch}"
+    if package != "mlx_vlm" or name in sys.modules or "transformers" in sys.modules or processing in sys.modules:
+        return importlib.import_module(name)
+    stand_in = sys.modules[processing] = types.ModuleType(processing)
+    try:
+        return importlib.import_module(name)
+    finally:
+        if sys.modules.get(processing) is stand_in:
+            del sys.modules[processing]
