@@ -2,8 +2,10 @@
 
 A ``VisionSetup`` ties a model to its data: the model config (a tiny default with the
 scenario's overrides, or a local model directory's ``config.json``), the ids of its image tokens,
-the image processor the model family ships (mlx-vlm's numpy Qwen-VL processor; transformers'
-PIL SigLIP processor for PaliGemma), and where the image block goes in a row's token ids.
+the image processor of the model family (numpy + PIL ports of mlx-vlm's Qwen-VL processor and
+transformers' SigLIP processor for PaliGemma, in ``harness.rank.image_processing``, with no
+transformers import; the upstream processor only where a model directory's preprocessing config
+holds a setting the port does not implement), and where the image block goes in a row's token ids.
 
 Families differ in how a row without an image looks: Qwen2-VL takes rows with no image (no image
 tokens, no patches), PaliGemma needs one image per row, so its padding rows carry a blank image
@@ -89,16 +91,27 @@ class VisionSetup:
 
 
 def _qwen_processor(model_dir: Path | None, image_size: int) -> Any:
-    from mlx_vlm.models.qwen3_vl import processing_qwen3_vl as qp
+    from harness.rank import image_processing as ip
 
-    kwargs = qp._qwen_vl_image_kwargs(str(model_dir), default_patch_size=14) if model_dir else {"patch_size": 14}
+    kwargs = ip.qwen_vl_image_kwargs(model_dir, default_patch_size=14) if model_dir else {"patch_size": 14}
+    processor: Any = ip.QwenVLImageProcessor
+    if kwargs is None:  # a setting the port does not implement: mlx-vlm's processor, as read by mlx-vlm
+        from mlx_vlm.models.qwen3_vl import processing_qwen3_vl as qp
+
+        kwargs, processor = qp._qwen_vl_image_kwargs(str(model_dir), default_patch_size=14), qp.Qwen3VLImageProcessor
     factor = int(kwargs["patch_size"]) * int(kwargs.get("merge_size", 2))
     kwargs.setdefault("min_pixels", factor * factor)
     kwargs["max_pixels"] = min(int(kwargs.get("max_pixels", image_size * image_size)), max(image_size, factor) ** 2)
-    return qp.Qwen3VLImageProcessor(**kwargs)
+    return processor(**kwargs)
 
 
 def _siglip_processor(model_dir: Path | None, size: int) -> Any:
+    from harness.rank import image_processing as ip
+
+    fast = ip.siglip_image_kwargs(model_dir, size)
+    if fast is not None:
+        return ip.SiglipImageProcessor(**fast)
+    # a setting the port does not implement: transformers' processor, built as before
     from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
 
     kwargs: dict[str, Any] = {}
