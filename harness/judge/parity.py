@@ -27,7 +27,8 @@ rounding of one value (a loss: its float32 accumulation over T tokens, ``roundin
 ``rounding_ulps`` x u_dtype x stored roundings), so a floor run that happens to match bitwise
 does not demand bitwise equality. A resume at the same world
 size is judged against a rerun of its target over the whole run: a rerun that is bitwise equal
-means the device is deterministic, and the resume must then be bitwise too.
+on a CPU means the device is deterministic, and the resume must then be bitwise too (on a GPU a
+bitwise rerun is a draw: ``deterministic``).
 """
 
 from __future__ import annotations
@@ -199,7 +200,7 @@ class Floor:
     run: RunOutcome | None = None
     tolerance: float | None = None
     tolerance_key: str = ""
-    rerun: bool = False  # a rerun: a floor of 0 means the device is deterministic (bitwise)
+    rerun: bool = False  # a rerun: a floor of 0 on a CPU means the device is deterministic (bitwise)
     refused: str | None = None  # why the floor run is not the base's mathematics
     samples: tuple[RunOutcome | None, ...] = ()  # a split floor's other draws of the rounding
 
@@ -232,6 +233,15 @@ class Floor:
         return [max(points) for points in zip(*got, strict=False)]  # type: ignore[arg-type]
 
 
+def deterministic(*runs: RunOutcome) -> bool:
+    """Every rank of ``runs`` computed on a CPU, where a rerun repeats every reduction in the same
+    order. A GPU's scatter-adds (the embedding's gradient) accumulate with atomics, in whichever
+    order the threads arrive: a bitwise rerun there is a draw, not a property (on one H100, of
+    three processes of one resumable run, two agreed bitwise and one differed by one ulp in the
+    loss of step 6)."""
+    return all(o.result.get("accelerator") == "cpu" for r in runs for o in r.ranks if o.result)
+
+
 def _judge_series(name: str, run: RunOutcome, base: RunOutcome, points: list[Any], deltas: list[float],
                   floors: list[float] | None, absolute: list[float], floor: Floor, s: Scenario, what: str,
                   deviation: str = "deviation") -> Check:
@@ -249,17 +259,18 @@ def _judge_series(name: str, run: RunOutcome, base: RunOutcome, points: list[Any
     ratio_limit = s.checks.floor_ratio
     measured = max(floors[: len(deltas)], default=0.0)
     floors = [measured] * len(deltas)
-    if floor.rerun and measured == 0:
-        absolute = [0.0] * len(deltas)  # a bitwise rerun: the device is deterministic
+    bitwise = floor.rerun and measured == 0 and deterministic(run, base)
+    if bitwise:
+        absolute = [0.0] * len(deltas)  # a bitwise rerun on a deterministic device
     eff = [max(f, a) for f, a in zip(floors, absolute, strict=False)]
     ratios = [d / e if e > 0 else (0.0 if d == 0 else math.inf) for d, e in zip(deltas, eff, strict=False)]
     i = max(range(len(ratios)), key=lambda k: ratios[k]) if ratios else 0
     value = deltas[i] if deltas else 0.0
     limit = ratio_limit * eff[i] if eff else 0.0
     detail = f"vs {base.name}: {what}; worst ratio at {points[i] if points else '-'}"
-    if floor.rerun and measured == 0:
-        derivation = (f"{floor.run.name} repeated {base.name} bitwise: the device is deterministic, so the "
-                      f"limit is 0 (bitwise)")
+    if bitwise:
+        derivation = (f"{floor.run.name} repeated {base.name} bitwise on a CPU, whose reductions are "
+                      f"deterministic, so the limit is 0 (bitwise)")
     else:
         derivation = (f"{ratio_limit:g} x max(floor, absolute floor); floor: {floor.names}'s largest {deviation} "
                       f"from {base.name} over the same steps ({measured:.3g}); absolute floor: the rounding of "
