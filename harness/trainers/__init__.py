@@ -52,11 +52,13 @@ TRAINERS: dict[str, TrainerInfo] = {
     "mlx_lm": TrainerInfo("harness.trainers.mlx_lm", "mlx-lm's trainer (mlx_lm.tuner.trainer.train)", probes=True,
                           cpu_collectives="mlx-lm's trainer all-sums its reported losses and token counts on "
                                           "the CPU stream",
-                          saves="mlx-lm's trainer saves its adapter file on rank 0 after the last step"),
+                          saves="mlx-lm's trainer saves its adapter file on rank 0 after the last step",
+                          hides=("torch", "torchvision")),
     "mlx_vlm": TrainerInfo("harness.trainers.mlx_vlm", "mlx-vlm's trainer (mlx_vlm.trainer.Trainer)", probes=True,
                            cpu_collectives="mlx-vlm's trainer all-reduces its gradients and metrics on the "
                                            "CPU stream",
-                           saves="mlx-vlm's trainer saves its adapter file on rank 0 after the last step"),
+                           saves="mlx-vlm's trainer saves its adapter file on rank 0 after the last step",
+                           hides=("torch", "torchvision")),
     "unsloth_zoo": TrainerInfo("harness.trainers.unsloth_zoo", "unsloth-zoo's MLX trainer (unsloth_zoo.mlx.trainer)",
                                probes=True,
                                cpu_collectives="unsloth-zoo's MLX trainer all-sums its losses, token and row "
