@@ -4,7 +4,6 @@ file and the key."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from typing import Any
 
@@ -155,7 +154,6 @@ EXTERNAL_FAULTS = ("raise", "exit", "exit0", "sigkill", "segfault", "hang")
 
 
 LORA_TRAINERS = ("mlx_lm", "mlx_vlm", "unsloth_zoo")
-UNSLOTH_INSTALL = "pip install --no-deps 'unsloth_zoo>=2026.10.9'"
 UNSLOTH_SCHEDULES = ("constant", "cosine")
 UNSLOTH_ORDERS = ("ordered", "shuffled")
 
@@ -222,9 +220,6 @@ def _validate_trainer_spec(t: TrainerSpec, src: str, at: str) -> None:
         require(t.path is not None and t.path.endswith(".py"), src, f"{at}.path",
                 "a 'script' trainer needs the path of a Python training script")
         require(os.path.isfile(t.path), src, f"{at}.path", f"not a file: {t.path}")
-    if t.kind == "unsloth_zoo":
-        require(importlib.util.find_spec("unsloth_zoo") is not None, src, f"{at}.kind",
-                f"unsloth_zoo is not installed; install it with: {UNSLOTH_INSTALL}")
 
 
 def _validate_external_run(s: Scenario, i: int, r: RunSpec, src: str) -> None:

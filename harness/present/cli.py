@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from harness.availability import Skipped, runnable
 from harness.judge.baselines import BaselineError
 from harness.present.baseline_cli import add_parsers
 from harness.present.live import MODES, PLAIN_EVERY_S, PlainProgress, progress_display
@@ -49,6 +50,18 @@ def resolve_scenarios(paths: list[str]) -> list[Scenario]:
     if dup:
         raise ScenarioError(f"scenario name {dup!r} is used by more than one file")
     return out
+
+
+def available(scenarios: list[Scenario]) -> tuple[list[Scenario], list[Skipped]]:
+    """The scenarios (and runs) this machine can run, and what it skips; nothing left is an error."""
+    kept, skipped = [], []
+    for s in scenarios:
+        s_kept, why = runnable(s)
+        kept += [s_kept] if s_kept is not None else []
+        skipped += [why] if why is not None else []
+    if not kept:
+        raise ScenarioError("nothing to run: " + "; ".join(s.line() for s in skipped))
+    return kept, skipped
 
 
 def check_resume_sources(s: Scenario) -> None:
@@ -152,7 +165,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from harness.present.results import document, merge_repeats, scenario_summary
     from harness.present.tables import scenario_text
 
-    scenarios = resolve_scenarios(args.scenarios)
+    scenarios, skipped = available(resolve_scenarios(args.scenarios))
     cluster = cluster_of(args, scenarios)
     for s in scenarios:
         preflight(s, args.backend, cluster)
@@ -190,7 +203,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     except (LaunchError, PortError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_INFRA
-    doc = document(summaries, environment())
+    for s in skipped:
+        print(s.line(), flush=True)
+    doc = document(summaries, environment(), [s.to_json() for s in skipped])
     if out is not None:
         for f in write_outputs(out, doc):
             print(f"wrote {f}", file=sys.stderr)
@@ -214,12 +229,19 @@ def cmd_list(args: argparse.Namespace) -> int:
     directory = Path(args.directory) if args.directory else default_scenario_dir()
     if not directory.is_dir():
         raise ScenarioError(f"{directory}: not a directory")
-    rows = []
+    rows, skipped = [], []
     for f in discover(directory):
         s = load_scenario(f)
         sizes = ", ".join(str(r.world_size) for r in s.runs)
-        rows.append([s.name, f.name, "yes" if s.default else "", sizes, s.description])
+        why = runnable(s)[1]
+        skipped += [why] if why is not None else []
+        default = "yes" if s.default else ""
+        if why is not None:
+            default = f"{default} (skips {'all' if why.whole else ', '.join(why.runs)})".strip()
+        rows.append([s.name, f.name, default, sizes, s.description])
     print(tabulate(rows, headers=["Scenario", "File", "Default", "World sizes", "Description"]))
+    for reason in sorted({s.reason for s in skipped}):
+        print(f"skipped here: {reason}")
     return 0
 
 

@@ -34,6 +34,7 @@ from typing import Any
 
 import pytest
 
+from harness.availability import runnable
 from harness.present.live import PLAIN_EVERY_S, PlainProgress
 from harness.present.scenario_result import ScenarioResult, run_scenario_file, scenario_from
 from harness.scenario import Scenario, ScenarioError, load_scenario
@@ -148,11 +149,14 @@ class ScenarioFile(pytest.File):
         from harness.judge.behaviours import reason_for
         from harness.judge.verdict import planned_checks
 
-        self.scenario = load_scenario(self.path)
-        plan = planned_checks(self.scenario)
-        for spec in self.scenario.runs:
+        full = load_scenario(self.path)
+        kept, skipped = runnable(full)  # runs whose trainer is not installed here are skipped
+        self.scenario = kept if kept is not None else full
+        plan = planned_checks(kept) if kept is not None else {}
+        for spec in full.runs:
             run = RunNode.from_parent(self, name=spec.name)
-            run.checks = plan[spec.name]
+            run.skip = skipped.line() if skipped and (skipped.whole or spec.name in skipped.runs) else None
+            run.checks = plan.get(spec.name, [])
             run.expected = {n: reason_for(self.scenario.checks.expected_failures, n, spec.name)
                             for n in run.checks}
             run.expect_error = spec.expect_error is not None
@@ -179,8 +183,12 @@ class RunNode(pytest.Collector):
     checks: list[str]
     expected: dict[str, str | None]
     expect_error: bool
+    skip: str | None = None  # why this machine cannot run it
 
     def collect(self) -> Any:
+        if self.skip is not None:
+            yield SkippedLaunch.from_parent(self, name="launch")
+            return
         if not self.expect_error:
             yield LaunchItem.from_parent(self, name="launch")
             if self.config.getoption("--mlx-ddp-benchmark"):
@@ -221,6 +229,13 @@ class ScenarioItem(pytest.Item):
 
 class VerdictFailure(AssertionError):
     """A check or a run that failed: the message is the whole report line."""
+
+
+class SkippedLaunch(ScenarioItem):
+    """A run this machine cannot run (its trainer is not installed): skipped, saying why."""
+
+    def runtest(self) -> None:
+        pytest.skip(self.parent.skip)
 
 
 class LaunchItem(ScenarioItem):
@@ -368,7 +383,9 @@ def mlx_ddp(tmp_path: Path, request: pytest.FixtureRequest) -> Any:
     backend = request.config.getoption("--mlx-ddp-backend")
 
     def run(scenario: Path | str | dict[str, Any], backend: str | None = backend) -> ScenarioResult:
-        return run_scenario_file(scenario_from(scenario, tmp_path), tmp_path / "artifacts", backend,
-                                 progress_lines(request.config))
+        s = scenario_from(scenario, tmp_path)
+        if (skipped := runnable(s)[1]) is not None:  # a test asserts on every run: skip it whole
+            pytest.skip(skipped.line())
+        return run_scenario_file(s, tmp_path / "artifacts", backend, progress_lines(request.config))
 
     return run

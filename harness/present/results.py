@@ -184,10 +184,12 @@ def exit_code(scenarios: list[dict[str, Any]]) -> int:
     return EXIT_CHECK_FAILED if "failed" in statuses else EXIT_PASS
 
 
-def document(scenarios: list[dict[str, Any]], env: dict[str, Any]) -> dict[str, Any]:
+def document(scenarios: list[dict[str, Any]], env: dict[str, Any],
+             skipped: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The result document; ``skipped``: what this machine could not run (``harness.availability``)."""
     code = exit_code(scenarios)
     return schema.stamp({"passed": code == EXIT_PASS, "exit_code": code, "environment": env,
-                         "scenarios": scenarios})
+                         "scenarios": scenarios, "skipped": skipped or []})
 
 
 SCENARIO_KEYS = {"name": str, "runs": list}  # what every reader of a result needs

@@ -34,7 +34,9 @@ class TrainerInfo:
     promises none; a script declares its own with ``[trainer] saves``). ``hides``: installed
     libraries the trainer never calls but its dependencies import whenever they are present
     (transformers' image utilities import torch and torchvision: 8.5 s per rank on an H100);
-    the rank marks them absent before the trainer's imports (``harness.rank.entry.hide``)."""
+    the rank marks them absent before the trainer's imports (``harness.rank.entry.hide``).
+    ``requires``: an optional package the trainer needs (``install``: how to install it); where it
+    is missing, the runs that need it are skipped, saying so (``harness.availability``)."""
 
     module: str
     title: str
@@ -43,6 +45,8 @@ class TrainerInfo:
     cpu_collectives: str | None = None
     saves: str | None = None
     hides: tuple[str, ...] = ()
+    requires: str | None = None
+    install: str | None = None
 
 
 TRAINERS: dict[str, TrainerInfo] = {
@@ -63,7 +67,8 @@ TRAINERS: dict[str, TrainerInfo] = {
                                probes=True,
                                cpu_collectives="unsloth-zoo's MLX trainer all-sums its losses, token and row "
                                                "counts on the CPU stream",
-                               saves="unsloth-zoo's trainer saves its final adapters (or model) on rank 0"),
+                               saves="unsloth-zoo's trainer saves its final adapters (or model) on rank 0",
+                               requires="unsloth_zoo", install="pip install --no-deps 'unsloth_zoo>=2026.10.9'"),
     "script": TrainerInfo("harness.trainers.script", "a user's training script (reporting through harness.api)",
                           probes=True),
 }
