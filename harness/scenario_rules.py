@@ -88,6 +88,7 @@ def _validate_train(t: TrainSpec, d: DataSpec, src: str, where: str) -> None:
     require(0 <= t.input_dropout < 1, src, f"{where}.input_dropout", "must be in [0, 1)")
     _one_of(t.compile, COMPILE_MODES, src, f"{where}.compile")
     _one_of(t.precision, PRECISIONS, src, f"{where}.precision")
+    _one_of(t.grad_norms, ("auto", "on", "off"), src, f"{where}.grad_norms")
     require(t.digest_every >= 0, src, f"{where}.digest_every", "must be >= 0")
     require(t.eval_every >= 0, src, f"{where}.eval_every", "must be >= 0")
     require(t.eval_batch >= 1, src, f"{where}.eval_batch", "must be >= 1")

@@ -196,14 +196,18 @@ class LocalStep:
             raise self._classify(compile_error, (batch, scale, fault)) from compile_error
 
     def update(self, grads: Any) -> Any:
-        """Clip the (already all-reduced) gradients and apply them (lazily); returns the gradient norm."""
+        """Clip the (already all-reduced) gradients and apply them (lazily); returns the gradient
+        norm (NaN where it is not recorded)."""
+        import mlx.core as mx
         import mlx.optimizers as optim
         from mlx.utils import tree_flatten
 
         if self.spec.max_grad_norm > 0:
             grads, norm = optim.clip_grad_norm(grads, self.spec.max_grad_norm)
-        else:
+        elif self.spec.grad_norms != "off":
             norm = self._norm([g for _, g in tree_flatten(grads)])
+        else:  # not recorded (``TrainSpec.grad_norms``): a constant keeps the compiled outputs' shape
+            norm = mx.array(float("nan"), dtype=mx.float32)
         self.optimizer.update(self.model, grads)
         return norm
 

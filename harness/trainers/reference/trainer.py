@@ -217,7 +217,7 @@ class Trainer:
             return None
 
     def train_step(self, step: int, micros: list[LocalBatch], tokens: tuple[int, int], fault: str | None
-                   ) -> tuple[float, float]:
+                   ) -> tuple[float, float | None]:
         """Build the step (``global_gradient``), clip and apply the reduced gradients (a local
         failure waits for the next agreement), then evaluate the whole step at once: its
         gradients, all-reduce, update and loss. Returns (logged loss, gradient norm)."""
@@ -237,6 +237,8 @@ class Trainer:
         except Exception as e:
             raise RankFailure(f"rank {self.ctx.rank} failed while evaluating step {step}: "
                               f"{type(e).__name__}: {e}") from e
+        if self.spec.grad_norms == "off" and self.spec.max_grad_norm == 0:
+            return float(loss.item()), None  # not recorded (``TrainSpec.grad_norms``)
         return float(loss.item()), float(norm.item()) if norm is not None else float("nan")
 
     def _update(self, step: int, grads: Any) -> Any:
@@ -348,7 +350,7 @@ class Trainer:
         self.ctx.events.emit("stop", rank=self.ctx.rank, **self.stop)
         self.effects.log("stop", self.stop)
 
-    def _record(self, step: int, micros: list[LocalBatch], counts: tuple[int, int], loss: float, norm: float,
+    def _record(self, step: int, micros: list[LocalBatch], counts: tuple[int, int], loss: float, norm: float | None,
                 dt: float) -> None:
         ctx, h = self.ctx, self.history
         tokens, images = counts
