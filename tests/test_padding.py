@@ -76,3 +76,28 @@ def test_padding_is_masked_and_runs_report_their_widths(tmp_path: Path) -> None:
     assert any(w % 32 for w in runs["longest2"]["input_widths"])
     parity = {c["name"]: c for c in s["checks"] if c["run"] == "longest2"}
     assert parity["step_loss_parity"]["passed"] and parity["loss_parity"]["passed"] and parity["param_parity"]["passed"]
+
+
+def test_gradient_norms_are_recorded_in_parity_and_left_out_of_throughput_scenarios(tmp_path: Path) -> None:
+    from harness.scenario import load_scenario
+
+    parity = load_scenario(write_scenario(tmp_path, "parity"))
+    assert parity.for_run(parity.runs[0]).train.grad_norms == "on"
+    speed = write_scenario(tmp_path, "speed")
+    speed.write_text(speed.read_text().replace("seed = 7\n", 'seed = 7\nkind = "throughput"\n', 1)
+                     .replace("digest_every = 2\n", 'digest_every = 2\ngrad_norms = "on"\n', 1))
+    s = load_scenario(speed)
+    assert s.for_run(s.runs[0]).train.grad_norms == "on"  # asked for
+    speed.write_text(speed.read_text().replace('grad_norms = "on"\n', ""))
+    s = load_scenario(speed)
+    assert s.for_run(s.runs[0]).train.grad_norms == "off"
+
+
+@pytest.mark.ranks
+def test_a_throughput_run_records_no_gradient_norms(tmp_path: Path) -> None:
+    path = write_scenario(tmp_path, "speed", world_sizes=(1,), steps=3)
+    path.write_text(path.read_text().replace("seed = 7\n", 'seed = 7\nkind = "throughput"\n', 1))
+    p = cli("run", str(path), "--out", str(tmp_path / "out"))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    (s,) = json.loads((tmp_path / "out" / "result.json").read_text())["scenarios"]
+    assert s["runs"][0]["grad_norms"] == [None, None, None]

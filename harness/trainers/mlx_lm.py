@@ -30,6 +30,7 @@ from the beginning: that is mlx-lm's resume, and the harness judges it as it is.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -101,6 +102,7 @@ class Batches:
         self.probe, self.probe_steps = probe, set(probe_steps)
         self.yielded = 0  # training micro-batches handed to the trainer
         self.width = width
+        self.eval_s = 0.0  # time spent evaluating since the last step was reported
 
     def _count(self, dataset: Any, batch: Any, lengths: Any) -> tuple[Any, Any]:
         count = supervised_tokens(lengths, batch.shape[1])
@@ -117,6 +119,7 @@ class Batches:
                  comm_group: Any = None) -> Any:
         from mlx_lm.tuner.trainer import iterate_batches
 
+        started = time.perf_counter()
         it = iterate_batches(dataset=dataset, batch_size=batch_size, max_seq_length=max_seq_length, loop=loop,
                              seed=seed, comm_group=comm_group)
         for batch, lengths in it:
@@ -129,6 +132,8 @@ class Batches:
                     yield self._count(dataset, b, n)
                 continue
             yield self._count(dataset, batch, lengths)
+        if dataset is not self.train_set:  # an evaluation drew all its batches: not a step's time
+            self.eval_s += time.perf_counter() - started
 
 
 def probe_gradient(model: Any, loss: Any, micros: list[Any], world_size: int) -> tuple[Any, Any, int]:
@@ -166,9 +171,12 @@ def make_callback(rep: StepReporter, batches: Batches, model: Any, accum: int) -
             self.trained = int(info["trained_tokens"])
             local = sum(batches.train_tokens[:accum])
             del batches.train_tokens[:accum]
+            # the step's wall time, as the harness times every trainer (mlx-lm's own figure leaves
+            # out its batching and reporting), less evaluations and probes
+            dt = time.perf_counter() - rep.t_last - batches.eval_s - rep.probe_s
+            batches.eval_s = 0.0
             rep.step(rep.done + int(info["iteration"]) // accum, info["train_loss"], tokens, local,
-                     lr=info["learning_rate"], params=model.parameters(),
-                     step_time_s=accum / info["iterations_per_second"])
+                     lr=info["learning_rate"], params=model.parameters(), step_time_s=dt)
 
         def on_val_loss_report(self, info: dict[str, Any]) -> None:
             import mlx.core as mx
