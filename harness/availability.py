@@ -14,9 +14,9 @@ from harness.scenario import Scenario
 
 def missing(kind: str) -> str | None:
     """Why trainer ``kind`` cannot run here (its optional package is not installed), or None."""
-    from harness.trainers import TRAINERS
+    from harness.trainer_registry import trainers
 
-    info = TRAINERS.get(kind)
+    info = trainers().get(kind)
     if info is None or info.requires is None or importlib.util.find_spec(info.requires) is not None:
         return None
     return f"{info.requires.replace('_', '-')} is not installed (install it with: {info.install})"

@@ -25,10 +25,7 @@ from harness.scenario_spec import (
     OPTIMIZERS,
     ORDERS,
     PRECISIONS,
-    RESUMING_TRAINERS,
-    STREAMING_TRAINERS,
     TEXT_ARCHS,
-    TRAINER_KINDS,
     VLM_ARCHS,
     DataSpec,
     FaultSpec,
@@ -40,6 +37,7 @@ from harness.scenario_spec import (
     require,
     writes_checkpoints,
 )
+from harness.trainer_registry import STEP_FAULTS, kinds, trainer_info, with_kind
 
 
 def _one_of(value: Any, allowed: tuple[str, ...], src: str, key: str) -> None:
@@ -151,113 +149,47 @@ def _validate_fault(f: FaultSpec, where: str, src: str) -> None:
     require(f.action != "allocate" or f.mb > 0, src, f"{where}.mb", "allocate needs the MB to allocate (> 0)")
 
 
-EXTERNAL_FAULTS = ("raise", "exit", "exit0", "sigkill", "segfault", "hang")
-
-
-LORA_TRAINERS = ("mlx_lm", "mlx_vlm", "unsloth_zoo")
-UNSLOTH_SCHEDULES = ("constant", "cosine")
-UNSLOTH_ORDERS = ("ordered", "shuffled")
-
-
-def _even_slices(t: Any, r: RunSpec, src: str, where: str, who: str) -> int:
-    """A trainer that gives every rank the same number of rows: each micro-step's rows (returned)
-    must divide by the world size."""
-    micro = t.global_batch // t.grad_accum
-    require(micro % r.world_size == 0, src, f"{where}.world_size",
-            f"{who}: the {micro} rows of each micro-step do not divide by world_size {r.world_size}")
-    return micro
-
-
-def _validate_unsloth(eff: Scenario, r: RunSpec, src: str, where: str) -> None:
-    """What unsloth-zoo's MLXTrainer can be given: a per-rank batch, its own data order, its schedules."""
-    t, d = eff.train, eff.data
-    _even_slices(t, r, src, where, "unsloth-zoo takes a per-rank batch")
-    require(d.order in UNSLOTH_ORDERS, src, f"{where}.data.order",
-            "unsloth-zoo takes 'ordered' (its sequential order: the scenario's rows in order) or 'shuffled' "
-            "(its default, seeded order)")
-    require(t.lr_schedule in UNSLOTH_SCHEDULES, src, f"{where}.train.lr_schedule",
-            f"unsloth-zoo's schedules that match the scenario's are {', '.join(UNSLOTH_SCHEDULES)} "
-            f"(its linear schedule decays to 0)")
-    if d.eval_rows or d.eval_path:
-        require(t.eval_batch % r.world_size == 0, src, f"{where}.train.eval_batch",
-                f"unsloth-zoo takes a per-rank eval batch: {t.eval_batch} does not divide by world_size "
-                f"{r.world_size}")
-
-
-def _validate_mlx_vlm(eff: Scenario, r: RunSpec, src: str, where: str) -> None:
-    """What mlx-vlm's Trainer can be given: whole per-rank slices, its own order, no clipping,
-    eval batches of the training batch size, a step it compiles or not."""
-    t, d = eff.train, eff.data
-    micro = _even_slices(t, r, src, where, "mlx-vlm splits each batch into equal rank slices")
-    require(t.max_grad_norm == 0, src, f"{where}.train.max_grad_norm",
-            "mlx-vlm's trainer does not clip gradients: leave it at 0")
-    require(d.order == "ordered", src, f"{where}.data.order",
-            "mlx-vlm orders batches itself (rows grouped by media and sorted by length, batches in a seeded order)")
-    require(t.compile in ("off", "strict"), src, f"{where}.train.compile",
-            "mlx-vlm compiles its whole step or not at all (no fallback): use 'off' or 'strict'")
-    require(eff.trainer.lora_layers == -1, src, f"{where}.trainer.lora_layers",
-            "mlx-vlm's LoRA adapts every transformer layer it finds: leave lora_layers at -1")
-    require(d.rows >= micro or d.source == "jsonl", src, f"{where}.data.rows",
-            "mlx-vlm needs at least one global batch of rows")
-    if d.eval_rows or d.eval_path:
-        require(t.eval_batch == micro, src, f"{where}.train.eval_batch",
-                f"mlx-vlm evaluates in batches of the training batch size: set eval_batch = {micro}")
-        require(d.eval_rows >= micro or d.eval_path is not None, src, f"{where}.data.eval_rows",
-                f"mlx-vlm evaluates whole batches only: eval_rows must be at least {micro}")
-
-
 def _validate_trainer_spec(t: TrainerSpec, src: str, at: str) -> None:
-    """One trainer's own keys: a known kind, what it may take, and that it is installed."""
-    _one_of(t.kind, TRAINER_KINDS, src, f"{at}.kind")
+    """One trainer's own keys: a known kind and what it may take."""
+    _one_of(t.kind, kinds(), src, f"{at}.kind")
+    info = trainer_info(t.kind)
     _one_of(t.fine_tune, FINE_TUNES, src, f"{at}.fine_tune")
-    require(t.kind == "script" or t.path is None, src, f"{at}.path", "only a 'script' trainer takes a path")
-    require(t.kind == "script" or not t.args, src, f"{at}.args", "only a 'script' trainer takes args")
-    require(t.kind == "script" or t.saves is None, src, f"{at}.saves",
+    require(info.script or t.path is None, src, f"{at}.path", "only a 'script' trainer takes a path")
+    require(info.script or not t.args, src, f"{at}.args", "only a 'script' trainer takes args")
+    require(info.script or t.saves is None, src, f"{at}.saves",
             "only a 'script' trainer declares its saves (the others' are known)")
-    require(t.kind in LORA_TRAINERS or t.fine_tune == "full", src, f"{at}.fine_tune",
-            f"LoRA is an option of the {', '.join(map(repr, LORA_TRAINERS))} trainers")
+    require(info.lora or t.fine_tune == "full", src, f"{at}.fine_tune",
+            f"LoRA is an option of the {', '.join(map(repr, with_kind('lora')))} trainers")
     require(t.lora_rank > 0 and t.lora_scale > 0, src, f"{at}.lora_rank", "lora_rank and lora_scale must be positive")
-    if t.kind == "script":
+    if info.script:
         require(t.path is not None and t.path.endswith(".py"), src, f"{at}.path",
                 "a 'script' trainer needs the path of a Python training script")
         require(os.path.isfile(t.path), src, f"{at}.path", f"not a file: {t.path}")
 
 
-def _validate_external_run(s: Scenario, i: int, r: RunSpec, src: str) -> None:
-    """What an external trainer can be given in one run: settings it has no way to honour are refused."""
+def _validate_run_trainer(s: Scenario, i: int, r: RunSpec, src: str) -> None:
+    """What one run's trainer can be given (its record): settings it has no way to honour are refused."""
     where = f"[[runs]][{i}]"
     eff = s.for_run(r)
-    kind = eff.trainer.kind
-    name = f"the {kind} trainer"
-    if kind == "mlx_vlm":
+    info = trainer_info(eff.trainer.kind)
+    name = f"the {info.kind} trainer"
+    if info.models == "vision":
         require(eff.model.vision, src, "[model].arch", f"{name} trains vision-language models ({', '.join(VLM_ARCHS)})")
-    else:
+    elif info.models == "text":
         require(not eff.model.vision, src, "[model].arch", f"{name} trains text models ({', '.join(TEXT_ARCHS)})")
-    require(r.mutation is None, src, f"{where}.mutation", "mutations are injected into the reference trainer only")
-    require(kind in RESUMING_TRAINERS or (r.resume_from is None and r.stop_after is None), src,
-            f"{where}.resume_from",
-            f"resume is not supported for {name} yet ({', '.join(RESUMING_TRAINERS)} can resume)")
-    require(not eff.data.streaming or kind in STREAMING_TRAINERS, src, f"{where}.data.streaming",
-            f"{name} takes an in-memory dataset ({', '.join(STREAMING_TRAINERS)} can read a stream)")
-    require(eff.train.input_dropout == 0, src, f"{where}.train.input_dropout", f"{name} has no input dropout")
-    if kind == "mlx_lm":
-        require(eff.train.max_grad_norm == 0, src, f"{where}.train.max_grad_norm",
-                "mlx-lm's trainer does not clip gradients: leave it at 0")
-        require(eff.data.order == "ordered", src, f"{where}.data.order",
-                "mlx-lm orders batches itself (rows sorted by length, batches in a seeded random order)")
-        require(eff.data.rows >= eff.train.global_batch or eff.data.source == "jsonl", src, f"{where}.data.rows",
-                "mlx-lm needs at least one global batch of rows")
-        if eff.data.eval_rows or eff.data.eval_path:
-            require(eff.train.eval_batch % r.world_size == 0, src, f"{where}.train.eval_batch",
-                    f"mlx-lm splits each eval batch across ranks: {eff.train.eval_batch} does not divide "
-                    f"by world_size {r.world_size}")
-    if kind == "unsloth_zoo":
-        _validate_unsloth(eff, r, src, where)
-    if kind == "mlx_vlm":
-        _validate_mlx_vlm(eff, r, src, where)
-    for j, f in enumerate(eff.faults):
-        require(f.phase == "step" and f.action in EXTERNAL_FAULTS, src, f"[[faults]][{j}]",
-                f"{name} can be faulted in the 'step' phase with {', '.join(EXTERNAL_FAULTS)}")
+    require(info.resumes or (r.resume_from is None and r.stop_after is None), src, f"{where}.resume_from",
+            f"resume is not supported for {name} yet ({', '.join(with_kind('resumes'))} can resume)")
+    require(not eff.data.streaming or info.streams, src, f"{where}.data.streaming",
+            f"{name} takes an in-memory dataset ({', '.join(with_kind('streams'))} can read a stream)")
+    if info.external:
+        require(r.mutation is None, src, f"{where}.mutation", "mutations are injected into the reference trainer only")
+        require(eff.train.input_dropout == 0, src, f"{where}.train.input_dropout", f"{name} has no input dropout")
+    if info.rules is not None:
+        info.rules(eff, r, src, where)
+    if info.external:
+        for j, f in enumerate(eff.faults):
+            require(f.phase == "step" and f.action in STEP_FAULTS, src, f"[[faults]][{j}]",
+                    f"{name} can be faulted in the 'step' phase with {', '.join(STEP_FAULTS)}")
 
 
 def _validate_trainer(s: Scenario, src: str) -> None:
@@ -271,8 +203,7 @@ def _validate_trainer(s: Scenario, src: str) -> None:
             require(s.kind == "throughput", src, f"[[runs]][{i}].trainer",
                     "only a throughput scenario times several trainers; a parity scenario tests one")
             _validate_trainer_spec(t, src, f"[[runs]][{i}].trainer")
-        if t.external:
-            _validate_external_run(s, i, r, src)
+        _validate_run_trainer(s, i, r, src)
 
 
 def validate(s: Scenario, src: str) -> None:

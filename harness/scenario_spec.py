@@ -27,9 +27,6 @@ KINDS = ("parity", "throughput")
 COMPILE_SCOPES = ("none", "local-grad", "full-step", "fallback-eager")
 LR_SCHEDULES = ("constant", "cosine", "linear")
 OPTIMIZERS = ("adamw", "sgd")
-TRAINER_KINDS = ("reference", "mlx_lm", "mlx_vlm", "unsloth_zoo", "script")
-RESUMING_TRAINERS = ("reference", "mlx_lm")  # those whose saves a later run can continue from
-STREAMING_TRAINERS = ("reference", "unsloth_zoo")  # those that read an unsized stream of rows lazily
 FINE_TUNES = ("full", "lora")
 
 
@@ -45,7 +42,7 @@ class TrainerSpec:
     with ``lora_rank``, ``lora_scale`` and ``lora_layers`` adapted layers, -1: all). ``script``: a
     user's training script at ``path`` (run with ``args`` as its command line), reporting through
     ``harness.api``; ``saves = true`` declares that it saves on rank 0, which the judge then demands
-    (the other trainers' saves are known: ``harness.trainers.TrainerInfo.saves``)."""
+    (the other trainers' saves are known: ``harness.trainer_registry.TrainerInfo.saves``)."""
 
     kind: str = "reference"
     path: str | None = None
@@ -55,10 +52,6 @@ class TrainerSpec:
     lora_scale: float = 20.0
     lora_layers: int = -1
     saves: bool | None = None
-
-    @property
-    def external(self) -> bool:
-        return self.kind != "reference"
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """The versioned rank protocol: the only data that crosses the controller/rank boundary.
 
-The controller writes one ``job.json`` into a run directory. Every rank appends events to
+The controller writes one ``job.json`` into a run directory (a training job names its trainer's
+rank-side module and the libraries it hides under ``trainer``: ranks look nothing up). Every rank appends events to
 ``rank{r}.events.jsonl`` (one JSON object per line, flushed at once so the controller can watch
 progress) and finally writes ``rank{r}.result.json`` atomically. Each record carries
 ``schema_version``; a reader refuses a version it does not know.

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import trainers
+from harness import trainer_registry
 from harness.availability import runnable
 from harness.scenario import load_scenario
 from tests.conftest import REPO, cli, write_scenario
@@ -25,8 +25,8 @@ UNSLOTH_RUN = '\n[[runs]]\nname = "unsloth2"\nworld_size = 2\ntrainer = {{ kind 
 
 @pytest.fixture
 def no_unsloth(monkeypatch: pytest.MonkeyPatch) -> None:
-    info = dataclasses.replace(trainers.TRAINERS["unsloth_zoo"], requires="no_such_package_for_this_test")
-    monkeypatch.setitem(trainers.TRAINERS, "unsloth_zoo", info)
+    info = dataclasses.replace(trainer_registry.trainer_info("unsloth_zoo"), requires="no_such_package_for_this_test")
+    monkeypatch.setitem(trainer_registry._load(), "unsloth_zoo", info)
 
 
 def test_runs_of_a_missing_trainer_are_left_out_and_what_needs_them_is_skipped(no_unsloth: None) -> None:

@@ -42,7 +42,7 @@ def test_doctor_words_for_gpus_and_backends() -> None:
 
 
 def test_a_trainer_that_all_reduces_on_the_cpu_stream_runs_on_ring_on_cuda_and_nccl_is_refused() -> None:
-    from harness.trainers import cpu_collectives
+    from harness.trainer_registry import cpu_collectives
 
     why = cpu_collectives("mlx_vlm")
     assert why and "CPU stream" in why
@@ -64,7 +64,8 @@ def test_a_rank_loads_its_trainers_libraries_before_its_memory_baseline() -> Non
 
     code = ("import sys; from harness.rank.entry import load_libraries; "
             "load_libraries({'kind': 'allsum'}); before = 'mlx_lm.tuner.trainer' in sys.modules; "
-            "load_libraries({'kind': 'train', 'scenario': {'trainer': {'kind': 'mlx_lm'}, "
+            "load_libraries({'kind': 'train', 'trainer': {'module': 'harness.trainers.mlx_lm', 'hides': []}, "
+            "'scenario': {'trainer': {'kind': 'mlx_lm'}, "
             "'model': {'arch': 'qwen3'}}}); "
             "print(before, 'mlx_lm.tuner.trainer' in sys.modules, 'transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
@@ -82,7 +83,8 @@ def test_unsloth_zoos_mid_run_import_of_transformers_callbacks_is_in_the_memory_
     if available() is not None:
         pytest.skip(available())
     code = ("import sys; from harness.rank.entry import load_libraries; "
-            "load_libraries({'kind': 'train', 'scenario': {'trainer': {'kind': 'unsloth_zoo'}, "
+            "load_libraries({'kind': 'train', 'trainer': {'module': 'harness.trainers.unsloth_zoo', 'hides': []}, "
+            "'scenario': {'trainer': {'kind': 'unsloth_zoo'}, "
             "'model': {'arch': 'qwen3'}}}); "
             "print('unsloth_zoo.mlx.trainer' in sys.modules, 'transformers.trainer_callback' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()

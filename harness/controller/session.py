@@ -18,7 +18,7 @@ from harness.controller.devices import BackendRefused, plan_backend
 from harness.controller.memory_guard import MemoryLimits
 from harness.controller.progress import Observer, ProgressFeed, RunProgress
 from harness.controller.watch import kill_group, watch
-from harness.trainers import cpu_collectives
+from harness.trainer_registry import cpu_collectives
 
 KEEP_SUFFIXES = (".events.jsonl", ".result.json", ".callbacks.jsonl", ".stdout", ".stderr", ".log")
 

@@ -28,7 +28,7 @@ from harness.controller.session import execute
 from harness.rank.step_probe import probe_path, probe_steps
 from harness.run_plan import FloorRun, compared, floor_runs, launch_order
 from harness.scenario import RunSpec, Scenario, writes_checkpoints
-from harness.trainers import trainer_info
+from harness.trainer_registry import trainer_info
 
 KEEP_FROM_CHECKPOINTS = ("manifest.json", "trainer.json")
 
@@ -69,9 +69,11 @@ def train_job(s: Scenario, run: RunSpec, workspace: Path | None = None, floor: F
     if floor and floor.kind != "rerun":
         faults = [dataclasses.replace(f, rank=0, runs=[run.name])
                   for f in s.for_run(s.run(floor.base)).faults if f.action == "stop"]
+    info = trainer_info(eff.trainer.kind)
     job = {
         "kind": "train",
         "run": run.name,
+        "trainer": {"module": info.module, "hides": list(info.hides)},
         "scenario": dataclasses.replace(eff, faults=faults).to_dict(),
         "backend": run.backend,
         "faults": [dataclasses.asdict(f) for f in faults],
@@ -136,7 +138,7 @@ def run_scenario(
             if floor is not None:
                 outcome.floor = floor.description
             t = s.for_run(spec).trainer
-            if t.external and outcome.failure and f"trainer {t.kind}" not in outcome.failure:
+            if trainer_info(t.kind).external and outcome.failure and f"trainer {t.kind}" not in outcome.failure:
                 outcome.failure = f"trainer {t.kind}: {outcome.failure}"  # name the trainer under test
             outcomes[spec.name] = outcome
             if on_run:

@@ -70,14 +70,14 @@ def check_resume_sources(s: Scenario) -> None:
     module checks its own saves (``check_resume_source``)."""
     import importlib
 
-    from harness.trainers import trainer_info
+    from harness.trainer_registry import trainer_info
 
     names = {r.name for r in s.runs}
     for i, r in enumerate(s.runs):
         if r.resume_from is None or r.resume_from in names or r.expect_error is not None:
             continue
         eff = s.for_run(r)
-        trainer = importlib.import_module(trainer_info(eff.trainer.kind).module)
+        trainer = importlib.import_module(trainer_info(eff.trainer.kind).module)  # a resuming trainer's own check
         try:
             trainer.check_resume_source(Path(r.resume_from), r.resume_step, eff)
         except ValueError as e:  # CheckpointError included
@@ -87,7 +87,7 @@ def check_resume_sources(s: Scenario) -> None:
 def check_backends(s: Scenario, backend: str | None) -> None:
     """Refuse, before anything runs, a run whose backend cannot run its world size here."""
     from harness.controller.devices import BackendRefused, plan_backend
-    from harness.trainers import cpu_collectives
+    from harness.trainer_registry import cpu_collectives
 
     for r in s.runs:
         try:
@@ -226,6 +226,9 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_list(args: argparse.Namespace) -> int:
     from tabulate import tabulate
 
+    from harness.availability import missing
+    from harness.trainer_registry import trainers
+
     directory = Path(args.directory) if args.directory else default_scenario_dir()
     if not directory.is_dir():
         raise ScenarioError(f"{directory}: not a directory")
@@ -242,6 +245,9 @@ def cmd_list(args: argparse.Namespace) -> int:
     print(tabulate(rows, headers=["Scenario", "File", "Default", "World sizes", "Description"]))
     for reason in sorted({s.reason for s in skipped}):
         print(f"skipped here: {reason}")
+    print()
+    print(tabulate([[info.kind, info.title, missing(info.kind) or "yes"] for info in trainers().values()],
+                   headers=["Trainer", "What it is", "Runs here"]))
     return 0
 
 

@@ -186,7 +186,7 @@ def hide(names: tuple[str, ...]) -> None:
 
 
 def load_libraries(job: dict[str, Any]) -> None:
-    """Import what a training job's trainer imports on every run (its module's
+    """Import what a training job's trainer imports on every run (the job's trainer module's
     ``load_libraries(scenario)``), so that the rank's memory baseline holds the libraries (with
     torch installed, transformers imports it, 0.6 GB of RSS per rank that no MLX trainer uses,
     unless the trainer ``hides`` it). A library that fails to import is left to the trainer,
@@ -195,11 +195,8 @@ def load_libraries(job: dict[str, Any]) -> None:
 
     if job.get("kind") != "train":
         return
-    from harness.trainers import trainer_info
-
-    info = trainer_info(job["scenario"]["trainer"]["kind"])
-    hide(info.hides)
-    module = importlib.import_module(info.module)
+    hide(tuple(job["trainer"]["hides"]))
+    module = importlib.import_module(job["trainer"]["module"])
     load = getattr(module, "load_libraries", None)
     if load is not None:
         try:
@@ -209,7 +206,7 @@ def load_libraries(job: dict[str, Any]) -> None:
 
 
 def _job_runner(job: dict[str, Any]) -> Callable[[RankContext], dict[str, Any]]:
-    """A ``train`` job runs the scenario's trainer under test (``harness.trainers``); ``allsum``
+    """A ``train`` job runs the module of the trainer under test its job names; ``allsum``
     is the launch probe, ``mlx_lm_step`` the speed anchor and ``grad_allreduce`` its all-reduce
     alone (``harness.rank.anchor``)."""
     import importlib
@@ -223,9 +220,7 @@ def _job_runner(job: dict[str, Any]) -> Callable[[RankContext], dict[str, Any]]:
         return importlib.import_module("harness.rank.anchor").allreduce
     if kind != "train":
         raise ValueError(f"unknown job kind {kind!r}")
-    from harness.trainers import trainer_info
-
-    return importlib.import_module(trainer_info(job["scenario"]["trainer"]["kind"]).module).run
+    return importlib.import_module(job["trainer"]["module"]).run
 
 
 def _init_group(world_size: int, backend: str | None) -> tuple[Any, str]:
