@@ -7,4 +7,4 @@ trainer and the adapters of the trainers under test), ``harness.judge`` (checks,
 ``harness.schema`` is the one protocol that crosses the process boundary.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the one place the version is written (pyproject.toml reads it)

@@ -59,6 +59,12 @@ def _images(d: Path) -> Path:
     return path
 
 
+def _image_row(d: Path, row: Any) -> Path:
+    path = _images(d)
+    (d / "rows.jsonl").write_text(json.dumps(row) + "\n")
+    return path
+
+
 def _result(d: Path, text: str, name: str = "result.json") -> Path:
     (d / name).write_text(text)
     return d / name
@@ -97,6 +103,14 @@ CORPUS: list[tuple[str, Callable[[Path], list[str]], str]] = [
     ("rows not JSON", lambda d: ["run", str(_rows(d, '{"text": "fine row"}\n{"text": \n'))], "rows.jsonl:2: not JSON"),
     ("rows of the wrong shape", lambda d: ["run", str(_rows(d, '{"text": "fine row"}\n[1, 2]\n'))],
      "rows.jsonl:2: expected a row"),
+    ("rows that are JSON arrays", lambda d: ["run", str(_rows(d, '[1, 2]\n[3, 4]\n'))],
+     'rows.jsonl:1: expected a JSON object with a "text" string'),
+    ("rows of no known form", lambda d: ["run", str(_rows(d, '{"txt": "a row"}\n'))], "rows.jsonl:1: expected"),
+    ("image row without a caption", lambda d: ["run", str(_image_row(d, {"image": "fake.png", "title": "x"}))],
+     'needs a "caption" string or a "messages" list'),
+    ("image row whose prompt is a number",
+     lambda d: ["run", str(_image_row(d, {"image": "fake.png", "caption": "x", "prompt": 3}))],
+     '"prompt" must be a string'),
     ("rows of mixed forms", lambda d: ["run", str(_rows(d, '{"text": "a row"}\n{"prompt": "q", "completion": "a"}\n'))],
      "rows.jsonl:2"),
     ("rows not UTF-8", lambda d: ["run", str(_rows(d, b'{"text": "caf\xe9 au lait"}\n'))], "not UTF-8"),
@@ -225,3 +239,34 @@ def test_generated_scenarios_are_accepted_or_refused_with_one_line(tmp_path: Pat
         assert str(path) in message or path.name in message or "rows" in message or "tokenizer" in message, message
     if os.environ.get("MLX_DDP_HARNESS_SHOW_TRIED"):
         print(TRIED)
+
+
+# Generated rows: any JSON a line of a rows file can hold, for text and for image rows. The
+# pre-launch check reads them as the ranks do and either accepts them or refuses them in one line.
+ROW_KEYS = st.sampled_from(["text", "prompt", "completion", "messages", "role", "content", "image", "caption", "x"])
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 5) | st.floats(allow_nan=False) | st.text(max_size=8)
+    | st.sampled_from(["user", "assistant", "system", "fake.png"]),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(ROW_KEYS, inner, max_size=4), max_leaves=10)
+
+
+@hypothesis.settings(max_examples=300, deadline=None,
+                     suppress_health_check=[hypothesis.HealthCheck.function_scoped_fixture])
+@hypothesis.given(rows=st.lists(JSON_VALUES, min_size=1, max_size=3), vision=st.booleans())
+def test_generated_rows_are_accepted_or_refused_with_one_line(tmp_path: Path, rows: list[Any], vision: bool) -> None:
+    from harness.controller.input_checks import check_data_files
+
+    d = tmp_path / f"rows{vision}"
+    d.mkdir(exist_ok=True)
+    path = _images(d) if vision else _rows(d, "")
+    if vision:
+        from PIL import Image
+
+        Image.new("RGB", (32, 32), "red").save(d / "fake.png")
+    (d / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    s = load_scenario(path)
+    try:
+        check_data_files(s)
+    except ScenarioError as e:
+        message = str(e).strip()
+        assert message and "\n" not in message and "rows.jsonl:" in message, message

@@ -50,12 +50,16 @@ def check_image_rows(s: Scenario) -> None:
     (the rows are read as the ranks read them)."""
     from PIL import Image, UnidentifiedImageError
 
-    from harness.rank.images import local_image_rows
+    from harness.rank.images import image_text_row, local_image_rows
+    from harness.rank.sources import Encoder
+    from harness.rank.tokenizers import ByteTokenizer
 
-    for _, _, path, _ in _files(s):
+    for d, _, path, _ in _files(s):
+        encode = Encoder(ByteTokenizer(), d)
         try:
             for where, row in local_image_rows(path, None):
-                image = row.get("image") if isinstance(row, dict) else None
+                encode(where, image_text_row(where, row))
+                image = row.get("image")
                 if not isinstance(image, str):
                     raise ScenarioError(f"{where}: an image row needs an \"image\" path string")
                 if not Path(image).is_file():

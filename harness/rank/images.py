@@ -126,6 +126,21 @@ def open_image(where: str, image: Any, max_side: int) -> Any:
     return img
 
 
+def image_text_row(where: str, row: Any) -> Row:
+    """The text part of an image row: a caption row as a prompt/completion row whose completion
+    is the caption, a chat row's messages as they are (ValueError naming ``where`` otherwise)."""
+    if not isinstance(row, dict) or "image" not in row:
+        raise ValueError(f"{where}: an image row needs \"image\" and a \"caption\" or \"messages\"")
+    if isinstance(row.get("caption"), str):
+        prompt = row.get("prompt", "")
+        if not isinstance(prompt, str):
+            raise ValueError(f"{where}: an image row's \"prompt\" must be a string")
+        return {"prompt": prompt, "completion": row["caption"]}
+    if isinstance(row.get("messages"), list):
+        return {"messages": row["messages"]}
+    raise ValueError(f"{where}: an image row needs a \"caption\" string or a \"messages\" list")
+
+
 class VisionEncoder:
     """Image rows -> ``Example``s: the model's image block, then the text as ``Encoder`` makes it.
 
@@ -142,14 +157,7 @@ class VisionEncoder:
         self._pad: Example | None = None
 
     def __call__(self, where: str, row: Any) -> Example:
-        if not isinstance(row, dict) or "image" not in row:
-            raise ValueError(f"{where}: an image row needs \"image\" and a \"caption\" or \"messages\"")
-        if isinstance(row.get("caption"), str):
-            text_row: Row = {"prompt": str(row.get("prompt", "")), "completion": row["caption"]}
-        elif isinstance(row.get("messages"), list):
-            text_row = {"messages": row["messages"]}
-        else:
-            raise ValueError(f"{where}: an image row needs a \"caption\" string or \"messages\"")
+        text_row = image_text_row(where, row)
         vision = self.setup.process(open_image(where, row["image"], self.image_size))
         count = self.setup.image_tokens(vision)
         self.token_counts.add(count)

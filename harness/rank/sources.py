@@ -161,6 +161,16 @@ def reject_presharded(source: Any) -> None:
         )
 
 
+FORM_KEYS = {"text": 'a "text" string', "prompt_completion": '"prompt" and "completion" strings',
+             "chat": 'a "messages" list'}
+
+
+def _shown(row: Any) -> str:
+    """A row as a short JSON excerpt (a JSON array shows as one, not as a Python list)."""
+    text = json.dumps(row, ensure_ascii=False, default=str)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 class Encoder:
     """Turns rows into ``Example``s; the first row fixes the form when ``format = "auto"``."""
 
@@ -175,9 +185,10 @@ class Encoder:
         form = detect_form(row)
         if self.form is None and form is not None:
             self.form = form
-        if form != self.form:
-            keys = {"text": '"text"', "prompt_completion": '"prompt" and "completion"', "chat": '"messages"'}
-            raise ValueError(f"{where}: expected a row with {keys[str(self.form)]} strings, got {str(row)[:80]}")
+        if form is None or form != self.form:
+            want = (f"a row with {FORM_KEYS[self.form]}" if self.form is not None else
+                    f"a JSON object with {', or '.join(FORM_KEYS.values())}")
+            raise ValueError(f"{where}: expected {want}, got {_shown(row)}")
         ids, sup = [], []
         tok = self.tok
 
