@@ -69,8 +69,8 @@ class Session:
 
     def model(self) -> Any:
         """The scenario's ``[model]``, with seeded weights (the same on every rank)."""
+        from harness.data.tokenizers import load_tokenizer
         from harness.rank.models import build_model
-        from harness.rank.tokenizers import load_tokenizer
 
         return self.split(build_model(self.scenario.model, load_tokenizer(self.scenario.data).vocab_size,
                                       self.seed)[0])
@@ -87,7 +87,7 @@ class Session:
     def rows(self, split: str = "train") -> list[tuple[Any, Any]]:
         """The scenario's ``[data]`` rows of ``split`` ("train" or "eval"), tokenized: a list of
         (int32 token ids, bool mask of the tokens that are training targets)."""
-        from harness.rank.tokenizers import load_tokenizer
+        from harness.data.tokenizers import load_tokenizer
         from harness.trainers.common import split_rows
 
         tok = load_tokenizer(self.scenario.data)

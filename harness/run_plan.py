@@ -156,3 +156,11 @@ def launch_order(s: Scenario) -> list[RunSpec]:
     if ref is not None and s.run(ref).resume_from is None:
         runs.sort(key=lambda r: r.name != ref)
     return runs
+
+
+def probe_steps(steps: int, every: int) -> list[int]:
+    """The steps a parity scenario's runs are probed at: step 1 and every ``every``-th step (none
+    when ``every`` is 0)."""
+    if every <= 0:
+        return []
+    return sorted({1, *range(every, steps + 1, every)})

@@ -365,8 +365,18 @@ CHECK_NAMES = (
     "resume_step", "memory_rss_per_rank_mb", "memory_rss_total_mb", "memory_mlx_per_rank_mb", "memory_mlx_total_mb",
     "mutation_caught",
 )
-MUTATION_NAMES = ("mean_of_means", "sum_not_average", "unreduced_norms", "same_shard", "drop_uneven", "rank_seeds",
-                  "lr_times_world", "accum_twice", "stale_gradient")
+MUTATIONS_DESCRIBED = {  # the DDP bugs a run can inject into the reference trainer (``[[runs]] mutation``)
+    "mean_of_means": "loss and gradients normalised per rank (by its own token count), then averaged over ranks",
+    "sum_not_average": "gradients all-summed across ranks but not divided by the world size",
+    "unreduced_norms": "the normalisation weights left out of the gradient all-reduce (each rank keeps its own)",
+    "same_shard": "every rank reads rank 0's shard (the sampler was not given the rank)",
+    "drop_uneven": "the last rank drops its last micro-batch of a step when the split is uneven (a drop_last loop)",
+    "rank_seeds": "each rank initialises its model from its own seed (seed + rank)",
+    "lr_times_world": "the learning rate scaled by the world size",
+    "accum_twice": "accumulated gradients divided by grad_accum although the token weighting already normalises them",
+    "stale_gradient": "the previous step's gradient is all-reduced (zeros at the first step)",
+}
+MUTATION_NAMES = tuple(MUTATIONS_DESCRIBED)
 
 
 def is_behaviour_table(value: Any) -> bool:

@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 SCHEMA_VERSION = 2
 
@@ -59,6 +59,12 @@ def params_path(run_dir: Path | str) -> Path:
     return Path(run_dir) / "rank0.params.safetensors"
 
 
+def probe_path(directory: Path | str, step: int) -> Path:
+    """A step-local probe (safetensors: parameters and gradient) the reference run records at
+    ``step`` and the compared runs read (``harness.rank.step_probe``)."""
+    return Path(directory) / f"probe-step-{step:08d}.safetensors"
+
+
 def write_json_atomic(path: Path | str, data: dict[str, Any]) -> None:
     """Write JSON through a temporary file, fsync and rename, so readers never see half a file."""
     path = Path(path)
@@ -79,6 +85,126 @@ def check_version(record: dict[str, Any], where: str) -> dict[str, Any]:
     version = record.get("schema_version")
     if version != SCHEMA_VERSION:
         raise SchemaError(f"{where}: schema_version {version!r}, expected {SCHEMA_VERSION}")
+    return record
+
+
+class _RankRequired(TypedDict):
+    """What every rank's result holds (``harness.rank.entry``): who it was and how it ended."""
+
+    rank: int
+    pid: int
+    host: str
+    job: str  # the job's kind: "train", or a probe or benchmark job
+    status: str  # "ok" or "error" (then ``error`` and ``traceback``)
+
+
+class RankResult(_RankRequired, total=False):
+    error: str
+    traceback: str
+    world_size: int
+    backend: str
+    device: str
+    is_main: bool
+    accelerator: str  # "cpu", "cuda" or "metal"
+    startup_s: float
+    startup_parts_s: dict[str, float]
+    startup_total_s: float
+    libraries_loaded: list[str]
+    rss_runtime_bytes: int
+    mlx_peak_bytes: int
+    rss_peak_bytes: int
+    rss_baseline: str
+    rss_baseline_bytes: int | None
+    rss_peak_after_baseline_bytes: int | None
+    memory_sampler_error: str | None
+
+
+class _TrainRequired(TypedDict):
+    """What every trainer's rank reports on a training job that ended ``ok`` (the reference
+    trainer and ``harness.rank.reporter`` for every other trainer build it with ``train_result``;
+    the controller reads it strictly: ``check_train_result``)."""
+
+    trainer: dict[str, Any]  # kind, title (and what the trainer adds)
+    steps: int  # the last step trained
+    steps_planned: int
+    steps_start: int  # the first step this run trained (after a resume: the step after it)
+    losses: list[float]  # per step from steps_start: the global loss as the trainer computed it
+    step_times_s: list[float]
+    tok_s_local: list[float]
+    tok_s_global: list[float]
+    tokens_local_per_step: list[int]
+    tokens_global_per_step: list[int]
+    learning_rates: list[float]  # empty where the trainer does not report them
+    tokens_local: int
+    tokens_global: int
+    input_widths: list[int | None]  # the padded input width of each step
+    runtime_s: float
+    train_time_s_total: float
+    resume: dict[str, Any] | None
+    digests: dict[str, str]  # step -> parameter digest
+    final_digest: str
+    param_count: int
+    model_config: dict[str, Any] | None  # the model's architecture config (None: the trainer's own model)
+    evals: list[dict[str, Any]]  # step, loss, tokens
+    stop: dict[str, Any] | None  # a stop agreed between ranks
+    compile: dict[str, Any]  # mode, scope, fallback_reason
+    side_effects: dict[str, int]  # saves and the like, on this rank
+    data: dict[str, Any]  # streaming, rows and bytes held
+    rss_step_peak_bytes: int
+    seed_used: int
+    precision: dict[str, Any]
+    global_rng_untouched: bool
+    probes: list[dict[str, Any]] | None  # step-local probes (``harness.rank.step_probe``)
+
+
+class TrainResult(_TrainRequired, total=False):
+    grad_norms: list[float | None]
+    images_global_per_step: list[int]
+    img_s_global: list[float]
+    images_local: int
+    images_global: int
+    vision: dict[str, Any] | None
+    stop_after: int | None
+    tokens_local_unattributed: int
+    segments: list[dict[str, Any]]
+    checkpoints: list[dict[str, Any]]
+    rows_per_rank_step: int
+    per_rank: list[dict[str, Any]]
+    host_rank_map: dict[str, list[int]]
+    collectives: int
+    mutation: str | None
+    emulate: int | None
+    not_applicable: dict[str, str]  # check -> why the trainer cannot be judged by it
+    history_start: int
+    from_rank0: dict[str, Any] | None  # figures every rank took from rank 0, and why
+
+
+def _keys_problem(record: dict[str, Any], *types: Any) -> str | None:
+    required = set().union(*(t.__required_keys__ for t in types))
+    known = required.union(*(t.__optional_keys__ for t in types))
+    missing, unknown = sorted(required - record.keys()), sorted(record.keys() - known - {"schema_version"})
+    if missing:
+        return f"lacks {', '.join(missing)}"
+    if unknown:
+        return f"has unknown keys {', '.join(unknown)}"
+    return None
+
+
+def train_result(**fields: Any) -> TrainResult:
+    """A training rank's result, refused (TypeError) when a key is missing or unknown."""
+    problem = _keys_problem(fields, TrainResult)
+    if problem:
+        raise TypeError(f"a training result {problem}")
+    return TrainResult(**fields)  # type: ignore[typeddict-item]
+
+
+def check_rank_result(record: dict[str, Any], where: str) -> dict[str, Any]:
+    """A rank's result read strictly: every key its job's kind requires, no key unknown
+    (``SchemaError`` naming them); a training job's that ended ``ok`` is a ``TrainResult`` too."""
+    train = record.get("job") == "train" and record.get("status") == "ok"
+    problem = _keys_problem(record, RankResult, *((TrainResult,) if train else ()))
+    if problem and not (record.get("job") != "train" and problem.startswith("has unknown")):
+        raise SchemaError(f"{where}: {problem}")
     return record
 
 

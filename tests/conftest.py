@@ -125,3 +125,24 @@ def needs_unsloth() -> None:
 
     if importlib.util.find_spec("unsloth_zoo") is None:
         pytest.skip("unsloth-zoo is not installed: pip install --no-deps 'unsloth_zoo>=2026.10.9'")
+
+
+def train_result(**fields: object) -> dict:
+    """A training rank's result as the controller reads it (``schema.check_rank_result``): every
+    required key with a neutral value, then ``fields``."""
+    from harness import schema
+
+    steps = len(fields.get("losses") or [0.0])  # type: ignore[arg-type]
+    record: dict = {
+        "rank": 0, "pid": 1, "host": "h", "job": "train", "status": "ok", "trainer": {"kind": "reference"},
+        "steps": steps, "steps_planned": steps, "steps_start": 1, "losses": [0.0] * steps,
+        **{k: [0.0] * steps for k in ("step_times_s", "tok_s_local", "tok_s_global", "learning_rates")},
+        "tokens_local_per_step": [0] * steps, "tokens_global_per_step": [0] * steps, "tokens_local": 0,
+        "tokens_global": 0, "input_widths": [], "runtime_s": 1.0, "train_time_s_total": 1.0, "resume": None,
+        "digests": {}, "final_digest": "d", "param_count": 0, "model_config": None, "evals": [], "stop": None,
+        "compile": {"mode": "off", "scope": "none", "fallback_reason": None}, "side_effects": {"saves": 0},
+        "data": {"streaming": False, "bytes_held": 0}, "rss_step_peak_bytes": 0, "seed_used": 0,
+        "precision": {}, "global_rng_untouched": True, "probes": None,
+    }
+    record.update(fields)
+    return schema.check_rank_result(record, "test result")

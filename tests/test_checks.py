@@ -20,6 +20,7 @@ from harness.judge.verdict import judge
 from harness.present.results import exit_code, median_after_first, per_rank_batch
 from harness.present.tables import runs_table
 from harness.scenario import CheckSpec, RunSpec, Scenario, TrainerSpec
+from tests.conftest import train_result
 
 MB = 1024 * 1024
 
@@ -28,18 +29,18 @@ def _run(name: str, ws: int, losses: list[float], digests: list[str], params: fl
          rss_mb: float = 100, tokens: list[int] | None = None) -> RunOutcome:
     tokens = tokens or [100 // ws] * ws
     ranks = [
-        RankOutcome(r, 0, False, {
-            "status": "ok", "losses": losses, "digests": {"0": digests[r], "4": digests[r]},
+        RankOutcome(r, 0, False, train_result(**{
+            "rank": r, "losses": losses, "digests": {"0": digests[r], "4": digests[r]},
             "tokens_local": tokens[r], "tokens_global": sum(tokens), "rss_peak_bytes": int(rss_mb * MB),
             "rss_baseline": "job start", "rss_baseline_bytes": 0, "rss_peak_after_baseline_bytes": int(rss_mb * MB),
             "mlx_peak_bytes": 10 * MB, "runtime_s": 1.0, "tok_s_global": [1.0, 2.0, 3.0], "final_digest": "d",
-            "steps": len(losses), "stop": None, "compile": {"scope": "none"},
+            "steps": len(losses), "stop": None, "compile": {"mode": "off", "scope": "none", "fallback_reason": None},
             "learning_rates": [1e-3] * len(losses),
             "evals": [{"step": len(losses), "loss": losses[-1] + 0.5, "tokens": 50, "tokens_local": 50 // ws}],
             "side_effects": {"callbacks": len(losses), "log_lines": len(losses), "saves": 1} if r == 0
             else {"callbacks": 0, "log_lines": 0, "saves": 0},
             "data": {"bytes_held": 1000 // ws, "streaming": False}, "global_rng_untouched": True,
-        }, [], "")
+        }), [], "")
         for r in range(ws)
     ]
     return RunOutcome(name, ws, "ring", True, None, ranks, WatchReport(2.0, 0),

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harness.rank.sources import Encoder, Example, reject_presharded, row_source
-from harness.rank.tokenizers import ByteTokenizer
+from harness.data.sources import Encoder, Example, reject_presharded, row_source
+from harness.data.tokenizers import ByteTokenizer
 from harness.scenario import DataSpec
 from harness.trainers.reference.batching import (
     StreamShare,

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harness.rank.images import COLOURS, VisionEncoder, generated_image, image_row_source
-from harness.rank.tokenizers import ByteTokenizer
+from harness.data.images import COLOURS, VisionEncoder, generated_image, image_row_source
+from harness.data.tokenizers import ByteTokenizer
 from harness.rank.vision import vision_setup
 from harness.scenario import DataSpec, ModelSpec
 from harness.trainers.reference.batching import collate

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from harness.controller import inputs
-from harness.rank.sources import jsonl_rows
-from harness.rank.tokenizers import FileTokenizer
+from harness.data.sources import jsonl_rows
+from harness.data.tokenizers import FileTokenizer
 from harness.scenario import DataSpec, ScenarioError, load_scenario
 from tests.conftest import write_scenario
 

@@ -14,6 +14,7 @@ from harness.judge.checks import Check
 from harness.judge.parity import U_ACC, Floor, eval_parity, loss_parity, param_parity, rounding, step_local
 from harness.judge.verdict import judge, mutation_caught
 from harness.scenario import CheckSpec, RunSpec, Scenario
+from tests.conftest import train_result
 
 U32 = 2.0**-24
 
@@ -29,10 +30,9 @@ def _run(name: str, ws: int, losses: list[float], params: float = 0.0, evals: fl
     """A run's figures; the reference ("single") carries the probe steps it recorded."""
     if name == "single":
         probes = [{"step": k, "loss": 3.0, "tokens": tokens} for k in recorded]
-    result = {"status": "ok", "losses": losses, "tokens_global_per_step": [tokens] * len(losses),
-              "steps": 5, "steps_start": 1, "precision": {"u_in": u_in}, "probes": probes or [],
-              "accelerator": accelerator,
-              "evals": [] if evals is None else [{"step": len(losses), "loss": evals, "tokens": 500}]}
+    result = train_result(losses=losses, tokens_global_per_step=[tokens] * len(losses), steps=5, steps_start=1,
+                          precision={"u_in": u_in}, probes=probes or [], accelerator=accelerator,
+                          evals=[] if evals is None else [{"step": len(losses), "loss": evals, "tokens": 500}])
     ranks = [RankOutcome(r, 0, False, dict(result), [], "") for r in range(ws)]
     return RunOutcome(name, ws, "ring", True, None, ranks, WatchReport(1.0, 0),
                       params={"w": np.full((4,), 1.0 + params, dtype=np.float64)}, floor=floor)

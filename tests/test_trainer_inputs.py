@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from harness.controller.suite import run_scenario
+from harness.data.sources import generated_text
 from harness.judge.verdict import judge
-from harness.rank.sources import generated_text
 from harness.scenario import load_scenario
 from tests.conftest import write_scenario
 

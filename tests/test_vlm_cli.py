@@ -61,8 +61,8 @@ def _save_model_dir(tmp: Path) -> Path:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
+    from harness.data.tokenizers import ByteTokenizer
     from harness.rank.models import build_model
-    from harness.rank.tokenizers import ByteTokenizer
     from harness.rank.vision import vision_setup
     from harness.scenario import ModelSpec
 

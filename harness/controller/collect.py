@@ -103,7 +103,7 @@ def collect(run_dir: Path, world_size: int, report: WatchReport) -> list[RankOut
         rp = schema.result_path(run_dir, r)
         if rp.exists():
             try:
-                result = schema.read_json(rp)
+                result = schema.check_rank_result(schema.read_json(rp), str(rp))
             except schema.SchemaError as e:
                 result = {"status": "error", "error": str(e)}
         try:

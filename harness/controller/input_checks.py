@@ -28,8 +28,8 @@ def _files(s: Scenario) -> Iterator[tuple[DataSpec, str, Path, int | None]]:
 
 
 def check_text_rows(s: Scenario) -> None:
-    from harness.rank.sources import Encoder, jsonl_rows
-    from harness.rank.tokenizers import ByteTokenizer
+    from harness.data.sources import Encoder, jsonl_rows
+    from harness.data.tokenizers import ByteTokenizer
 
     for d, key, path, limit in _files(s):
         if path.is_dir():
@@ -50,9 +50,9 @@ def check_image_rows(s: Scenario) -> None:
     (the rows are read as the ranks read them)."""
     from PIL import Image, UnidentifiedImageError
 
-    from harness.rank.images import image_text_row, local_image_rows
-    from harness.rank.sources import Encoder
-    from harness.rank.tokenizers import ByteTokenizer
+    from harness.data.images import image_text_row, local_image_rows
+    from harness.data.sources import Encoder
+    from harness.data.tokenizers import ByteTokenizer
 
     for d, _, path, _ in _files(s):
         encode = Encoder(ByteTokenizer(), d)
@@ -76,7 +76,7 @@ def check_image_rows(s: Scenario) -> None:
 
 
 def check_tokenizers(s: Scenario) -> None:
-    from harness.rank.tokenizers import FileTokenizer
+    from harness.data.tokenizers import FileTokenizer
 
     for i, r in enumerate(s.runs):
         tok = s.for_run(r).data.tokenizer

@@ -115,7 +115,7 @@ def bpe_tokenizer(texts: list[str], vocab: int) -> Path:
 
 def prepare_data(d: DataSpec, seed: int, where: str) -> dict[str, Any]:
     """The data keys that turn ``prose`` and ``bpe:N`` into local files (empty when none apply)."""
-    from harness.rank.sources import row_source
+    from harness.data.sources import row_source
 
     out: dict[str, Any] = {}
     if d.source == "prose":

@@ -25,9 +25,9 @@ from harness.controller.inputs import prepare
 from harness.controller.memory_guard import MemoryLimits
 from harness.controller.progress import Observer
 from harness.controller.session import execute
-from harness.rank.step_probe import probe_path, probe_steps
-from harness.run_plan import FloorRun, compared, floor_runs, launch_order
+from harness.run_plan import FloorRun, compared, floor_runs, launch_order, probe_steps
 from harness.scenario import RunSpec, Scenario, writes_checkpoints
+from harness.schema import probe_path
 from harness.trainer_registry import trainer_info
 
 KEEP_FROM_CHECKPOINTS = ("manifest.json", "trainer.json")

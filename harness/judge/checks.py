@@ -136,7 +136,7 @@ def lr_schedule(run: RunOutcome, ref: RunOutcome) -> Check:
 
 def replica_consistency(run: RunOutcome) -> Check:
     """Every rank's parameter digest is identical at every step that recorded one."""
-    per_rank = [o.result.get("digests", {}) if o.result else {} for o in run.ranks]
+    per_rank = [o.result["digests"] if o.result else {} for o in run.ranks]
     steps = sorted(set().union(*per_rank), key=int)
     bad = [s for s in steps if len({d.get(s) for d in per_rank}) != 1]
     if not steps:
@@ -150,13 +150,15 @@ def replica_consistency(run: RunOutcome) -> Check:
 def token_accounting(run: RunOutcome, ref: RunOutcome | None) -> Check:
     """Ranks' local tokens add up to the global count, which equals the reference's over the
     same steps. Tokens a resumed run restored at another world size belong to no current rank."""
-    results = [o.result or {} for o in run.ranks]
-    local = sum(int(r.get("tokens_local", 0)) for r in results) + int(results[0].get("tokens_local_unattributed", 0))
-    glob = {int(r.get("tokens_global", -1)) for r in results}
+    results = [o.result for o in run.ranks if o.result]
+    if len(results) < run.world_size:
+        return Check("token_accounting", run.name, False, None, None, "a rank wrote no result")
+    local = sum(r["tokens_local"] for r in results) + int(results[0].get("tokens_local_unattributed", 0))
+    glob = {r["tokens_global"] for r in results}
     ok = len(glob) == 1 and local == next(iter(glob))
     detail = f"sum of rank tokens {local}, global {sorted(glob)}"
     if ref is not None and ref is not run:
-        steps, per_step = results[0].get("steps"), ref.result().get("tokens_global_per_step") or []
+        steps, per_step = results[0]["steps"], ref.result()["tokens_global_per_step"]
         early = steps is not None and steps < len(per_step)  # a run stopped early: the reference's first steps
         ref_tokens = sum(per_step[:steps]) if early else int(ref.result().get("tokens_global", -1))
         ok = ok and ref_tokens in glob
@@ -274,8 +276,8 @@ def data_share(run: RunOutcome, ref: RunOutcome, slack: float, micro_rows: int |
 
     The share is 1/N, or ceil(m/N)/m when the m rows of a micro-batch do not divide by N.
     """
-    held = [int((o.result or {}).get("data", {}).get("bytes_held", -1)) for o in run.ranks]
-    whole = int(ref.result().get("data", {}).get("bytes_held", 0))
+    held = [int(o.result["data"]["bytes_held"] or -1) if o.result else -1 for o in run.ranks]
+    whole = int(ref.result()["data"]["bytes_held"] or 0)
     m = micro_rows or run.world_size
     limit = whole * (1 + slack) * -(-m // run.world_size) / m
     worst = max(held)

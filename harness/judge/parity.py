@@ -92,7 +92,7 @@ def rounding(s: Scenario, *runs: RunOutcome) -> Rounding:
 
 
 def _probe_records(run: RunOutcome) -> list[list[dict[str, Any]]]:
-    return [(o.result or {}).get("probes") or [] for o in run.ranks]
+    return [o.result["probes"] or [] if o.result else [] for o in run.ranks]
 
 
 STEP_CHECKS = ("step_token_parity", "step_loss_parity", "step_grad_parity")
@@ -108,13 +108,13 @@ def step_local(run: RunOutcome, ref: RunOutcome, s: Scenario, floor: RunOutcome 
     (TF32) differs with the batch's shape by more than rounding in the sums alone explains."""
     per_rank = _probe_records(run)
     r0 = run.result()
-    recorded = [p["step"] for p in ref.result().get("probes") or []]
-    expected = [k for k in recorded if int(r0.get("steps_start", 1)) <= k <= int(r0.get("steps", 0))]
+    recorded = [p["step"] for p in ref.result()["probes"] or []]
+    expected = [k for k in recorded if r0["steps_start"] <= k <= r0["steps"]]
     if not recorded:
         return [Check(n, run.name, False, None, None, f"{ref.name} recorded no probes; not measured")
                 for n in STEP_CHECKS]
     if not expected:
-        why = f"ran steps {r0.get('steps_start', 1)}-{r0.get('steps')}; {ref.name} probed steps {recorded}"
+        why = f"ran steps {r0['steps_start']}-{r0['steps']}; {ref.name} probed steps {recorded}"
         return [Check(n, run.name, True, None, None, f"{why}: nothing to measure", applicable=False)
                 for n in STEP_CHECKS]
     got = [p["step"] for p in per_rank[0]]

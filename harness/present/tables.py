@@ -7,6 +7,7 @@ from typing import Any
 from tabulate import tabulate
 
 from harness.present.shapes import width_cell, width_warnings
+from harness.scenario_spec import MUTATIONS_DESCRIBED
 
 FORMATS = {"plain": "simple", "github": "github"}
 MB = 1024 * 1024
@@ -115,8 +116,6 @@ def mutation_rows(scenario: dict[str, Any]) -> list[list[Any]]:
     """One row per run with an injected bug: the check that caught it (the clearest one with a
     measured margin, value / limit, of at least ``mutation_margin``, else an exact criterion that
     failed: a count or digest that must match) and the others that failed."""
-    from harness.trainers.reference.semantics import MUTATIONS
-
     rows = []
     for r in scenario["runs"]:
         if not r.get("mutation"):
@@ -132,7 +131,7 @@ def mutation_rows(scenario: dict[str, Any]) -> list[list[Any]]:
         margin = "-" if best is None else (_fmt(best["margin"]) if best.get("margin") is not None else "exact")
         others = ", ".join(c["name"] + (f" ({_fmt(c['margin'])})" if c.get("margin") is not None else " (exact)")
                            for c in caught if c is not best)
-        rows.append([r["mutation"], MUTATIONS[r["mutation"]].summary, (best["name"] if best else "-") + status,
+        rows.append([r["mutation"], MUTATIONS_DESCRIBED[r["mutation"]], (best["name"] if best else "-") + status,
                      _fmt(best["value"]) if best else "-", _fmt(best["limit"]) if best else "-", margin, others])
     return rows
 

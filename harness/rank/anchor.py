@@ -25,8 +25,8 @@ from harness.scenario import Scenario
 
 def _model(ctx: RankContext) -> tuple[Any, Any, int]:
     """The scenario, its model (built as the reference trainer builds it) and the vocabulary size."""
+    from harness.data.tokenizers import load_tokenizer
     from harness.rank.models import build_model
-    from harness.rank.tokenizers import load_tokenizer
 
     s = Scenario.from_dict(ctx.job["scenario"])
     ctx.phase("model")

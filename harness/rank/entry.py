@@ -247,11 +247,12 @@ def main(argv: list[str]) -> int:
     run_dir = Path(argv[0])
     rank = int(os.environ.get("MLX_RANK", "0"))
     events = schema.EventWriter(schema.events_path(run_dir, rank))
-    result: dict[str, Any] = {"rank": rank, "pid": os.getpid(), "host": socket.gethostname()}
+    result: dict[str, Any] = {"rank": rank, "pid": os.getpid(), "host": socket.gethostname(), "job": "unknown"}
     sampler: MemorySampler | None = None
     code = 0
     try:
         job = schema.read_json(run_dir / schema.JOB_FILE)
+        result["job"] = job["kind"]
         clock = StartupClock(job.get("launched_at"))
         set_precision(job)
         world_size = int(job["world_size"])

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from harness import schema
 from harness.rank.entry import RankContext, ReportedFailure
 from harness.rank.models import param_count, tree_digest
 from harness.scenario import Scenario
@@ -205,8 +206,9 @@ class StepReporter:
         from harness.rank.precision import measure_precision
 
         lrs = self.history["learning_rates"]
-        self.finished = {
+        self.finished = schema.train_result(**{
             "trainer": {"kind": self.s.trainer.kind, "title": self.name},
+            "model_config": None,
             "not_applicable": self.not_applicable,
             "steps": last,
             "steps_planned": self.s.train.steps,
@@ -237,5 +239,5 @@ class StepReporter:
             "probes": self.probes.records if self.probes.mode else None,
             "from_rank0": self.from_rank0,
             **(extra or {}),
-        }
+        })
         return self.finished

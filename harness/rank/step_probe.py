@@ -25,17 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import schema
-
-
-def probe_path(directory: Path | str, step: int) -> Path:
-    return Path(directory) / f"probe-step-{step:08d}.safetensors"
-
-
-def probe_steps(steps: int, every: int) -> list[int]:
-    """Step 1 and every ``every``-th step (none when ``every`` is 0)."""
-    if every <= 0:
-        return []
-    return sorted({1, *range(every, steps + 1, every)})
+from harness.schema import probe_path
 
 
 class Probes:

@@ -28,7 +28,7 @@ def iter_rows(s: Scenario, tok: Any, split: str, encode: Any = None, source: Any
     """The ``split`` ("train" or "eval") rows of the scenario's data, read and encoded one at a
     time by ``encode`` (the text ``Encoder`` of ``tok`` unless given) from ``source`` (its row
     source unless given)."""
-    from harness.rank.sources import Encoder, row_source
+    from harness.data.sources import Encoder, row_source
 
     encode = encode or Encoder(tok, s.data)
     for where, row in (source or row_source)(s.data, s.seed, split)():
@@ -44,7 +44,7 @@ def load_rows(s: Scenario, encode: Any = None, source: Any = None, tok: Any = No
     """The train rows (none unless ``train``: a trainer that reads them lazily), the eval rows
     (none without ``eval_rows`` or ``eval_path``) and their tokenizer (``tok``, else the
     scenario's), encoded as ``split_rows`` encodes them."""
-    from harness.rank.tokenizers import load_tokenizer
+    from harness.data.tokenizers import load_tokenizer
 
     tok = tok or load_tokenizer(s.data)
     has_eval = bool(s.data.eval_rows or s.data.eval_path)
@@ -55,8 +55,8 @@ def load_rows(s: Scenario, encode: Any = None, source: Any = None, tok: Any = No
 def load_image_rows(s: Scenario) -> tuple[Rows, Any]:
     """A vision-language scenario's image rows, encoded as the reference trainer encodes them (the
     model's own image processor, its image block in the token ids), and the ``VisionSetup``."""
-    from harness.rank.images import VisionEncoder, image_row_source
-    from harness.rank.tokenizers import load_tokenizer
+    from harness.data.images import VisionEncoder, image_row_source
+    from harness.data.tokenizers import load_tokenizer
     from harness.rank.vision import vision_setup
 
     tok = load_tokenizer(s.data)

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from harness.rank.sources import Example, RowSource, reject_presharded
+from harness.data.sources import Example, RowSource, reject_presharded
 
 PLAN_STREAM, EPOCH_STREAM, DROPOUT_STREAM = 2, 3, 5
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from harness.scenario_spec import MUTATIONS_DESCRIBED
+
 
 def _tree_map(fn: Any, *trees: Any) -> Any:
     from mlx.utils import tree_map
@@ -89,7 +91,7 @@ class Semantics:
 
 class MeanOfMeans(Semantics):
     name = "mean_of_means"
-    summary = "loss and gradients normalised per rank (by its own token count), then averaged over ranks"
+    summary = MUTATIONS_DESCRIBED["mean_of_means"]
 
     def scale(self, tokens: int, tokens_local: int) -> float:
         return 1.0 / max(tokens_local, 1)
@@ -102,7 +104,7 @@ class MeanOfMeans(Semantics):
 
 class SumNotAverage(Semantics):
     name = "sum_not_average"
-    summary = "gradients all-summed across ranks but not divided by the world size"
+    summary = MUTATIONS_DESCRIBED["sum_not_average"]
 
     def reduce(self, grads: Any) -> Any:
         import mlx.core as mx
@@ -112,7 +114,7 @@ class SumNotAverage(Semantics):
 
 class UnreducedNorms(Semantics):
     name = "unreduced_norms"
-    summary = "the normalisation weights left out of the gradient all-reduce (each rank keeps its own)"
+    summary = MUTATIONS_DESCRIBED["unreduced_norms"]
 
     def reduce(self, grads: Any) -> Any:
         import mlx.nn as nn
@@ -126,7 +128,7 @@ class UnreducedNorms(Semantics):
 
 class SameShard(Semantics):
     name = "same_shard"
-    summary = "every rank reads rank 0's shard (the sampler was not given the rank)"
+    summary = MUTATIONS_DESCRIBED["same_shard"]
 
     def data_rank(self) -> int:
         return 0
@@ -134,7 +136,7 @@ class SameShard(Semantics):
 
 class DropUneven(Semantics):
     name = "drop_uneven"
-    summary = "the last rank drops its last micro-batch of a step when the split is uneven (a drop_last loop)"
+    summary = MUTATIONS_DESCRIBED["drop_uneven"]
 
     def micro_batches(self, micros: list[Any], uneven: bool) -> list[Any]:
         return micros[:-1] if uneven and self.rank == self.world_size - 1 else micros
@@ -142,7 +144,7 @@ class DropUneven(Semantics):
 
 class RankSeeds(Semantics):
     name = "rank_seeds"
-    summary = "each rank initialises its model from its own seed (seed + rank)"
+    summary = MUTATIONS_DESCRIBED["rank_seeds"]
 
     def init_seed(self, seed: int) -> int:
         return seed + self.rank
@@ -150,7 +152,7 @@ class RankSeeds(Semantics):
 
 class LrTimesWorld(Semantics):
     name = "lr_times_world"
-    summary = "the learning rate scaled by the world size"
+    summary = MUTATIONS_DESCRIBED["lr_times_world"]
 
     def learning_rate(self, lr: float) -> float:
         return lr * self.world_size
@@ -158,7 +160,7 @@ class LrTimesWorld(Semantics):
 
 class AccumTwice(Semantics):
     name = "accum_twice"
-    summary = "accumulated gradients divided by grad_accum although the token weighting already normalises them"
+    summary = MUTATIONS_DESCRIBED["accum_twice"]
 
     def accumulated(self, grads: Any) -> Any:
         return _tree_map(lambda g: g / self.grad_accum, grads)
@@ -166,7 +168,7 @@ class AccumTwice(Semantics):
 
 class StaleGradient(Semantics):
     name = "stale_gradient"
-    summary = "the previous step's gradient is all-reduced (zeros at the first step)"
+    summary = MUTATIONS_DESCRIBED["stale_gradient"]
 
     _previous: Any = None
     fusable = False  # keeps the previous step's gradient outside the compiled step

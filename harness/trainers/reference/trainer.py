@@ -32,6 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from harness import schema
+from harness.data.sources import Encoder, row_source
+from harness.data.tokenizers import Tokenizer, load_tokenizer
 from harness.rank import step_probe
 from harness.rank.consensus import AgreedStop, Coordinator, RankFailure
 from harness.rank.effects import MainRankEffects
@@ -40,8 +43,6 @@ from harness.rank.models import build_model, param_count, param_digest
 from harness.rank.optimizer import build_optimizer
 from harness.rank.precision import measure_precision
 from harness.rank.reporter import global_rng_digest
-from harness.rank.sources import Encoder, row_source
-from harness.rank.tokenizers import Tokenizer, load_tokenizer
 from harness.scenario import Scenario
 from harness.trainers.reference import resume
 from harness.trainers.reference.batching import (
@@ -82,7 +83,7 @@ def load_data(s: Scenario, rank: int, world_size: int, done_steps: int = 0, emul
     tok = load_tokenizer(d)
     vision, rows, encoder = None, row_source, Encoder(tok, d)
     if s.model.vision:
-        from harness.rank.images import VisionEncoder, image_row_source
+        from harness.data.images import VisionEncoder, image_row_source
         from harness.rank.vision import vision_setup
 
         vision = vision_setup(s.model, tok.vocab_size, tok.pad_id, d.image_size)
@@ -321,9 +322,7 @@ class Trainer:
         coord.attempt("save", last, save)
         coord.agree()
         self.digests[last] = param_digest(self.model)
-        result = self._result(last, runtime, data_rss)
-        result["global_rng_untouched"] = global_rng_digest() == rng_before
-        return result
+        return self._result(last, runtime, data_rss, global_rng_digest() == rng_before)
 
     def train_clock(self) -> float:
         return time.perf_counter() - self.t_train
@@ -378,7 +377,7 @@ class Trainer:
         self.coord.attempt("callback", step, self.effects.callback, "step",
                            {"step": step, "loss": loss, "tokens": tokens, "lr": lr})
 
-    def _result(self, last: int, runtime: float, data_rss: int) -> dict[str, Any]:
+    def _result(self, last: int, runtime: float, data_rss: int, rng_untouched: bool) -> dict[str, Any]:
         import mlx.core as mx
 
         ctx, train = self.ctx, self.data.train
@@ -390,7 +389,9 @@ class Trainer:
         for r in per_rank:
             hosts.setdefault(r["host"], []).append(r["rank"])
         streaming = isinstance(train, StreamShare)
-        return {
+        return schema.train_result(**{
+            "trainer": {"kind": "reference", "title": "the harness's reference DDP trainer"},
+            "global_rng_untouched": rng_untouched,
             "steps": last,
             "steps_planned": self.spec.steps,
             **self.history,
@@ -441,7 +442,7 @@ class Trainer:
             "emulate": self.emulate if self.emulate > 1 else None,
             "precision": self.precision,
             "probes": self.probes.records,
-        }
+        })
 
 
 def run(ctx: RankContext) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from harness.rank.tokenizers import Tokenizer
+from harness.data.tokenizers import Tokenizer
 from harness.scenario import DataSpec
 
 COLORS = ("red", "green", "blue", "yellow", "black", "white", "purple", "orange")

@@ -18,9 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from harness.rank.sources import Encoder, Example, Row, RowSource, empty_example, jsonl_rows, row_source
-from harness.rank.tokenizers import Tokenizer
-from harness.rank.vision import VisionSetup
+from harness.data.sources import Encoder, Example, Row, RowSource, empty_example, jsonl_rows, row_source
+from harness.data.tokenizers import Tokenizer
 from harness.scenario import DataSpec
 
 SHAPES = ("circle", "square", "triangle", "diamond")
@@ -149,7 +148,7 @@ class VisionEncoder:
     block, so image tokens and image features always match.
     """
 
-    def __init__(self, tok: Tokenizer, spec: DataSpec, setup: VisionSetup):
+    def __init__(self, tok: Tokenizer, spec: DataSpec, setup: Any):  # a harness.rank.vision.VisionSetup
         self.setup, self.max_len, self.image_size = setup, spec.max_seq_len, spec.image_size
         self.text = Encoder(tok, replace(spec, max_seq_len=1 << 30))
         self.pad_id, self.bos = tok.pad_id, tok.bos_id is not None
