@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from harness.scenario import RunSpec, Scenario
+from harness.scenario_spec import RunSpec, Scenario
 from harness.trainer_registry import trainer_info
 
 SPLIT_SAMPLES = 3  # a split floor's draws of the rounding (``FloorRun.samples``)

@@ -7,10 +7,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from harness.check_plan import CHECK_NAMES
 from harness.scenario_spec import (
     ARCHS,
     BACKENDS,
-    CHECK_NAMES,
     CHECKPOINT_FILES,
     COMPILE_MODES,
     COMPILE_SCOPES,

@@ -356,15 +356,6 @@ class Scenario:
             faults=[f for f in self.faults if not f.runs or run.name in f.runs],
         )
 
-CHECK_NAMES = (
-    "step_token_parity", "step_loss_parity", "step_grad_parity",
-    "loss_parity", "param_parity", "eval_parity", "lr_schedule", "data_share_bytes", "token_accounting",
-    "replica_consistency",
-    "ranks_agree", "rank0_side_effects", "global_rng_untouched", "compile_scope", "stop_step",
-    "expected_failure", "resume_loss_parity", "resume_param_parity", "resume_eval_parity", "resume_accounting",
-    "resume_step", "memory_rss_per_rank_mb", "memory_rss_total_mb", "memory_mlx_per_rank_mb", "memory_mlx_total_mb",
-    "mutation_caught",
-)
 MUTATIONS_DESCRIBED = {  # the DDP bugs a run can inject into the reference trainer (``[[runs]] mutation``)
     "mean_of_means": "loss and gradients normalised per rank (by its own token count), then averaged over ranks",
     "sum_not_average": "gradients all-summed across ranks but not divided by the world size",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from harness.controller.collect import RankOutcome, RunOutcome
 from harness.controller.cpu_use import CpuUse
@@ -248,3 +249,23 @@ def test_resume_checks_fail_on_doctored_accounting_and_disagreeing_ranks() -> No
     resumed.ranks[1].result["resume"] = {**resumed.ranks[0].result["resume"], "identity": "step-2", "step": 2}
     bad = resume_source(resumed, spec)
     assert not bad.passed and "ranks resumed from different checkpoints" in bad.detail
+
+
+def test_every_check_rule_has_a_judge_and_a_rule_registers_once() -> None:
+    from harness import check_plan
+    from harness.judge.verdict import JUDGES
+
+    assert set(JUDGES) == set(check_plan.RULES)
+    assert len(set(check_plan.CHECK_NAMES)) == len(check_plan.CHECK_NAMES)
+    with pytest.raises(ValueError, match="registered twice"):
+        check_plan.rule("memory", ("x",))(lambda s, spec: [])
+
+
+def test_a_planned_check_the_results_cannot_measure_is_na_saying_why() -> None:
+    s = Scenario(name="t", checks=CheckSpec(reference="single"), runs=[RunSpec("single", 1), RunSpec("ddp2", 2)])
+    single, ddp2 = _run("single", 1, [3.0, 2.0], ["a"]), _run("ddp2", 2, [3.0, 2.0], ["a", "a"])
+    single.ok = False  # the reference did not complete: ddp2's parity checks are planned, not measured
+    got = {c.name: c for c in judge(s, [single, ddp2]) if c.run == "ddp2"}
+    loss = got["loss_parity"]
+    assert not loss.applicable and "the reference run single did not complete" in loss.detail
+    assert got["token_accounting"].applicable

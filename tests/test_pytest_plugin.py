@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.judge.verdict import planned_checks
+from harness.check_plan import planned_checks
 from harness.scenario import load_scenario
 from tests.conftest import write_scenario
 

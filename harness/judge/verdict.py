@@ -4,7 +4,10 @@ whether each injected DDP bug was caught."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
+from harness.check_plan import STEP_LOCAL, run_rules
 from harness.controller.collect import RunOutcome
 from harness.judge.behaviours import mark_expected_failures
 from harness.judge.checks import (
@@ -39,7 +42,7 @@ def parity_checks(s: Scenario, run: RunOutcome, ref: RunOutcome, by_name: dict[s
     out.append(loss_parity(run, ref, f["loss"], s, prefix=partial))
     if not partial:
         out.append(param_parity(run, ref, f["param"], s))
-        if run.result().get("evals"):
+        if run.result()["evals"]:
             out.append(eval_parity(run, ref, f["eval"], s))
     return with_power(out, run, ref)
 
@@ -71,14 +74,64 @@ def mutation_caught(run: RunOutcome, mutation: str, checks: list[Check], margin:
 
 def not_applicable(run: RunOutcome, checks: list[Check]) -> list[Check]:
     """The checks the run's trainer cannot support (its result names them, with why) as "n/a"."""
-    na = run.result().get("not_applicable") or {}
+    na = run.result().get("not_applicable") or {}  # only trainers other than the reference name some
     return [Check(c.name, c.run, True, None, None, f"not applicable: {na[c.name]}", applicable=False)
             if c.name in na else c for c in checks]
 
 
+@dataclass
+class Judged:
+    """What a rule judges one run with: the scenario, the run, the reference run where it
+    completed, every run by name, and the run's checks judged so far."""
+
+    s: Scenario
+    run: RunOutcome
+    spec: RunSpec
+    ref: RunOutcome | None
+    by_name: dict[str, RunOutcome]
+    so_far: list[Check]
+
+    @property
+    def vs_ref(self) -> bool:
+        return self.ref is not None and self.run is not self.ref
+
+
+def _data_share(j: Judged) -> list[Check]:
+    if not j.vs_ref or j.run.result()["data"].get("streaming"):
+        return []
+    train = j.s.for_run(j.spec).train
+    return [data_share(j.run, j.ref, j.s.checks.data_share_slack, train.global_batch // train.grad_accum)]
+
+
+JUDGES: dict[str, Callable[[Judged], list[Check]]] = {
+    "expected_failure": lambda j: [expected_failure(j.run, j.spec.expect_error, j.spec.expect_error_on_every_rank)],
+    "parity": lambda j: parity_checks(j.s, j.run, j.ref, j.by_name) if j.vs_ref else [],
+    "data_share": _data_share,
+    "every_run": lambda j: [token_accounting(j.run, j.ref if j.s.kind == "parity" else None),
+                            replica_consistency(j.run), ranks_agree(j.run),
+                            rank0_side_effects(j.run, j.s.for_run(j.spec).trainer), global_rng_untouched(j.run)],
+    "expectations": lambda j: expectations(j.run, j.spec),
+    "resume": lambda j: judge_resume(j.s, j.run, j.by_name),
+    "memory": lambda j: memory_ceilings(j.run, j.s),
+    "mutation": lambda j: [mutation_caught(j.run, j.spec.mutation, j.so_far, j.s.checks.mutation_margin)],
+}
+
+
+def _unmeasured(j: Judged, name: str) -> Check:
+    """A planned check its rule could not measure on this run's results, as "n/a" with why."""
+    if name in ("lr_schedule", "loss_parity", "param_parity", "eval_parity", *STEP_LOCAL) and not j.vs_ref:
+        why = f"the reference run {j.s.checks.reference} did not complete"
+    elif name in ("eval_parity", "resume_eval_parity"):
+        why = "the runs reported no evaluations"
+    else:
+        why = "the results hold nothing to measure it with"
+    return Check(name, j.run.name, True, None, None, f"not measured: {why}", applicable=False)
+
+
 def judge(s: Scenario, runs: list[RunOutcome]) -> list[Check]:
-    """All checks of a scenario; runs expected to fail get only the expected-failure check, and
-    floor runs are measurements, not judged."""
+    """All checks of a scenario, rule by rule (``harness.check_plan``): each judged run gets
+    exactly its planned checks (a planned check its results cannot measure is "n/a", saying why);
+    runs that did not complete get none, and floor runs are measurements, not judged."""
     by_name = {r.name: r for r in runs}
     ref = by_name.get(s.checks.reference) if s.checks.reference else None
     checks: list[Check] = []
@@ -86,74 +139,13 @@ def judge(s: Scenario, runs: list[RunOutcome]) -> list[Check]:
         if run.floor is not None:
             continue
         spec = s.run(run.name)
-        if spec.expect_error is not None:
-            checks.append(expected_failure(run, spec.expect_error, spec.expect_error_on_every_rank))
+        if spec.expect_error is None and not run.ok:
             continue
-        if not run.ok:
-            continue
-        vs_ref = ref is not None and run is not ref and ref.ok
-        parity = s.kind == "parity"  # a throughput scenario's runs may train at other global batches
-        mine = parity_checks(s, run, ref, by_name) if vs_ref and parity else []
-        if vs_ref and run.world_size > ref.world_size and not run.result().get("data", {}).get("streaming"):
-            train = s.for_run(spec).train
-            mine.append(data_share(run, ref, s.checks.data_share_slack, train.global_batch // train.grad_accum))
-        mine.append(token_accounting(run, ref if ref is not None and ref.ok and parity else None))
-        mine += [replica_consistency(run), ranks_agree(run), rank0_side_effects(run, s.for_run(spec).trainer),
-                 global_rng_untouched(run)]
-        mine += expectations(run, spec)
-        mine += judge_resume(s, run, by_name)
-        mine += memory_ceilings(run, s)
-        if spec.mutation is not None:
-            mine.append(mutation_caught(run, spec.mutation, mine, s.checks.mutation_margin))
-        checks += not_applicable(run, mine)
+        j = Judged(s, run, spec, ref if ref is not None and ref.ok else None, by_name, [])
+        for rule, names in run_rules(s, spec):
+            got = [c for c in JUDGES[rule.name](j) if c.name in names]
+            done = {c.name for c in got}
+            j.so_far += got + [_unmeasured(j, n) for n in names if n not in done]
+        checks += not_applicable(run, j.so_far) if run.ok else j.so_far
     mark_expected_failures(checks, s.checks.expected_failures)
     return checks
-
-
-def planned_checks(s: Scenario) -> dict[str, list[str]]:
-    """The names of the checks ``judge`` gives each judged run of ``s``, from the scenario alone
-    (before anything runs): what a test collector lists. A check the results add (or leave out)
-    is reconciled when the verdict is known."""
-    from harness.run_plan import compared
-
-    c = s.checks
-    plan: dict[str, list[str]] = {}
-
-    def evaluates(spec: RunSpec) -> bool:
-        d = s.for_run(spec).data
-        return bool(d.eval_rows or d.eval_path)
-
-    for spec in s.runs:
-        if spec.expect_error is not None:
-            plan[spec.name] = ["expected_failure"]
-            continue
-        eff = s.for_run(spec)
-        has_evals = evaluates(spec)
-        names: list[str] = []
-        ref = s.run(c.reference) if c.reference is not None else None
-        if compared(s, spec):
-            if c.probe_every:  # "n/a" with the reason for a trainer that cannot be probed
-                names += ["step_token_parity", "step_loss_parity", "step_grad_parity"]
-            names += ["lr_schedule", "loss_parity"]
-            if spec.stop_after is None:
-                names += ["param_parity"] + (["eval_parity"] if has_evals else [])
-        if ref is not None and spec is not ref and spec.world_size > ref.world_size and not eff.data.streaming:
-            names.append("data_share_bytes")
-        names += ["token_accounting", "replica_consistency", "ranks_agree", "rank0_side_effects",
-                  "global_rng_untouched"]
-        names += [n for n, v in (("compile_scope", spec.expect_compile_scope), ("stop_step", spec.expect_stop_step))
-                  if v is not None]
-        if spec.expect_resume_step is not None:
-            names.append("resume_step")
-        if spec.compare_to is not None:
-            names += ["resume_loss_parity", "resume_param_parity"]
-            names += ["resume_eval_parity"] if has_evals or evaluates(s.run(spec.compare_to)) else []
-            names.append("resume_accounting")
-        for label, per_rank, total in (("rss", c.max_rss_mb, c.max_total_rss_mb), ("mlx", c.max_mlx_mb,
-                                                                                  c.max_total_mlx_mb)):
-            names += [f"memory_{label}_per_rank_mb"] if per_rank is not None else []
-            names += [f"memory_{label}_total_mb"] if total is not None else []
-        if spec.mutation is not None:
-            names.append("mutation_caught")
-        plan[spec.name] = names
-    return plan
