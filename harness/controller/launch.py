@@ -14,17 +14,17 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from harness import schema
 from harness.controller.devices import accelerators
 from harness.controller.ports import PortLease, lease_ports
+from harness.controller.rank_processes import HostProcesses, LocalProcesses, RankProcesses
 
 if TYPE_CHECKING:
     from harness.cluster_spec import Cluster
-    from harness.controller.remote import RemoteRanks
 
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
 RANK_MODULE = "harness.rank"
@@ -77,7 +77,7 @@ class Launch:
     world_size: int
     backend: str | None
     lease: PortLease | None
-    remote: RemoteRanks | None = None  # ranks on cluster hosts: their agents
+    ranks: RankProcesses = field(default_factory=LocalProcesses)  # where they run: here or on cluster hosts
 
     @property
     def pgid(self) -> int:
@@ -224,7 +224,7 @@ def start_on_cluster(run_dir: Path, world_size: int, backend: str, cluster: Clus
     except BaseException:
         remote.finish()
         raise
-    return Launch(proc, run_dir, world_size, backend, None, remote)
+    return Launch(proc, run_dir, world_size, backend, None, HostProcesses(remote))
 
 
 def launcher_exits(run_dir: Path, remote: bool = False) -> dict[int, int | None]:

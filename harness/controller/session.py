@@ -17,7 +17,7 @@ from harness.controller.cpu_use import CpuMeter
 from harness.controller.devices import BackendRefused, plan_backend
 from harness.controller.memory_guard import MemoryLimits
 from harness.controller.progress import Observer, ProgressFeed, RunProgress
-from harness.controller.watch import kill_group, watch
+from harness.controller.watch import WatchReport, kill_group, watch
 from harness.trainer_registry import cpu_collectives
 
 KEEP_SUFFIXES = (".events.jsonl", ".result.json", ".callbacks.jsonl", ".stdout", ".stderr", ".log")
@@ -70,14 +70,7 @@ def execute(
     scenario = job.get("scenario") or {}
     steps = int(job.get("stop_after") or (scenario.get("train") or {}).get("steps") or 0)
     feed = ProgressFeed(RunProgress(str(scenario.get("name", "")), name, world_size, steps), progress)
-    try:
-        kind = scenario.get("trainer", {}).get("kind")
-        if on_cluster:  # the hosts' devices are theirs: ring unless the scenario or hostfile says
-            backend, backend_reason = backend or "ring", None
-        else:
-            backend, backend_reason = plan_backend(world_size, backend, cpu_collectives=cpu_collectives(kind))
-    except BackendRefused as e:
-        raise LaunchError(f"run {name!r}: {e}") from e
+    backend, backend_reason = _backend(name, world_size, backend, scenario, on_cluster)
     try:
         feed.poll(False)  # queued
         # the watchdog starts once the ranks do; ranks on cluster hosts take no slots here
@@ -87,18 +80,8 @@ def execute(
     run_dir: Path | None = None
     try:
         run_dir = Path(tempfile.mkdtemp(prefix="mlx-ddp-harness-run-"))
-        # launched_at lets each rank measure its startup (launch to joined group) on one clock.
-        job = {**job, "world_size": world_size, "backend": backend, "launched_at": time.time()}
-        schema.write_json_atomic(run_dir / schema.JOB_FILE, schema.stamp(job))
         meter = CpuMeter()
-        try:
-            if on_cluster:
-                assert cluster is not None and backend is not None
-                started = launcher.start_on_cluster(run_dir, world_size, backend, cluster, list(sync_dirs))
-            else:
-                started = launcher.start(run_dir, world_size, backend)
-        except (OSError, ClusterError) as e:
-            raise LaunchError(f"could not start ranks for run {name!r}: {e}") from e
+        started = _launch(name, job, world_size, backend, run_dir, cluster if on_cluster else None, sync_dirs)
         feed.start(run_dir)
         try:
             report = watch(started, wall_s, no_progress_s, meter, feed, memory)
@@ -109,22 +92,8 @@ def execute(
             slots.release()
             if started.lease:
                 started.lease.release()
-        ranks = collect(run_dir, world_size, report)
-        failure = failure_reason(ranks, report)
-        feed.finish("ok" if failure is None else failure.splitlines()[0])
-        outcome = RunOutcome(
-            name=name,
-            world_size=world_size,
-            backend=started.backend,
-            backend_reason=backend_reason,
-            ok=failure is None,
-            failure=failure,
-            ranks=ranks,
-            watch=report,
-            params=_load_params(schema.params_path(run_dir)) if failure is None else None,
-            queued_s=slots.waited_s,
-            hosts=[started.remote.host_of(r) for r in range(world_size)] if started.remote else None,
-        )
+        outcome = _summarize(name, run_dir, started, report, feed)
+        outcome.backend_reason, outcome.queued_s = backend_reason, slots.waited_s
         if keep_to is not None:
             _keep(run_dir, keep_to)
             outcome.artifacts = keep_to
@@ -133,3 +102,50 @@ def execute(
         slots.release()
         if run_dir is not None:
             shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _backend(name: str, world_size: int, backend: str | None, scenario: dict[str, Any],
+             on_cluster: bool) -> tuple[str | None, str | None]:
+    """The run's backend and why, when the harness chose another than the usual one."""
+    if on_cluster:  # the hosts' devices are theirs: ring unless the scenario or hostfile says
+        return backend or "ring", None
+    try:
+        kind = scenario.get("trainer", {}).get("kind")
+        return plan_backend(world_size, backend, cpu_collectives=cpu_collectives(kind))
+    except BackendRefused as e:
+        raise LaunchError(f"run {name!r}: {e}") from e
+
+
+def _launch(name: str, job: dict[str, Any], world_size: int, backend: str | None, run_dir: Path,
+            cluster: Cluster | None, sync_dirs: tuple[Path, ...]) -> launcher.Launch:
+    """Write the job into ``run_dir`` and start its ranks (here, or on ``cluster``'s hosts)."""
+    # launched_at lets each rank measure its startup (launch to joined group) on one clock.
+    job = {**job, "world_size": world_size, "backend": backend, "launched_at": time.time()}
+    schema.write_json_atomic(run_dir / schema.JOB_FILE, schema.stamp(job))
+    try:
+        if cluster is not None:
+            assert backend is not None
+            return launcher.start_on_cluster(run_dir, world_size, backend, cluster, list(sync_dirs))
+        return launcher.start(run_dir, world_size, backend)
+    except (OSError, ClusterError) as e:
+        raise LaunchError(f"could not start ranks for run {name!r}: {e}") from e
+
+
+def _summarize(name: str, run_dir: Path, started: launcher.Launch, report: WatchReport,
+               feed: ProgressFeed) -> RunOutcome:
+    """What the ranks left in ``run_dir``: their results, the failure named, the final parameters."""
+    world_size = started.world_size
+    ranks = collect(run_dir, world_size, report)
+    failure = failure_reason(ranks, report)
+    feed.finish("ok" if failure is None else failure.splitlines()[0])
+    return RunOutcome(
+        name=name,
+        world_size=world_size,
+        backend=started.backend,
+        ok=failure is None,
+        failure=failure,
+        ranks=ranks,
+        watch=report,
+        params=_load_params(schema.params_path(run_dir)) if failure is None else None,
+        hosts=[str(started.ranks.host_of(r)) for r in range(world_size)] if started.ranks.remote else None,
+    )

@@ -105,6 +105,7 @@ def _keep_checkpoints(workspace: Path, dest: Path, whole: bool) -> None:
 
 def run_scenario(
     s: Scenario,
+    *,
     artifacts: Path | None = None,
     on_run: Callable[[RunOutcome], None] | None = None,
     keep_checkpoints: bool = False,

@@ -22,14 +22,13 @@ import psutil
 from harness import schema
 from harness.controller.cpu_use import CpuMeter, CpuUse
 from harness.controller.launch import Launch, launcher_exits
-from harness.controller.memory_guard import MB, MemoryLimits, RankMemory, over_limit
-from harness.controller.progress import EventTail, ProgressFeed, after_step
+from harness.controller.memory_guard import MB, MemoryLimits, RankMemory
+from harness.controller.progress import EventTail, ProgressFeed
 
 POLL_S = 0.1
 STACK_DUMP_WAIT_S = 1.5  # the longest wait for the ranks' stack dumps
 STACK_SETTLE_S = 0.2  # a dump is complete once its stderr file stops growing this long
 PEER_GRACE_S = 10.0
-AGENT_SILENT_S = 5.0  # a cluster host's agent reports every tick: this long without, its link is suspect
 GONE_GRACE_S = 0.5  # mlx.launch ends a run itself when a rank exits non-zero; this long to do so
 
 
@@ -71,36 +70,6 @@ class RankEvents:
         return {r: m.pid for r, m in self.ranks.items() if m.pid}
 
 
-def _last_heard(launch: Launch, seen: RankEvents) -> str:
-    """Where each rank of a run across hosts stopped: its host, its last step, how long ago; the
-    one heard from least recently first; hosts whose agent went silent, and hosts that cannot
-    reach another's ring address now."""
-    if launch.remote is None:
-        return ""
-    now = time.monotonic()
-    parts = [f"rank {r} on {launch.remote.host_of(r)} {after_step(seen.ranks[r].step)}, "
-             f"{now - seen.heard[r]:.1f} s ago" if seen.heard[r] else
-             f"rank {r} on {launch.remote.host_of(r)} never reported"
-             for r in sorted(seen.heard, key=lambda r: seen.heard[r])]
-    silent = [f"host {link.name}'s agent silent for {now - link.procs_at:.0f} s"
-              for link in launch.remote.links.values() if link.procs_at and now - link.procs_at > AGENT_SILENT_S]
-    return "; last heard: " + "; ".join(parts + silent + launch.remote.unreachable())
-
-
-def _over_memory(launch: Launch, seen: RankEvents, memory: MemoryLimits, machine_mb: float) -> str | None:
-    """The hard memory limits; on a cluster, each host's ranks against that host's memory, with
-    the RSS its agent reports."""
-    if launch.remote is None:
-        return over_limit(seen.ranks, memory, machine_mb)
-    remote = launch.remote
-    for ranks, host_mb, name in remote.groups():
-        over = over_limit({r: seen.ranks[r] for r in ranks}, memory, host_mb, lambda r, pid: remote.rss(r),
-                          f"host {name}")
-        if over:
-            return over
-    return None
-
-
 def _progress_mark(launch: Launch) -> tuple[int, ...]:
     marks = []
     for r in range(launch.world_size):
@@ -112,17 +81,9 @@ def _progress_mark(launch: Launch) -> tuple[int, ...]:
 
 
 def _gone(launch: Launch, pids: dict[int, int], exits: dict[int, int | None]) -> set[int]:
-    """Ranks whose process is gone without having written a result: mlx.launch logged their exit
-    (``exits``), or their process is no more. On cluster hosts, only the host's agent says so (its
-    report comes after the files the rank wrote before its end, the launcher's log may come first)."""
+    """Ranks whose process is gone without having written a result (``RankProcesses.gone``)."""
     missing = [r for r in range(launch.world_size) if not schema.result_path(launch.run_dir, r).exists()]
-    if launch.remote is not None:
-        return {r for r in missing if launch.remote.ended(r)}
-    return {r for r in missing if r in exits or (r in pids and not _alive(pids[r]))}
-
-
-def _running(launch: Launch, rank: int, pid: int) -> bool:
-    return not launch.remote.ended(rank) if launch.remote is not None else _alive(pid)
+    return launch.ranks.gone(missing, pids, exits)
 
 
 def _rank_failed(launch: Launch) -> bool:
@@ -136,13 +97,6 @@ def _rank_failed(launch: Launch) -> bool:
             except schema.SchemaError:
                 return True
     return False
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def group_members(pgid: int) -> list[int]:
@@ -165,15 +119,7 @@ def dump_stacks(launch: Launch, pids: dict[int, int]) -> bool:
     """Ask each live rank to write its Python stacks to its stderr file; wait until the files
     stop growing (faulthandler writes from its signal handler, even in a blocked collective; a
     cluster host's file comes back through its agent)."""
-    sent = []
-    if launch.remote is not None:
-        sent = [schema.stderr_path(launch.run_dir, r) for r in launch.remote.signal(sorted(pids), "SIGUSR1")]
-    for r, pid in pids.items() if launch.remote is None else ():
-        try:
-            os.kill(pid, signal.SIGUSR1)
-            sent.append(schema.stderr_path(launch.run_dir, r))
-        except ProcessLookupError:
-            pass
+    sent = [schema.stderr_path(launch.run_dir, r) for r in launch.ranks.signal(pids, "SIGUSR1")]
     if not sent:
         return False
     before = _sizes(sent)
@@ -202,7 +148,7 @@ def kill_group(launch: Launch, timeout: float = 10.0) -> list[int | str]:
         launch.proc.wait(timeout=timeout)
     except Exception:
         pass
-    remote_left: list[int | str] = list(launch.remote.finish()) if launch.remote is not None else []
+    remote_left = launch.ranks.finish()
     deadline = time.monotonic() + timeout
     while True:
         left: list[int | str] = list(group_members(launch.pgid))
@@ -223,7 +169,7 @@ def watch(launch: Launch, wall_s: float, no_progress_s: float, meter: CpuMeter,
     seen = RankEvents(launch)
     memory = memory or MemoryLimits()
     machine_mb = psutil.virtual_memory().total / MB
-    report = WatchReport(wall_s=0.0, returncode=None, remote=launch.remote is not None)
+    report = WatchReport(wall_s=0.0, returncode=None, remote=launch.ranks.remote)
     while launch.proc.poll() is None:
         time.sleep(POLL_S)
         now = time.monotonic()
@@ -239,7 +185,7 @@ def watch(launch: Launch, wall_s: float, no_progress_s: float, meter: CpuMeter,
             gone_since = now
         if failed_since is None and _rank_failed(launch):
             failed_since = now
-        over = _over_memory(launch, seen, memory, machine_mb)
+        over = launch.ranks.over_memory(seen.ranks, memory, machine_mb)
         exited_0 = any(exits.get(r) == 0 for r in gone)  # mlx.launch will not end the run for these
         if gone and (exited_0 or now - gone_since >= GONE_GRACE_S):
             report.limit = "rank_gone"
@@ -251,7 +197,9 @@ def watch(launch: Launch, wall_s: float, no_progress_s: float, meter: CpuMeter,
             report.limit, report.limit_detail = "wall", f"wall-clock limit of {wall_s:g} s exceeded"
         elif now - last_progress > no_progress_s:
             report.limit = "no_progress"
-            report.limit_detail = f"no progress from any rank for {no_progress_s:g} s" + _last_heard(launch, seen)
+            steps = {r: m.step for r, m in seen.ranks.items()}
+            report.limit_detail = (f"no progress from any rank for {no_progress_s:g} s"
+                                   + launch.ranks.last_heard(steps, seen.heard))
         elif failed_since is not None and now - failed_since > PEER_GRACE_S:
             report.limit = "peer_failed"
             report.limit_detail = f"ranks still running {PEER_GRACE_S:g} s after a rank failed"
@@ -259,7 +207,7 @@ def watch(launch: Launch, wall_s: float, no_progress_s: float, meter: CpuMeter,
             seen.read()
             report.exited_early = sorted(_gone(launch, seen.pids, launcher_exits(launch.run_dir)))
             live = {r: pid for r, pid in seen.pids.items()
-                    if r not in report.exited_early and _running(launch, r, pid)}
+                    if r not in report.exited_early and launch.ranks.running(r, pid)}
             report.stacks_dumped = dump_stacks(launch, live)
             break
     report.returncode = launch.proc.poll()

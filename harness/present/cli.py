@@ -176,7 +176,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.keep_checkpoints and out is None:
         raise ScenarioError("--keep-checkpoints needs --out (the checkpoints go under OUT/runs)")
 
-    def progress(run):  # noqa: ANN001
+    def finished(run):  # noqa: ANN001 - one line as each run ends
         status = "ok" if run.ok else "FAILED"
         print(f"  run {run.name} (world size {run.world_size}): {status} in {run.watch.wall_s:.1f}s",
               file=sys.stderr, flush=True)
@@ -195,7 +195,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                     of = f", repeat {k} of {args.repeat}" if args.repeat > 1 else ""
                     print(f"scenario {s.name} ({s.path}{of})", file=sys.stderr, flush=True)
                     logs = out / ("runs" if k == 1 else f"runs-repeat{k}") if out else None
-                    runs = run_scenario(s, logs, progress, args.keep_checkpoints, args.backend, display, cluster)
+                    runs = run_scenario(s, artifacts=logs, on_run=finished, keep_checkpoints=args.keep_checkpoints,
+                                        backend=args.backend, progress=display, cluster=cluster)
                     reps.append(scenario_summary(s, runs, judge(s, runs)))
                 summary = merge_repeats(reps)
                 summaries.append(summary)

@@ -104,7 +104,7 @@ def run_scenario_file(s: Scenario, artifacts_root: Path, backend: str | None = N
 
     preflight(s, backend)
     out = artifacts_root / s.name
-    outcomes = run_scenario(s, out / "runs", backend=backend, progress=progress)
+    outcomes = run_scenario(s, artifacts=out / "runs", backend=backend, progress=progress)
     checks = judge(s, outcomes)
     summary = scenario_summary(s, outcomes, checks)
     write_outputs(out, document([summary], environment()))

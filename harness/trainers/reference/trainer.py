@@ -28,13 +28,10 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from harness import schema
-from harness.data.sources import Encoder, row_source
-from harness.data.tokenizers import Tokenizer, load_tokenizer
 from harness.rank import step_probe
 from harness.rank.consensus import AgreedStop, Coordinator, RankFailure
 from harness.rank.effects import MainRankEffects
@@ -45,61 +42,11 @@ from harness.rank.precision import measure_precision
 from harness.rank.reporter import global_rng_digest
 from harness.scenario import Scenario
 from harness.trainers.reference import resume
-from harness.trainers.reference.batching import (
-    LocalBatch,
-    RankShare,
-    StreamShare,
-    collate,
-    eval_share,
-    local_positions,
-    materialize,
-    uneven_last,
-)
+from harness.trainers.reference.batching import LocalBatch, StreamShare, collate, uneven_last
 from harness.trainers.reference.evaluate import evaluate
+from harness.trainers.reference.rank_data import load_data
 from harness.trainers.reference.semantics import Semantics, semantics
 from harness.trainers.reference.step import CompileFailed, LocalStep
-
-
-@dataclass
-class RankData:
-    tok: Tokenizer
-    train: RankShare | StreamShare
-    evals: Any  # EvalShare | None
-    vision: Any = None  # VisionSetup of a vision-language model
-    encoder: Any = None
-
-    @property
-    def protected(self) -> tuple[int, ...]:
-        """Token ids input dropout must not touch (image tokens must match image features)."""
-        return () if self.vision is None else self.vision.block_ids
-
-
-def load_data(s: Scenario, rank: int, world_size: int, done_steps: int = 0, emulate: int = 1) -> RankData:
-    """This rank's share of the train rows (materialized or streamed) and of the eval rows; a
-    stream is read past the ``done_steps`` batches a resumed run has already trained on. A
-    vision-language model's rows are image rows, encoded with the model's own preprocessing.
-    ``emulate`` = N: one process holding N ranks' shards (a noise-floor twin)."""
-    d, t = s.data, s.train
-    tok = load_tokenizer(d)
-    vision, rows, encoder = None, row_source, Encoder(tok, d)
-    if s.model.vision:
-        from harness.data.images import VisionEncoder, image_row_source
-        from harness.rank.vision import vision_setup
-
-        vision = vision_setup(s.model, tok.vocab_size, tok.pad_id, d.image_size)
-        rows, encoder = image_row_source, VisionEncoder(tok, d, vision)
-    source = rows(d, s.seed, "train")
-    positions = local_positions(t.global_batch, t.grad_accum, rank, world_size, emulate)
-    if d.streaming:
-        stream = StreamShare(source, encoder, t.global_batch, positions)
-        stream.skip(done_steps)
-        train: RankShare | StreamShare = stream
-    else:
-        train = materialize(source, encoder, t.global_batch, positions, d.order, s.seed)
-    evals = None
-    if d.eval_rows or d.eval_path:
-        evals = eval_share(rows(d, s.seed, "eval"), encoder, t.eval_batch, rank, world_size)
-    return RankData(tok, train, evals, vision, encoder)
 
 
 class Trainer:
