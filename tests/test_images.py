@@ -104,5 +104,5 @@ def test_local_image_rows_resolve_paths_and_name_bad_rows(tmp_path: Path) -> Non
         enc(*got[1])
     with pytest.raises(ValueError, match=r"rows.jsonl:3: unreadable image .*broken.png"):
         enc(*got[2])
-    with pytest.raises(ValueError, match=r"rows.jsonl:4: an image row needs a \"caption\" string or \"messages\""):
+    with pytest.raises(ValueError, match=r"rows.jsonl:4: an image row needs a \"caption\" string or a \"messages\""):
         enc(*got[3])
