@@ -10,17 +10,19 @@ from pathlib import Path
 
 import pytest
 
-from harness.judge.paired import betainc, paired_speed, t_quantile, t_sf
+from harness.judge.paired import paired_speed
 from tests.conftest import REPO, cli
 
 
-def test_student_t_matches_its_tables() -> None:
-    assert t_sf(2.776, 4) == pytest.approx(0.025, abs=2e-5)
-    assert t_sf(12.706, 1) == pytest.approx(0.025, abs=2e-5)
-    assert t_sf(1.96, 100000) == pytest.approx(0.025, abs=1e-4)
-    assert t_sf(0.0, 7) == pytest.approx(0.5) and t_sf(-2.776, 4) == pytest.approx(0.975, abs=2e-5)
-    assert t_quantile(0.995, 9) == pytest.approx(3.250, abs=1e-3)
-    assert betainc(2.0, 3.0, 0.4) == pytest.approx(0.5248)  # 1 - sum of the binomial tail, by hand
+def test_the_paired_test_uses_students_t_as_its_tables_give_it() -> None:
+    """Five pairs whose log ratios have mean -0.1 and standard error 0.0316: the 95 % interval's
+    half-width is t(0.975, 4) = 2.776 standard errors, and "at most 5 % slower" has p = P(T4 < -1.54)."""
+    logs = [-0.1, -0.2, 0.0, -0.1, -0.1]
+    v = paired_speed([1.0] * 5, [math.exp(x) for x in logs], margin=0.05, alpha=0.05)
+    se = math.sqrt(0.005 / 5)
+    assert v.low == pytest.approx(math.exp(-0.1 - 2.776 * se) - 1, abs=2e-4)
+    assert v.high == pytest.approx(math.exp(-0.1 + 2.776 * se) - 1, abs=2e-4)
+    assert v.p_value == pytest.approx(0.0992, abs=2e-3) and not v.alarm  # t(0.90, 4) = 1.533
 
 
 def test_a_paired_slowdown_beyond_the_margin_alarms_and_noise_does_not() -> None:

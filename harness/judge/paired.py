@@ -7,8 +7,8 @@ the same job, see the same machine; each pair gives one log ratio of their tok/s
 over each run's steps after the first, many samples per run), and the pairs' ratios are tested
 together. A run alarms when the one-sided Student t test rejects "the candidate is at most
 ``margin`` slower" at level ``alpha / m`` (Bonferroni over the ``m`` runs gated at once, so the
-whole gate raises a false alarm at most ``alpha`` of the time on an unchanged build). The
-result says how confident it is: the estimated change, its two-sided ``1 - alpha`` interval
+whole gate raises a false alarm at most ``alpha`` of the time on an unchanged build; Student's
+t from ``scipy.stats``). The result says how confident it is: the estimated change, its two-sided ``1 - alpha`` interval
 and the p-value.
 """
 
@@ -17,55 +17,6 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass
-
-
-def _betacf(a: float, b: float, x: float) -> float:
-    """The continued fraction of the regularized incomplete beta function (modified Lentz)."""
-    tiny, qab, qap, qam = 1e-300, a + b, a + 1.0, a - 1.0
-    c, d = 1.0, 1.0 - qab * x / qap
-    d = 1.0 / (d if abs(d) > tiny else tiny)
-    h = d
-    for m in range(1, 300):
-        m2 = 2 * m
-        for aa in (m * (b - m) * x / ((qam + m2) * (a + m2)), -(a + m) * (qab + m) * x / ((a + m2) * (qap + m2))):
-            d = 1.0 + aa * d
-            d = 1.0 / (d if abs(d) > tiny else tiny)
-            c = 1.0 + aa / c
-            c = c if abs(c) > tiny else tiny
-            h *= d * c
-        if abs(d * c - 1.0) < 1e-15:
-            break
-    return h
-
-
-def betainc(a: float, b: float, x: float) -> float:
-    """The regularized incomplete beta function I_x(a, b)."""
-    if x <= 0.0:
-        return 0.0
-    if x >= 1.0:
-        return 1.0
-    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x))
-    if x < (a + 1.0) / (a + b + 2.0):
-        return front * _betacf(a, b, x) / a
-    return 1.0 - front * _betacf(b, a, 1.0 - x) / b
-
-
-def t_sf(t: float, df: int) -> float:
-    """P(T > t) for Student's t with ``df`` degrees of freedom."""
-    tail = 0.5 * betainc(df / 2.0, 0.5, df / (df + t * t))
-    return tail if t >= 0 else 1.0 - tail
-
-
-def t_quantile(p: float, df: int) -> float:
-    """The t with P(T <= t) = p (bisection; |t| < 1e4)."""
-    lo, hi = -1e4, 1e4
-    for _ in range(200):
-        mid = (lo + hi) / 2
-        if 1.0 - t_sf(mid, df) < p:
-            lo = mid
-        else:
-            hi = mid
-    return (lo + hi) / 2
 
 
 @dataclass
@@ -106,7 +57,9 @@ def paired_speed(base_tok_s: list[float], cand_tok_s: list[float], margin: float
         p = 0.0 if mean < bound else 1.0
         half = 0.0
     else:
-        p = 1.0 - t_sf((mean - bound) / se, n - 1)  # small when the mean is far below the bound
-        half = t_quantile(1 - level / 2, n - 1) * se
+        from scipy.stats import t as student
+
+        p = float(student.cdf((mean - bound) / se, n - 1))  # small when the mean is far below the bound
+        half = float(student.ppf(1 - level / 2, n - 1)) * se
     return PairedVerdict(n, math.exp(mean) - 1, math.exp(mean - half) - 1, math.exp(mean + half) - 1, p, level,
                          margin, p < level)

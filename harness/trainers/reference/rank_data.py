@@ -20,6 +20,28 @@ class RankData:
     vision: Any = None  # VisionSetup of a vision-language model
     encoder: Any = None
 
+    def summary(self, rss_delta: int) -> dict[str, Any]:
+        """What the rank's result reports of its data: the rows it held or read, their bytes, and
+        the RSS loading them took."""
+        train, streaming = self.train, isinstance(self.train, StreamShare)
+        return {
+            "streaming": streaming,
+            "pad_id": self.tok.pad_id,
+            "rows_total": None if streaming else train.total_rows,
+            "rows_held": None if streaming else len(train.rows),
+            "rows_read": train.rows_read if streaming else None,
+            "bytes_held": train.nbytes,
+            "rss_delta_bytes": rss_delta,
+            "eval_rows_local": self.evals.real_rows if self.evals else 0,
+            "eval_pad_rows_local": self.evals.pad_rows if self.evals else 0,
+        }
+
+    def vision_summary(self) -> dict[str, Any] | None:
+        if self.vision is None:
+            return None
+        return {"arch": self.vision.arch, "image_token_id": self.vision.image_token,
+                "image_per_row": self.vision.image_per_row, "image_token_counts": sorted(self.encoder.token_counts)}
+
     @property
     def protected(self) -> tuple[int, ...]:
         """Token ids input dropout must not touch (image tokens must match image features)."""

@@ -10,13 +10,15 @@ is refused naming the first setting that differs. The world size, gradient accum
 the same global batch, eval and checkpoint cadence may change: the data plan and the
 token-weighted step do not depend on them.
 
-``write_checkpoint``, ``open_checkpoint`` and ``restore_checkpoint`` are the trainer's three
-moments: every rank takes part in each, under failure consensus.
+``write_checkpoint``, ``open_checkpoint`` and ``load_weights`` with ``restore`` are the trainer's
+three moments: every rank takes part in each, under failure consensus. They see the trainer's
+state as dicts and its ``Progress`` only (``Trainer.state_dict`` / ``load_state_dict``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,7 @@ from harness.rank.consensus import AgreedStop
 from harness.scenario import Scenario
 from harness.trainers.reference import checkpoint
 from harness.trainers.reference.checkpoint import FORMAT, CheckpointError
+from harness.trainers.reference.progress import LOCAL_HISTORY, Progress
 from harness.trainers.reference.step import restore_in_place
 
 TRAJECTORY_TRAIN = ("steps", "learning_rate", "optimizer", "lr_schedule", "warmup_steps", "min_lr_ratio",
@@ -32,7 +35,6 @@ TRAJECTORY_DATA = ("source", "path", "format", "response_only", "rows", "min_cha
                    "tokenizer", "order", "streaming", "eval_rows", "eval_path", "image_size")
 GLOBAL_HISTORY = ("losses", "grad_norms", "learning_rates", "tok_s_global", "tokens_global_per_step",
                   "images_global_per_step", "img_s_global")
-LOCAL_HISTORY = ("tokens_local_per_step", "tok_s_local", "step_times_s")
 DEFAULTS = {"train.optimizer": "adamw"}
 # Every draw is keyed by the seed (no generator carries state between steps), so the seed and
 # the step restore them all.
@@ -68,71 +70,72 @@ def check_fits(state: dict[str, Any], s: Scenario, where: str) -> None:
                                   f"refusing to resume a different training run")
 
 
-def trainer_state(t: Any, step: int, by_rank: list[list[float]]) -> dict[str, Any]:
-    """The trainer's state after optimizer step ``step`` (``by_rank``: every rank's local history)."""
-    k = len(t.history["losses"])
+def trainer_state(p: Progress, step: int, by_rank: list[list[float]], s: Scenario, world_size: int, train: Any,
+                  compile_state: dict[str, Any], train_time_s: float) -> dict[str, Any]:
+    """The trainer's state after optimizer step ``step``: its progress ``p`` (``by_rank``: every
+    rank's local history), the seed, the data position in ``train`` (this rank's share), what
+    the run was made with and its compile state."""
+    k = len(p.history["losses"])
     per_rank = [{key: row[i * k:(i + 1) * k] for i, key in enumerate(LOCAL_HISTORY)} for row in by_rank]
-    train = t.data.train
     batches = len(train.plan.batches) if hasattr(train, "plan") else None
+    t = s.train
     return {
         "format": FORMAT,
         "step": step,
-        "seed": t.s.seed,
-        "rng": {"seed": t.s.seed, "streams": RNG_KEYS},
-        "data": {"next_step": step + 1, "rows_consumed": step * t.spec.global_batch, "batches_per_epoch": batches,
+        "seed": s.seed,
+        "rng": {"seed": s.seed, "streams": RNG_KEYS},
+        "data": {"next_step": step + 1, "rows_consumed": step * t.global_batch, "batches_per_epoch": batches,
                  "epoch": step // batches if batches else None,
                  "batch_in_epoch": step % batches if batches else None,
                  "rows_total": getattr(train, "total_rows", None)},
-        "made_with": {"world_size": t.N, "global_batch": t.spec.global_batch, "grad_accum": t.spec.grad_accum,
-                      "compile": t.spec.compile},
-        "fingerprint": fingerprint(t.s),
-        "tokens": {"global": t.tokens_global, "unattributed": t.tokens_unattributed,
+        "made_with": {"world_size": world_size, "global_batch": t.global_batch, "grad_accum": t.grad_accum,
+                      "compile": t.compile},
+        "fingerprint": fingerprint(s),
+        "tokens": {"global": p.tokens_global, "unattributed": p.tokens_unattributed,
                    "local_by_rank": [int(sum(r["tokens_local_per_step"])) for r in per_rank]},
-        "history": {key: t.history[key] for key in GLOBAL_HISTORY},
+        "history": {key: p.history[key] for key in GLOBAL_HISTORY},
         "history_by_rank": per_rank,
-        "evals": [{key: e[key] for key in ("step", "loss", "ppl", "tokens")} for e in t.evals],
-        "digests": {str(s): d for s, d in t.digests.items()},
-        "compile": {"mode": t.spec.compile, "scope": t.runner.scope, "fallback_reason": t.runner.fallback_reason},
-        "train_time_s": t.train_time_before + t.train_clock(),
-        "segments": [*t.segments, {"steps": [t.start_step, step], "world_size": t.N}],
+        "evals": [{key: e[key] for key in ("step", "loss", "ppl", "tokens")} for e in p.evals],
+        "digests": {str(s): d for s, d in p.digests.items()},
+        "compile": compile_state,
+        "train_time_s": train_time_s,
+        "segments": [*p.segments, {"steps": [p.start_step, step], "world_size": world_size}],
     }
 
 
-def restore(t: Any, state: dict[str, Any]) -> dict[str, Any]:
-    """Put a checkpoint's trainer state into trainer ``t``; returns what the result reports."""
+def restore(p: Progress, state: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
+    """Put a checkpoint's trainer state into progress ``p`` of ``rank`` of ``world_size``; returns
+    what the result reports."""
     made = state["made_with"]
-    same_world = made["world_size"] == t.N
+    same_world = made["world_size"] == world_size
     for key in GLOBAL_HISTORY:
-        t.history[key] = list(state["history"][key])
-    t.tokens_global = state["tokens"]["global"]
+        p.history[key] = list(state["history"][key])
+    p.tokens_global = state["tokens"]["global"]
     if same_world:
-        mine = state["history_by_rank"][t.ctx.rank]
+        mine = state["history_by_rank"][rank]
         for key in LOCAL_HISTORY:
-            t.history[key] = list(mine[key])
-        t.tokens_local = state["tokens"]["local_by_rank"][t.ctx.rank]
-        t.tokens_unattributed = state["tokens"]["unattributed"]
+            p.history[key] = list(mine[key])
+        p.tokens_local = state["tokens"]["local_by_rank"][rank]
+        p.tokens_unattributed = state["tokens"]["unattributed"]
     else:  # the earlier ranks' shares do not map onto this run's ranks: no local work, rank 0's step times
-        k = len(t.history["losses"])
-        t.history["tokens_local_per_step"], t.history["tok_s_local"] = [0] * k, [0.0] * k
-        t.history["step_times_s"] = list(state["history_by_rank"][0]["step_times_s"])
-        t.tokens_local, t.tokens_unattributed = 0, state["tokens"]["global"]
-    t.evals = [dict(e) for e in state["evals"]]
-    t.digests = {int(s): d for s, d in state["digests"].items()}
-    compile_state = state["compile"]
-    if compile_state["fallback_reason"] and compile_state["mode"] == t.spec.compile:
-        t.runner.fall_back(f"{compile_state['fallback_reason']} (before the checkpoint of step {state['step']})")
-    t.train_time_before = state["train_time_s"]
-    t.segments = state["segments"]
+        k = len(p.history["losses"])
+        p.history["tokens_local_per_step"], p.history["tok_s_local"] = [0] * k, [0.0] * k
+        p.history["step_times_s"] = list(state["history_by_rank"][0]["step_times_s"])
+        p.tokens_local, p.tokens_unattributed = 0, state["tokens"]["global"]
+    p.evals = [dict(e) for e in state["evals"]]
+    p.digests = {int(s): d for s, d in state["digests"].items()}
+    p.train_time_before = state["train_time_s"]
+    p.segments = state["segments"]
+    p.start_step = state["step"] + 1
     return {"step": state["step"], "seed_checkpoint": state["seed"], "made_with": made,
             "world_size_changed": not same_world, "local_tokens_restored": same_world}
 
 
-def write_checkpoint(t: Any, step: int) -> None:
-    """Rank 0 writes a checkpoint of trainer ``t`` at step ``step``; every rank agrees that it worked."""
-    from mlx.utils import tree_flatten
-
-    ctx = t.ctx
-    by_rank = t.coord.gather([v for key in LOCAL_HISTORY for v in t.history[key]])
+def write_checkpoint(ctx: Any, coord: Any, effects: Any, root: Path, step: int, keep_last: int,
+                     contents: Callable[[], tuple[dict[str, Any], dict[str, Any], dict[str, Any]]]) -> dict | None:
+    """Rank 0 writes a checkpoint of step ``step`` under ``root`` (``contents``: the flat
+    parameters, optimizer state and trainer state, made when written); every rank agrees that it
+    worked. Returns what rank 0 wrote (None on the other ranks)."""
 
     def write() -> dict[str, Any]:
         damage = []
@@ -141,9 +144,8 @@ def write_checkpoint(t: Any, step: int) -> None:
             if name == checkpoint.MODEL and (f := ctx.maybe_fault("checkpoint", step)) is not None:
                 damage.append(f)
 
-        info = checkpoint.write(t.ckpt_root, step, dict(tree_flatten(t.model.parameters())),
-                                dict(tree_flatten(t.optimizer.state)), trainer_state(t, step, by_rank),
-                                t.spec.keep_last, between)
+        params, opt, state = contents()
+        info = checkpoint.write(root, step, params, opt, state, keep_last, between)
         for f in damage:  # storage failing after the checkpoint was complete
             checkpoint.damage(Path(info["path"]) / f.file, f.action)
             info["damaged"] = f"{f.file} ({f.action})"
@@ -152,19 +154,18 @@ def write_checkpoint(t: Any, step: int) -> None:
     def attempt() -> dict[str, Any] | None:
         if not ctx.is_main:
             ctx.maybe_fault("checkpoint", step)
-        return t.effects.checkpoint(write)
+        return effects.checkpoint(write)
 
-    info = t.coord.attempt("checkpoint", step, attempt)
-    t.coord.agree()
-    t.last_checkpoint = step
-    if info is not None:
-        t.checkpoints.append(info)
+    info = coord.attempt("checkpoint", step, attempt)
+    coord.agree()
     ctx.events.emit("checkpoint", step=step, rank=ctx.rank, **({"bytes": info["bytes"]} if info else {}))
+    return info
 
 
-def open_checkpoint(t: Any) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """Find, agree on and verify the checkpoint to resume from, on every rank."""
-    ctx, coord = t.ctx, t.coord
+def open_checkpoint(ctx: Any, coord: Any, s: Scenario) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any],
+                                                                 dict[str, Any]]:
+    """Find, agree on and verify the checkpoint the job resumes from, on every rank: its
+    parameters, optimizer state, trainer state and where it came from."""
     ctx.phase("resume")
     source, wanted = Path(ctx.job["resume"]["from"]), ctx.job["resume"].get("step")
 
@@ -184,33 +185,31 @@ def open_checkpoint(t: Any) -> tuple[dict[str, Any], dict[str, Any], dict[str, A
     def read() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
         checkpoint.verify(ck)
         params, opt, state = checkpoint.read(ck)
-        check_fits(state, t.s, str(ck.path / checkpoint.TRAINER))
+        check_fits(state, s, str(ck.path / checkpoint.TRAINER))
         return params, opt, state
 
     loaded = coord.attempt("resume", ck.step, read)
-    coord.agree()
-    t.resumed = {"from": str(ck.path), "identity": ck.identity, "skipped_partials": ck.skipped_partials,
-                 "seed_scenario": t.s.seed}
-    t.s = dataclasses.replace(t.s, seed=loaded[2]["seed"])  # every draw continues as before
-    return loaded
+    coord.agree()  # a rank that could not read it stops every rank here
+    params, opt, state = loaded
+    source_info = {"from": str(ck.path), "identity": ck.identity, "skipped_partials": ck.skipped_partials,
+                   "seed_scenario": s.seed}
+    return params, opt, state, source_info
 
 
-def restore_checkpoint(t: Any, params: dict[str, Any], opt: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
-    """Load a verified checkpoint into ``t``'s model (names and shapes must fit), optimizer state
-    (in place: compiled steps hold it) and trainer state."""
+def load_weights(model: Any, optimizer: Any, params: dict[str, Any], opt: dict[str, Any], where: Path) -> None:
+    """Load a verified checkpoint's parameters into ``model`` (names and shapes must fit) and its
+    optimizer state into ``optimizer`` (in place: compiled steps hold it)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten, tree_unflatten
 
-    where = Path(t.resumed["from"])
     try:
-        t.model.load_weights(list(params.items()), strict=True)
+        model.load_weights(list(params.items()), strict=True)
     except ValueError as e:
         raise CheckpointError(f"{where / checkpoint.MODEL}: does not fit the model ({e})") from e
-    have = {k: v.shape for k, v in tree_flatten(t.optimizer.state)}
+    have = {k: v.shape for k, v in tree_flatten(optimizer.state)}
     got = {k: v.shape for k, v in opt.items()}
     if have != got:
         diff = sorted(set(have) ^ set(got)) or sorted(k for k in have if have[k] != got[k])
         raise CheckpointError(f"{where / checkpoint.OPTIMIZER}: does not fit the optimizer (at {diff[0]})")
-    restore_in_place(t.optimizer.state, tree_unflatten(list(opt.items())))
-    mx.eval(t.model.parameters(), t.optimizer.state)
-    return restore(t, state)
+    restore_in_place(optimizer.state, tree_unflatten(list(opt.items())))
+    mx.eval(model.parameters(), optimizer.state)

@@ -26,6 +26,7 @@ Then rank 0 saves the parameters, and every rank agrees that the save worked.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -42,8 +43,9 @@ from harness.rank.precision import measure_precision
 from harness.rank.reporter import global_rng_digest
 from harness.scenario import Scenario
 from harness.trainers.reference import resume
-from harness.trainers.reference.batching import LocalBatch, StreamShare, collate, uneven_last
+from harness.trainers.reference.batching import LocalBatch, collate, uneven_last
 from harness.trainers.reference.evaluate import evaluate
+from harness.trainers.reference.progress import Progress
 from harness.trainers.reference.rank_data import load_data
 from harness.trainers.reference.semantics import Semantics, semantics
 from harness.trainers.reference.step import CompileFailed, LocalStep
@@ -64,12 +66,7 @@ class Trainer:
         self.coord = Coordinator(ctx.group, ctx.rank, ctx.world_size)
         self.effects = MainRankEffects(ctx.run_dir, ctx.rank)
         self.proc = psutil.Process()
-        self.history: dict[str, list[Any]] = {k: [] for k in (
-            "losses", "step_times_s", "tok_s_local", "tok_s_global", "tokens_local_per_step", "grad_norms",
-            "learning_rates", "tokens_global_per_step", "images_global_per_step", "img_s_global")}
-        self.evals: list[dict[str, Any]] = []
-        self.digests: dict[int, str] = {}
-        self.tokens_local = self.tokens_global = self.tokens_unattributed = self.images_local = 0
+        self.progress = Progress()
         self.rss_peak = self.proc.memory_info().rss
         self.stop: dict[str, Any] | None = None
         self.ckpt_root = Path(ctx.job["checkpoint_dir"]) if ctx.job.get("checkpoint_dir") else None
@@ -79,8 +76,7 @@ class Trainer:
         self.checkpoints: list[dict[str, Any]] = []
         self.last_checkpoint = 0
         self.resumed: dict[str, Any] | None = None
-        self.start_step, self.train_time_before, self.t_train = 1, 0.0, time.perf_counter()
-        self.segments: list[dict[str, Any]] = []
+        self.t_train = time.perf_counter()
         self.input_widths: list[int] = []  # per step this run trained: its widest micro-batch, padding included
 
     # -- phases ---------------------------------------------------------------------------------
@@ -199,7 +195,10 @@ class Trainer:
 
         ctx, spec, coord = self.ctx, self.spec, self.coord
         rng_before = global_rng_digest()
-        loaded = resume.open_checkpoint(self) if ctx.job.get("resume") else None
+        loaded = resume.open_checkpoint(ctx, coord, self.s) if ctx.job.get("resume") else None
+        if loaded:
+            self.resumed = loaded[3]
+            self.s = dataclasses.replace(self.s, seed=loaded[2]["seed"])  # every draw continues as before
         ctx.phase("data")
         rss0 = self.proc.memory_info().rss
         done = loaded[2]["step"] if loaded else 0
@@ -217,16 +216,15 @@ class Trainer:
         self.optimizer = build_optimizer(spec, self.semantics.learning_rate(spec.learning_rate))
         self.runner = LocalStep(self.model, self.optimizer, spec, self.semantics)
         if loaded:
-            restored = coord.attempt("resume", done, resume.restore_checkpoint, self, *loaded)
+            restored = coord.attempt("resume", done, self._restore, *loaded[:3])
             coord.agree()
             self.resumed = {**self.resumed, **restored}
-            self.start_step = done + 1
-        self.digests[self.start_step - 1] = param_digest(self.model)
+        self.progress.digests[self.progress.start_step - 1] = param_digest(self.model)
 
         ctx.phase("train")
         self.t_train = time.perf_counter()
-        last = self.start_step - 1
-        for step in range(self.start_step, self.end_step + 1):
+        last = self.progress.start_step - 1
+        for step in range(self.progress.start_step, self.end_step + 1):
             t0 = time.perf_counter()
             micros = coord.attempt("fetch", step, self.fetch, step)
             agreed = coord.agree([sum(b.tokens for b in micros) if micros else 0,
@@ -250,15 +248,15 @@ class Trainer:
                 self._evaluate(step)
             every = spec.checkpoint_every
             if self.checkpointing and (step == self.end_step or (every and step % every == 0)):
-                resume.write_checkpoint(self, step)
+                self._checkpoint(step)
         runtime = self.train_clock()
 
         agreed = coord.agree()  # a failed last update, or a stop requested after the last step
         if agreed.stop_ranks and self.stop is None:
             self._stopped(agreed.stop_ranks, last)
-        if self.checkpointing and last >= self.start_step and self.last_checkpoint != last:
-            resume.write_checkpoint(self, last)  # a stopped run can be resumed too
-        if self.data.evals is not None and (not self.evals or self.evals[-1]["step"] != last):
+        if self.checkpointing and last >= self.progress.start_step and self.last_checkpoint != last:
+            self._checkpoint(last)  # a stopped run can be resumed too
+        if self.data.evals is not None and (not self.progress.evals or self.progress.evals[-1]["step"] != last):
             self._evaluate(last)
         ctx.phase("save")
 
@@ -268,11 +266,42 @@ class Trainer:
 
         coord.attempt("save", last, save)
         coord.agree()
-        self.digests[last] = param_digest(self.model)
+        self.progress.digests[last] = param_digest(self.model)
         return self._result(last, runtime, data_rss, global_rng_digest() == rng_before)
 
     def train_clock(self) -> float:
         return time.perf_counter() - self.t_train
+
+    # -- checkpoints: the trainer's state as dicts (``resume``) ------------------------------------
+
+    def state_dict(self, step: int, by_rank: list[list[float]]) -> dict[str, Any]:
+        compile_state = {"mode": self.spec.compile, "scope": self.runner.scope,
+                         "fallback_reason": self.runner.fallback_reason}
+        return resume.trainer_state(self.progress, step, by_rank, self.s, self.N, self.data.train, compile_state,
+                                    self.progress.train_time_before + self.train_clock())
+
+    def load_state_dict(self, state: dict[str, Any]) -> dict[str, Any]:
+        restored = resume.restore(self.progress, state, self.ctx.rank, self.N)
+        made = state["compile"]
+        if made["fallback_reason"] and made["mode"] == self.spec.compile:
+            self.runner.fall_back(f"{made['fallback_reason']} (before the checkpoint of step {state['step']})")
+        return restored
+
+    def _restore(self, params: dict[str, Any], opt: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
+        resume.load_weights(self.model, self.optimizer, params, opt, Path(self.resumed["from"]))
+        return self.load_state_dict(state)
+
+    def _checkpoint(self, step: int) -> None:
+        from mlx.utils import tree_flatten
+
+        by_rank = self.coord.gather(self.progress.local_history())
+        info = resume.write_checkpoint(
+            self.ctx, self.coord, self.effects, self.ckpt_root, step, self.spec.keep_last,
+            lambda: (dict(tree_flatten(self.model.parameters())), dict(tree_flatten(self.optimizer.state)),
+                     self.state_dict(step, by_rank)))
+        self.last_checkpoint = step
+        if info is not None:
+            self.checkpoints.append(info)
 
     # -- bookkeeping ----------------------------------------------------------------------------
 
@@ -287,7 +316,7 @@ class Trainer:
                            self.s.model.vision, self.spec.pad_to)
         if metrics.pop("requested") == "stop":
             self.coord.stop_requested = True
-        self.evals.append(metrics)
+        self.progress.evals.append(metrics)
         ctx.events.emit("eval", rank=ctx.rank, **metrics)
         self.coord.attempt("callback", step, self.effects.callback, "eval", metrics)
 
@@ -298,20 +327,17 @@ class Trainer:
 
     def _record(self, step: int, micros: list[LocalBatch], counts: tuple[int, int], loss: float, norm: float | None,
                 dt: float) -> None:
-        ctx, h = self.ctx, self.history
+        ctx = self.ctx
         tokens, images = counts
         local = sum(b.tokens for b in micros)
-        self.images_local += sum(b.images for b in micros)
         memory = ctx.step_memory(step)
         self.rss_peak = max(self.rss_peak, memory["rss_bytes"])
         lr = float(self.optimizer.learning_rate.item())
-        for key, value in (("losses", loss), ("step_times_s", dt), ("tok_s_local", local / dt),
-                           ("tok_s_global", tokens / dt), ("tokens_local_per_step", local), ("grad_norms", norm),
-                           ("learning_rates", lr), ("tokens_global_per_step", tokens),
-                           ("images_global_per_step", images), ("img_s_global", images / dt)):
-            h[key].append(value)
-        self.tokens_local += local
-        self.tokens_global += tokens
+        self.progress.record({"losses": loss, "step_times_s": dt, "tok_s_local": local / dt,
+                              "tok_s_global": tokens / dt, "tokens_local_per_step": local, "grad_norms": norm,
+                              "learning_rates": lr,
+                              "tokens_global_per_step": tokens, "images_global_per_step": images,
+                              "img_s_global": images / dt}, local, tokens, sum(b.images for b in micros))
         self.input_widths.append(max((b.inputs.shape[1] for b in micros), default=0))
         event: dict[str, Any] = dict(
             step=step, rank=ctx.rank, loss=loss, tokens_global=tokens, tokens_local=local,
@@ -319,7 +345,7 @@ class Trainer:
             **memory,
         )
         if self.spec.digest_every and step % self.spec.digest_every == 0:
-            self.digests[step] = event["digest"] = param_digest(self.model)
+            self.progress.digests[step] = event["digest"] = param_digest(self.model)
         ctx.events.emit("step", **event)
         self.coord.attempt("callback", step, self.effects.callback, "step",
                            {"step": step, "loss": loss, "tokens": tokens, "lr": lr})
@@ -328,59 +354,34 @@ class Trainer:
         import mlx.core as mx
 
         ctx, train = self.ctx, self.data.train
-        own = {"rank": ctx.rank, "host": ctx.host, "runtime_s": round(runtime, 4), "tokens": self.tokens_local,
+        own = {"rank": ctx.rank, "host": ctx.host, "runtime_s": round(runtime, 4), "tokens": self.progress.tokens_local,
                "mlx_peak_bytes": int(mx.get_peak_memory()), "rss_peak_bytes": self.rss_peak,
                "data_bytes": train.nbytes}
         per_rank = [json.loads(t) for t in self.coord.exchange(json.dumps(own, separators=(",", ":")))]
         hosts: dict[str, list[int]] = {}
         for r in per_rank:
             hosts.setdefault(r["host"], []).append(r["rank"])
-        streaming = isinstance(train, StreamShare)
         return schema.train_result(**{
             "trainer": {"kind": "reference", "title": "the harness's reference DDP trainer"},
             "global_rng_untouched": rng_untouched,
             "steps": last,
             "steps_planned": self.spec.steps,
-            **self.history,
-            "tokens_local": self.tokens_local,
-            "tokens_global": self.tokens_global,
-            "images_local": self.images_local,
-            "images_global": sum(self.history["images_global_per_step"]),
-            "vision": None if self.data.vision is None else {
-                "arch": self.data.vision.arch, "image_token_id": self.data.vision.image_token,
-                "image_per_row": self.data.vision.image_per_row,
-                "image_token_counts": sorted(self.data.encoder.token_counts)},
+            **self.progress.result_fields(last, runtime, self.N),
+            "vision": self.data.vision_summary(),
             "runtime_s": runtime,
-            "train_time_s_total": self.train_time_before + runtime,
-            "steps_start": self.start_step,
             "input_widths": self.input_widths,
             "stop_after": self.end_step if self.end_step < self.spec.steps else None,
-            "tokens_local_unattributed": self.tokens_unattributed,
             "resume": self.resumed,
             "seed_used": self.s.seed,
-            "segments": [*self.segments, {"steps": [self.start_step, last], "world_size": self.N}],
             "checkpoints": self.checkpoints,
             "rss_step_peak_bytes": self.rss_peak,
-            "digests": {str(k): v for k, v in self.digests.items()},
-            "final_digest": self.digests[last],
             "param_count": param_count(self.model),
             "model_config": self.config,
             "stop": self.stop,
-            "evals": self.evals,
             "compile": {"mode": self.spec.compile, "scope": self.runner.scope,
                         "fallback_reason": self.runner.fallback_reason},
             "side_effects": self.effects.counts,
-            "data": {
-                "streaming": streaming,
-                "pad_id": self.data.tok.pad_id,
-                "rows_total": None if streaming else train.total_rows,
-                "rows_held": None if streaming else len(train.rows),
-                "rows_read": train.rows_read if streaming else None,
-                "bytes_held": train.nbytes,
-                "rss_delta_bytes": data_rss,
-                "eval_rows_local": self.data.evals.real_rows if self.data.evals else 0,
-                "eval_pad_rows_local": self.data.evals.pad_rows if self.data.evals else 0,
-            },
+            "data": self.data.summary(data_rss),
             "rows_per_rank_step": sum(len(p) for p in train.positions),
             "per_rank": per_rank,
             "host_rank_map": hosts,
