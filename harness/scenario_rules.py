@@ -97,6 +97,19 @@ def _validate_train(t: TrainSpec, d: DataSpec, src: str, where: str) -> None:
              "needs eval rows: set [data].eval_rows or [data].eval_path")
 
 
+def _validate_data_size(d: DataSpec, r: RunSpec, src: str, where: str) -> None:
+    """Every rank needs rows of its own: data of fewer rows than the run has ranks is a mistake
+    (rows would be repeated to fill the ranks). The rows of a local file are counted before launch
+    (``harness.controller.input_checks``)."""
+    if d.source != "jsonl":
+        require(r.world_size <= d.rows, src, f"{where}.world_size",
+                f"{r.world_size} ranks but [data].rows is {d.rows}: every rank needs rows of its own")
+    if d.eval_rows and d.eval_path is None:
+        require(r.world_size <= d.eval_rows, src, f"{where}.world_size",
+                f"{r.world_size} ranks but [data].eval_rows is {d.eval_rows}: every rank needs eval rows of its "
+                f"own")
+
+
 def _validate_resume(s: Scenario, i: int, r: RunSpec, names: list[str], src: str) -> None:
     where = f"[[runs]][{i}]"
     steps = s.for_run(r).train.steps
@@ -232,6 +245,7 @@ def validate(s: Scenario, src: str) -> None:
         require(r.world_size <= micro, src, key,
                  f"{r.world_size} exceeds the {micro} rows of each micro-step "
                  f"([train].global_batch / grad_accum): a rank would get no rows")
+        _validate_data_size(eff.data, r, src, where)
         _validate_resume(s, i, r, names, src)
         _validate_mutation(s, i, r, src)
     ref = s.checks.reference

@@ -59,6 +59,12 @@ def _images(d: Path) -> Path:
     return path
 
 
+def _fewer_rows(d: Path, data: str) -> Path:
+    path = _base(d, world_sizes=(1, 4))
+    path.write_text(path.read_text().replace("rows = 21", data, 1))
+    return path
+
+
 def _image_row(d: Path, row: Any) -> Path:
     path = _images(d)
     (d / "rows.jsonl").write_text(json.dumps(row) + "\n")
@@ -111,6 +117,12 @@ CORPUS: list[tuple[str, Callable[[Path], list[str]], str]] = [
     ("image row whose prompt is a number",
      lambda d: ["run", str(_image_row(d, {"image": "fake.png", "caption": "x", "prompt": 3}))],
      '"prompt" must be a string'),
+    ("more ranks than rows", lambda d: ["run", str(_fewer_rows(d, "rows = 3"))],
+     "[[runs]][1].world_size: 4 ranks but [data].rows is 3: every rank needs rows of its own"),
+    ("more ranks than eval rows", lambda d: ["run", str(_fewer_rows(d, "rows = 21\neval_rows = 2"))],
+     "[[runs]][1].world_size: 4 ranks but [data].eval_rows is 2"),
+    ("a rows file of fewer rows than ranks", lambda d: ["run", str(_rows(d, '{"text": "one row only"}\n'))],
+     "rows.jsonl holds 1 row: every rank needs rows of its own"),
     ("rows of mixed forms", lambda d: ["run", str(_rows(d, '{"text": "a row"}\n{"prompt": "q", "completion": "a"}\n'))],
      "rows.jsonl:2"),
     ("rows not UTF-8", lambda d: ["run", str(_rows(d, b'{"text": "caf\xe9 au lait"}\n'))], "not UTF-8"),

@@ -269,3 +269,8 @@ def test_a_planned_check_the_results_cannot_measure_is_na_saying_why() -> None:
     loss = got["loss_parity"]
     assert not loss.applicable and "the reference run single did not complete" in loss.detail
     assert got["token_accounting"].applicable
+
+
+def test_a_one_rank_run_is_one_rank_in_details() -> None:
+    detail = replica_consistency(_run("single", 1, [1.0], ["a"])).detail
+    assert detail.startswith("1 rank at steps") and "1 ranks" not in detail

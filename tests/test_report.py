@@ -59,3 +59,65 @@ def test_report_md_has_the_tables_and_plots_and_goes_to_the_job_summary(tmp_path
         assert part in report
     job = summary.read_text()
     assert job.startswith("earlier step\n# mlx-ddp-harness report") and "| Model / seq " in job and "![" not in job
+
+
+def _gfm_tables(markdown: str) -> list[list[list[str]]]:
+    """Every table GitHub would render from ``markdown``: rows of cell texts, the header first."""
+    from markdown_it import MarkdownIt
+
+    tables, row, cell = [], None, None
+    for tok in MarkdownIt("commonmark").enable("table").parse(markdown):
+        if tok.type == "table_open":
+            tables.append([])
+        elif tok.type == "tr_open":
+            row = []
+        elif tok.type in ("th_open", "td_open"):
+            cell = ""
+        elif tok.type == "inline" and cell is not None:
+            cell = tok.content
+        elif tok.type in ("th_close", "td_close"):
+            row.append(cell)
+            cell = None
+        elif tok.type == "tr_close":
+            tables[-1].append(row)
+    return tables
+
+
+def test_report_md_renders_as_gfm_with_every_column_intact(tmp_path: Path) -> None:
+    """Cells that hold ``|`` (a norm, an absolute value) stay one cell when GitHub renders them."""
+    scenario = _scenario("passed", 1000.0)
+    detail = "||g - g_ref|| / ||g_ref||; largest |delta| 3e-7"
+    scenario["checks"].append({"name": "step_grad_parity", "run": "ddp2", "passed": True, "value": 2e-7,
+                               "limit": 2e-6, "result": "pass", "detail": detail})
+    doc = schema.stamp({"passed": True, "exit_code": 0, "environment": {"cpu": "Test CPU"}, "scenarios": [scenario]})
+    write_outputs(tmp_path / "out", doc)
+    tables = _gfm_tables((tmp_path / "out" / "report.md").read_text())
+    assert len(tables) >= 2
+    for t in tables:
+        assert all(len(r) == len(t[0]) for r in t), t
+    cells = [c for t in tables for r in t for c in r]
+    assert detail in cells  # whole: a cut cell would have lost its tail to the next column
+    # and GitHub splits a row at every unescaped |: each row has its header's count
+    import re
+
+    widths = [len(re.findall(r"(?<!\\)\|", ln)) if ln.startswith("|") else None
+              for ln in (tmp_path / "out" / "report.md").read_text().splitlines()]
+    for prev, width in zip(widths, widths[1:], strict=False):
+        assert prev is None or width is None or prev == width
+
+
+def test_output_to_a_pipe_closed_early_is_no_error(tmp_path: Path) -> None:
+    """``mlx-ddp-harness report DIR | head``: the reader leaves after a line; no traceback, exit 0."""
+    import subprocess
+    import sys
+
+    scenario = _scenario("passed", 1000.0)
+    scenario["checks"] = scenario["checks"] * 3000  # far more than a pipe's buffer
+    doc = schema.stamp({"passed": True, "exit_code": 0, "environment": {"cpu": "Test CPU"}, "scenarios": [scenario]})
+    schema.write_json_atomic(tmp_path / "result.json", doc)
+    p = subprocess.Popen([sys.executable, "-m", "harness", "report", str(tmp_path / "result.json")],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert p.stdout is not None and p.stdout.readline()
+    p.stdout.close()  # as head does after its lines
+    err = p.stderr.read().decode() if p.stderr else ""
+    assert p.wait(timeout=60) == 0 and "Traceback" not in err and "BrokenPipe" not in err, err

@@ -15,6 +15,18 @@ from pathlib import Path
 from harness.scenario import DataSpec, Scenario, ScenarioError
 
 
+def _check_count(s: Scenario, key: str, path: Path, limit: int | None, rows: int) -> None:
+    """A rows file must hold a row for every rank of every run that reads it."""
+    for i, r in enumerate(s.runs):
+        d = s.for_run(r).data
+        reads = d.path if key == "path" and d.source == "jsonl" else d.eval_path if key == "eval_path" else None
+        if reads is not None and Path(reads) == path and r.world_size > rows:
+            what = "rows" if key == "path" else "eval rows"
+            held = f"{rows} {what if rows != 1 else what[:-1]}"
+            raise ScenarioError(f"{s.path}: [[runs]][{i}].world_size: {r.world_size} ranks but {path} holds "
+                                f"{held}: every rank needs {what} of its own")
+
+
 def _files(s: Scenario) -> Iterator[tuple[DataSpec, str, Path, int | None]]:
     """(data spec, key, file, rows read) for every local rows file of the scenario's runs, once."""
     seen = set()
@@ -43,6 +55,7 @@ def check_text_rows(s: Scenario) -> None:
             raise ScenarioError(str(e)) from e
         if not rows:
             raise ScenarioError(f"{s.path}: [data].{key}: {path} has no rows")
+        _check_count(s, key, path, limit, rows)
 
 
 def check_image_rows(s: Scenario) -> None:
@@ -54,10 +67,11 @@ def check_image_rows(s: Scenario) -> None:
     from harness.data.sources import Encoder
     from harness.data.tokenizers import ByteTokenizer
 
-    for d, _, path, _ in _files(s):
-        encode = Encoder(ByteTokenizer(), d)
+    for d, key, path, limit in _files(s):
+        encode, rows = Encoder(ByteTokenizer(), d), 0
         try:
-            for where, row in local_image_rows(path, None):
+            for where, row in local_image_rows(path, limit):
+                rows += 1
                 encode(where, image_text_row(where, row))
                 image = row.get("image")
                 if not isinstance(image, str):
@@ -73,6 +87,7 @@ def check_image_rows(s: Scenario) -> None:
             raise
         except ValueError as e:  # a line that is not JSON, a file that is not UTF-8
             raise ScenarioError(str(e)) from e
+        _check_count(s, key, path, limit, rows)
 
 
 def check_tokenizers(s: Scenario) -> None:

@@ -134,6 +134,10 @@ def lr_schedule(run: RunOutcome, ref: RunOutcome) -> Check:
                  derivation=f"relative, {LR_ULPS} float32 ulps: the same schedule evaluated at the same step")
 
 
+def ranks(n: int) -> str:
+    return f"{n} rank" if n == 1 else f"{n} ranks"
+
+
 def replica_consistency(run: RunOutcome) -> Check:
     """Every rank's parameter digest is identical at every step that recorded one."""
     per_rank = [o.result["digests"] if o.result else {} for o in run.ranks]
@@ -141,7 +145,7 @@ def replica_consistency(run: RunOutcome) -> Check:
     bad = [s for s in steps if len({d.get(s) for d in per_rank}) != 1]
     if not steps:
         return Check("replica_consistency", run.name, False, None, 0, "no digests recorded")
-    detail = f"{run.world_size} ranks at steps {', '.join(steps)}"
+    detail = f"{ranks(run.world_size)} at steps {', '.join(steps)}"
     if bad:
         detail += f"; differ at steps {', '.join(bad)}"
     return Check("replica_consistency", run.name, not bad, len(bad), 0, detail)
@@ -212,7 +216,7 @@ def memory_ceilings(run: RunOutcome, s: Scenario) -> list[Check]:
             per = name.endswith("_per_rank_mb")
             v = (max(peaks) if per else sum(peaks)) / MB
             detail = (f"per rank: {', '.join(f'{p / MB:.1f}' for p in peaks)}" if per else
-                      f"sum of {run.world_size} ranks") + where
+                      f"sum of {ranks(run.world_size)}") + where
             out.append(Check(name, run.name, v <= limit, round(v, 2), limit, detail))
     return out
 
@@ -233,7 +237,7 @@ def ranks_agree(run: RunOutcome) -> Check:
             values = [[{k: e[k] for k in ("step", "loss", "tokens")} for e in v or []] for v in values]
         if any(v != values[0] for v in values[1:]):
             differ.append(key)
-    detail = f"{run.world_size} ranks; " + (f"differ in {', '.join(differ)}" if differ else
+    detail = f"{ranks(run.world_size)}; " + (f"differ in {', '.join(differ)}" if differ else
                                             f"same {', '.join(fields)}")
     if sent and run.world_size > 1:
         detail += f"; {', '.join(sent['fields'])} are rank 0's ({sent['why']})"

@@ -5,11 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from tabulate import tabulate
-
 from harness.judge.baselines import Tolerances
 from harness.judge.gates import Gate
-from harness.present.tables import FORMATS
+from harness.present.tables import table
 
 REGRESSION_HEADERS = ["Model / seq", "Scenario", "Hardware", "Branch", "Runtime", "Post-step-1 median tok/s",
                       "Avg loss", "Final loss"]
@@ -44,8 +42,7 @@ def regression_rows(compared: list[tuple[str, str, dict[str, Any], dict[str, Any
 
 def gate_table(gates: list[Gate], fmt: str = "plain") -> str:
     rows = [[g.scenario, g.run, g.metric, g.current, g.baseline, g.threshold, g.result, g.detail] for g in gates]
-    return tabulate(rows, headers=["Scenario", "Run", "Metric", "Current", "Baseline", "Threshold", "Result", "Detail"],
-                    tablefmt=FORMATS[fmt], disable_numparse=True)
+    return table(rows, ["Scenario", "Run", "Metric", "Current", "Baseline", "Threshold", "Result", "Detail"], fmt)
 
 
 def gate_text(gates: list[Gate], notes: list[str], compared: list, baseline: dict[str, Any],
@@ -58,8 +55,7 @@ def gate_text(gates: list[Gate], notes: list[str], compared: list, baseline: dic
     regression = regression_rows(compared, baseline, env)
     if regression:
         title = "Single-process regression against the baseline"
-        parts.append(f"{title}\n\n" + tabulate(regression, headers=REGRESSION_HEADERS, tablefmt=FORMATS[fmt],
-                                                disable_numparse=True))
+        parts.append(f"{title}\n\n" + table(regression, REGRESSION_HEADERS, fmt))
     parts.append(gate_table(gates, fmt))
     parts.extend(g.message() for g in failed)
     parts.extend(f"note: {n}" for n in notes)
@@ -80,4 +76,4 @@ def baseline_rows(baseline: dict[str, Any]) -> list[list[Any]]:
 def baseline_table(baseline: dict[str, Any], fmt: str = "plain") -> str:
     headers = ["Scenario", "Run", "World size", "Repeats", "Median tok/s", "Repeat spread", "Slowdown allowed",
                "Loss tolerance", "Memory"]
-    return tabulate(baseline_rows(baseline), headers=headers, tablefmt=FORMATS[fmt], disable_numparse=True)
+    return table(baseline_rows(baseline), headers, fmt)

@@ -10,6 +10,17 @@ from harness.present.shapes import width_cell, width_warnings
 from harness.scenario_spec import MUTATIONS_DESCRIBED
 
 FORMATS = {"plain": "simple", "github": "github"}
+
+
+def table(rows: list[list[Any]], headers: list[str], fmt: str = "plain") -> str:
+    """A table in ``fmt``; in GitHub markdown every ``|`` a cell holds is escaped (``\\|``), so
+    a value such as ``||g - g_ref||`` cannot split its cell."""
+    if fmt == "github":
+        rows = [[str(c).replace("|", "\\|") if c is not None else c for c in row] for row in rows]
+        headers = [h.replace("|", "\\|") for h in headers]
+    return tabulate(rows, headers=headers, tablefmt=FORMATS[fmt], disable_numparse=True)
+
+
 MB = 1024 * 1024
 
 PARITY_HEADERS = [
@@ -76,7 +87,7 @@ def runs_table(scenario: dict[str, Any], fmt: str = "plain") -> str:
     headers = [h.format(ref=ref) for h in shape]
     if has_images(scenario):
         headers.insert(headers.index(TOK_S_HEADER) + 1, IMAGES_HEADER)
-    return tabulate(run_rows(scenario), headers=headers, tablefmt=FORMATS[fmt], disable_numparse=True)
+    return table(run_rows(scenario), headers, fmt)
 
 
 def runs_title(scenario: dict[str, Any]) -> str:
@@ -100,8 +111,7 @@ def checks_table(scenario: dict[str, Any], fmt: str = "plain") -> str:
     rows = [[c["name"], c["run"], _fmt(c["value"]), _fmt(c.get("floor")), _fmt(c.get("ratio")), _fmt(c["limit"]),
              c.get("result", "pass" if c["passed"] else "FAIL"), c.get("precision") or "-", c["detail"]]
             for c in scenario["checks"]]
-    return tabulate(rows, headers=["Check", "Run", "Value", "Floor", "Ratio", "Limit", "Result", "Precision", "Detail"],
-                    tablefmt=FORMATS[fmt], disable_numparse=True)
+    return table(rows, ["Check", "Run", "Value", "Floor", "Ratio", "Limit", "Result", "Precision", "Detail"], fmt)
 
 
 def floor_notes(scenario: dict[str, Any]) -> list[str]:
@@ -137,7 +147,7 @@ def mutation_rows(scenario: dict[str, Any]) -> list[list[Any]]:
 
 
 def mutation_table(scenario: dict[str, Any], fmt: str = "plain") -> str:
-    return tabulate(mutation_rows(scenario), headers=MUTATION_HEADERS, tablefmt=FORMATS[fmt], disable_numparse=True)
+    return table(mutation_rows(scenario), MUTATION_HEADERS, fmt)
 
 
 def failures(scenario: dict[str, Any]) -> list[str]:
@@ -173,7 +183,7 @@ def resume_rows(scenario: dict[str, Any]) -> list[list[Any]]:
 
 
 def resume_table(scenario: dict[str, Any], fmt: str = "plain") -> str:
-    return tabulate(resume_rows(scenario), headers=RESUME_HEADERS, tablefmt=FORMATS[fmt], disable_numparse=True)
+    return table(resume_rows(scenario), RESUME_HEADERS, fmt)
 
 
 REPEAT_HEADERS = ["Run", "Repeats", "Post-step-1 median tok/s per repeat", "Spread (stdev / median)",
@@ -203,7 +213,7 @@ def repeat_rows(scenario: dict[str, Any]) -> list[list[Any]]:
 
 
 def repeat_table(scenario: dict[str, Any], fmt: str = "plain") -> str:
-    return tabulate(repeat_rows(scenario), headers=REPEAT_HEADERS, tablefmt=FORMATS[fmt], disable_numparse=True)
+    return table(repeat_rows(scenario), REPEAT_HEADERS, fmt)
 
 
 def host_ranks(hosts: list[str]) -> str:
