@@ -23,6 +23,9 @@ def test_text_parity_scenario_passes_and_reports(tmp_path: Path) -> None:
         assert header in p.stdout
     doc = json.loads((out / "result.json").read_text())
     assert doc["passed"] and doc["exit_code"] == 0 and doc["schema_version"] == 2
+    tail = p.stdout.strip().splitlines()[-2:]  # the run ends on its summary, not on the last table
+    assert tail[0].startswith("summary: 1 scenario: 1 passed, 0 failed, 0 with a run that did not complete; checks: ")
+    assert tail[0].endswith("exit 0") and tail[1] == f"report: {out / 'report.md'}"
     assert {"mlx_version", "device", "default_backend", "platform", "python", "blas"} <= doc["environment"].keys()
     (s,) = doc["scenarios"]
     runs = {r["name"]: r for r in s["runs"]}

@@ -163,7 +163,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from harness.controller.suite import run_scenario
     from harness.judge.verdict import judge
     from harness.present.report import write_outputs
-    from harness.present.results import document, merge_repeats, scenario_summary
+    from harness.present.results import document, merge_repeats, scenario_summary, summary_lines
     from harness.present.tables import scenario_text
 
     scenarios, skipped = available(resolve_scenarios(args.scenarios))
@@ -211,17 +211,21 @@ def cmd_run(args: argparse.Namespace) -> int:
     if out is not None:
         for f in write_outputs(out, doc):
             print(f"wrote {f}", file=sys.stderr)
+    print("\n".join(summary_lines(doc, out)), flush=True)
     return doc["exit_code"]
 
 
 def cmd_report(args: argparse.Namespace) -> int:
     """Print the tables of saved results without running anything."""
+    from harness.present.results import summary_lines
     from harness.present.tables import scenario_text
 
     for f, doc in load_results(args.results):
         print(f"{f}: {'PASSED' if doc.get('passed') else 'FAILED'}\n")
         for s in doc["scenarios"]:
             print(scenario_text(s, args.format) + "\n")
+        if "exit_code" in doc:
+            print("\n".join(summary_lines(doc, f.parent if (f.parent / "report.md").exists() else None)) + "\n")
     return 0
 
 

@@ -216,3 +216,25 @@ def load_results(paths: list[str]) -> list[tuple[Path, dict]]:
                 raise ScenarioError(f"{f}: scenarios[{i}] is not a scenario result (no {', '.join(missing)})")
         docs.append((f, doc))
     return docs
+
+
+def summary_lines(doc: dict[str, Any], out: Path | None) -> list[str]:
+    """The closing block of ``run``: the scenarios by status, the checks by outcome, what this
+    machine skipped and where the report went."""
+    from collections import Counter
+
+    status = Counter(s["status"] for s in doc["scenarios"])
+    outcomes = Counter(c["result"] for s in doc["scenarios"] for c in s["checks"])
+    names = {"pass": "passed", "caught": "mutations caught", "xfail": "expected failures shown", "n/a": "n/a",
+             "FAIL": "FAILED", "XPASS": "XPASS (expected failure gone)", "inconclusive": "inconclusive"}
+    checks = ", ".join(f"{outcomes[k]} {v}" for k, v in names.items() if outcomes[k])
+    scenarios = len(doc["scenarios"])
+    lines = [f"summary: {scenarios} scenario{'s' if scenarios != 1 else ''}: {status['passed']} passed, "
+             f"{status['failed']} failed, {status['error']} with a run that did not complete; "
+             f"checks: {checks or 'none'}; exit {doc['exit_code']}"]
+    skipped = doc.get("skipped") or []
+    if skipped:
+        what = [s["scenario"] + ("" if s["whole"] else " (some runs)") for s in skipped]
+        lines.append(f"skipped here: {', '.join(what)}")
+    lines.append(f"report: {out / 'report.md'}" if out is not None else "report: none written (run with --out DIR)")
+    return lines
