@@ -179,13 +179,14 @@ class TrainResult(_TrainRequired, total=False):
     from_rank0: dict[str, Any] | None  # figures every rank took from rank 0, and why
 
 
-def _keys_problem(record: dict[str, Any], *types: Any) -> str | None:
+def _keys_problem(record: dict[str, Any], *types: Any, closed: bool = True) -> str | None:
+    """A key ``types`` require that ``record`` lacks; when ``closed``, also a key none of them knows."""
     required = set().union(*(t.__required_keys__ for t in types))
     known = required.union(*(t.__optional_keys__ for t in types))
     missing, unknown = sorted(required - record.keys()), sorted(record.keys() - known - {"schema_version"})
     if missing:
         return f"lacks {', '.join(missing)}"
-    if unknown:
+    if unknown and closed:
         return f"has unknown keys {', '.join(unknown)}"
     return None
 
@@ -201,9 +202,10 @@ def train_result(**fields: Any) -> TrainResult:
 def check_rank_result(record: dict[str, Any], where: str) -> dict[str, Any]:
     """A rank's result read strictly: every key its job's kind requires, no key unknown
     (``SchemaError`` naming them); a training job's that ended ``ok`` is a ``TrainResult`` too."""
-    train = record.get("job") == "train" and record.get("status") == "ok"
-    problem = _keys_problem(record, RankResult, *((TrainResult,) if train else ()))
-    if problem and not (record.get("job") != "train" and problem.startswith("has unknown")):
+    train = record.get("job") == "train"  # other jobs (a launch probe, a benchmark) carry figures of their own
+    types = (RankResult, TrainResult) if train and record.get("status") == "ok" else (RankResult,)
+    problem = _keys_problem(record, *types, closed=train)
+    if problem:
         raise SchemaError(f"{where}: {problem}")
     return record
 

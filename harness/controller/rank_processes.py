@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 import psutil
@@ -101,12 +100,14 @@ class HostProcesses:
         return not self.hosts.ended(rank)
 
     def over_memory(self, ranks: dict[int, RankMemory], memory: MemoryLimits, machine_mb: float) -> str | None:
-        rss: Callable[[int, int], int | None] = lambda r, pid: self.hosts.rss(r)  # noqa: E731
         for group, host_mb, name in self.hosts.groups():
-            over = over_limit({r: ranks[r] for r in group}, memory, host_mb, rss, f"host {name}")
+            over = over_limit({r: ranks[r] for r in group}, memory, host_mb, self._rss, f"host {name}")
             if over:
                 return over
         return None
+
+    def _rss(self, rank: int, pid: int) -> int | None:
+        return self.hosts.rss(rank)  # what the rank's host agent last reported
 
     def last_heard(self, steps: dict[int, int], heard: dict[int, float]) -> str:
         """Where each rank stopped: its host, its last step, how long ago, the one heard from
