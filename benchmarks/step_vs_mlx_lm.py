@@ -126,7 +126,22 @@ def launch(spec: Any, job: dict[str, Any], backend: str | None) -> dict[str, Any
     out = execute(f"{spec.name}_{job['kind']}", job, spec.world_size, backend=backend or spec.backend)
     if not out.ok:
         raise SystemExit(f"{spec.name} ({job['kind']}): {out.failure}")
-    return out.result(0)
+    steps = [e for e in out.ranks[0].events if e.get("kind") == "step"][1:]
+    phases = {k: statistics.median(e[k] for e in steps) for k in PHASES + ("step_time_s",)
+              if steps and all(k in e for e in steps)}
+    return {**out.result(0), "phase_medians_s": phases}
+
+
+PHASES = ("fetch_s", "build_s", "eval_s")
+
+
+def phase_row(spec: Any, mode: str, who: str, result: dict[str, Any]) -> list[Any] | None:
+    """Rank 0's median post-step-1 milliseconds fetching, building and evaluating a step, where
+    the trainer times them (the reference and the step loop; mlx-lm's trainer does not)."""
+    med = result.get("phase_medians_s") or {}
+    if not all(k in med for k in PHASES + ("step_time_s",)):
+        return None
+    return [spec.world_size, mode, who, *(f"{med[k] * 1e3:.1f}" for k in PHASES + ("step_time_s",))]
 
 
 def measure(spec: Any, job: dict[str, Any], backend: str | None) -> tuple[float, dict[str, Any]]:
@@ -167,7 +182,7 @@ def main() -> None:
     _, dtype, seq, per_rank = MODELS[args.model]
     name, peak = device_peak()
     mfu_ok = peak is not None and dtype in ("bfloat16", "float16")
-    rows, base, step_s = [], {}, {}
+    rows, base, step_s, phase_rows = [], {}, {}, []
     for spec in s.runs:
         if spec.name.endswith(MLX_LM):
             continue
@@ -184,6 +199,7 @@ def main() -> None:
         ours, trainer, loop = (r for _, r in best)
         if loop["mlx_compile"] != (mode == "compiled"):
             raise SystemExit(f"{spec.name}: MLX compiles {'' if loop['mlx_compile'] else 'not '}in the ranks")
+        phase_rows += [r for r in (phase_row(spec, mode, "harness", ours), phase_row(spec, mode, "step", loop)) if r]
         params = ours["param_count"]
         base.setdefault(mode, tok_s)
         step_s[(spec.world_size, mode)] = ours["tokens_global_per_step"][0] / tok_s[0]
@@ -199,6 +215,12 @@ def main() -> None:
                                   "MFU harness", "MFU trainer", "Width harness", "Width trainer", "Width step"]))
     print("trainer: mlx_lm.tuner.trainer.train (the anchor); step: its step in a plain loop. eager: every rank run "
           "with MLX_DISABLE_COMPILE=1 (mlx-lm's train() compiles its step otherwise). Width: padded inputs per row.")
+    if phase_rows:
+        print()
+        print(tabulate(phase_rows, headers=["World size", "Mode", "Who", "Fetch ms", "Build ms", "Eval ms",
+                                            "Step ms"]))
+        print("Rank 0, median after step 1 of the best repeat. Fetch: batch and token-count agreement; build: the "
+              "lazy graph; eval: mx.eval of the step.")
     reduce_rows = allreduce_rows(s, step_s, args.backend)
     if reduce_rows:
         print()

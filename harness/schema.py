@@ -11,7 +11,9 @@ Event kinds written by ranks:
              rss_baseline ("job start", or on CUDA "end of the first step"), rss_baseline_bytes
   ``phase``  name (heartbeat between steps: "model", "data", "train", "save", ...)
   ``step``   step, loss, tokens_global, tokens_local, rows_local, step_time_s,
-             mlx_peak_bytes, rss_bytes, [digest], [rss_baseline ("end of step N"),
+             mlx_peak_bytes, rss_bytes, [digest], [fetch_s, build_s, eval_s: the step's time
+             fetching its batch, building its lazy graph and evaluating it, where a trainer
+             times them], [rss_baseline ("end of step N"),
              rss_baseline_bytes: at the step that set a CUDA rank's baseline]
   ``memory`` rank, mlx_active_bytes, mlx_peak_bytes, rss_bytes (sampled while the rank runs,
              written when a figure rose: ``harness.rank.memory``)

@@ -100,11 +100,13 @@ def run(ctx: RankContext) -> dict[str, Any]:
     for k in range(1, t.steps + 1):
         t0 = time.perf_counter()
         loss, tokens = step(batch, lengths)
+        t1 = time.perf_counter()
         mx.eval(state, loss, tokens)
         dt = time.perf_counter() - t0
         times.append(dt)
         tok_s.append(int(tokens.item()) * ctx.world_size / dt)
-        ctx.events.emit("step", step=k, rank=ctx.rank, loss=float(loss.item()), step_time_s=dt)
+        ctx.events.emit("step", step=k, rank=ctx.rank, loss=float(loss.item()), step_time_s=dt,
+                        fetch_s=0.0, build_s=t1 - t0, eval_s=t0 + dt - t1)
     return {"tok_s_global": tok_s, "step_times_s": times, "param_count": param_count(model),
             "tokens_global_per_step": rows * (length - 1) * ctx.world_size, "compile": t.compile != "off",
             "input_widths": [length - 1] * t.steps, "mlx_compile": compile_enabled()}

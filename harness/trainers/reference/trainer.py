@@ -76,6 +76,7 @@ class Trainer:
         self.checkpoints: list[dict[str, Any]] = []
         self.last_checkpoint = 0
         self.resumed: dict[str, Any] | None = None
+        self.step_phases: dict[str, float] = {}  # fetch_s, build_s, eval_s of the step being trained
         self.t_train = time.perf_counter()
         self.input_widths: list[int] = []  # per step this run trained: its widest micro-batch, padding included
 
@@ -167,6 +168,7 @@ class Trainer:
         gradients, all-reduce, update and loss. Returns (logged loss, gradient norm)."""
         import mlx.core as mx
 
+        t0 = time.perf_counter()
         loss, grads, norm = self.global_gradient(step, micros, tokens, fault)
         unapplied = None
         if grads is not None:
@@ -176,11 +178,13 @@ class Trainer:
             # peers wait in) are evaluated on their own.
             unapplied = grads if norm is None else None
             del grads
+        t1 = time.perf_counter()
         try:  # every rank built the same collectives; an error here is this rank's alone
             mx.eval(self.model.state, self.optimizer.state, loss, norm, unapplied)
         except Exception as e:
             raise RankFailure(f"rank {self.ctx.rank} failed while evaluating step {step}: "
                               f"{type(e).__name__}: {e}") from e
+        self.step_phases.update(build_s=t1 - t0, eval_s=time.perf_counter() - t1)
         if self.spec.grad_norms == "off" and self.spec.max_grad_norm == 0:
             return float(loss.item()), None  # not recorded (``TrainSpec.grad_norms``)
         return float(loss.item()), float(norm.item()) if norm is not None else float("nan")
@@ -229,6 +233,7 @@ class Trainer:
             micros = coord.attempt("fetch", step, self.fetch, step)
             agreed = coord.agree([sum(b.tokens for b in micros) if micros else 0,
                                   sum(b.images for b in micros) if micros else 0])
+            self.step_phases = {"fetch_s": time.perf_counter() - t0}
             if agreed.stop_ranks:
                 self._stopped(agreed.stop_ranks, last)
                 break
@@ -342,7 +347,7 @@ class Trainer:
         event: dict[str, Any] = dict(
             step=step, rank=ctx.rank, loss=loss, tokens_global=tokens, tokens_local=local,
             rows_local=sum(len(b.inputs) for b in micros), images_global=images, step_time_s=dt, grad_norm=norm, lr=lr,
-            **memory,
+            **self.step_phases, **memory,
         )
         if self.spec.digest_every and step % self.spec.digest_every == 0:
             self.progress.digests[step] = event["digest"] = param_digest(self.model)
