@@ -150,7 +150,7 @@ def test_side_effects_on_a_non_main_rank_fail() -> None:
     assert rank0_side_effects(run, ref).passed
     run.ranks[1].result["side_effects"]["saves"] = 1
     bad = rank0_side_effects(run, ref)
-    assert not bad.passed and "other ranks: rank 1 {'callbacks': 0, 'log_lines': 0, 'saves': 1}" in bad.detail
+    assert not bad.passed and "other ranks: rank 1: callbacks 0, log lines 0, saves 1" in bad.detail
     run = _run("d", 2, [1.0], ["a", "a"])
     run.ranks[0].result["side_effects"]["saves"] = 0  # the reference trainer must have saved
     bad = rank0_side_effects(run, ref)

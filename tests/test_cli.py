@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -23,6 +25,7 @@ def test_text_parity_scenario_passes_and_reports(tmp_path: Path) -> None:
         assert header in p.stdout
     doc = json.loads((out / "result.json").read_text())
     assert doc["passed"] and doc["exit_code"] == 0 and doc["schema_version"] == 2
+    assert re.search(r"[\[{]'|\[\d", p.stdout) is None, "a Python list or dict repr in the tables"
     tail = p.stdout.strip().splitlines()[-2:]  # the run ends on its summary, not on the last table
     assert tail[0].startswith("summary: 1 scenario: 1 passed, 0 failed, 0 with a run that did not complete; checks: ")
     assert tail[0].endswith("exit 0") and tail[1] == f"report: {out / 'report.md'}"
@@ -146,6 +149,23 @@ def test_run_without_argument_takes_the_default_set(tmp_path: Path) -> None:
     p = cli("run", cwd=tmp_path)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "chosen: PASSED" in p.stdout and not any(ln.startswith("other:") for ln in p.stdout.splitlines())
+    assert f"{d}: not run (no default = true; name a file to run it): other.toml" in p.stderr
+    assert "no ./scenarios here" not in p.stderr
+
+
+def test_bare_run_outside_a_checkout_says_which_suite_it_takes(tmp_path: Path) -> None:
+    from harness.present.cli import resolve_scenarios
+
+    notes: list[str] = []
+    here = Path.cwd()
+    try:
+        os.chdir(tmp_path)  # no ./scenarios: the shipped suite, said so
+        found = resolve_scenarios([], notes)
+    finally:
+        os.chdir(here)
+    assert found and all(s.default for s in found)
+    assert notes[0] == f"no ./scenarios here: running the harness's own default suite ({REPO / 'scenarios'})"
+    assert notes[1].startswith(f"{REPO / 'scenarios'}: not run (no default = true; name a file to run it): ")
 
 
 def test_list_and_doctor() -> None:
@@ -187,3 +207,13 @@ def test_report_refuses_bad_results_with_one_line(tmp_path: Path) -> None:
         r = cli("report", str(target))
         assert r.returncode == 2 and r.stdout == "", r.stderr
         assert r.stderr.startswith(f"error: {target}") and text in r.stderr and r.stderr.count("\n") == 1
+
+
+def test_help_states_the_exit_codes_in_plain_text() -> None:
+    for args in ((), ("run",), ("report",), ("gate",), ("list",), ("doctor",), ("baseline",)):
+        p = cli(*args, "--help")
+        assert p.returncode == 0, p.stderr
+        assert "``" not in p.stdout, (args, p.stdout)  # no reStructuredText markup
+    for args in ((), ("run",)):
+        text = cli(*args, "--help").stdout
+        assert "exit codes of run:" in text and "3  a run did not complete" in text and "docs/commands.md" in text

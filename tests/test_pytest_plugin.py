@@ -47,7 +47,12 @@ def test_scenario_files_are_collected_only_where_asked(tmp_path: Path) -> None:
     ids = _ids(p)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "suite/shipped.toml::single::launch" in ids and "suite/shipped.toml::ddp2::loss_parity" in ids
-    assert not any("optional" in i or "settings" in i for i in ids)  # a directory means its default set
+    assert not any("settings" in i for i in ids)
+    # a directory means its default set; another scenario file there is one skipped test saying so
+    assert [i for i in ids if "optional" in i] == ["suite/optional.toml::not_in_default_set"]
+    skipped = _pytest(tmp_path, "suite/", "-rs", "-k", "not_in_default_set")
+    assert skipped.returncode == 0, skipped.stdout + skipped.stderr
+    assert "optional.toml has no default = true: a directory runs its default set; name the file" in skipped.stdout
     assert "suite/shipped.toml::ddp2::param_parity" in ids and "suite/shipped.toml::single::loss_parity" not in ids
 
     named = _ids(_pytest(tmp_path, "suite/optional.toml", "--collect-only", "-q"))

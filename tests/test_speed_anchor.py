@@ -51,8 +51,18 @@ def test_the_side_by_side_benchmark_prints_the_three() -> None:
         assert len(r[6].split("/")) == 3 and r[7:9] == ["-", "-"]
         assert r[9:] == ["160", "160", "160"]  # every trainer trained the rows' 160 inputs, none padded wider
     assert "MLX_DISABLE_COMPILE=1" in lines[7]  # the eager rows ran with compile off (the step loop's rank checked)
+    # where each step's time went: the harness's and the step loop's fetch, build, eval and step medians (ms)
+    at = next(i for i, line in enumerate(lines) if "Fetch ms" in line)
+    phases = [line.split() for line in lines[at + 2 : at + 10]]
+    assert [tuple(r[:3]) for r in phases] == [(n, m, who) for n in ("1", "2") for m in ("eager", "compiled")
+                                              for who in ("harness", "step")]
+    for r in phases:
+        fetch, build, evaluate, step = map(float, r[3:7])
+        assert build > 0 and evaluate > 0 and step >= max(fetch, build, evaluate)  # each step holds its parts
+        assert (fetch == 0) == (r[2] == "step")  # the loop fetches nothing: its batch is drawn once
     # the all-reduce alone beside the 2-rank step: world size, MiB, all-reduce ms, step ms at 1 and 2, extra, share
-    (reduce,) = [line.split() for line in lines[11:]]
+    at = next(i for i, line in enumerate(lines) if "all-reduce ms (alone)" in line)
+    (reduce,) = [line.split() for line in lines[at + 2 :]]
     assert reduce[0] == "2" and float(reduce[1]) > 0 and float(reduce[2]) > 0 and float(reduce[4]) > 0
     assert abs(float(reduce[5]) - (float(reduce[4]) - float(reduce[3]))) <= 0.02
     assert abs(float(reduce[6][:-1]) - 100 * float(reduce[2]) / float(reduce[4])) <= 0.1

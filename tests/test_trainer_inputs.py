@@ -13,7 +13,7 @@ from harness.controller.suite import run_scenario
 from harness.data.sources import generated_text
 from harness.judge.verdict import judge
 from harness.scenario import load_scenario
-from tests.conftest import write_scenario
+from tests.conftest import cli, write_scenario
 
 pytestmark = pytest.mark.ranks
 
@@ -63,14 +63,14 @@ def test_local_model_directory_is_loaded_and_trains_in_parity(scenario_dir: Path
     assert runs[0].result()["digests"]["0"] != r7.result()["digests"]["0"]
 
 
-def make_tokenizer(dest: Path):  # noqa: ANN201
-    """A byte-level BPE trained offline on generated text, with <pad>, <s> and </s>."""
+def make_tokenizer(dest: Path, specials: tuple[str, ...] = ("<pad>", "<s>", "</s>")):  # noqa: ANN201
+    """A byte-level BPE trained offline on generated text, with ``specials`` (ids 0, 1, ...)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<pad>", "<s>", "</s>"],
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=list(specials),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     rng = np.random.default_rng(3)
     tok.train_from_iterator([generated_text(rng, 24, 120) for _ in range(300)], trainer)
@@ -88,6 +88,29 @@ def test_local_tokenizer_json_is_used(scenario_dir: Path) -> None:
     assert runs[0].result()["model_config"]["vocab_size"] == tok.get_vocab_size()
     _, (byte_run,) = run_all(write_scenario(scenario_dir, "bytes", world_sizes=(1,)))
     assert runs[0].result()["tokens_global"] < byte_run.result()["tokens_global"]  # BPE merges bytes
+
+
+def test_a_tokenizer_without_special_tokens_is_said_before_the_run(scenario_dir: Path) -> None:
+    from harness.data.tokenizers import FileTokenizer
+
+    make_tokenizer(scenario_dir / "eos_only.json", ("</s>",))
+    notes = FileTokenizer(str(scenario_dir / "eos_only.json")).notes
+    assert notes == ["no pad token (<pad>, <|pad|>, [PAD]): batches are padded with the eos token </s> (id 0), "
+                     "masked out of the loss", "no bos token (<s>, <|begin_of_text|>, <bos>, <|endoftext|>): "
+                     "rows start without one"]
+    make_tokenizer(scenario_dir / "bare.json", ())
+    bare = FileTokenizer(str(scenario_dir / "bare.json"))
+    assert bare.pad_id == 0 and bare.bos_id is None and bare.eos_id is None
+    assert bare.notes[0].endswith("batches are padded with id 0, masked out of the loss") and len(bare.notes) == 3
+    make_tokenizer(scenario_dir / "full.json")
+    assert FileTokenizer(str(scenario_dir / "full.json")).notes == []
+
+    path = write_scenario(scenario_dir, "bare", world_sizes=(1, 2), steps=3)
+    path.write_text(path.read_text().replace("max_chars = 60", 'max_chars = 60\ntokenizer = "bare.json"'))
+    p = cli("run", str(path))
+    assert p.returncode == 0, p.stdout + p.stderr  # padding with id 0 is masked: parity holds
+    assert f"bare: {scenario_dir / 'bare.json'}: no pad token (<pad>, <|pad|>, [PAD]): batches are padded with id 0" \
+        in p.stderr
 
 
 def test_same_seed_same_bits_and_other_seed_differs(scenario_dir: Path) -> None:

@@ -90,24 +90,30 @@ def check_image_rows(s: Scenario) -> None:
         _check_count(s, key, path, limit, rows)
 
 
-def check_tokenizers(s: Scenario) -> None:
+def check_tokenizers(s: Scenario) -> list[str]:
+    """Refuse a tokenizer file that does not load; a line for each special token a file lacks."""
     from harness.data.tokenizers import FileTokenizer
 
+    notes: list[str] = []
     for i, r in enumerate(s.runs):
         tok = s.for_run(r).data.tokenizer
         if tok == "byte" or tok.startswith("bpe:"):
             continue
         try:
-            FileTokenizer(tok)
+            loaded = FileTokenizer(tok)
         except ValueError as e:
             where = f"[[runs]][{i}].data.tokenizer" if "tokenizer" in r.data else "[data].tokenizer"
             raise ScenarioError(f"{s.path}: {where}: {e}") from e
+        notes += [f"{s.name}: {tok}: {n}" for n in loaded.notes if f"{s.name}: {tok}: {n}" not in notes]
+    return notes
 
 
-def check_data_files(s: Scenario) -> None:
-    """Refuse bad local rows, images or tokenizer files before any rank starts."""
-    check_tokenizers(s)
+def check_data_files(s: Scenario) -> list[str]:
+    """Refuse bad local rows, images or tokenizer files before any rank starts; returns what a
+    user should know of them (a tokenizer's missing special tokens)."""
+    notes = check_tokenizers(s)
     if s.model.vision:
         check_image_rows(s)
     else:
         check_text_rows(s)
+    return notes

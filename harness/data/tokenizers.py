@@ -30,8 +30,15 @@ class ByteTokenizer:
         return list(text.encode("utf-8"))
 
 
+# The special tokens a ``tokenizer.json`` is searched for, by name, in this order.
+BOS_NAMES = ("<s>", "<|begin_of_text|>", "<bos>", "<|endoftext|>")
+EOS_NAMES = ("</s>", "<|end_of_text|>", "<eos>", "<|endoftext|>", "<|im_end|>")
+PAD_NAMES = ("<pad>", "<|pad|>", "[PAD]")
+
+
 class FileTokenizer:
-    """A local ``tokenizer.json`` read with the Hugging Face ``tokenizers`` package."""
+    """A local ``tokenizer.json`` read with the Hugging Face ``tokenizers`` package: its bos,
+    eos and pad ids are the first of ``BOS_NAMES``, ``EOS_NAMES`` and ``PAD_NAMES`` it holds."""
 
     def __init__(self, path: str):
         from tokenizers import Tokenizer as HFTokenizer
@@ -49,11 +56,19 @@ class FileTokenizer:
                     return i
             return None
 
-        self.bos_id = tid("<s>", "<|begin_of_text|>", "<bos>", "<|endoftext|>")
-        self.eos_id = tid("</s>", "<|end_of_text|>", "<eos>", "<|endoftext|>", "<|im_end|>")
-        pad = tid("<pad>", "<|pad|>", "[PAD]")
+        self.bos_id, self.eos_id = tid(*BOS_NAMES), tid(*EOS_NAMES)
+        pad = tid(*PAD_NAMES)
+        self.notes: list[str] = []  # what the file lacks, and what the harness does instead
         if pad is None:
+            instead = (f"the eos token {self._tok.id_to_token(self.eos_id)} (id {self.eos_id})"
+                       if self.eos_id is not None else "id 0")
+            self.notes.append(f"no pad token ({', '.join(PAD_NAMES)}): batches are padded with {instead}, "
+                              f"masked out of the loss")
             pad = self.eos_id if self.eos_id is not None else 0
+        if self.bos_id is None:
+            self.notes.append(f"no bos token ({', '.join(BOS_NAMES)}): rows start without one")
+        if self.eos_id is None:
+            self.notes.append(f"no eos token ({', '.join(EOS_NAMES)}): rows end without one")
         self.pad_id = pad
 
     def encode(self, text: str) -> list[int]:

@@ -92,10 +92,12 @@ def summarize_run(where: str, repeats: list[dict[str, Any]], world_size: int) ->
     """A baseline entry from a run's repeats (all of them passed)."""
     steps = {len(r["losses"]) for r in repeats}
     if len(steps) != 1:
-        raise BaselineError(f"{where}: repeats ran different step counts {sorted(steps)}")
+        counts = ", ".join(map(str, sorted(steps)))
+        raise BaselineError(f"{where}: repeats ran different step counts {counts}")
     ranks = {len(r["rss_peak_bytes"]) for r in repeats}
     if ranks != {world_size}:
-        raise BaselineError(f"{where}: repeats report {sorted(ranks)} ranks, expected {world_size}")
+        counts = " and ".join(map(str, sorted(ranks)))
+        raise BaselineError(f"{where}: repeats report {counts} ranks, expected {world_size}")
     tok_s = [r["median_tok_s"] for r in repeats]
     losses = [statistics.fmean(step) for step in zip(*(r["losses"] for r in repeats), strict=True)]
     loss_spread = max(abs(x - m) for r in repeats for x, m in zip(r["losses"], losses, strict=True))

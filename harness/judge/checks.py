@@ -160,7 +160,7 @@ def token_accounting(run: RunOutcome, ref: RunOutcome | None) -> Check:
     local = sum(r["tokens_local"] for r in results) + int(results[0].get("tokens_local_unattributed", 0))
     glob = {r["tokens_global"] for r in results}
     ok = len(glob) == 1 and local == next(iter(glob))
-    detail = f"sum of rank tokens {local}, global {sorted(glob)}"
+    detail = f"sum of rank tokens {local}, global {listed(sorted(glob))}"
     if ref is not None and ref is not run:
         steps, per_step = results[0]["steps"], ref.result()["tokens_global_per_step"]
         early = steps is not None and steps < len(per_step)  # a run stopped early: the reference's first steps
@@ -244,6 +244,16 @@ def ranks_agree(run: RunOutcome) -> Check:
     return Check("ranks_agree", run.name, not differ, len(differ), 0, detail)
 
 
+def listed(values: Any) -> str:
+    """``[1, 5, 10]`` as ``1, 5, 10`` (a detail holds no Python reprs)."""
+    return ", ".join(map(str, values))
+
+
+def counted(counts: dict[str, int]) -> str:
+    """``{'log_lines': 2, 'saves': 1}`` as ``log lines 2, saves 1``."""
+    return ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in sorted(counts.items()))
+
+
 def rank0_side_effects(run: RunOutcome, trainer: TrainerSpec) -> Check:
     """Callbacks, log lines and saves happened on rank 0 only; and a save did happen there where
     the trainer promises one (``harness.trainer_registry.TrainerInfo.saves``) or the script declares one
@@ -263,7 +273,8 @@ def rank0_side_effects(run: RunOutcome, trainer: TrainerSpec) -> Check:
                 False: "declares [trainer] saves = false"}[trainer.saves]
     demanded = promise is not None or trainer.saves is True
     ok = others == 0 and (main.get("saves", 0) >= 1 or not demanded) and main.get("callbacks", 1) > 0
-    detail = f"rank 0: {main}; other ranks: " + ("; ".join(f"rank {r} {c}" for r, c in rest) if rest else "none")
+    detail = f"rank 0: {counted(main)}; other ranks: " + (
+        "; ".join(f"rank {r}: {counted(c)}" for r, c in rest) if rest else "none")
     detail += f"; a save on rank 0 {'' if demanded else 'not '}demanded: {promise or f'the script {declared}'}"
     return Check("rank0_side_effects", run.name, ok, others, 0, detail)
 
@@ -271,8 +282,9 @@ def rank0_side_effects(run: RunOutcome, trainer: TrainerSpec) -> Check:
 def global_rng_untouched(run: RunOutcome) -> Check:
     """No rank changed numpy's or MLX's global RNG state (all randomness is local and seeded)."""
     touched = [o.rank for o in run.ranks if (o.result or {}).get("global_rng_untouched") is not True]
-    return Check("global_rng_untouched", run.name, not touched, len(touched), 0,
-                 f"ranks that changed it: {touched}" if touched else "numpy and MLX global RNG unchanged on every rank")
+    detail = (f"ranks that changed it: {listed(touched)}" if touched
+              else "numpy and MLX global RNG unchanged on every rank")
+    return Check("global_rng_untouched", run.name, not touched, len(touched), 0, detail)
 
 
 def data_share(run: RunOutcome, ref: RunOutcome, slack: float, micro_rows: int | None = None) -> Check:

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from harness.controller.collect import RunOutcome
-from harness.judge.checks import Check
+from harness.judge.checks import Check, listed
 from harness.run_plan import spec_of
 from harness.scenario import Scenario
 
@@ -114,17 +114,18 @@ def step_local(run: RunOutcome, ref: RunOutcome, s: Scenario, floor: RunOutcome 
         return [Check(n, run.name, False, None, None, f"{ref.name} recorded no probes; not measured")
                 for n in STEP_CHECKS]
     if not expected:
-        why = f"ran steps {r0['steps_start']}-{r0['steps']}; {ref.name} probed steps {recorded}"
+        why = f"ran steps {r0['steps_start']}-{r0['steps']}; {ref.name} probed steps {listed(recorded)}"
         return [Check(n, run.name, True, None, None, f"{why}: nothing to measure", applicable=False)
                 for n in STEP_CHECKS]
     got = [p["step"] for p in per_rank[0]]
     if got != expected:
-        return [Check(n, run.name, False, None, None, f"probed steps {got}, expected {expected}") for n in STEP_CHECKS]
+        why = f"probed steps {listed(got)}, expected {listed(expected)}"
+        return [Check(n, run.name, False, None, None, why) for n in STEP_CHECKS]
     model = rounding(s, run, ref)
     steps = [rec["step"] for rec in per_rank[0]]
     tokens = max(abs(rec["tokens"] - rec["tokens_ref"]) for recs in per_rank for rec in recs)
     token_check = Check("step_token_parity", run.name, tokens == 0, tokens, 0,
-                        f"global supervised tokens vs {ref.name} at steps {steps}",
+                        f"global supervised tokens vs {ref.name} at steps {listed(steps)}",
                         derivation="exact: both runs must count the same supervised tokens")
 
     def measured(rec: dict[str, Any], key: str) -> float:
@@ -311,10 +312,11 @@ def eval_parity(run: RunOutcome, base: RunOutcome, floor: Floor, s: Scenario, na
     elsewhere = ""
     if unrecorded(run) and a.keys() != b.keys():  # a resumed trainer's own eval cadence: compare where both evaluated
         common = {k for k in a.keys() & b.keys() if k >= unrecorded(run)}
-        elsewhere = f"; evaluated only by {run.name}: {sorted(a.keys() - common)}" if a.keys() - common else ""
+        elsewhere = f"; evaluated only by {run.name}: {listed(sorted(a.keys() - common))}" if a.keys() - common else ""
         a, b = {k: a[k] for k in common}, {k: b[k] for k in common}
     if not a or a.keys() != b.keys():
-        return Check(name, run.name, False, None, None, f"eval steps {sorted(a)} vs {sorted(b)}{elsewhere}")
+        why = f"eval steps {listed(sorted(a))} vs {listed(sorted(b))}{elsewhere}"
+        return Check(name, run.name, False, None, None, why)
     steps = sorted(a)
     deltas = [abs(a[k][0] - b[k][0]) for k in steps]
 
@@ -329,7 +331,7 @@ def eval_parity(run: RunOutcome, base: RunOutcome, floor: Floor, s: Scenario, na
     model = rounding(s, run, base)
     absolute = [model.accumulation(b[k][1]) * abs(b[k][0]) for k in steps]
     return _judge_series(name, run, base, [f"step {k}" for k in steps], deltas, floors, absolute, floor, s,
-                         f"at steps {steps}{elsewhere}", deviation="loss deviation (eval or training)")
+                         f"at steps {listed(steps)}{elsewhere}", deviation="loss deviation (eval or training)")
 
 
 def param_parity(run: RunOutcome, base: RunOutcome, floor: Floor, s: Scenario, name: str = "param_parity") -> Check:

@@ -1,7 +1,6 @@
 """Command line: ``mlx-ddp-harness run | report | gate | baseline update | list | doctor``.
 
-Exit codes of ``run``: 0 all checks passed, 1 a check failed, 2 bad input, 3 infrastructure
-failure (a rank crashed or hung, or the launch failed).
+Exit codes are the help's (``EXIT_CODES``).
 """
 
 from __future__ import annotations
@@ -32,17 +31,25 @@ def default_scenario_dir() -> Path:
     return here if here.is_dir() else Path(__file__).resolve().parents[2] / "scenarios"
 
 
-def resolve_scenarios(paths: list[str]) -> list[Scenario]:
-    """Files are taken as given; a directory (or nothing: the default dir) gives its default set."""
+def resolve_scenarios(paths: list[str], notes: list[str] | None = None) -> list[Scenario]:
+    """Files are taken as given; a directory (or nothing: the default dir) gives its default set.
+    ``notes`` gets a line for what a directory leaves out, and for the shipped suite taken for
+    want of a ``./scenarios``."""
+    notes = [] if notes is None else notes
     if not paths:
         paths = [str(default_scenario_dir())]
+        if not (Path.cwd() / "scenarios").is_dir():
+            notes.append(f"no ./scenarios here: running the harness's own default suite ({paths[0]})")
     out: list[Scenario] = []
     for p in map(Path, paths):
         if p.is_dir():
-            found = [load_scenario(f) for f in discover(p)]
-            chosen = [s for s in found if s.default]
+            found = [(f, load_scenario(f)) for f in discover(p)]
+            chosen = [s for _, s in found if s.default]
             if not chosen:
                 raise ScenarioError(f"{p}: no scenario with default = true")
+            left = [f.name for f, s in found if not s.default]
+            if left:
+                notes.append(f"{p}: not run (no default = true; name a file to run it): {', '.join(left)}")
             out.extend(chosen)
         else:
             out.append(load_scenario(p))
@@ -97,9 +104,10 @@ def check_backends(s: Scenario, backend: str | None) -> None:
             raise ScenarioError(f"{s.path}: run {r.name}: {e}") from e
 
 
-def preflight(s: Scenario, backend: str | None, cluster: Cluster | None = None) -> None:
+def preflight(s: Scenario, backend: str | None, cluster: Cluster | None = None) -> list[str]:
     """Everything about a scenario's inputs that can be refused before any rank starts (on a
-    cluster, its multi-rank runs' backends are the hosts' to say)."""
+    cluster, its multi-rank runs' backends are the hosts' to say); returns lines a user should
+    read before the run (``check_data_files``)."""
     from harness.controller.input_checks import check_data_files
     from harness.controller.rank_budget import budget
 
@@ -108,9 +116,10 @@ def preflight(s: Scenario, backend: str | None, cluster: Cluster | None = None) 
     except ValueError as e:
         raise ScenarioError(str(e)) from e
     check_resume_sources(s)
-    check_data_files(s)
+    notes = check_data_files(s)
     if cluster is None:
         check_backends(s, backend)
+    return notes
 
 
 def cluster_of(args: argparse.Namespace, scenarios: list[Scenario]) -> Cluster | None:
@@ -166,10 +175,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     from harness.present.results import document, merge_repeats, scenario_summary, summary_lines
     from harness.present.tables import scenario_text
 
-    scenarios, skipped = available(resolve_scenarios(args.scenarios))
+    notes: list[str] = []
+    scenarios, skipped = available(resolve_scenarios(args.scenarios, notes))
     cluster = cluster_of(args, scenarios)
     for s in scenarios:
-        preflight(s, args.backend, cluster)
+        notes += preflight(s, args.backend, cluster)
+    for line in notes:
+        print(line, file=sys.stderr)
     out = Path(args.out) if args.out else None
     _check_out(out)
     if args.repeat < 1:
@@ -276,10 +288,26 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 0 if all(ok for what, _, ok in rows if what in essential) else 1
 
 
+DESCRIPTION = ("Runs DDP training scenarios under mlx.launch with real MLX ranks and judges them: N ranks "
+               "against one process, resumed against uninterrupted runs, memory ceilings and speed.")
+EXIT_CODES = """exit codes of run:
+  0  every check passed
+  1  a check failed
+  2  bad input: one line naming the file, key or value, before anything starts
+  3  a run did not complete: a rank crashed or hung, or the launch failed
+report exits 0, gate 1 on a regression, doctor 1 when an essential check fails; any command
+exits 2 on bad input.
+every command and option: docs/commands.md"""
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mlx-ddp-harness", description=__doc__.splitlines()[0])
+    formatter = argparse.RawDescriptionHelpFormatter
+    p = argparse.ArgumentParser(prog="mlx-ddp-harness", description=DESCRIPTION, epilog=EXIT_CODES,
+                                formatter_class=formatter)
     sub = p.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="run scenarios (default: the default set in scenarios/)")
+    run = sub.add_parser("run", help="run scenarios (default: the default set in scenarios/)",
+                         description="Run scenarios, print their tables and a summary.", epilog=EXIT_CODES,
+                         formatter_class=formatter)
     run.add_argument("scenarios", nargs="*", help="scenario files or directories")
     run.add_argument("--out", help="directory for result.json, report.md and rank logs")
     run.add_argument("--format", choices=("plain", "github"), default="plain", help="table format")

@@ -3,9 +3,9 @@
 Installed with the package (entry point ``pytest11``), it collects nothing until used:
 
 - ``pytest path/to/scenarios/`` collects every scenario file (a TOML file with a ``[scenario]``
-  table) of the default set (``default = true``) under a directory named on the command line, and
-  ``pytest path/to/file.toml`` that file; ``--mlx-ddp`` (or ``mlx_ddp = true`` in the ini file)
-  collects scenario files wherever pytest walks.
+  table) of the default set (``default = true``) under a directory named on the command line (each
+  other scenario file there is one skipped test saying so), and ``pytest path/to/file.toml`` that
+  file; ``--mlx-ddp`` (or ``mlx_ddp = true`` in the ini file) collects scenario files wherever pytest walks.
 - Each run of a scenario is a collector with one test per check the scenario plans for it
   (``text_parity.toml::ddp2::loss_parity``), plus ``launch``: the run completed (a run that
   crashed or hung fails here, with the harness's one-line cause). So ``-k loss_parity`` selects
@@ -135,8 +135,25 @@ def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Col
     if data is None:
         return None
     if not explicit and data and not data["scenario"].get("default", False):
-        return None  # a directory stands for its default set, as on the command line
+        # a directory stands for its default set, as on the command line; the others show as skipped
+        return NotDefaultFile.from_parent(parent, path=file_path) if walked else None
     return ScenarioFile.from_parent(parent, path=file_path)
+
+
+class NotDefaultFile(pytest.File):
+    """A scenario file outside its directory's default set: one skipped test saying how to run it."""
+
+    def collect(self) -> Any:
+        yield NotDefault.from_parent(self, name="not_in_default_set")
+
+
+class NotDefault(pytest.Item):
+    def runtest(self) -> None:
+        pytest.skip(f"{self.path.name} has no default = true: a directory runs its default set; "
+                    f"name the file to run it")
+
+    def reportinfo(self) -> tuple[Path, int | None, str]:
+        return self.path, None, f"{self.path.name}: not in the default set"
 
 
 class ScenarioFile(pytest.File):
