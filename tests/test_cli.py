@@ -210,7 +210,7 @@ def test_report_refuses_bad_results_with_one_line(tmp_path: Path) -> None:
 
 
 def test_help_states_the_exit_codes_in_plain_text() -> None:
-    for args in ((), ("run",), ("report",), ("gate",), ("list",), ("doctor",), ("baseline",)):
+    for args in ((), ("run",), ("report",), ("gate",), ("list",), ("doctor",), ("baseline",), ("new",)):
         p = cli(*args, "--help")
         assert p.returncode == 0, p.stderr
         assert "``" not in p.stdout, (args, p.stdout)  # no reStructuredText markup

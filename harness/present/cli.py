@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from harness.availability import Skipped, runnable
 from harness.judge.baselines import BaselineError
+from harness.present import starter
 from harness.present.baseline_cli import add_parsers
 from harness.present.live import MODES, PLAIN_EVERY_S, PlainProgress, progress_display
 from harness.present.results import EXIT_BAD_INPUT, EXIT_INFRA, load_results
@@ -336,6 +337,7 @@ def parser() -> argparse.ArgumentParser:
                      help="check these hosts instead: SSH, versions, backends, all-reduce bandwidth between them")
     doc.set_defaults(func=cmd_doctor)
     add_parsers(sub)
+    starter.add_parser(sub, preflight)
     return p
 
 

@@ -1,0 +1,146 @@
+"""``mlx-ddp-harness new``: a commented parity scenario written from a few flags, which runs as written.
+
+The file compares N ranks with the first (smallest) run at one global batch, for the trainer the
+flags name (a registered kind, or the user's script), on generated rows or the user's JSONL, with
+a local ``tokenizer.json`` where given. Before anything is written it is loaded and its inputs
+checked as ``run`` checks them, so a file that ``new`` writes is one ``run`` accepts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import os
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from harness.scenario import Scenario, ScenarioError, load_scenario
+from harness.trainer_registry import trainer_info, trainers
+
+ARCH = {"text": "qwen3", "any": "qwen3", "vision": "qwen2_vl"}
+
+
+def add_parser(sub: argparse._SubParsersAction, check: Callable[[Scenario, str | None], list[str]]) -> None:
+    """The ``new`` command; ``check`` refuses what ``run`` refuses before launch and returns its notes."""
+    n = sub.add_parser("new", help="write a commented parity scenario to start from (it runs as written)",
+                       description="Write a parity scenario: N ranks against one process at the same global batch.")
+    n.add_argument("file", metavar="FILE.toml", help="the scenario file to write (an existing file is kept)")
+    who = n.add_mutually_exclusive_group()
+    who.add_argument("--trainer", default="reference", metavar="KIND",
+                     help="the trainer under test: a kind `mlx-ddp-harness list` shows (default: reference)")
+    who.add_argument("--script", metavar="PATH", help="your own training script (reports through harness.api)")
+    n.add_argument("--data", metavar="FILE.jsonl", help="training rows (default: generated rows)")
+    n.add_argument("--eval-data", metavar="FILE.jsonl", help="held-out rows for the sharded evaluation")
+    n.add_argument("--tokenizer", metavar="FILE", help="a local tokenizer.json (default: UTF-8 bytes)")
+    n.add_argument("--world-sizes", default="1,2", metavar="N,N",
+                   help="the runs' rank counts; the first is the reference (default: 1,2)")
+    n.add_argument("--steps", type=int, default=20, help="optimizer steps per run (default: 20)")
+    n.set_defaults(func=functools.partial(cmd_new, check=check))
+
+
+def world_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(w) for w in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or any(w < 1 for w in sizes) or len(set(sizes)) != len(sizes):
+        raise ScenarioError(f"--world-sizes: expected distinct rank counts such as 1,2,4, got {text!r}")
+    return sizes
+
+
+def _rel(path: str, base: Path, flag: str) -> str:
+    p = Path(path).resolve()
+    if not p.exists():
+        raise ScenarioError(f"{flag}: {path}: no such file")
+    return Path(os.path.relpath(p, base)).as_posix()
+
+
+def starter_text(name: str, base: Path, kind: str, script: str | None, data: str | None, eval_data: str | None,
+                 tokenizer: str | None, sizes: list[int], steps: int) -> str:
+    """The scenario file's text; paths are written relative to ``base``, the file's directory."""
+    info = trainer_info("script" if script else kind)
+    vision = info.models == "vision"
+    batch = math.lcm(*sizes) * max(1, math.ceil(8 / math.lcm(*sizes)))
+    runs = [("single" if n == 1 else f"ddp{n}", n) for n in sizes]
+    who = f"the script {script}" if script else info.title
+    against = "one process" if sizes[0] == 1 else f"{sizes[0]} ranks"
+    lines = [
+        f"# {name}: does {who} train the same under DDP as in {against}?",
+        "# Written by `mlx-ddp-harness new`.",
+        f"#   run it:        mlx-ddp-harness run {name}.toml",
+        "#   every key:     docs/scenarios.md; every check and how its limit is derived: docs/parity.md",
+        "",
+        "[scenario]",
+        f'name = "{name}"',
+        f'description = "{who}: {" vs ".join(r for r, _ in runs)} at global batch {batch}"',
+        "seed = 1             # every rank derives its randomness (weights, data order) from it",
+        "",
+    ]
+    if script or kind != "reference":
+        lines += ["[trainer]", f'kind = "{info.kind}"']
+        if script:
+            lines += [f'path = "{_rel(script, base, "--script")}"',
+                      "# saves = true     # declare it if the script saves on rank 0: the checks then demand it"]
+        lines.append("")
+    lines += ["[model]", f'arch = "{ARCH[info.models]}"   # a tiny model with seeded random weights; '
+                         'path = "DIR" loads a local one', ""]
+    lines.append("[data]")
+    if data:
+        lines += ['source = "jsonl"', f'path = "{_rel(data, base, "--data")}"   # every row is read and checked '
+                                      "before any rank starts"]
+        if eval_data:
+            lines.append(f'eval_path = "{_rel(eval_data, base, "--eval-data")}"')
+    elif vision:
+        lines += ['source = "images"   # generated images with captions', "rows = 32", "eval_rows = 8"]
+    else:
+        lines += ['source = "generated"   # rows of different lengths with a learnable pattern', "rows = 64",
+                  "eval_rows = 16"]
+    if tokenizer:
+        lines.append(f'tokenizer = "{_rel(tokenizer, base, "--tokenizer")}"')
+    lines += ["max_seq_len = 128", "", "[train]", f"steps = {steps}",
+              f"global_batch = {batch}   # split across the ranks: a multiple of every world size",
+              "learning_rate = 1e-3"]
+    if eval_data or not data:  # held-out rows: a sharded evaluation halfway and at the end
+        lines.append(f"eval_every = {max(1, steps // 2)}")
+    if info.kind == "mlx_vlm":
+        lines.append(f"eval_batch = {batch}   # mlx-vlm evaluates in batches of the training batch size")
+    lines.append("")
+    for run, n in runs:
+        lines += ["[[runs]]", f'name = "{run}"', f"world_size = {n}", ""]
+    lines += ["[checks]", f'reference = "{runs[0][0]}"   # every other run is judged against this one', ""]
+    return "\n".join(lines)
+
+
+def cmd_new(args: argparse.Namespace, check: Callable[[Scenario, str | None], list[str]]) -> int:
+    path = Path(args.file)
+    if path.suffix != ".toml":
+        raise ScenarioError(f"{path}: a scenario file ends in .toml")
+    if path.exists():
+        raise ScenarioError(f"{path}: exists; give another name (nothing was written)")
+    if not path.parent.is_dir():
+        raise ScenarioError(f"{path.parent}: no such directory")
+    if args.steps < 1:
+        raise ScenarioError(f"--steps must be at least 1, got {args.steps}")
+    kinds = [t.kind for t in trainers().values() if not t.script]
+    if not args.script and args.trainer not in kinds:
+        raise ScenarioError(f"--trainer: unknown kind {args.trainer!r}; one of {', '.join(kinds)} (or --script PATH)")
+    text = starter_text(path.stem, path.parent.resolve(), args.trainer, args.script, args.data, args.eval_data,
+                        args.tokenizer, world_sizes(args.world_sizes), args.steps)
+    with tempfile.NamedTemporaryFile("w", suffix=".toml", dir=path.parent, delete=False) as f:
+        f.write(text)
+    try:
+        s = load_scenario(f.name)
+        notes = check(s, None)  # the data, tokenizer and backends as run checks them
+        os.replace(f.name, path)
+    except ScenarioError as e:  # said of the file asked for, which was not written
+        raise ScenarioError(str(e).replace(f.name, str(path))) from e
+    finally:
+        Path(f.name).unlink(missing_ok=True)
+    for line in notes:
+        print(line, file=sys.stderr)
+    print(f"wrote {path}: {len(s.runs)} runs ({', '.join(r.name for r in s.runs)}); "
+          f"run it: mlx-ddp-harness run {path}")
+    return 0
