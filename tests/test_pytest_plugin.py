@@ -109,6 +109,11 @@ def test_every_check_is_a_test_case_and_failures_name_value_limit_and_cause(tmp_
     # the report of a failure: the scenario's check table and its artifacts
     assert re.search(r"memory_rss_per_rank_mb\s+ddp2\s+[\d.]+\s+-\s+-\s+1\s+FAIL", p.stdout)
     assert f"artifacts: {tmp_path / 'out' / 'tight'}" in p.stdout
+    # the closing block: scenarios and tests by outcome (XPASS(strict) is a failure), and the artifacts
+    summary = p.stdout[p.stdout.index("mlx-ddp summary"):].splitlines()
+    assert re.fullmatch(r"3 scenarios: 0 passed, 3 failed, 0 skipped; tests: \d+ passed, 1 expected failures shown, "
+                        r"\d+ skipped, [3-9] FAILED", summary[1]), summary
+    assert summary[2] == f"artifacts: {tmp_path / 'out'}"
     assert (tmp_path / "out" / "tight" / "result.json").is_file()
     assert "Traceback" not in p.stdout
     # the checks collected before the runs are exactly the checks judged after them
@@ -218,3 +223,22 @@ def test_bad_size():
                 env={"MLX_DDP_HARNESS_RANK_BUDGET": "2", "MLX_DDP_HARNESS_RANK_DIR": str(slots)})
     assert "2 passed" in p.stdout and "1 error" in p.stdout, p.stdout + p.stderr
     assert "takes a world size of at least 1, got 0" in p.stdout
+
+
+def test_the_closing_block_counts_scenario_tests_only() -> None:
+    from types import SimpleNamespace
+
+    from harness.present.pytest_summary import summary_lines
+
+    def rep(nodeid: str, when: str = "call") -> SimpleNamespace:
+        return SimpleNamespace(nodeid=nodeid, when=when)
+
+    stats = {"passed": [rep("s/a.toml::ddp2::loss_parity"), rep("s/a.toml::ddp2::launch", "setup"),
+                        rep("tests/test_x.py::test_one")],
+             "failed": [rep("s/b.toml::ddp2::param_parity")], "error": [rep("s/c.toml::ddp2::launch", "setup")],
+             "xfailed": [rep("s/b.toml::ddp2::loss_parity")], "skipped": [rep("s/d.toml::not_in_default_set", "setup")]}
+    assert summary_lines(stats, "out") == [
+        "4 scenarios: 1 passed, 2 failed, 1 skipped; tests: 1 passed, 1 expected failures shown, 1 skipped, 1 FAILED, "
+        "1 errors",
+        "artifacts: out"]
+    assert summary_lines({"passed": [rep("tests/test_x.py::test_one")]}, None) == []

@@ -363,6 +363,16 @@ def describe(c: Any) -> str:
     return f"{c.name} ({c.run}){figures}; {c.detail}"
 
 
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    from harness.present.pytest_summary import summary_lines
+
+    lines = summary_lines(terminalreporter.stats, config.getoption("--mlx-ddp-out"))
+    if lines:
+        terminalreporter.write_sep("=", "mlx-ddp summary")
+        for line in lines:
+            terminalreporter.write_line(line)
+
+
 def _scenarios_in_play(config: pytest.Config) -> bool:
     """Whether this session may collect scenario files (a TOML file named, or under a directory
     named, or collection everywhere asked for); otherwise xdist's own scheduling is kept."""
