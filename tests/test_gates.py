@@ -217,8 +217,8 @@ def test_repeat_baseline_and_gate_on_real_runs(tmp_path: Path) -> None:
     for run in s["runs"]:
         assert len(run["repeats"]) == 2 and run["repeats"][0]["losses"] == run["repeats"][1]["losses"]
     assert (out / "runs" / "gated" / "ddp2").is_dir() and (out / "runs-repeat2" / "gated" / "ddp2").is_dir()
-    assert sorted(p.name for p in (out / "plots").iterdir()) == ["gated-loss.png", "gated-memory.png",
-                                                                 "gated-throughput.png"]
+    assert sorted(p.name for p in (out / "plots").iterdir()) == ["gated-delta.png", "gated-loss.png",
+                                                                 "gated-memory.png", "gated-throughput.png"]
     baseline = tmp_path / "base.json"
     made = cli("baseline", "update", "--baseline", str(baseline), str(out))
     assert made.returncode == 0, made.stderr

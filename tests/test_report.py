@@ -48,14 +48,17 @@ def test_report_md_has_the_tables_and_plots_and_goes_to_the_job_summary(tmp_path
                         "scenarios": [merge_repeats([_scenario("passed", 1000.0), _scenario("passed", 1020.0)])]})
     written = write_outputs(tmp_path / "out", doc)
     names = sorted(p.name for p in written)
-    assert names == ["demo-loss.png", "demo-memory.png", "demo-throughput.png", "report.md", "result.json"]
+    assert names == ["demo-delta.png", "demo-loss.png", "demo-memory.png", "demo-throughput.png", "report.md",
+                     "result.json"]
     for p in written:
         if p.suffix == ".png":
             assert p.read_bytes().startswith(PNG) and p.stat().st_size > 5000
     report = (tmp_path / "out" / "report.md").read_text()
     for part in ("### DDP parity at equal global batch", "| Model / seq ", "### Repeat-to-repeat spread (2 repeats)",
                  "### Checks", "![demo: loss curves of every run overlaid](plots/demo-loss.png)",
-                 "![demo: peak memory per rank](plots/demo-memory.png)"):
+                 "![demo: peak memory per rank](plots/demo-memory.png)",
+                 "![demo: each run's loss delta from the reference per step, with its noise floor and limit]"
+                 "(plots/demo-delta.png)"):
         assert part in report
     job = summary.read_text()
     assert job.startswith("earlier step\n# mlx-ddp-harness report") and "| Model / seq " in job and "![" not in job

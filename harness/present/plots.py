@@ -1,7 +1,8 @@
 """PNG plots for ``report.md`` (matplotlib, imported only when a report is written).
 
-Per scenario: the loss curves of every run overlaid (1 vs N ranks), post-step-1 median tok/s per
-run and world size (with the range over repeats), and each rank's peak memory.
+Per scenario: the loss curves of every run overlaid (1 vs N ranks), each run's loss delta from the
+reference with its noise floor and limit, post-step-1 median tok/s per run and world size (with
+the range over repeats), and each rank's peak memory.
 """
 
 from __future__ import annotations
@@ -38,6 +39,42 @@ def loss_plot(plt: Any, scenario: dict[str, Any]) -> Any:
     ax.set(xlabel="optimizer step", ylabel="global loss", title=f"{scenario['name']}: loss per step")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    return fig
+
+
+def _by_step(run: dict[str, Any]) -> dict[int, float]:
+    start = run.get("history_start", 1)  # a resumed run's history holds the steps before its resume too
+    return {start + i: v for i, v in enumerate(run["losses"])}
+
+
+def delta_plot(plt: Any, scenario: dict[str, Any]) -> Any:
+    """Each run's |loss - the reference's loss| per step (log scale; bitwise-equal steps sit at the
+    axis' linear floor), with the run's ``loss_parity`` floor as a band and its limit as a line;
+    None when the scenario has no reference or no other run."""
+    runs = _ok_runs(scenario)
+    ref = next((r for r in runs if r["name"] == scenario.get("reference")), None)
+    others = [r for r in runs if r is not ref]
+    if ref is None or not others:
+        return None
+    base = _by_step(ref)
+    judged = {c["run"]: c for c in scenario.get("checks", []) if c["name"] == "loss_parity"}
+    fig, ax = plt.subplots(figsize=(7, 4))
+    smallest = []
+    for i, r in enumerate(others):
+        steps = [k for k in _by_step(r) if k in base]
+        deltas = [abs(_by_step(r)[k] - base[k]) for k in steps]
+        ax.plot(steps, deltas, marker="o", markersize=3, linewidth=1.2, color=f"C{i}", label=_label(r))
+        c = judged.get(r["name"]) or {}
+        if c.get("floor"):
+            ax.axhspan(0, c["floor"], color=f"C{i}", alpha=0.12, label=f"{r['name']}: noise floor")
+        if c.get("limit"):
+            ax.axhline(c["limit"], color=f"C{i}", linestyle="--", linewidth=1, label=f"{r['name']}: limit")
+        smallest += [v for v in [*deltas, c.get("floor") or 0] if v > 0]
+    ax.set_yscale("symlog", linthresh=min(smallest) / 2 if smallest else 1e-9)
+    ax.set(xlabel="optimizer step", ylabel=f"|loss - {ref['name']}'s loss|",
+           title=f"{scenario['name']}: loss delta from {ref['name']}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
     return fig
 
 
@@ -79,6 +116,7 @@ def memory_plot(plt: Any, scenario: dict[str, Any]) -> Any:
 
 
 PLOTS = (("loss", loss_plot, "loss curves of every run overlaid"),
+         ("delta", delta_plot, "each run's loss delta from the reference per step, with its noise floor and limit"),
          ("throughput", throughput_plot, "post-step-1 median tok/s per run"),
          ("memory", memory_plot, "peak memory per rank"))
 
@@ -93,6 +131,8 @@ def write_plots(out: Path, scenario: dict[str, Any]) -> list[tuple[str, Path]]:
     for kind, draw, caption in PLOTS:
         rel = Path("plots") / f"{scenario['name']}-{kind}.png"
         fig = draw(plt, scenario)
+        if fig is None:
+            continue
         fig.tight_layout()
         fig.savefig(out / rel, dpi=100)
         plt.close(fig)
