@@ -97,6 +97,13 @@ def test_every_check_is_a_test_case_and_failures_name_value_limit_and_cause(tmp_
     failure = cases["suite.tight.toml.ddp2::memory_rss_per_rank_mb"].find("failure").get("message")
     assert re.search(r"memory_rss_per_rank_mb \(ddp2\): [\d.]+ > limit 1; per rank", failure), failure
     assert outcome["suite.crash.toml.single::launch"] == "passed"
+    # JUnit carries the measured figures: a check's value and limit, a run's times (its queue wait too)
+    props = {k: {p.get("name"): p.get("value") for p in c.iter("property")} for k, c in cases.items()}
+    rss = props["suite.tight.toml.ddp2::memory_rss_per_rank_mb"]
+    assert float(rss["value"]) > float(rss["limit"]) == 1 and rss["result"] == "FAIL"
+    launch = props["suite.tight.toml.ddp2::launch"]
+    assert launch["world_size"] == "2" and float(launch["wall_s"]) > 0 and float(launch["queued_s"]) >= 0
+    assert float(launch["median_tok_s"]) > 0 and launch["backend"] == "ring"
     crash = cases["suite.crash.toml.ddp2::launch"].find("failure").get("message")
     assert "run ddp2 (world size 2) did not complete: rank 1 ended with exit code 3" in crash
     assert outcome["suite.crash.toml.ddp2::loss_parity"] == "skipped"
@@ -197,7 +204,7 @@ import pytest
 from harness.controller import rank_budget
 
 PROBE = ("from pathlib import Path; from harness.controller.rank_budget import _try_take; "
-         "print(len(_try_take(Path({str(slots)!r}), 1, 2)))")
+         "print(len(_try_take(Path({str(slots)!r}), 1, 2, 'a probe')[0]))")
 
 
 @pytest.mark.mlx_ddp_world_size(2)
@@ -228,10 +235,10 @@ def test_bad_size():
 def test_the_closing_block_counts_scenario_tests_only() -> None:
     from types import SimpleNamespace
 
-    from harness.present.pytest_summary import summary_lines
+    from harness.present.pytest_support import summary_lines
 
-    def rep(nodeid: str, when: str = "call") -> SimpleNamespace:
-        return SimpleNamespace(nodeid=nodeid, when=when)
+    def rep(nodeid: str, when: str = "call", **props: float) -> SimpleNamespace:
+        return SimpleNamespace(nodeid=nodeid, when=when, user_properties=list(props.items()))
 
     stats = {"passed": [rep("s/a.toml::ddp2::loss_parity"), rep("s/a.toml::ddp2::launch", "setup"),
                         rep("tests/test_x.py::test_one")],
@@ -242,3 +249,7 @@ def test_the_closing_block_counts_scenario_tests_only() -> None:
         "1 errors",
         "artifacts: out"]
     assert summary_lines({"passed": [rep("tests/test_x.py::test_one")]}, None) == []
+    waited = {"passed": [rep("s/a.toml::single::launch", queued_s=0.2), rep("s/a.toml::ddp2::launch", queued_s=11.04),
+                         rep("s/b.toml::ddp4::launch", queued_s=3.0)]}
+    assert summary_lines(waited, "out")[1] == ("rank slots: 2 runs waited 14.0 s in all before starting (the longest: "
+                                               "s/a.toml::ddp2, 11.0 s)")

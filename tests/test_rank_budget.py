@@ -18,7 +18,7 @@ from tests.conftest import write_scenario
 HOLDER = """
 import sys, time
 from harness.controller import rank_budget
-slots = rank_budget.hold(int(sys.argv[1]))
+slots = rank_budget.hold(int(sys.argv[1]), *sys.argv[3:4])
 print("held", flush=True)
 time.sleep(float(sys.argv[2]))
 """
@@ -42,6 +42,23 @@ def test_a_launch_waits_while_another_process_holds_the_slots_it_needs(tmp_path:
         slots.release()
     finally:
         holder.wait(timeout=10)
+
+
+def test_a_waiting_launch_says_who_holds_the_slots(tmp_path: Path, monkeypatch, capsys) -> None:  # noqa: ANN001
+    env = _env(tmp_path, 2)
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, "2", "1.0", "run 'ddp2'"], env=env,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        monkeypatch.setattr(rank_budget, "NOTICE_AFTER_S", 0.2)
+        rank_budget.hold(1, "test x.py::y").release()
+    finally:
+        holder.wait(timeout=10)
+    err = capsys.readouterr().err
+    assert err.strip() == (f"test x.py::y: waiting for 1 of this machine's 2 rank slots ({rank_budget.BUDGET_VAR}); "
+                           f"held: 2 by run 'ddp2' (pid {holder.pid})")
 
 
 def test_a_launch_wider_than_the_budget_takes_the_whole_budget_and_a_dead_holder_frees_its_slots(

@@ -124,3 +124,19 @@ def test_output_to_a_pipe_closed_early_is_no_error(tmp_path: Path) -> None:
     p.stdout.close()  # as head does after its lines
     err = p.stderr.read().decode() if p.stderr else ""
     assert p.wait(timeout=60) == 0 and "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_a_speed_measured_beside_other_work_is_marked_and_a_queue_wait_said() -> None:
+    s = _scenario("passed", 1000.0)
+    single, ddp2 = s["runs"]
+    single["cpu_use"] = {"cores": 2, "wall_s": 10.0, "busy_s": 20.0, "own_s": 10.0}  # others: 1 core; 1 left free
+    ddp2["cpu_use"] = {"cores": 2, "wall_s": 10.0, "busy_s": 25.0, "own_s": 20.0}  # others: 0.5; none left free
+    ddp2["queued_s"] = 11.04
+    text = scenario_text(s)
+    assert "1000.0 *" not in text and "500.0 *" in text  # single's others fit in the core it left free
+    assert ("* run ddp2: measured while other processes kept 0.50 of 2 CPUs busy (its 2 ranks left 0 free): its "
+            "speed is not comparable with a quiet run's") in text
+    assert "run ddp2 waited 11.0 s for this machine's rank slots before it started (other launches held them)" in text
+    ddp2["cpu_use"], ddp2["queued_s"] = {"cores": 2, "wall_s": 10.0, "busy_s": 21.0, "own_s": 20.0}, 0.2
+    quiet = scenario_text(s)  # 0.1 of a core: within the slack
+    assert "*" not in quiet and "waited" not in quiet

@@ -67,20 +67,36 @@ class RankSlots:
         self.held = []
 
 
-def _try_take(d: Path, want: int, size: int) -> list[IO[str]]:
+def _try_take(d: Path, want: int, size: int, what: str) -> tuple[list[IO[str]], list[str]]:
+    """The slots taken (each file then names its holder), or none and who holds the busy ones."""
     got: list[IO[str]] = []
+    busy: list[str] = []
     for i in range(size):
-        f = open(d / f"slot-{i}", "a")  # noqa: SIM115 - held open for as long as the slot is
+        f = open(d / f"slot-{i}", "a+")  # noqa: SIM115 - held open for as long as the slot is
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            f.seek(0)
+            busy.append(f.read().strip() or "a process that did not say")
             f.close()
             continue
+        f.seek(0)
+        f.truncate()
+        f.write(f"{what} (pid {os.getpid()})")
+        f.flush()
         got.append(f)
         if len(got) == want:
-            return got
+            return got, []
     RankSlots(got).release()
-    return []
+    return [], busy
+
+
+def holders(busy: list[str]) -> str:
+    """``busy`` slot holders as one phrase: each holder once, with how many slots it holds."""
+    counts: dict[str, int] = {}
+    for b in busy:
+        counts[b] = counts.get(b, 0) + 1
+    return "; ".join(f"{n} by {b}" for b, n in counts.items())
 
 
 def held_here() -> int:
@@ -105,7 +121,7 @@ def hold(ranks: int, what: str = "a launch", poll_s: float = 0.05) -> RankSlots:
         with open(d / ".lock", "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
-                got = _try_take(d, want, size)
+                got, busy = _try_take(d, want, size, what)
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
         waited = time.monotonic() - t0
@@ -113,6 +129,6 @@ def hold(ranks: int, what: str = "a launch", poll_s: float = 0.05) -> RankSlots:
             return RankSlots(got, waited)
         if not noticed and waited >= NOTICE_AFTER_S:
             noticed = True
-            print(f"{what}: waiting for {want} of this machine's {size} rank slots ({BUDGET_VAR})",
-                  file=sys.stderr, flush=True)
+            print(f"{what}: waiting for {want} of this machine's {size} rank slots ({BUDGET_VAR}); "
+                  f"held: {holders(busy)}", file=sys.stderr, flush=True)
         time.sleep(poll_s)

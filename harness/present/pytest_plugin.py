@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +35,7 @@ import pytest
 
 from harness.availability import runnable
 from harness.present.live import PLAIN_EVERY_S, PlainProgress
+from harness.present.pytest_support import describe, named_paths, scenario_toml
 from harness.present.scenario_result import ScenarioResult, run_scenario_file, scenario_from
 from harness.scenario import Scenario, ScenarioError, load_scenario
 
@@ -101,37 +101,17 @@ def pytest_runtest_teardown(item: pytest.Item) -> Any:
         del item.stash[_HELD]
 
 
-def _named(config: pytest.Config) -> list[Path]:
-    """The paths named on the command line (without ``::`` parts)."""
-    root = Path(config.invocation_params.dir)
-    return [(root / a.split("::")[0]).resolve() for a in config.invocation_params.args if not a.startswith("-")]
-
-
-def _is_scenario_file(path: Path) -> dict[str, Any] | None:
-    """The parsed TOML of a scenario file ({} when it is malformed but has a ``[scenario]``
-    table, for collection to report), or None for any other TOML file (pyproject.toml)."""
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return None
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError:
-        return {} if "[scenario]" in text else None
-    return data if isinstance(data.get("scenario"), dict) else None
-
-
 def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Collector | None:
     if file_path.suffix != ".toml":
         return None
     config = parent.config
     path = file_path.resolve()
-    named = _named(config)
+    named = named_paths(config)
     explicit = path in named
     walked = any(d in path.parents for d in named if d.is_dir())
     if not (explicit or walked or config.getoption("--mlx-ddp") or config.getini("mlx_ddp")):
         return None
-    data = _is_scenario_file(path)
+    data = scenario_toml(path)
     if data is None:
         return None
     if not explicit and data and not data["scenario"].get("default", False):
@@ -255,12 +235,19 @@ class SkippedLaunch(ScenarioItem):
         pytest.skip(self.parent.skip)
 
 
+# A launch test's JUnit properties: the run's measured figures (its scenario's first test holds
+# the time of every run, which all run there), and how long the run queued for rank slots.
+RUN_PROPERTIES = ("world_size", "backend", "wall_s", "queued_s", "runtime_s", "median_tok_s")
+
+
 class LaunchItem(ScenarioItem):
     """The run completed (its checks are the plan's: ``harness.check_plan``)."""
 
     def runtest(self) -> None:
         result = self.scenario_file.result()
         self._sections(result)
+        figures = next((r for r in result.summary["runs"] if r["name"] == self.run_name), {})
+        self.user_properties += [(k, figures[k]) for k in RUN_PROPERTIES if figures.get(k) is not None]
         run = result.runs[self.run_name]
         if not run.ok:
             raise VerdictFailure(f"run {run.name} (world size {run.world_size}) did not complete: {run.failure}")
@@ -280,6 +267,8 @@ class CheckItem(ScenarioItem):
                    else f"{self.name} was not judged for run {self.run_name}")
             pytest.skip(why)
         for c in found:
+            self.user_properties += [(k, v) for k, v in (("value", c.value), ("limit", c.limit), ("result", c.result))
+                                     if v is not None]
             if not c.applicable:
                 pytest.skip(c.detail)
             if c.result == "inconclusive":
@@ -356,15 +345,8 @@ def progress_lines(config: pytest.Config) -> Any:
     return PlainProgress(write, every)
 
 
-def describe(c: Any) -> str:
-    """A failed check as one line: name, run, value against limit, and the check's own detail."""
-    figures = f": {c.value:.4g} > limit {c.limit:.4g}" if isinstance(c.value, int | float) and isinstance(
-        c.limit, int | float) else ""
-    return f"{c.name} ({c.run}){figures}; {c.detail}"
-
-
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
-    from harness.present.pytest_summary import summary_lines
+    from harness.present.pytest_support import summary_lines
 
     lines = summary_lines(terminalreporter.stats, config.getoption("--mlx-ddp-out"))
     if lines:
@@ -379,7 +361,7 @@ def _scenarios_in_play(config: pytest.Config) -> bool:
     if config.getoption("--mlx-ddp") or config.getini("mlx_ddp"):
         return True
     return any(p.suffix == ".toml" or p.is_dir() and next(p.rglob("*.toml"), None) is not None
-               for p in _named(config))
+               for p in named_paths(config))
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -6,6 +6,7 @@ from typing import Any
 
 from tabulate import tabulate
 
+from harness.present.conditions import MARK, condition_notes, disturbed
 from harness.present.shapes import width_cell, width_warnings
 from harness.scenario_spec import MUTATIONS_DESCRIBED
 
@@ -69,7 +70,9 @@ def run_rows(scenario: dict[str, Any]) -> list[list[Any]]:
             rows.append(head + [status] + ["-"] * (width - len(head) - 1))
             continue
         img_s = r.get("median_img_s")
-        speed = [f"{r['median_tok_s']:.1f}", *([f"{img_s:.1f}" if img_s is not None else "-"] if images else [])]
+        mark = f" {MARK}" if disturbed(r) else ""
+        speed = [f"{r['median_tok_s']:.1f}{mark}",
+                 *([f"{img_s:.1f}" if img_s is not None else "-"] if images else [])]
         losses = [f"{r['avg_loss']:.6f}", f"{r['final_loss']:.6f}"]
         memory = [_mb(r["mlx_peak_bytes"]), _mb(r["rss_peak_bytes"])]
         runtime = f"{r['runtime_s']:.3f}s"
@@ -231,6 +234,8 @@ def scenario_text(scenario: dict[str, Any], fmt: str = "plain") -> str:
     parts = [f"{scenario['name']}: {status}", runs_table(scenario, fmt)]
     if floor_notes(scenario):
         parts.append("\n".join(floor_notes(scenario)))
+    if condition_notes(scenario):
+        parts.append("\n".join(condition_notes(scenario)))
     backends = [f"run {r['name']} on {r['backend']}: {r['backend_reason']}" for r in scenario["runs"]
                 if r.get("backend_reason")]
     if backends:
