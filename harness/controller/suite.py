@@ -113,8 +113,8 @@ def run_scenario(
     progress: Observer | None = None,
     cluster: Cluster | None = None,
 ) -> list[RunOutcome]:
-    """Launch each run of ``s``, then its floor runs; rank logs go under ``artifacts/<scenario>/<run>``
-    when given; ``progress`` is shown each run as it goes; runs of more than one rank run on
+    """Launch each run of ``s``, then its floor runs; rank logs go under ``artifacts/<run>`` (this
+    scenario's directory) when given; ``progress`` is shown each run as it goes; runs of more than one rank run on
     ``cluster``'s hosts when given. Outcomes come back in file order, the floor runs last."""
     s = prepare(s)
     outcomes: dict[str, RunOutcome] = {}
@@ -122,7 +122,7 @@ def run_scenario(
     floors = floor_runs(s)
     try:
         for spec, floor in [*((r, None) for r in launch_order(s)), *((f.spec(s), f) for f in floors)]:
-            keep = artifacts / s.name / spec.name if artifacts else None
+            keep = artifacts / spec.name if artifacts else None
             outcome = execute(
                 spec.name,
                 train_job(s, spec, workspace, floor),
@@ -145,7 +145,7 @@ def run_scenario(
             if on_run:
                 on_run(outcome)
         if artifacts:
-            _keep_checkpoints(workspace, artifacts / s.name, keep_checkpoints)
+            _keep_checkpoints(workspace, artifacts, keep_checkpoints)
     finally:
         shutil.rmtree(workspace, ignore_errors=True)
     return [outcomes[r.name] for r in s.runs] + [outcomes[f.name] for f in floors]

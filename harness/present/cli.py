@@ -208,7 +208,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                 for k in range(1, args.repeat + 1):
                     of = f", repeat {k} of {args.repeat}" if args.repeat > 1 else ""
                     print(f"scenario {s.name} ({s.path}{of})", file=sys.stderr, flush=True)
-                    logs = out / ("runs" if k == 1 else f"runs-repeat{k}") if out else None
+                    logs = out / ("runs" if k == 1 else f"runs-repeat{k}") / s.name if out else None
                     runs = run_scenario(s, artifacts=logs, on_run=finished, keep_checkpoints=args.keep_checkpoints,
                                         backend=args.backend, progress=display, cluster=cluster)
                     reps.append(scenario_summary(s, runs, judge(s, runs)))
