@@ -487,7 +487,7 @@ def script_example(runs: dict, checks: dict, out: Path) -> None:
             assert checks[(check, name)]["result"] == "pass"
         tokens = [r["tokens_local"] for r in runs[name]["ranks"]]
         assert len(set(tokens)) > 1  # completion-only loss: the ranks hold different token counts
-        assert checks[("rank0_side_effects", name)]["detail"] == ("rank 0: {'saves': 1}; other ranks: none; a save "
+        assert checks[("rank0_side_effects", name)]["detail"] == ("rank 0: saves 1; other ranks: none; a save "
                                                                   "on rank 0 demanded: the script declares [trainer] "
                                                                   "saves = true")
 

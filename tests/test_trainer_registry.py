@@ -114,7 +114,8 @@ def test_a_toy_trainer_registered_here_runs_through_list_run_and_the_pytest_plug
                             capture_output=True, text=True, cwd=tmp_path, timeout=600,
                             env={**{k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}, **env})
     assert plugin.returncode == 0, plugin.stdout + plugin.stderr
-    assert " passed" in plugin.stdout and "failed" not in plugin.stdout
+    last = plugin.stdout.strip().splitlines()[-1]  # pytest's own count, after the mlx-ddp summary
+    assert " passed" in last and "failed" not in last and "1 scenario: 1 passed, 0 failed" in plugin.stdout
 
 
 def test_the_registry_derives_what_the_rules_name() -> None:

@@ -71,9 +71,9 @@ def test_a_correct_script_that_saves_nothing_passes(tmp_path: Path) -> None:
 
 @pytest.mark.ranks
 @pytest.mark.parametrize(("save", "declared", "detail"), [
-    (SAVE_EVERYWHERE, False, "rank 0: {'saves': 1}; other ranks: rank 1 {'saves': 1}; a save on rank 0 not "
+    (SAVE_EVERYWHERE, False, "rank 0: saves 1; other ranks: rank 1: saves 1; a save on rank 0 not "
                              "demanded: the script does not declare [trainer] saves"),
-    ("", True, "rank 0: {'saves': 0}; other ranks: none; a save on rank 0 demanded: the script declares [trainer] "
+    ("", True, "rank 0: saves 0; other ranks: none; a save on rank 0 demanded: the script declares [trainer] "
                "saves = true"),
 ], ids=["saves-on-every-rank", "declared-save-missing"])
 def test_a_script_breaking_its_save_promise_fails(tmp_path: Path, save: str, declared: bool, detail: str) -> None:

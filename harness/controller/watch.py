@@ -45,6 +45,7 @@ class WatchReport:
     rank_pids: dict[int, int] = field(default_factory=dict)
     exited_early: list[int] = field(default_factory=list)  # gone without a result before a limit fired
     cpu: CpuUse | None = None  # what the machine's CPUs did meanwhile
+    named_at: float = 0.0  # time.time() when the watch knew the run had ended or stopped it (a limit)
     ended_at: float = 0.0  # time.time() once every process of the run was gone
     remote: bool = False  # its ranks ran on cluster hosts
 
@@ -210,6 +211,7 @@ def watch(launch: Launch, wall_s: float, no_progress_s: float, meter: CpuMeter,
                     if r not in report.exited_early and launch.ranks.running(r, pid)}
             report.stacks_dumped = dump_stacks(launch, live)
             break
+    report.named_at = time.time()
     report.returncode = launch.proc.poll()
     seen.read()
     report.rank_pids = seen.pids

@@ -246,7 +246,7 @@ def ranks_agree(run: RunOutcome) -> Check:
 
 def listed(values: Any) -> str:
     """``[1, 5, 10]`` as ``1, 5, 10`` (a detail holds no Python reprs)."""
-    return ", ".join(map(str, values))
+    return ", ".join(map(str, values)) or "none"
 
 
 def counted(counts: dict[str, int]) -> str:
