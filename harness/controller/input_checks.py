@@ -104,8 +104,8 @@ def check_tokenizers(s: Scenario) -> list[str]:
         except ValueError as e:
             where = f"[[runs]][{i}].data.tokenizer" if "tokenizer" in r.data else "[data].tokenizer"
             raise ScenarioError(f"{s.path}: {where}: {e}") from e
-        notes += [f"{s.name}: {tok}: {n}" for n in loaded.notes if f"{s.name}: {tok}: {n}" not in notes]
-    return notes
+        notes += [f"{s.name}: {tok}: {n}" for n in loaded.notes]
+    return list(dict.fromkeys(notes))  # a file several runs share is said once
 
 
 def check_data_files(s: Scenario) -> list[str]:

@@ -20,6 +20,7 @@ import os
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -93,10 +94,7 @@ def _try_take(d: Path, want: int, size: int, what: str) -> tuple[list[IO[str]], 
 
 def holders(busy: list[str]) -> str:
     """``busy`` slot holders as one phrase: each holder once, with how many slots it holds."""
-    counts: dict[str, int] = {}
-    for b in busy:
-        counts[b] = counts.get(b, 0) + 1
-    return "; ".join(f"{n} by {b}" for b, n in counts.items())
+    return "; ".join(f"{n} by {b}" for b, n in Counter(busy).items())
 
 
 def held_here() -> int:

@@ -30,21 +30,21 @@ def _ok_runs(scenario: dict[str, Any]) -> list[dict[str, Any]]:
     return [r for r in scenario["runs"] if r["ok"] and r.get("losses")]
 
 
+def _by_step(run: dict[str, Any]) -> dict[int, float]:
+    start = run.get("history_start", 1)  # a resumed run's history holds the steps before its resume too
+    return {start + i: v for i, v in enumerate(run["losses"])}
+
+
 def loss_plot(plt: Any, scenario: dict[str, Any]) -> Any:
     fig, ax = plt.subplots(figsize=(7, 4))
     for r in _ok_runs(scenario):
-        start = r.get("history_start", 1)  # a resumed run's history holds the steps before its resume too
-        steps = range(start, start + len(r["losses"]))
-        ax.plot(steps, r["losses"], marker="o", markersize=3, linewidth=1.2, label=_label(r), alpha=0.85)
+        losses = _by_step(r)
+        ax.plot(list(losses), list(losses.values()), marker="o", markersize=3, linewidth=1.2, label=_label(r),
+                alpha=0.85)
     ax.set(xlabel="optimizer step", ylabel="global loss", title=f"{scenario['name']}: loss per step")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return fig
-
-
-def _by_step(run: dict[str, Any]) -> dict[int, float]:
-    start = run.get("history_start", 1)  # a resumed run's history holds the steps before its resume too
-    return {start + i: v for i, v in enumerate(run["losses"])}
 
 
 def delta_plot(plt: Any, scenario: dict[str, Any]) -> Any:
@@ -61,8 +61,9 @@ def delta_plot(plt: Any, scenario: dict[str, Any]) -> Any:
     fig, ax = plt.subplots(figsize=(7, 4))
     smallest = []
     for i, r in enumerate(others):
-        steps = [k for k in _by_step(r) if k in base]
-        deltas = [abs(_by_step(r)[k] - base[k]) for k in steps]
+        losses = _by_step(r)
+        steps = [k for k in losses if k in base]
+        deltas = [abs(losses[k] - base[k]) for k in steps]
         ax.plot(steps, deltas, marker="o", markersize=3, linewidth=1.2, color=f"C{i}", label=_label(r))
         c = judged.get(r["name"]) or {}
         if c.get("floor"):

@@ -71,7 +71,7 @@ def starter_text(name: str, base: Path, kind: str, script: str | None, data: str
         f"# {name}: does {who} train the same under DDP as in {against}?",
         "# Written by `mlx-ddp-harness new`.",
         f"#   run it:        mlx-ddp-harness run {name}.toml",
-        "#   every key:     docs/scenarios.md; every check and how its limit is derived: docs/parity.md",
+        "#   every key:     docs/scenarios.md; every check and how its limit is derived: docs/checks.md",
         "",
         "[scenario]",
         f'name = "{name}"',

@@ -234,8 +234,9 @@ def scenario_text(scenario: dict[str, Any], fmt: str = "plain") -> str:
     parts = [f"{scenario['name']}: {status}", runs_table(scenario, fmt)]
     if floor_notes(scenario):
         parts.append("\n".join(floor_notes(scenario)))
-    if condition_notes(scenario):
-        parts.append("\n".join(condition_notes(scenario)))
+    conditions = condition_notes(scenario)
+    if conditions:
+        parts.append("\n".join(conditions))
     backends = [f"run {r['name']} on {r['backend']}: {r['backend_reason']}" for r in scenario["runs"]
                 if r.get("backend_reason")]
     if backends:
