@@ -7,6 +7,7 @@ import pytest
 
 from harness.controller.collect import RankOutcome, RunOutcome
 from harness.controller.cpu_use import CpuUse
+from harness.controller.rank_budget import Neighbours
 from harness.controller.watch import WatchReport
 from harness.judge.checks import (
     data_share,
@@ -239,10 +240,21 @@ def test_resume_checks_fail_on_doctored_accounting_and_disagreeing_ranks() -> No
     later.watch.cpu = CpuUse(cores=2, wall_s=10.0, busy_s=19.9, own_s=5.0)  # another job: 1.49 cores
     shown = resume_accounting(later, steady, None, 3.0)
     assert shown.passed and shown.value == round(0.6 / 9.5, 3)
-    assert "(not compared: during resumed2 other processes kept 1.49 of 2 CPUs busy)" in shown.detail
+    assert "(not compared: during resumed2 other processes kept 1.49 of 2 CPUs busy (its 2 ranks left 0 free))" \
+        in shown.detail
     steady.watch.cpu, later.watch.cpu = later.watch.cpu, None  # the target's run was the disturbed one
     assert "during full2" in resume_accounting(later, steady, None, 3.0).detail
     steady.watch.cpu = None
+    later.watch.neighbours = Neighbours(samples=6, shared=6, most=6)  # other launches beside it all along
+    assert not resume_accounting(later, steady, None, 3.0).passed  # on the CPU: the rank budget keeps them apart
+    for o in later.ranks:
+        o.result["accelerator"] = "cuda"  # on a GPU they shared its device
+    shown = resume_accounting(later, steady, None, 3.0)
+    assert shown.passed and ("(not compared: during resumed2 on the cuda GPU other launches held rank slots for "
+                             "100% of it (up to 6 at once))") in shown.detail
+    later.watch.neighbours = Neighbours(samples=6, shared=3, most=6)  # alone for half of it: judged
+    assert not resume_accounting(later, steady, None, 3.0).passed
+    later.watch.neighbours = None
     for o in later.ranks:
         o.result["tok_s_global"] = [9.0, 2.0, 3.5, 9.1]  # one undisturbed step is enough
     assert resume_accounting(later, steady, None, 3.0).passed

@@ -121,3 +121,50 @@ def test_xdist_workers_never_run_more_ranks_at_once_than_the_budget(tmp_path: Pa
     spans = _rank_intervals(out)
     assert len(spans) >= 3 * (1 + 2 + 1)  # single, ddp2 and its floor run, in each scenario
     assert _most_at_once(spans) <= 2
+
+
+def test_a_run_counts_the_other_launches_beside_it_and_not_its_own_slots(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    for k, v in _env(tmp_path, 3).items():
+        monkeypatch.setenv(k, v)
+    mine = rank_budget.hold(1, "run 'mine'")
+    mine_file = Path(mine.held[0].name)
+    meter = rank_budget.NeighbourMeter(mine)
+    meter.poll()  # alone: its own slot is not a neighbour
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, "2", "60", "run 'other'"], env=dict(os.environ),
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        for _ in range(3):
+            meter.last = 0.0
+            meter.poll()
+    finally:
+        holder.kill()  # gone without releasing: its slot files still name it, but it is dead
+        holder.wait(timeout=10)
+    meter.last = 0.0
+    meter.poll()
+    mine.release()
+    seen = meter.stop()
+    assert (seen.samples, seen.shared, seen.most) == (5, 3, 2) and seen.crowded()  # beside it for 3 of 5 samples
+    assert seen.describe() == "other launches held rank slots for 60% of it (up to 2 at once)"
+    assert mine_file.read_text() == ""  # a released slot names no holder
+    assert rank_budget.others_holding(rank_budget.RankSlots(), {os.getpid()}) == 0
+
+
+@pytest.mark.ranks
+def test_a_run_beside_another_launch_records_it(tmp_path: Path) -> None:
+    write_scenario(tmp_path, "beside", (1,), steps=4)
+    env = {k: v for k, v in _env(tmp_path, 4).items() if not k.startswith("PYTEST_")}
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, "2", "600", "run 'other'"], env=env,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        p = subprocess.run([sys.executable, "-m", "harness", "run", str(tmp_path / "beside.toml"), "--out",
+                            str(tmp_path / "out")], env=env, capture_output=True, text=True, timeout=300)
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)
+    assert p.returncode == 0, p.stdout + p.stderr
+    run = json.loads((tmp_path / "out" / "result.json").read_text())["scenarios"][0]["runs"][0]
+    near = run["neighbours"]
+    assert near["samples"] >= 1 and near["shared"] == near["samples"] and near["most"] == 2
+    assert "*" not in p.stdout  # on the CPU the rank budget keeps launches apart: not a disturbance

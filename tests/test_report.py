@@ -140,3 +140,10 @@ def test_a_speed_measured_beside_other_work_is_marked_and_a_queue_wait_said() ->
     ddp2["cpu_use"], ddp2["queued_s"] = {"cores": 2, "wall_s": 10.0, "busy_s": 21.0, "own_s": 20.0}, 0.2
     quiet = scenario_text(s)  # 0.1 of a core: within the slack
     assert "*" not in quiet and "waited" not in quiet
+    ddp2["neighbours"] = {"samples": 10, "shared": 9, "most": 6}  # other launches beside it, 90% of the run
+    assert "*" not in scenario_text(s)  # on the CPU the rank budget keeps them within the cores
+    ddp2["ranks"] = [{"rank": r, "accelerator": "cuda"} for r in range(2)]
+    assert ("* run ddp2: measured while on the cuda GPU other launches held rank slots for 90% of it (up to 6 at "
+            "once): its speed is not comparable with a quiet run's") in scenario_text(s)
+    ddp2["neighbours"] = {"samples": 10, "shared": 5, "most": 6}  # half of it: its fastest steps were alone
+    assert "*" not in scenario_text(s)

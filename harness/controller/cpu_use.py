@@ -3,7 +3,8 @@ controller, the launcher and the ranks) and how much other processes took.
 
 Timings compared across runs are only as good as the machine was quiet: a run that shared its
 cores with another job (a parallel test, a build) measures that job too. The judge reads
-``CpuUse.disturbed`` before it compares two runs' speeds.
+``CpuUse.disturbed`` before it compares two runs' speeds. On a GPU the contention that matters is
+other launches on the same devices, which take few CPUs: ``speed_disturbed`` weighs both.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import psutil
+
+from harness.controller.rank_budget import Neighbours
 
 SLACK_CORES = 0.25  # other processes' use a run tolerates beyond the cores it leaves free
 
@@ -82,3 +85,16 @@ class CpuMeter:
     def stop(self) -> CpuUse:
         busy, cores = _busy_s(self.cpus)
         return CpuUse(cores, time.monotonic() - self.t0, busy - self.busy0, _own_s() - self.own0)
+
+
+def speed_disturbed(world_size: int, cpu: CpuUse | None, neighbours: Neighbours | None,
+                    accelerator: str | None) -> str | None:
+    """Why a run's speed is not a quiet run's, or None: other processes took more CPUs than its
+    ranks left free, or, on a GPU (``accelerator`` not "cpu"), other launches ran beside it for
+    most of it."""
+    if cpu is not None and cpu.disturbed(world_size):
+        return (f"{cpu.describe()} (its {world_size} rank{'s' if world_size != 1 else ''} left "
+                f"{max(0, cpu.cores - world_size)} free)")
+    if accelerator not in (None, "cpu") and neighbours is not None and neighbours.crowded():
+        return f"on the {accelerator} GPU {neighbours.describe()}"
+    return None

@@ -10,6 +10,9 @@ CPU cores; a launch of more ranks than the budget waits for the whole budget.
 A holder that starts launches of its own (a pytest test marked with its world size) sets
 ``MLX_DDP_HARNESS_RANKS_HELD`` for its process and children: a launch there counts those slots
 as its own and takes only what it needs beyond them, so it never waits for its own holder.
+
+A held slot's file names its holder; a run's watchdog reads the names (``NeighbourMeter``) to
+say which part of the run other launches ran beside it, sharing its GPU where it has one.
 """
 
 from __future__ import annotations
@@ -17,18 +20,23 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import re
 import sys
 import tempfile
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
+
+import psutil
 
 BUDGET_VAR = "MLX_DDP_HARNESS_RANK_BUDGET"
 DIR_VAR = "MLX_DDP_HARNESS_RANK_DIR"
 HELD_VAR = "MLX_DDP_HARNESS_RANKS_HELD"
 NOTICE_AFTER_S = 5.0
+SAMPLE_S = 0.5  # how often a run's watchdog looks for other launches (``NeighbourMeter``)
+CROWDED_SHARE = 0.5
 
 
 def budget() -> int:
@@ -63,9 +71,80 @@ class RankSlots:
     def release(self) -> None:
         for f in self.held:
             with contextlib.suppress(OSError):
+                f.seek(0)
+                f.truncate()  # a free slot names no holder (``others_holding`` reads the names)
+                f.flush()
                 fcntl.flock(f, fcntl.LOCK_UN)
             f.close()
         self.held = []
+
+
+def _holder_pid(text: str) -> int | None:
+    m = re.search(r"\(pid (\d+)\)$", text.strip())
+    return int(m.group(1)) if m else None
+
+
+def others_holding(mine: RankSlots, ours: set[int]) -> int:
+    """Slots held now by a live process outside ``ours`` (this controller and its parents),
+    other than ``mine``: other launches that share this machine's devices."""
+    own = {Path(f.name).name for f in mine.held}
+    n = 0
+    for path in slot_dir().glob("slot-*"):
+        if path.name in own:
+            continue
+        try:
+            pid = _holder_pid(path.read_text())
+        except OSError:
+            continue
+        if pid is not None and pid not in ours and psutil.pid_exists(pid):
+            n += 1
+    return n
+
+
+@dataclass
+class Neighbours:
+    """How often other launches held rank slots while a run ran, sampled by its watchdog."""
+
+    samples: int = 0
+    shared: int = 0  # samples in which another launch held slots
+    most: int = 0  # the most slots other launches held at once
+
+    @property
+    def share(self) -> float:
+        return self.shared / self.samples if self.samples else 0.0
+
+    def crowded(self) -> bool:
+        """Other launches ran beside it for more than half of the run."""
+        return self.share > CROWDED_SHARE
+
+    def describe(self) -> str:
+        return f"other launches held rank slots for {self.share:.0%} of it (up to {self.most} at once)"
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "share": round(self.share, 3)}
+
+
+class NeighbourMeter:
+    """Samples ``others_holding`` at most every ``SAMPLE_S`` while a run holding ``mine`` runs."""
+
+    def __init__(self, mine: RankSlots):
+        self.mine = mine
+        self.ours = {os.getpid(), *(p.pid for p in psutil.Process().parents())}
+        self.seen = Neighbours()
+        self.last = 0.0
+
+    def poll(self) -> None:
+        now = time.monotonic()
+        if now - self.last < SAMPLE_S:
+            return
+        self.last = now
+        n = others_holding(self.mine, self.ours)
+        self.seen.samples += 1
+        self.seen.shared += n > 0
+        self.seen.most = max(self.seen.most, n)
+
+    def stop(self) -> Neighbours:
+        return self.seen
 
 
 def _try_take(d: Path, want: int, size: int, what: str) -> tuple[list[IO[str]], list[str]]:

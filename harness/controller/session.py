@@ -84,7 +84,7 @@ def execute(
         started = _launch(name, job, world_size, backend, run_dir, cluster if on_cluster else None, sync_dirs)
         feed.start(run_dir)
         try:
-            report = watch(started, wall_s, no_progress_s, meter, feed, memory)
+            report = watch(started, wall_s, no_progress_s, meter, feed, memory, rank_budget.NeighbourMeter(slots))
         except BaseException:  # interrupted: leave nothing of the run behind
             kill_group(started)
             raise

@@ -24,6 +24,7 @@ from harness.controller.cpu_use import CpuMeter, CpuUse
 from harness.controller.launch import Launch, launcher_exits
 from harness.controller.memory_guard import MB, MemoryLimits, RankMemory
 from harness.controller.progress import EventTail, ProgressFeed
+from harness.controller.rank_budget import NeighbourMeter, Neighbours
 
 POLL_S = 0.1
 STACK_DUMP_WAIT_S = 1.5  # the longest wait for the ranks' stack dumps
@@ -45,6 +46,7 @@ class WatchReport:
     rank_pids: dict[int, int] = field(default_factory=dict)
     exited_early: list[int] = field(default_factory=list)  # gone without a result before a limit fired
     cpu: CpuUse | None = None  # what the machine's CPUs did meanwhile
+    neighbours: Neighbours | None = None  # other launches beside it
     named_at: float = 0.0  # time.time() when the watch knew the run had ended or stopped it (a limit)
     ended_at: float = 0.0  # time.time() once every process of the run was gone
     remote: bool = False  # its ranks ran on cluster hosts
@@ -159,10 +161,12 @@ def kill_group(launch: Launch, timeout: float = 10.0) -> list[int | str]:
 
 
 def watch(launch: Launch, wall_s: float, no_progress_s: float, meter: CpuMeter,
-          feed: ProgressFeed | None = None, memory: MemoryLimits | None = None) -> WatchReport:
+          feed: ProgressFeed | None = None, memory: MemoryLimits | None = None,
+          neighbours: NeighbourMeter | None = None) -> WatchReport:
     """Block until the run ends or a limit fires; always leaves the process group empty. ``meter``
-    (started before the launch) measures the CPUs meanwhile; ``feed`` is told of each poll;
-    ``memory``: the hard limits enforced meanwhile (the machine's share alone when ``None``)."""
+    (started before the launch) measures the CPUs meanwhile, ``neighbours`` the other launches;
+    ``feed`` is told of each poll; ``memory``: the hard limits enforced meanwhile (the machine's
+    share alone when ``None``)."""
     t0 = time.monotonic()
     last_mark, last_progress = _progress_mark(launch), t0
     failed_since: float | None = None
@@ -177,6 +181,8 @@ def watch(launch: Launch, wall_s: float, no_progress_s: float, meter: CpuMeter,
         mark = _progress_mark(launch)
         if feed is not None:
             feed.poll(mark != last_mark)
+        if neighbours is not None:
+            neighbours.poll()
         if mark != last_mark:
             last_mark, last_progress = mark, now
             seen.read()
@@ -221,4 +227,5 @@ def watch(launch: Launch, wall_s: float, no_progress_s: float, meter: CpuMeter,
         report.returncode = launch.proc.returncode
     report.wall_s = time.monotonic() - t0
     report.cpu = meter.stop()
+    report.neighbours = neighbours.stop() if neighbours is not None else None
     return report

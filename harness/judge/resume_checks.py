@@ -4,6 +4,7 @@ checkpoint every rank resumed from."""
 from __future__ import annotations
 
 from harness.controller.collect import RunOutcome
+from harness.controller.cpu_use import speed_disturbed
 from harness.judge.checks import Check, fastest_after_first, with_power
 from harness.judge.floors import floors
 from harness.judge.parity import eval_parity, loss_parity, param_parity, unrecorded
@@ -51,8 +52,9 @@ def resume_accounting(run: RunOutcome, target: RunOutcome, source: RunOutcome | 
     # run's fastest: another process on the machine only ever makes a step slower, so the
     # fastest step is each run's least disturbed figure, and a resumed run that is really slower
     # (recompiling, or eager where the target compiled) is slower in every step, that one too.
-    # Unless another job kept the machine's free cores busy through a whole run: then neither
-    # run's fastest step is a clean figure, and the speeds are shown but not judged.
+    # Unless another job kept the machine's free cores busy through a whole run, or other
+    # launches shared its GPU for most of it: then neither run's fastest step is a clean
+    # figure, and the speeds are shown but not judged.
     a = fastest_after_first((r.get("tok_s_global") or [])[k - skip:])
     b = fastest_after_first((t.get("tok_s_global") or [])[k:])
     ratio = a / b if a and b else None
@@ -72,12 +74,12 @@ def resume_accounting(run: RunOutcome, target: RunOutcome, source: RunOutcome | 
 
 
 def busy_during(*runs: RunOutcome) -> str | None:
-    """Why the speeds of ``runs`` cannot be compared, if another process shared the machine's
-    CPUs with one of them beyond the cores it left free."""
+    """Why the speeds of ``runs`` cannot be compared (``speed_disturbed``), if anything."""
     for run in runs:
-        cpu = run.watch.cpu
-        if cpu is not None and cpu.disturbed(run.world_size):
-            return f"during {run.name} {cpu.describe()}"
+        accelerator = next((o.result.get("accelerator") for o in run.ranks if o.result), None)
+        why = speed_disturbed(run.world_size, run.watch.cpu, run.watch.neighbours, accelerator)
+        if why is not None:
+            return f"during {run.name} {why}"
     return None
 
 

@@ -70,6 +70,7 @@ def run_summary(run: RunOutcome, s: Scenario, ref: RunOutcome | None) -> dict[st
         "wall_s": run.watch.wall_s,
         "queued_s": round(run.queued_s, 3),
         "cpu_use": run.watch.cpu.to_json() if run.watch.cpu else None,
+        "neighbours": run.watch.neighbours.to_json() if run.watch.neighbours else None,
         "per_rank_batch": micro if train.grad_accum == 1 else f"{micro} x {train.grad_accum} accum",
         "global_batch": train.global_batch,
         "ranks": [rank_summary(o, run.hosts[o.rank] if run.hosts else None) for o in run.ranks],
