@@ -167,8 +167,9 @@ def _validate_trainer_spec(t: TrainerSpec, src: str, at: str) -> None:
     _one_of(t.kind, kinds(), src, f"{at}.kind")
     info = trainer_info(t.kind)
     _one_of(t.fine_tune, FINE_TUNES, src, f"{at}.fine_tune")
-    require(info.script or t.path is None, src, f"{at}.path", "only a 'script' trainer takes a path")
-    require(info.script or not t.args, src, f"{at}.args", "only a 'script' trainer takes args")
+    takes_path = info.script or info.command
+    require(takes_path or t.path is None, src, f"{at}.path", "only a 'script' or 'command' trainer takes a path")
+    require(takes_path or not t.args, src, f"{at}.args", "only a 'script' or 'command' trainer takes args")
     require(info.script or t.saves is None, src, f"{at}.saves",
             "only a 'script' trainer declares its saves (the others' are known)")
     require(info.lora or t.fine_tune == "full", src, f"{at}.fine_tune",
@@ -178,6 +179,10 @@ def _validate_trainer_spec(t: TrainerSpec, src: str, at: str) -> None:
         require(t.path is not None and t.path.endswith(".py"), src, f"{at}.path",
                 "a 'script' trainer needs the path of a Python training script")
         require(os.path.isfile(t.path), src, f"{at}.path", f"not a file: {t.path}")
+    if info.command:
+        require(t.path is not None, src, f"{at}.path", "a 'command' trainer needs the path of an executable")
+        require(os.path.isfile(t.path) and os.access(t.path, os.X_OK), src, f"{at}.path",
+                f"not an executable file: {t.path}")
 
 
 def _validate_run_trainer(s: Scenario, i: int, r: RunSpec, src: str) -> None:

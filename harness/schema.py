@@ -35,6 +35,21 @@ SCHEMA_VERSION = 2
 
 JOB_FILE = "job.json"
 
+# The rank protocol an executable under test speaks (``[trainer] kind = "command"``;
+# docs/rank-protocol.md, JSON Schemas in docs/schemas/). Its rank process gives it the job in
+# ``COMMAND_ENV`` variables (and the same values in ``job.json`` in its directory) and reads
+# what it writes there: events, a result and its final parameters.
+COMMAND_PROTOCOL = 1
+COMMAND_ENV = {
+    "protocol": "MLX_DDP_HARNESS_PROTOCOL", "out_dir": "MLX_DDP_HARNESS_OUT", "rows": "MLX_DDP_HARNESS_ROWS",
+    "seed": "MLX_DDP_HARNESS_SEED", "steps": "MLX_DDP_HARNESS_STEPS", "global_batch": "MLX_DDP_HARNESS_GLOBAL_BATCH",
+    "learning_rate": "MLX_DDP_HARNESS_LEARNING_RATE", "optimizer": "MLX_DDP_HARNESS_OPTIMIZER",
+    "vocab_size": "MLX_DDP_HARNESS_VOCAB_SIZE", "split_rows": "MLX_DDP_HARNESS_SPLIT_ROWS",
+    "rank": "MLX_DDP_HARNESS_RANK", "world_size": "MLX_DDP_HARNESS_WORLD_SIZE",
+}
+COMMAND_FILES = {"job": "job.json", "rows": "rows.tsv", "events": "events.jsonl", "result": "result.json",
+                 "params": "params.safetensors"}
+
 
 class SchemaError(ValueError):
     """A protocol file is missing fields, malformed, or of an unknown schema version."""

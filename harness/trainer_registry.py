@@ -33,7 +33,9 @@ class TrainerInfo:
     it trains with its own code, which the harness does not change: no mutations and no input
     dropout, and faults only in the step phase (``STEP_FAULTS``, acted on when it reports a
     step); the reference trainer is the one that is not. ``script``: it runs a user's script
-    (``[trainer] path``, ``args``, ``saves``). ``lora``: it can train LoRA adapters. ``resumes``:
+    (``[trainer] path``, ``args``, ``saves``). ``command``: it runs an executable (``path``,
+    ``args``) that joins the distributed group itself and reports through the rank protocol
+    (docs/rank-protocol.md); the rank process only feeds and reads it. ``lora``: it can train LoRA adapters. ``resumes``:
     a later run can continue from its saves; its module has ``check_resume_source(path, step,
     scenario)``, called before anything starts. ``streams``: it reads an unsized stream of rows.
     ``rules``: its own scenario rules (``harness.trainer_rules``).
@@ -59,6 +61,7 @@ class TrainerInfo:
     models: str = "text"
     external: bool = True
     script: bool = False
+    command: bool = False
     lora: bool = False
     resumes: bool = False
     streams: bool = False
@@ -97,6 +100,8 @@ BUILTIN = (
                 requires="unsloth_zoo", install="pip install --no-deps 'unsloth_zoo>=2026.10.9'"),
     TrainerInfo("script", "a user's training script (reporting through harness.api)", "harness.trainers.script",
                 script=True, probes=True),
+    TrainerInfo("command", "any executable reporting through the rank protocol", "harness.trainers.command",
+                command=True, rules=trainer_rules.command),
 )
 
 _registry: dict[str, TrainerInfo] = {}

@@ -71,3 +71,10 @@ def mlx_vlm(eff: Scenario, r: RunSpec, src: str, where: str) -> None:
                 f"mlx-vlm evaluates in batches of the training batch size: set eval_batch = {micro}")
         require(d.eval_rows >= micro or d.eval_path is not None, src, f"{where}.data.eval_rows",
                 f"mlx-vlm evaluates whole batches only: eval_rows must be at least {micro}")
+
+
+def command(eff: Scenario, r: RunSpec, src: str, where: str) -> None:
+    """An executable under the rank protocol: it is given each step's rows, one batch a step."""
+    require(eff.train.grad_accum == 1, src, f"{where}.train.grad_accum",
+            "a 'command' trainer is given one batch a step: leave grad_accum at 1")
+    require(not eff.model.vision, src, "[model].arch", "a 'command' trainer is given token rows (a text model)")

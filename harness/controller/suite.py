@@ -73,7 +73,7 @@ def train_job(s: Scenario, run: RunSpec, workspace: Path | None = None, floor: F
     job = {
         "kind": "train",
         "run": run.name,
-        "trainer": {"module": info.module, "hides": list(info.hides)},
+        "trainer": {"module": info.module, "hides": list(info.hides), "own_group": info.command},
         "scenario": dataclasses.replace(eff, faults=faults).to_dict(),
         "backend": run.backend,
         "faults": [dataclasses.asdict(f) for f in faults],

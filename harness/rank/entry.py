@@ -256,8 +256,9 @@ def main(argv: list[str]) -> int:
         clock = StartupClock(job.get("launched_at"))
         set_precision(job)
         world_size = int(job["world_size"])
-        group, backend = _init_group(world_size, job.get("backend"))
-        if group.size() != world_size or group.rank() != rank:
+        own_group = bool((job.get("trainer") or {}).get("own_group"))  # a command's processes join it
+        group, backend = (None, job.get("backend") or "none") if own_group else _init_group(world_size, job.get("backend"))
+        if group is not None and (group.size() != world_size or group.rank() != rank):
             raise RuntimeError(
                 f"distributed group is rank {group.rank()} of {group.size()}, "
                 f"expected rank {rank} of {world_size}"
@@ -265,7 +266,8 @@ def main(argv: list[str]) -> int:
         import mlx.core as mx
 
         clock.done("device")
-        warm_up(job)
+        if not own_group:
+            warm_up(job)
         clock.done("warm_up")
         startup_s = time.time() - float(job.get("launched_at", time.time()))
         load_libraries(job)
