@@ -35,7 +35,8 @@ class TrainerInfo:
     step); the reference trainer is the one that is not. ``script``: it runs a user's script
     (``[trainer] path``, ``args``, ``saves``). ``command``: it runs an executable (``path``,
     ``args``) that joins the distributed group itself and reports through the rank protocol
-    (docs/rank-protocol.md); the rank process only feeds and reads it. ``lora``: it can train LoRA adapters. ``resumes``:
+    (docs/rank-protocol.md); the rank process only feeds and reads it. ``lora``: it can train
+    LoRA adapters. ``resumes``:
     a later run can continue from its saves; its module has ``check_resume_source(path, step,
     scenario)``, called before anything starts. ``streams``: it reads an unsized stream of rows.
     ``rules``: its own scenario rules (``harness.trainer_rules``).

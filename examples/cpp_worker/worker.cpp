@@ -145,8 +145,9 @@ int main(int argc, char** argv) {
                       std::to_string(world));
 
     auto keys = mx::random::split(mx::random::key(seed));  // the same weights on every rank
-    std::vector<mx::array> params{mx::random::normal({vocab, dim}, mx::float32, 0.0f, 0.02f, keys.first),
-                                  mx::random::normal({dim, vocab}, mx::float32, 0.0f, 0.02f, keys.second)};
+    const float scale = 1.0f / std::sqrt(static_cast<float>(dim));
+    std::vector<mx::array> params{mx::random::normal({vocab, dim}, mx::float32, 0.0f, 1.0f, keys.first),
+                                  mx::random::normal({dim, vocab}, mx::float32, 0.0f, scale, keys.second)};
     mx::eval(params);
 
     for (int step = 1; step <= steps; ++step) {

@@ -257,7 +257,8 @@ def main(argv: list[str]) -> int:
         set_precision(job)
         world_size = int(job["world_size"])
         own_group = bool((job.get("trainer") or {}).get("own_group"))  # a command's processes join it
-        group, backend = (None, job.get("backend") or "none") if own_group else _init_group(world_size, job.get("backend"))
+        group, backend = ((None, job.get("backend") or "none") if own_group
+                          else _init_group(world_size, job.get("backend")))
         if group is not None and (group.size() != world_size or group.rank() != rank):
             raise RuntimeError(
                 f"distributed group is rank {group.rank()} of {group.size()}, "

@@ -1,0 +1,134 @@
+"""An executable as the ranks (``[trainer] kind = "command"``): the C++ MLX DDP worker judged as
+any trainer at 1, 2 and 4 ranks, its planted bug failing, foreign ranks that crash, hang or
+write what the protocol does not allow named in one line, and the protocol's JSON Schemas
+holding what the worker writes."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import psutil
+import pytest
+
+from harness import schema
+from harness.trainers.command import problem
+from tests.conftest import REPO, cli
+
+WORKER_DIR = REPO / "examples" / "cpp_worker"
+
+
+@pytest.fixture(scope="module")
+def worker() -> Path:
+    """The C++ worker, built against the mlx wheel of this interpreter (skipped without g++)."""
+    import shutil
+
+    if shutil.which("g++") is None:
+        pytest.skip("g++ is not installed: the C++ worker cannot be built")
+    subprocess.run(["bash", str(WORKER_DIR / "build.sh"), sys.executable], check=True, timeout=300)
+    return WORKER_DIR / "build" / "worker"
+
+
+@pytest.mark.ranks
+def test_the_cpp_worker_matches_one_process_at_2_and_4_ranks(worker: Path, tmp_path: Path) -> None:
+    p = cli("run", str(WORKER_DIR / "cpp_worker.toml"), "--out", str(tmp_path / "o"))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    doc = json.loads((tmp_path / "o" / "result.json").read_text())
+    s = doc["scenarios"][0]
+    judged = {(c["name"], c["run"]): c for c in s["checks"]}
+    for run in ("ddp2", "ddp4"):
+        for name in ("loss_parity", "param_parity", "token_accounting", "replica_consistency"):
+            assert judged[(name, run)]["result"] == "pass", judged[(name, run)]
+    losses = s["runs"][0]["losses"]
+    assert len(losses) == 12 and losses[-1] < 0.6 * losses[0]  # it trains
+    # What the worker wrote and what its rank process gave it hold the protocol's schemas.
+    written = list((tmp_path / "o").rglob("rank*.command"))
+    assert written, "no rank's protocol directory was kept"
+    for d in written:
+        assert problem("job", json.loads((d / "job.json").read_text())) is None
+        assert problem("result", json.loads((d / "result.json").read_text())) is None
+        lines = (d / "events.jsonl").read_text().splitlines()
+        assert [json.loads(x)["kind"] for x in lines] == ["start"] + ["step"] * 12
+        assert all(problem("event", json.loads(x)) is None for x in lines)
+
+
+@pytest.mark.ranks
+def test_the_cpp_workers_planted_mean_of_means_fails_parity(worker: Path, tmp_path: Path) -> None:
+    p = cli("run", str(WORKER_DIR / "cpp_worker_mean_of_means.toml"), "--out", str(tmp_path / "o"))
+    assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-2000:]
+    checks = json.loads((tmp_path / "o" / "result.json").read_text())["scenarios"][0]["checks"]
+    failed = {c["name"] for c in checks if c["run"] == "ddp2" and c["result"] == "FAIL"}
+    assert {"loss_parity", "param_parity"} <= failed
+
+
+def test_the_protocol_schemas_refuse_what_the_protocol_does_not_allow() -> None:
+    assert problem("event", {"protocol": 1, "kind": "step", "step": 1, "loss": 2.0, "tokens_global": 9,
+                             "tokens_local": 4}) is None
+    assert problem("event", {"protocol": 2, "kind": "step"}) == "protocol 2, the harness speaks 1"
+    assert "tokens_local" in problem("event", {"protocol": 1, "kind": "step", "step": 1, "loss": 2.0,
+                                               "tokens_global": 9})
+    assert problem("event", {"protocol": 1, "kind": "step", "step": 0, "loss": 2.0, "tokens_global": 9,
+                             "tokens_local": 4, "extra": 1}) is not None
+    assert problem("result", {"protocol": 1, "status": "ok", "steps": 3}) is None
+    assert problem("result", {"protocol": 1, "status": "error"}) is not None  # an error says what went wrong
+    assert set(json.loads((REPO / "harness" / "protocol" / "job.schema.json").read_text())["required"]) == \
+        set(schema.COMMAND_ENV)  # every job field is also an environment variable
+
+
+FAULTS = {
+    "crashes": ("echo boom >&2\nexit 3\n", "command foreign.sh (rank 0) exited with status 3 without a result"),
+    "exits-0-without-a-result": ("exit 0\n", "command foreign.sh (rank 0) exited 0 without writing result.json"),
+    "writes-a-malformed-event": ('echo "step 1 done" >> "$MLX_DDP_HARNESS_OUT/events.jsonl"\nsleep 600\n',
+                                 "command foreign.sh (rank 0) wrote a malformed event (events.jsonl line 1): not JSON"),
+    "speaks-another-version": ("echo '{\"protocol\": 2, \"status\": \"ok\", \"steps\": 1}' "
+                               '> "$MLX_DDP_HARNESS_OUT/result.json"\n',
+                               "command foreign.sh (rank 0) wrote a malformed result.json: protocol 2, the harness "
+                               "speaks 1"),
+    "hangs": ("sleep 600\n", "no progress from any rank for 4 s"),
+}
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_a_foreign_rank_that_fails_is_named_in_one_line_and_leaves_nothing(tmp_path: Path, fault: str) -> None:
+    body, line = FAULTS[fault]
+    exe = tmp_path / "foreign.sh"
+    exe.write_text("#!/bin/sh\n" + body)
+    exe.chmod(0o755)
+    (tmp_path / "foreign.toml").write_text(textwrap.dedent(f"""
+        [scenario]
+        name = "foreign"
+        seed = 3
+
+        [trainer]
+        kind = "command"
+        path = "foreign.sh"
+
+        [model]
+        arch = "llama"
+
+        [data]
+        rows = 16
+
+        [train]
+        steps = 2
+        global_batch = 4
+        optimizer = "sgd"
+
+        [limits]
+        no_progress_s = {4 if fault == "hangs" else 60}
+
+        [[runs]]
+        name = "ddp2"
+        world_size = 2
+        """))
+    p = cli("run", str(tmp_path / "foreign.toml"), "--out", str(tmp_path / "o"))
+    assert p.returncode == 3, p.stdout[-3000:] + p.stderr[-2000:]
+    assert re.search(re.escape(line).replace("rank\\ 0", "rank\\ \\d"), p.stdout), p.stdout[-3000:]  # either rank
+    assert "Traceback" not in p.stdout + p.stderr and "survived" not in p.stdout
+    left = [q for q in psutil.process_iter(["cmdline"]) if str(exe) in " ".join(q.info["cmdline"] or [])]
+    assert left == []
