@@ -20,6 +20,11 @@ did::
         run.saved()                      # announce it (rank 0 only, if the script is correct)
     run.finish(model.parameters())       # the final parameters, judged for parity
 
+Every report is a record of the rank protocol (docs/rank-protocol.md), written to the rank's
+protocol directory and read back by its rank process exactly as an executable's records are
+(``harness.rank.protocol``); ``probe`` is the one call outside the protocol: it hands a function
+over in the process.
+
 A script that saves declares it with ``[trainer] saves = true``: the judge then demands a save
 on rank 0 (and, declared or not, fails a save announced on any other rank).
 
@@ -55,8 +60,10 @@ class NotUnderHarness(RuntimeError):
 class Session:
     """One rank's view of the run: the scenario's settings, its inputs, and the report calls."""
 
-    def __init__(self, ctx: Any, scenario: Any, reporter: Any):
+    def __init__(self, ctx: Any, scenario: Any, reporter: Any, writer: Any, pump: Any):
         self._ctx, self.scenario, self._rep = ctx, scenario, reporter
+        self._out, self._pump = writer, pump  # the protocol's writer; ``pump`` reads what it wrote
+        self._steps = self._saves = 0
         self.rank: int = ctx.rank
         self.world_size: int = ctx.world_size
         self.group: Any = ctx.group
@@ -119,19 +126,32 @@ class Session:
     def step(self, step: int, loss: float, tokens: int, tokens_local: int, lr: float | None = None,
              params: Any = None) -> None:
         """Optimizer step ``step`` (1, 2, ...) is done; ``params``: the parameters after it."""
-        self._rep.step(step, loss, tokens, tokens_local, lr=lr, params=params)
+        fields: dict[str, Any] = {"step": int(step), "loss": float(loss), "tokens_global": int(tokens),
+                                  "tokens_local": int(tokens_local)}
+        if lr is not None:
+            fields["lr"] = float(lr)
+        every = self.scenario.train.digest_every
+        if params is not None and every and int(step) % every == 0:
+            from harness.rank.models import tree_digest
+
+            fields["digest"] = tree_digest(params)
+        self._out.event("step", **fields)
+        self._steps = int(step)
+        self._pump()
 
     def eval(self, step: int, loss: float, tokens: int) -> None:
         """An evaluation after ``step`` steps: its global loss and supervised token count."""
-        self._rep.eval(step, loss, tokens)
+        self._out.event("eval", step=int(step), loss=float(loss), tokens=int(tokens))
+        self._pump()
 
     def saved(self, count: int = 1) -> None:
         """This rank wrote ``count`` files of the script's own (weights, checkpoints)."""
-        self._rep.saved(count)
+        self._saves += int(count)
 
     def finish(self, params: Any) -> None:
         """Training is over; ``params`` are the final parameters."""
-        self._rep.finish(params)
+        self._out.params(params)
+        self._out.result(status="ok", steps=self._steps, saves=self._saves)
 
 
 def session() -> Session:

@@ -16,8 +16,8 @@ import psutil
 import pytest
 
 from harness import schema
-from harness.trainers.command import problem
-from tests.conftest import REPO, cli
+from harness.rank.protocol import problem
+from tests.conftest import REPO, cli, script_scenario
 
 WORKER_DIR = REPO / "examples" / "cpp_worker"
 
@@ -46,14 +46,36 @@ def test_the_cpp_worker_matches_one_process_at_2_and_4_ranks(worker: Path, tmp_p
     losses = s["runs"][0]["losses"]
     assert len(losses) == 12 and losses[-1] < 0.6 * losses[0]  # it trains
     # What the worker wrote and what its rank process gave it hold the protocol's schemas.
-    written = list((tmp_path / "o").rglob("rank*.command"))
-    assert written, "no rank's protocol directory was kept"
-    for d in written:
+    for d in _protocol_dirs(tmp_path / "o", ranks=1 + 2 + 4):
         assert problem("job", json.loads((d / "job.json").read_text())) is None
-        assert problem("result", json.loads((d / "result.json").read_text())) is None
-        lines = (d / "events.jsonl").read_text().splitlines()
-        assert [json.loads(x)["kind"] for x in lines] == ["start"] + ["step"] * 12
-        assert all(problem("event", json.loads(x)) is None for x in lines)
+        assert [e["kind"] for e in _records(d)] == ["start"] + ["step"] * 12
+
+
+def _records(d: Path) -> list[dict]:
+    """A rank's protocol records, each checked against its schema: the events (returned), the result."""
+    assert problem("result", json.loads((d / "result.json").read_text())) is None
+    events = [json.loads(x) for x in (d / "events.jsonl").read_text().splitlines()]
+    assert events and all(problem("event", e) is None for e in events)
+    return events
+
+
+def _protocol_dirs(out: Path, ranks: int) -> list[Path]:
+    """The kept protocol directories of the runs judged (noise-floor runs' too)."""
+    found = [d for d in out.rglob("rank*.protocol") if "split" not in d.parent.name]
+    assert len(found) == ranks, found
+    return found
+
+
+@pytest.mark.ranks
+def test_a_python_script_reports_through_the_same_protocol(tmp_path: Path) -> None:
+    path = script_scenario(tmp_path, (REPO / "examples" / "ddp_train.py").read_text(), name="ddp_train")
+    p = cli("run", str(path), "--out", str(tmp_path / "o"))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    for d in _protocol_dirs(tmp_path / "o", ranks=1 + 2):
+        steps = [e for e in _records(d) if e["kind"] == "step"]
+        assert [e["step"] for e in steps] == [1, 2, 3, 4, 5, 6]
+        assert [e["step"] for e in steps if "digest" in e] == [3, 6]  # digest_every = 3
+        assert json.loads((d / "result.json").read_text())["steps"] == 6  # its weights are not kept under --out
 
 
 @pytest.mark.ranks

@@ -41,7 +41,7 @@ def _keep(run_dir: Path, dest: Path) -> None:
     for f in run_dir.iterdir():
         if f.is_file() and f.name.endswith(KEEP_SUFFIXES):
             shutil.copy2(f, dest / f.name)
-        elif f.is_dir() and f.name.endswith(".command"):  # an executable's protocol files, not its weights
+        elif f.is_dir() and f.name.endswith(".protocol"):  # an executable's protocol files, not its weights
             shutil.copytree(f, dest / f.name, ignore=shutil.ignore_patterns("*.safetensors"), dirs_exist_ok=True)
 
 

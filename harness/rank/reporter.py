@@ -127,10 +127,12 @@ class StepReporter:
         self.step_width = max(self.step_width or 0, int(inputs))
 
     def step(self, step: int, loss: float | None, tokens_global: int | None, tokens_local: int,
-             lr: float | None = None, params: Any = None, step_time_s: float | None = None) -> None:
+             lr: float | None = None, params: Any = None, step_time_s: float | None = None,
+             digest: str | None = None) -> None:
         """Optimizer step ``step`` (1, 2, ...) is done: its global loss and supervised tokens as the
         trainer computed them, this rank's tokens, the learning rate, and (at digest steps) the
-        parameters after the update. Without ``step_time_s``, the time since the previous call.
+        parameters after the update (or their ``digest``, as the rank protocol carries it). Without
+        ``step_time_s``, the time since the previous call.
         A trainer that reports on rank 0 only leaves the loss and global tokens ``None`` on the
         other ranks until ``adopt_rank0``."""
         if step != self.steps + 1:
@@ -156,8 +158,8 @@ class StepReporter:
         event = dict(step=step, rank=self.ctx.rank, loss=loss, tokens_global=tokens_global,
                      tokens_local=int(tokens_local), step_time_s=dt, lr=lr, **memory)
         every = self.s.train.digest_every
-        if params is not None and every and step % every == 0:
-            self.digests[step] = event["digest"] = tree_digest(params)
+        if (params is not None or digest is not None) and every and step % every == 0:
+            self.digests[step] = event["digest"] = digest if digest is not None else tree_digest(params)
         self.ctx.events.emit("step", **event)
         if loss is not None:
             self.effects.callback("step", {"step": step, "loss": loss, "tokens": tokens_global})

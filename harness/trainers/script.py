@@ -1,7 +1,8 @@
 """A user's own training script under test (``[trainer] kind = "script"``).
 
 The script runs as ``__main__`` inside each rank process, with its own directory first on
-``sys.path`` and ``[trainer].args`` as its command line, and reports through ``harness.api``. A
+``sys.path`` and ``[trainer].args`` as its command line, and reports through ``harness.api``,
+which writes the rank protocol's records; they are read back as an executable's are. A
 script that raises, exits non-zero, reports no step or never hands over its final parameters
 fails the run with a one-line cause naming the script.
 """
@@ -15,6 +16,7 @@ from typing import Any
 
 from harness import api
 from harness.rank.entry import RankContext, ReportedFailure
+from harness.rank.protocol import FILES, Feed, Writer, protocol_dir, read_outcome
 from harness.rank.reporter import StepReporter
 from harness.scenario import Scenario
 
@@ -35,7 +37,10 @@ def run(ctx: RankContext) -> dict[str, Any]:
     argv, syspath = list(sys.argv), list(sys.path)
     sys.argv = [path, *s.trainer.args]
     sys.path.insert(0, str(Path(path).parent))
-    api._activate(api.Session(ctx, s, rep))
+    out = protocol_dir(ctx.run_dir, ctx.rank)
+    out.mkdir(exist_ok=True)
+    feed = Feed(out, rep, label)
+    api._activate(api.Session(ctx, s, rep, Writer(out), feed.read))
     rep.start()
     try:
         runpy.run_path(path, run_name="__main__")
@@ -49,12 +54,15 @@ def run(ctx: RankContext) -> dict[str, Any]:
     finally:
         sys.argv, sys.path = argv, syspath
         api._activate(None)
-    if rep.finished is None:
+    feed.read()
+    if not (out / FILES["result"]).exists():
         if not rep.steps:
             raise ReportedFailure(f"{label} reported no steps (call harness.api.session().step(...) once per "
                                   f"optimizer step)")
         raise ReportedFailure(f"{label} never handed over its final parameters "
                               f"(call harness.api.session().finish(params))")
+    _, params = read_outcome(out, rep, label)
+    finished = rep.finish(params)
     if not rep.probe_offered:
-        rep.finished["not_applicable"].update(dict.fromkeys(STEP_CHECKS, NOT_PROBED))
-    return {**rep.finished, "trainer": {"kind": "script", "title": label, "path": path}}
+        finished["not_applicable"].update(dict.fromkeys(STEP_CHECKS, NOT_PROBED))
+    return {**finished, "trainer": {"kind": "script", "title": label, "path": path}}

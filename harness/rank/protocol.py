@@ -1,0 +1,138 @@
+"""Both sides of the rank protocol (docs/rank-protocol.md): ``Writer``, what a trainer writes
+(``harness.api`` writes through it; an executable under test writes the same files itself), and
+``Feed`` / ``read_outcome``, how its rank process reads them into the rank's ``StepReporter``,
+each record checked against the protocol's JSON Schemas (``harness/protocol``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from harness import schema
+from harness.rank.entry import ReportedFailure
+
+FILES = schema.COMMAND_FILES
+
+
+def protocol_dir(run_dir: Path | str, rank: int) -> Path:
+    """Where rank ``rank``'s trainer reads its job and writes its records (kept under ``--out``)."""
+    return Path(run_dir) / f"rank{rank}.protocol"
+
+
+@cache
+def _validator(name: str) -> Any:
+    import jsonschema
+
+    doc = json.loads((Path(__file__).parent.parent / "protocol" / f"{name}.schema.json").read_text())
+    return jsonschema.Draft202012Validator(doc)
+
+
+def problem(name: str, record: Any) -> str | None:
+    """Why ``record`` is not a valid ``name`` record ("job", "event", "result"), or None."""
+    if isinstance(record, dict) and record.get("protocol") != schema.COMMAND_PROTOCOL:
+        return f"protocol {record.get('protocol')!r}, the harness speaks {schema.COMMAND_PROTOCOL}"
+    errors = sorted(_validator(name).iter_errors(record), key=lambda e: list(e.path))
+    if not errors:
+        return None
+    e = errors[0]
+    return f"{'.'.join(map(str, e.path)) or 'the record'}: {e.message}"
+
+
+class Writer:
+    """Writes one rank's protocol records into ``out``: events appended and flushed, the final
+    parameters, and the result last (atomically)."""
+
+    def __init__(self, out: Path):
+        self.out = out
+        self._events = open(out / FILES["events"], "a", buffering=1)
+
+    def event(self, kind: str, **fields: Any) -> None:
+        self._events.write(json.dumps({"protocol": schema.COMMAND_PROTOCOL, "kind": kind, **fields}) + "\n")
+        self._events.flush()
+
+    def params(self, tree: Any) -> None:
+        import mlx.core as mx
+        from mlx.utils import tree_flatten
+
+        tmp = self.out / f".{FILES['params']}.tmp.safetensors"
+        mx.save_safetensors(str(tmp), dict(tree_flatten(tree)))
+        os.replace(tmp, self.out / FILES["params"])
+
+    def result(self, **fields: Any) -> None:
+        self._events.close()
+        schema.write_json_atomic(self.out / FILES["result"], {"protocol": schema.COMMAND_PROTOCOL, **fields})
+
+
+class Feed:
+    """Reads a trainer's events as they are appended and hands each to ``rep`` (a ``StepReporter``)."""
+
+    def __init__(self, out: Path, rep: Any, label: str):
+        self.path, self.rep, self.label = out / FILES["events"], rep, label
+        self.offset, self.line = 0, 0
+
+    def read(self) -> None:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            return
+        end = chunk.rfind(b"\n") + 1  # complete lines only; the rest is read when it is finished
+        self.offset += end
+        for raw in chunk[:end].splitlines():
+            self.line += 1
+            self.take(raw)
+
+    def take(self, raw: bytes) -> None:
+        where = f"{self.label} wrote a malformed event ({FILES['events']} line {self.line})"
+        try:
+            e = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ReportedFailure(f"{where}: not JSON ({err})") from None
+        why = problem("event", e)
+        if why is not None:
+            raise ReportedFailure(f"{where}: {why}")
+        if e["kind"] == "step":
+            self.rep.step(e["step"], e["loss"], e["tokens_global"], e["tokens_local"], lr=e.get("lr"),
+                          step_time_s=e.get("step_time_s"), digest=e.get("digest"))
+        elif e["kind"] == "eval":
+            self.rep.eval(e["step"], e["loss"], e["tokens"])
+
+
+def exit_words(code: int) -> str:
+    return f"ended with signal {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
+
+
+def read_outcome(out: Path, rep: Any, label: str, code: int = 0) -> tuple[dict[str, Any], Any]:
+    """The trainer's result and final parameters, after it ended with exit ``code`` and every
+    event was fed; ``ReportedFailure`` naming ``label`` where either is missing or malformed."""
+    path = out / FILES["result"]
+    if not path.exists():
+        if code != 0:
+            raise ReportedFailure(f"{label} {exit_words(code)} without a result")
+        raise ReportedFailure(f"{label} exited 0 without writing {FILES['result']}")
+    try:
+        result = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ReportedFailure(f"{label} wrote a malformed {FILES['result']}: not JSON ({err})") from None
+    why = problem("result", result)
+    if why is not None:
+        raise ReportedFailure(f"{label} wrote a malformed {FILES['result']}: {why}")
+    if result["status"] != "ok":
+        raise ReportedFailure(f"{label} failed: {result['error']}")
+    if code != 0:
+        raise ReportedFailure(f"{label} {exit_words(code)} after writing a result")
+    if result["steps"] != rep.steps:
+        raise ReportedFailure(f"{label} wrote a result of {result['steps']} steps after reporting {rep.steps}")
+    if result.get("saves"):
+        rep.saved(result["saves"])
+    params_path = out / FILES["params"]
+    if not params_path.exists():
+        raise ReportedFailure(f"{label} wrote no {FILES['params']} (its final parameters)")
+    import mlx.core as mx
+
+    return result, mx.load(str(params_path))
