@@ -51,6 +51,23 @@ def test_the_cpp_worker_matches_one_process_at_2_and_4_ranks(worker: Path, tmp_p
         assert [e["kind"] for e in _records(d)] == ["start"] + ["step"] * 12
 
 
+@pytest.mark.ranks
+def test_a_leak_in_the_cpp_worker_breaks_both_memory_ceilings(worker: Path, tmp_path: Path) -> None:
+    body = (WORKER_DIR / "cpp_worker.toml").read_text()
+    body = body.replace('path = "build/worker"', f'path = "{worker}"').replace(
+        'args = ["--width", "32"]', 'args = ["--width", "32", "--leak-mb", "16"]')  # 16 MB more each step
+    body = body.replace('[[runs]]\nname = "ddp4"\nworld_size = 4\n', "").replace("max_rss_mb = 256", "max_rss_mb = 128")
+    (tmp_path / "leak.toml").write_text(body)
+    p = cli("run", str(tmp_path / "leak.toml"), "--out", str(tmp_path / "o"))
+    assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-2000:]
+    checks = json.loads((tmp_path / "o" / "result.json").read_text())["scenarios"][0]["checks"]
+    memory = {(c["name"], c["run"]): c for c in checks if c["name"].startswith("memory_")}
+    for run in ("single", "ddp2"):
+        mlx, rss = memory[("memory_mlx_per_rank_mb", run)], memory[("memory_rss_per_rank_mb", run)]
+        assert mlx["result"] == "FAIL" and mlx["value"] > 150, mlx  # 12 steps x 16 MB, as the worker reports it
+        assert rss["result"] == "FAIL" and rss["value"] > 128, rss  # the worker's own RSS, sampled from outside
+
+
 def _records(d: Path) -> list[dict]:
     """A rank's protocol records, each checked against its schema: the events (returned), the result."""
     assert problem("result", json.loads((d / "result.json").read_text())) is None

@@ -7,6 +7,7 @@
 //   --width N        the embedding width (default 32)
 //   --mean-of-means  a planted bug: average the ranks' per-rank mean losses and gradients
 //                    instead of weighting them by tokens (wrong when rows are ragged)
+//   --leak-mb N      a planted bug: keep N MB of MLX buffers alive from every step (a leak)
 //
 // Build: examples/cpp_worker/build.sh (g++ against the headers and libmlx of the mlx wheel).
 
@@ -116,10 +117,13 @@ void event(std::ofstream& out, const std::string& body) {
 int main(int argc, char** argv) {
   int dim = 32;
   bool mean_of_means = false;
+  int leak_mb = 0;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--width" && i + 1 < argc) {
       dim = std::atoi(argv[++i]);
+    } else if (a == "--leak-mb" && i + 1 < argc) {
+      leak_mb = std::atoi(argv[++i]);
     } else if (a == "--mean-of-means") {
       mean_of_means = true;
     } else {
@@ -150,6 +154,7 @@ int main(int argc, char** argv) {
                                   mx::random::normal({dim, vocab}, mx::float32, 0.0f, scale, keys.second)};
     mx::eval(params);
 
+    std::vector<mx::array> leaked;
     for (int step = 1; step <= steps; ++step) {
       // In one process judged against N ranks (split > 1), the rows go in N chunks as N ranks'
       // shares would: the same sums, in the order of N ranks' rounding.
@@ -182,11 +187,16 @@ int main(int argc, char** argv) {
       for (size_t i = 0; i < params.size(); ++i) params[i] = params[i] - lr * grads[i];
       mx::eval(params);
       mx::eval(global_loss, tokens_global);
+      if (leak_mb > 0) {
+        leaked.push_back(mx::full({leak_mb * 1024 * 256}, static_cast<float>(step)));
+        mx::eval(leaked.back());
+      }
       std::ostringstream body;
       body.precision(9);
       body << "\"kind\": \"step\", \"step\": " << step << ", \"loss\": " << global_loss.item<float>()
            << ", \"tokens_global\": " << static_cast<long>(tokens_global.item<float>())
-           << ", \"tokens_local\": " << tokens_local << ", \"lr\": " << lr;
+           << ", \"tokens_local\": " << tokens_local << ", \"lr\": " << lr
+           << ", \"mlx_peak_bytes\": " << mx::get_peak_memory();
       event(events, body.str());
     }
     mx::save_safetensors(out_dir + "/params.safetensors", {{"embed.weight", params[0]}, {"out.weight", params[1]}});

@@ -137,13 +137,6 @@ def set_precision(job: dict[str, Any]) -> None:
         os.environ["MLX_ENABLE_TF32"] = "0"
 
 
-def runtime_figures() -> dict[str, Any]:
-    """Memory figures every result carries (with its ``MemorySampler.figures``)."""
-    import mlx.core as mx
-
-    return {"mlx_peak_bytes": int(mx.get_peak_memory()), "rss_peak_bytes": peak_rss_bytes()}
-
-
 def warm_up(job: dict[str, Any]) -> None:
     """Bring MLX's device runtime up before the job, so that the rank's RSS baseline holds it.
 
@@ -286,7 +279,7 @@ def main(argv: list[str]) -> int:
         sampler.stop()
         result.update(status="ok", world_size=world_size, backend=backend, device=device,
                       is_main=rank == 0, accelerator=accelerator(), startup_s=startup_s,
-                      rss_runtime_bytes=rss_runtime, **runtime_figures(), **clock.figures(),
+                      rss_runtime_bytes=rss_runtime, **sampler.peaks(), **clock.figures(),
                       **sampler.figures(), **payload)
     except BaseException as e:  # noqa: BLE001 - every failure must reach the controller
         code = 1

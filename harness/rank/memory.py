@@ -12,7 +12,11 @@ RSS at the end of the first step this process trained (``end of step N``).
 ``memory`` event only when one rose by more than ``max(RISE_BYTES, RISE_FRACTION)`` of the last
 one written: the watchdog sees a runaway during a step, and the events stay few. Trainers call
 ``step_ended`` once per optimizer step (its fields go into their ``step`` event); the rank's
-result carries ``figures()``.
+result carries ``figures()`` and ``peaks()``.
+
+A rank whose trainer is another process (an executable under the rank protocol) has the sampler
+``follow`` it: the RSS is that process's, counted from the end of its first step (its start-up
+is not the job's), and the MLX figure is what it reports in its step events (``reported``).
 """
 
 from __future__ import annotations
@@ -83,13 +87,45 @@ class MemorySampler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.error: str | None = None  # why sampling stopped before the job ended
+        self.followed: int | None = None  # the pid of the trainer process followed
+        self.reported_mlx = 0  # the followed process's MLX peak, as it reported it
+
+    def follow(self, pid: int) -> None:
+        """Sample process ``pid`` (the rank's trainer) from now on, from a first-step baseline."""
+        import psutil
+
+        with self._lock:
+            self.proc, self.followed = psutil.Process(pid), pid
+            self.baseline, self.baseline_bytes, self.rss_peak = FIRST_STEP, None, 0
+            self.last_rss = 0
+
+    def reported(self, mlx_peak_bytes: int) -> None:
+        """The followed process's MLX peak memory, from its step event."""
+        self.reported_mlx = max(self.reported_mlx, int(mlx_peak_bytes))
+
+    def _rss(self) -> int:
+        import psutil
+
+        try:
+            return self.proc.memory_info().rss
+        except psutil.Error:  # the followed process has ended: its last figures stand
+            return self.last_rss if self.followed is not None else 0
+
+    def peaks(self) -> dict[str, Any]:
+        """The result's peak MLX memory and peak RSS (the followed process's, where one is)."""
+        if self.followed is None:
+            import mlx.core as mx
+
+            return {"mlx_peak_bytes": int(mx.get_peak_memory()), "rss_peak_bytes": peak_rss_bytes()}
+        with self._lock:
+            return {"mlx_peak_bytes": self.reported_mlx, "rss_peak_bytes": max(self.rss_peak, self.last_rss)}
 
     def start_fields(self) -> dict[str, Any]:
         """What the ``start`` event says of the baseline."""
         return {"rss_baseline": self.baseline, "rss_baseline_bytes": self.baseline_bytes}
 
     def start(self) -> None:
-        self.last_mlx, self.last_rss = self._mlx(), self.proc.memory_info().rss
+        self.last_mlx, self.last_rss = self._mlx(), self._rss()
         self._thread = threading.Thread(target=self._run, name="memory-sampler", daemon=True)
         self._thread.start()
 
@@ -106,18 +142,21 @@ class MemorySampler:
         except Exception as e:  # noqa: BLE001 - the result says the sampled figures stopped there
             self.error = f"{type(e).__name__}: {e}"
 
-    @staticmethod
-    def _mlx() -> int:
+    def _mlx(self) -> int:
+        return max(self._mlx_now())
+
+    def _mlx_now(self) -> tuple[int, int]:
+        """MLX's active and peak memory (the followed process's reported peak, for both)."""
+        if self.followed is not None:
+            return self.reported_mlx, self.reported_mlx
         import mlx.core as mx
 
-        return max(int(mx.get_active_memory()), int(mx.get_peak_memory()))
+        return int(mx.get_active_memory()), int(mx.get_peak_memory())
 
     def sample(self) -> None:
         """Sample both figures; write a ``memory`` event when one rose."""
-        import mlx.core as mx
-
-        active, peak = int(mx.get_active_memory()), int(mx.get_peak_memory())
-        rss = self.proc.memory_info().rss
+        active, peak = self._mlx_now()
+        rss = self._rss()
         with self._lock:
             if self.baseline_bytes is not None:
                 self.rss_peak = max(self.rss_peak, rss)
@@ -129,10 +168,8 @@ class MemorySampler:
     def step_ended(self, step: int) -> dict[str, Any]:
         """Optimizer step ``step`` ended: the memory fields of its ``step`` event (the baseline's,
         at the step that set it)."""
-        import mlx.core as mx
-
-        rss = self.proc.memory_info().rss
-        fields: dict[str, Any] = {"mlx_peak_bytes": int(mx.get_peak_memory()), "rss_bytes": rss}
+        rss = self._rss()
+        fields: dict[str, Any] = {"mlx_peak_bytes": self._mlx_now()[1], "rss_bytes": rss}
         with self._lock:
             if self.baseline_bytes is None:
                 self.baseline, self.baseline_bytes, self.rss_peak = f"end of step {step}", rss, rss
@@ -143,7 +180,7 @@ class MemorySampler:
     def figures(self) -> dict[str, Any]:
         """The result's fields: the baseline (``None`` bytes while none was taken) and the peak RSS
         after it (at ``JOB_START`` also the kernel's peak, which sees what fell between samples)."""
-        rss = self.proc.memory_info().rss
+        rss = self._rss()
         with self._lock:
             known = self.baseline_bytes is not None
             peak = max(self.rss_peak, rss, peak_rss_bytes() if self.baseline == JOB_START else 0)

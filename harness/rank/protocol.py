@@ -73,6 +73,7 @@ class Feed:
     def __init__(self, out: Path, rep: Any, label: str):
         self.path, self.rep, self.label = out / FILES["events"], rep, label
         self.offset, self.line = 0, 0
+        self.mlx_reported = False  # a step event carried the trainer's MLX peak memory
 
     def read(self) -> None:
         try:
@@ -97,6 +98,10 @@ class Feed:
         if why is not None:
             raise ReportedFailure(f"{where}: {why}")
         if e["kind"] == "step":
+            memory = self.rep.ctx.memory
+            if "mlx_peak_bytes" in e and memory is not None and memory.followed is not None:
+                memory.reported(e["mlx_peak_bytes"])
+                self.mlx_reported = True
             self.rep.step(e["step"], e["loss"], e["tokens_global"], e["tokens_local"], lr=e.get("lr"),
                           step_time_s=e.get("step_time_s"), digest=e.get("digest"))
         elif e["kind"] == "eval":

@@ -26,11 +26,10 @@ from harness.rank.reporter import StepReporter
 from harness.scenario import Scenario
 
 POLL_S = 0.02
+MLX_MEMORY = ("memory_mlx_per_rank_mb", "memory_mlx_total_mb")
 NOT_APPLICABLE = {
     "data_share_bytes": "the harness cannot see which rows an executable keeps",
     "global_rng_untouched": "the harness cannot see an executable's random number generators",
-    **dict.fromkeys(("memory_rss_per_rank_mb", "memory_rss_total_mb", "memory_mlx_per_rank_mb",
-                     "memory_mlx_total_mb"), "the rank protocol carries no memory figures yet"),
     **dict.fromkeys(("step_token_parity", "step_loss_parity", "step_grad_parity"),
                     "the rank protocol has no step-local probe"),
 }
@@ -73,6 +72,8 @@ def run(ctx: RankContext) -> dict[str, Any]:
         proc = subprocess.Popen([exe, *s.trainer.args], env=env)  # its output goes to the rank's files
     except OSError as err:
         raise ReportedFailure(f"{label} could not start: {err}") from None
+    if ctx.memory is not None:
+        ctx.memory.follow(proc.pid)  # its RSS, from the end of its first step
     try:
         while (code := proc.poll()) is None:
             feed.read()
@@ -83,4 +84,8 @@ def run(ctx: RankContext) -> dict[str, Any]:
             proc.kill()
             proc.wait()
     _, params = read_outcome(out, rep, label, code)
-    return {**rep.finish(params), "trainer": {"kind": "command", "title": label.split(" (rank")[0], "path": exe}}
+    finished = rep.finish(params)
+    if not feed.mlx_reported:
+        finished["not_applicable"].update(dict.fromkeys(MLX_MEMORY, f"{label.split(' (rank')[0]} reports no "
+                                                                     f"mlx_peak_bytes in its step events"))
+    return {**finished, "trainer": {"kind": "command", "title": label.split(" (rank")[0], "path": exe}}
