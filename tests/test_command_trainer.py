@@ -68,6 +68,20 @@ def test_a_leak_in_the_cpp_worker_breaks_both_memory_ceilings(worker: Path, tmp_
         assert rss["result"] == "FAIL" and rss["value"] > 128, rss  # the worker's own RSS, sampled from outside
 
 
+@pytest.mark.ranks
+def test_new_writes_a_scenario_around_an_executable_that_runs_as_written(worker: Path, tmp_path: Path) -> None:
+    made = cli("new", str(tmp_path / "mine.toml"), "--command", str(worker), "--world-sizes", "1,2,4",
+               "--steps", "6")
+    assert made.returncode == 0, made.stdout + made.stderr
+    text = (tmp_path / "mine.toml").read_text()
+    assert 'kind = "command"' in text and 'optimizer = "sgd"' in text
+    p = cli("run", str(tmp_path / "mine.toml"))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    assert cli("new", str(tmp_path / "other.toml"), "--trainer", "command").stderr.strip() == (
+        "error: --trainer: unknown kind 'command'; one of " + ", ".join(
+            k for k in ("reference", "mlx_lm", "mlx_vlm", "unsloth_zoo")) + " (or --script PATH, --command PATH)")
+
+
 def _records(d: Path) -> list[dict]:
     """A rank's protocol records, each checked against its schema: the events (returned), the result."""
     assert problem("result", json.loads((d / "result.json").read_text())) is None

@@ -32,6 +32,8 @@ def add_parser(sub: argparse._SubParsersAction, check: Callable[[Scenario, str |
     who.add_argument("--trainer", default="reference", metavar="KIND",
                      help="the trainer under test: a kind `mlx-ddp-harness list` shows (default: reference)")
     who.add_argument("--script", metavar="PATH", help="your own training script (reports through harness.api)")
+    who.add_argument("--command", metavar="PATH",
+                     help="an executable of any language as the ranks (reports through docs/rank-protocol.md)")
     n.add_argument("--data", metavar="FILE.jsonl", help="training rows (default: generated rows)")
     n.add_argument("--eval-data", metavar="FILE.jsonl", help="held-out rows for the sharded evaluation")
     n.add_argument("--tokenizer", metavar="FILE", help="a local tokenizer.json (default: UTF-8 bytes)")
@@ -59,13 +61,13 @@ def _rel(path: str, base: Path, flag: str) -> str:
 
 
 def starter_text(name: str, base: Path, kind: str, script: str | None, data: str | None, eval_data: str | None,
-                 tokenizer: str | None, sizes: list[int], steps: int) -> str:
+                 tokenizer: str | None, sizes: list[int], steps: int, command: str | None = None) -> str:
     """The scenario file's text; paths are written relative to ``base``, the file's directory."""
-    info = trainer_info("script" if script else kind)
+    info = trainer_info("script" if script else "command" if command else kind)
     vision = info.models == "vision"
     batch = math.lcm(*sizes) * max(1, math.ceil(8 / math.lcm(*sizes)))
     runs = [("single" if n == 1 else f"ddp{n}", n) for n in sizes]
-    who = f"the script {script}" if script else info.title
+    who = f"the script {script}" if script else f"the executable {command}" if command else info.title
     against = "one process" if sizes[0] == 1 else f"{sizes[0]} ranks"
     lines = [
         f"# {name}: does {who} train the same under DDP as in {against}?",
@@ -79,11 +81,13 @@ def starter_text(name: str, base: Path, kind: str, script: str | None, data: str
         "seed = 1             # every rank derives its randomness (weights, data order) from it",
         "",
     ]
-    if script or kind != "reference":
+    if script or command or kind != "reference":
         lines += ["[trainer]", f'kind = "{info.kind}"']
         if script:
             lines += [f'path = "{_rel(script, base, "--script")}"',
                       "# saves = true     # declare it if the script saves on rank 0: the checks then demand it"]
+        if command:
+            lines += [f'path = "{_rel(command, base, "--command")}"', "args = []          # its command line"]
         lines.append("")
     lines += ["[model]", f'arch = "{ARCH[info.models]}"   # a tiny model with seeded random weights; '
                          'path = "DIR" loads a local one', ""]
@@ -103,6 +107,8 @@ def starter_text(name: str, base: Path, kind: str, script: str | None, data: str
     lines += ["max_seq_len = 128", "", "[train]", f"steps = {steps}",
               f"global_batch = {batch}   # split across the ranks: a multiple of every world size",
               "learning_rate = 1e-3"]
+    if command:
+        lines.append('optimizer = "sgd"   # given in MLX_DDP_HARNESS_OPTIMIZER: "sgd" or "adamw", as it supports')
     if eval_data or not data:  # held-out rows: a sharded evaluation halfway and at the end
         lines.append(f"eval_every = {max(1, steps // 2)}")
     if info.kind == "mlx_vlm":
@@ -124,11 +130,12 @@ def cmd_new(args: argparse.Namespace, check: Callable[[Scenario, str | None], li
         raise ScenarioError(f"{path.parent}: no such directory")
     if args.steps < 1:
         raise ScenarioError(f"--steps must be at least 1, got {args.steps}")
-    kinds = [t.kind for t in trainers().values() if not t.script]
-    if not args.script and args.trainer not in kinds:
-        raise ScenarioError(f"--trainer: unknown kind {args.trainer!r}; one of {', '.join(kinds)} (or --script PATH)")
+    kinds = [t.kind for t in trainers().values() if not (t.script or t.command)]
+    if not (args.script or args.command) and args.trainer not in kinds:
+        raise ScenarioError(f"--trainer: unknown kind {args.trainer!r}; one of {', '.join(kinds)} (or --script PATH, "
+                            f"--command PATH)")
     text = starter_text(path.stem, path.parent.resolve(), args.trainer, args.script, args.data, args.eval_data,
-                        args.tokenizer, world_sizes(args.world_sizes), args.steps)
+                        args.tokenizer, world_sizes(args.world_sizes), args.steps, args.command)
     with tempfile.NamedTemporaryFile("w", suffix=".toml", dir=path.parent, delete=False) as f:
         f.write(text)
     try:
