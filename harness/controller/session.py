@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import signal
 import tempfile
 import time
 from pathlib import Path
@@ -20,6 +21,7 @@ from harness.controller.progress import Observer, ProgressFeed, RunProgress
 from harness.controller.watch import WatchReport, kill_group, watch
 from harness.trainer_registry import cpu_collectives
 
+INTERRUPTED = "INTERRUPTED"  # marks a kept run directory whose run was interrupted
 KEEP_SUFFIXES = (".events.jsonl", ".result.json", ".callbacks.jsonl", ".stdout", ".stderr", ".log")
 
 
@@ -34,6 +36,14 @@ def _load_params(path: Path) -> dict[str, Any] | None:
     import numpy as np
 
     return {k: np.array(v.astype(mx.float32)) for k, v in mx.load(str(path)).items()}
+
+
+def _why(e: BaseException) -> str:
+    if isinstance(e, KeyboardInterrupt):
+        return "Ctrl-C"
+    if isinstance(e, SystemExit) and isinstance(e.code, int) and e.code > 128:
+        return f"signal {signal.Signals(e.code - 128).name}"
+    return type(e).__name__
 
 
 def _keep(run_dir: Path, dest: Path) -> None:
@@ -83,12 +93,18 @@ def execute(
     try:
         run_dir = Path(tempfile.mkdtemp(prefix="mlx-ddp-harness-run-"))
         meter = CpuMeter()
+        t_start = time.monotonic()
         started = _launch(name, job, world_size, backend, run_dir, cluster if on_cluster else None, sync_dirs)
         feed.start(run_dir)
         try:
             report = watch(started, wall_s, no_progress_s, meter, feed, memory, rank_budget.NeighbourMeter(slots))
-        except BaseException:  # interrupted: leave nothing of the run behind
+        except BaseException as e:  # interrupted: leave no process behind, keep what the ranks wrote
             kill_group(started)
+            if keep_to is not None:
+                _keep(run_dir, keep_to)
+                (keep_to / INTERRUPTED).write_text(
+                    f"run {name!r} was interrupted ({_why(e)}) {time.monotonic() - t_start:.1f} s after its ranks "
+                    f"started; its ranks' events, stdout and stderr up to then are here\n")
             raise
         finally:
             slots.release()

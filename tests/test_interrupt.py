@@ -1,0 +1,54 @@
+"""An interrupted run (Ctrl-C, a cancelled CI job's SIGTERM) keeps what its ranks wrote under
+``--out``, marked interrupted, and leaves no process and no temporary directory behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.conftest import REPO, write_scenario
+
+HANG = '\n[[faults]]\nrank = 1\nstep = 3\naction = "hang"\nruns = ["ddp2"]\n'
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize(("sig", "code", "why"), [(signal.SIGINT, 130, "Ctrl-C"),
+                                                  (signal.SIGTERM, 128 + signal.SIGTERM, "signal SIGTERM")],
+                         ids=["ctrl-c", "sigterm"])
+def test_an_interrupted_run_keeps_its_partial_logs_marked_and_leaves_nothing(tmp_path: Path, sig: int, code: int,
+                                                                             why: str) -> None:
+    path = write_scenario(tmp_path, "stopped", (2,), steps=20, extra=HANG)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    out = tmp_path / "o"
+    p = subprocess.Popen([sys.executable, "-m", "harness", "run", str(path), "--out", str(out), "--progress", "off"],
+                         cwd=REPO, env={**os.environ, "TMPDIR": str(tmp)}, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    events = None
+    while time.monotonic() < deadline and events is None:  # rank 0 has finished step 2: rank 1 hangs in step 3
+        events = next((f for f in tmp.glob("mlx-ddp-harness-run-*/rank0.events.jsonl")
+                       if '"step": 2' in f.read_text()), None)
+        time.sleep(0.2)
+    assert events is not None, "the run never reached step 2"
+    run_dir = events.parent
+    ranks = [q.pid for q in psutil.process_iter(["cmdline"]) if str(run_dir) in " ".join(q.info["cmdline"] or [])]
+    p.send_signal(sig)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == code, err
+    kept = out / "runs" / "stopped" / "ddp2"
+    marker = (kept / "INTERRUPTED").read_text()
+    assert marker.startswith(f"run 'ddp2' was interrupted ({why})"), marker
+    assert '"step": 2' in (kept / "rank0.events.jsonl").read_text()
+    assert {"rank0.stdout", "rank0.stderr", "rank1.stdout", "rank1.stderr", "rank1.events.jsonl"} <= \
+        {f.name for f in kept.iterdir()}
+    assert not run_dir.exists() and not list(tmp.glob("mlx-ddp-harness-*"))  # no temporary directory left
+    assert ranks and not [pid for pid in ranks if psutil.pid_exists(pid)
+                          and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
