@@ -5,9 +5,12 @@ trainer slowed down (each step sleeps ``--slowdown`` / (1 - ``--slowdown``) of i
 inside the timed step: its tok/s falls by ``--slowdown``), ``gate --against HEAD`` runs
 ``--tries-slow`` and ``--tries-same`` times, the two kinds in turns. Counted: how often the slow
 build raised an alarm (detections) and how often the unchanged one did (false alarms), with the
-estimated changes. The committed tree must be clean for "unchanged" to mean it.
+estimated changes, the pairs each gate took and its wall time. The committed tree must be clean
+for "unchanged" to mean it. ``--min-pairs N --pairs N`` gates with N pairs always (the wall time
+of a fixed gate).
 
-usage: python benchmarks/gate_power.py [--tries-slow 10] [--tries-same 20] [--pairs 5] [--slowdown 0.2]
+usage: python benchmarks/gate_power.py [--tries-slow 10] [--tries-same 20] [--min-pairs 3] [--pairs 10]
+       [--slowdown 0.1]
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -28,6 +32,7 @@ SCENARIO = "scenarios/speed_gate.toml"
 STEP_END = ("            self._record(step, micros, (tokens, agreed.values[1]), loss, norm, "
             "time.perf_counter() - t0 - probe_s)")
 CHANGE = re.compile(r"throughput \(paired\).*?(\d+\.\d)% (slower|faster)")
+PAIRS = re.compile(r"(\d+) interleaved pairs")
 
 
 def slowed(tree: Path, slowdown: float) -> None:
@@ -40,23 +45,28 @@ def slowed(tree: Path, slowdown: float) -> None:
     path.write_text(src.replace(STEP_END, sleep + STEP_END, 1))
 
 
-def gate_once(tree: Path, pairs: int) -> tuple[bool, list[float], str]:
+def gate_once(tree: Path, min_pairs: int, pairs: int) -> tuple[bool, list[float], int, float]:
+    """One gate: alarmed, the estimated change per run, the pairs it took, its wall time."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    p = subprocess.run([sys.executable, "-m", "harness", "gate", "--against", "HEAD", SCENARIO, "--pairs", str(pairs)],
-                       cwd=tree, env=env, capture_output=True, text=True)
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "harness", "gate", "--against", "HEAD", SCENARIO, "--pairs", str(pairs),
+                        "--min-pairs", str(min_pairs)], cwd=tree, env=env, capture_output=True, text=True)
+    wall = time.monotonic() - t0
     if p.returncode not in (0, 1):
         raise SystemExit(f"gate exited {p.returncode}: {p.stderr.strip()[-500:]}")
     table = "\n".join(ln for ln in p.stdout.splitlines() if not ln.startswith("FAIL "))  # not the spelled-out ones
     changes = [float(v) * (-1 if w == "slower" else 1) for v, w in CHANGE.findall(table)]
-    return p.returncode == 1, changes, p.stdout
+    taken = PAIRS.search(p.stdout)
+    return p.returncode == 1, changes, int(taken.group(1)) if taken else pairs, wall
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tries-slow", type=int, default=10)
     ap.add_argument("--tries-same", type=int, default=20)
-    ap.add_argument("--pairs", type=int, default=5)
-    ap.add_argument("--slowdown", type=float, default=0.2)
+    ap.add_argument("--min-pairs", type=int, default=3)
+    ap.add_argument("--pairs", type=int, default=10)
+    ap.add_argument("--slowdown", type=float, default=0.1)
     args = ap.parse_args()
     if subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,
                       text=True).stdout.strip():
@@ -69,22 +79,26 @@ def main() -> int:
     # the slow tries spread evenly among the unchanged ones
     order = [kind for _, kind in sorted([((k + 0.5) / args.tries_slow, "slow") for k in range(args.tries_slow)]
                                         + [((k + 0.5) / args.tries_same, "same") for k in range(args.tries_same)])]
-    rows, alarms = [], {"slow": 0, "same": 0}
+    rows, alarms, walls, taken = [], {"slow": 0, "same": 0}, [], []
     t0 = time.monotonic()
     try:
         for i, kind in enumerate(order, 1):
-            alarm, changes, _ = gate_once(trees[kind], args.pairs)
+            alarm, changes, pairs, wall = gate_once(trees[kind], args.min_pairs, args.pairs)
             alarms[kind] += alarm
-            rows.append([i, kind, "ALARM" if alarm else "pass", " ".join(f"{c:+.1f}%" for c in changes)])
+            walls.append(wall)
+            taken.append(pairs)
+            rows.append([i, kind, "ALARM" if alarm else "pass", " ".join(f"{c:+.1f}%" for c in changes), pairs,
+                         f"{wall:.0f}"])
             print(tabulate([rows[-1]], tablefmt="plain"), f"({time.monotonic() - t0:.0f} s)", flush=True)
     finally:
         for tree in trees.values():
             subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=REPO, capture_output=True)
     print()
-    print(tabulate(rows, headers=["try", "build", "gate", "estimated change per run (single, ddp2)"]))
+    print(tabulate(rows, headers=["try", "build", "gate", "estimated change per run (single, ddp2)", "pairs", "s"]))
     print(f"\nslowed by {args.slowdown:.0%}: {alarms['slow']} alarms in {args.tries_slow} tries; "
-          f"unchanged: {alarms['same']} false alarms in {args.tries_same} tries "
-          f"({args.pairs} interleaved pairs each, {time.monotonic() - t0:.0f} s)")
+          f"unchanged: {alarms['same']} false alarms in {args.tries_same} tries; "
+          f"{args.min_pairs} to {args.pairs} interleaved pairs, median {statistics.median(taken):g} pairs and "
+          f"{statistics.median(walls):.0f} s a gate ({time.monotonic() - t0:.0f} s in all)")
     return 0
 
 

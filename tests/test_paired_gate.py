@@ -8,37 +8,88 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
+from scipy.stats import norm
 
-from harness.judge.paired import paired_speed
+from harness.judge.paired import SequentialDesign, pocock_level, sequential_look
 from tests.conftest import REPO, cli
 
 
 def test_the_paired_test_uses_students_t_as_its_tables_give_it() -> None:
     """Five pairs whose log ratios have mean -0.1 and standard error 0.0316: the 95 % interval's
-    half-width is t(0.975, 4) = 2.776 standard errors, and "at most 5 % slower" has p = P(T4 < -1.54)."""
+    half-width is t(0.975, 4) = 2.776 standard errors; "at most 5 % slower" has p = P(T4 < -1.54)
+    and "10 % or more slower" p = P(T4 > 0.17)."""
     logs = [-0.1, -0.2, 0.0, -0.1, -0.1]
-    v = paired_speed([1.0] * 5, [math.exp(x) for x in logs], margin=0.05, alpha=0.05)
+    design = SequentialDesign(margin=0.05, detect=0.10, min_pairs=5, max_pairs=5)
+    v = sequential_look([1.0] * 5, [math.exp(x) for x in logs], design)
     se = math.sqrt(0.005 / 5)
     assert v.low == pytest.approx(math.exp(-0.1 - 2.776 * se) - 1, abs=2e-4)
     assert v.high == pytest.approx(math.exp(-0.1 + 2.776 * se) - 1, abs=2e-4)
-    assert v.p_value == pytest.approx(0.0992, abs=2e-3) and not v.alarm  # t(0.90, 4) = 1.533
+    assert v.p_alarm == pytest.approx(0.0992, abs=2e-3)  # t(0.90, 4) = 1.533
+    assert v.p_pass == pytest.approx(0.4375, abs=5e-3)
+    assert design.alarm_level == 0.05 and not v.early  # one look, neither rejected: judged there, by the estimate
+    assert v.decided == "alarm"  # -9.5 %: nearer to "10 % slower" than to "5 % slower"
 
 
-def test_a_paired_slowdown_beyond_the_margin_alarms_and_noise_does_not() -> None:
-    base = [100.0, 104.0, 97.0, 101.0, 99.0]
-    slow = paired_speed(base, [b * f for b, f in zip(base, (0.80, 0.82, 0.79, 0.81, 0.78), strict=True)],
-                        runs_gated=3)
-    assert slow.alarm and slow.change == pytest.approx(-0.2, abs=0.01) and slow.high < -0.15
-    assert slow.level == pytest.approx(0.05 / 3) and slow.p_value < slow.level
-    assert "20.0% slower" in slow.describe() and "5 interleaved pairs" in slow.describe()
-    same = paired_speed(base, [b * f for b, f in zip(base, (1.03, 0.97, 1.01, 0.98, 1.02), strict=True)],
-                        runs_gated=3)
-    assert not same.alarm and same.low < 0 < same.high
-    within = paired_speed(base, [b * 0.97 for b in base])  # 3% slower, every pair alike: within the margin
-    assert not within.alarm and math.isclose(within.change, -0.03, abs_tol=1e-9)
+def test_pococks_level_is_the_one_crossed_at_some_look_with_the_stated_chance() -> None:
+    assert pocock_level(0.05, (5,)) == 0.05
+    level = pocock_level(0.05, (3, 4, 5, 6, 7, 8, 9, 10))
+    assert 0.012 < level < 0.02  # Pocock's constant for 8 looks is about 2.2 (one-sided 0.05)
+    z = [rng_path for rng_path in _brownian(np.random.default_rng(3), 20000, range(3, 11))]
+    crossed = np.mean(np.any(np.array(z) > norm.isf(level), axis=1))
+    assert crossed == pytest.approx(0.05, abs=0.006)
+
+
+def _brownian(rng: np.random.Generator, paths: int, looks: range) -> list[list[float]]:
+    steps = rng.standard_normal((paths, max(looks)))
+    sums = np.cumsum(steps, axis=1)
+    return [[float(row[n - 1] / math.sqrt(n)) for n in looks] for row in sums]
+
+
+def _simulate(design: SequentialDesign, change: float, sigma: float, tries: int, seed: int) -> tuple[float, float]:
+    """How often a run ``change`` slower alarms, and its median pairs, with pair ratios of noise ``sigma``."""
+    rng = np.random.default_rng(seed)
+    alarms, pairs = 0, []
+    for _ in range(tries):
+        base, cand = [], []
+        for _ in range(design.max_pairs):
+            b = math.exp(rng.normal(0, 0.05))  # the machine's drift: both sides alike
+            base.append(b)
+            cand.append(b * (1 - change) * math.exp(rng.normal(0, sigma)))
+            if len(base) >= 2 and (v := sequential_look(base, cand, design)).decided:
+                break
+        alarms += v.alarm
+        pairs.append(v.pairs)
+    return alarms / tries, float(np.median(pairs))
+
+
+@pytest.mark.parametrize("sigma", [0.04, 0.06, 0.08])
+def test_the_sequential_test_keeps_its_stated_error_rates(sigma: float) -> None:
+    """Per run (of 2 gated): an unchanged build alarms at most alpha / 2 = 2.5 % of the time, a
+    10 % slower one at least 1 - beta = 90 %, at the noise of 2 shared cores (about 6 % per pair)."""
+    design = SequentialDesign(runs=2)
+    same, same_pairs = _simulate(design, 0.0, sigma, 600, 1)
+    slow, _ = _simulate(design, 0.10, sigma, 600, 2)
+    assert same <= 0.025 + 0.02 and slow >= 0.90 - 0.04, (same, slow)
+    assert same_pairs <= 5
+
+
+def test_a_slowdown_alarms_early_and_noise_passes_early() -> None:
+    base = [100.0, 104.0, 97.0, 101.0]
+    design = SequentialDesign(runs=3)
+    slow = sequential_look(base, [b * f for b, f in zip(base, (0.80, 0.82, 0.79, 0.81), strict=True)], design)
+    assert slow.alarm and slow.early and slow.change == pytest.approx(-0.2, abs=0.01) and slow.high < -0.15
+    assert "19.5% slower" in slow.describe() and "decided after 4 pairs" in slow.describe()
+    same = sequential_look(base, [b * f for b, f in zip(base, (1.01, 0.99, 1.0, 1.01), strict=True)], design)
+    assert same.decided == "pass" and same.early and same.detectable < 0.06
+    assert "could have detected a" in same.describe()
+    wide = sequential_look(base[:3], [b * f for b, f in zip(base[:3], (1.2, 0.8, 1.0), strict=True)], design)
+    assert wide.decided is None  # too noisy to say either: more pairs
     with pytest.raises(ValueError, match="at least two pairs"):
-        paired_speed([1.0], [1.0])
+        sequential_look([1.0], [1.0], design)
+    with pytest.raises(ValueError, match="min_pairs"):
+        SequentialDesign(min_pairs=4, max_pairs=3)
 
 
 @pytest.mark.ranks
@@ -50,13 +101,13 @@ def test_gate_against_a_revision_runs_both_sides_in_turns(tmp_path: Path) -> Non
     committed = subprocess.run(["git", "cat-file", "-e", "HEAD:scenarios/speed_gate.toml"], cwd=REPO).returncode == 0
     if not committed:
         pytest.skip("scenarios/speed_gate.toml is not committed yet")
-    p = cli("gate", "--against", "HEAD", str(scenario), "--pairs", "2", timeout=900)
+    p = cli("gate", "--against", "HEAD", str(scenario), "--pairs", "2", "--min-pairs", "2", timeout=900)
     assert p.returncode in (0, 1), p.stderr[-3000:]
-    assert "gate against HEAD (" in p.stdout and ", 2 interleaved pairs:" in p.stdout
+    assert "gate against HEAD (" in p.stdout and ", 2 interleaved pairs (sequential, 2 to 2):" in p.stdout
     for run in ("single", "ddp2"):
         line = next(ln for ln in p.stdout.splitlines() if ln.startswith("speed_gate") and f" {run} " in ln
                     and "throughput (paired)" in ln)
-        assert "p = " in line and "interleaved pairs" in line
+        assert "p = " in line and " 2 pairs" in line and "could have detected a" in line
         assert any(ln.startswith("speed_gate") and f" {run} " in ln and " loss " in ln for ln in p.stdout.splitlines())
     assert p.stderr.count("pair 2/2: ") == 2 and p.stderr.index("pair 2/2: candidate") < p.stderr.index(
         "pair 2/2: baseline")  # the second pair runs the candidate first
@@ -67,6 +118,8 @@ def test_gate_against_a_revision_runs_both_sides_in_turns(tmp_path: Path) -> Non
 @pytest.mark.parametrize(("args", "needle"), [
     (["--against", "no-such-revision-x"], "--against no-such-revision-x: not a revision of the git repository"),
     (["--against", "HEAD", "--pairs", "1"], "--pairs must be at least 2"),
+    (["--against", "HEAD", "--min-pairs", "12"], "--min-pairs must be from 2 to --pairs (10), got 12"),
+    (["--against", "HEAD", "--detect", "3", "--slowdown-margin", "5"], "must be below --detect (3)"),
     (["--against", "HEAD", "--baseline", "x"], "give --baseline or --against, not both"),
     ([], "gate needs --baseline FILE"),
 ])

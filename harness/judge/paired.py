@@ -1,15 +1,24 @@
-"""A paired test of speed: the candidate's runs against the baseline revision's, interleaved.
+"""A sequential paired test of speed: the candidate's runs against the baseline's, interleaved,
+with pairs added until the verdict is decided.
 
-On a noisy machine one median against a stored baseline cannot tell a 20 % slowdown from the
-machine's mood: the allowance must cover run-to-run spread, and the spread of a tiny model on
-two shared cores is tens of percent. Runs of the baseline and the candidate taken in turns, in
-the same job, see the same machine; each pair gives one log ratio of their tok/s (the median
-over each run's steps after the first, many samples per run), and the pairs' ratios are tested
-together. A run alarms when the one-sided Student t test rejects "the candidate is at most
-``margin`` slower" at level ``alpha / m`` (Bonferroni over the ``m`` runs gated at once, so the
-whole gate raises a false alarm at most ``alpha`` of the time on an unchanged build; Student's
-t from ``scipy.stats``). The result says how confident it is: the estimated change, its two-sided ``1 - alpha`` interval
-and the p-value.
+On a noisy machine one median against a stored baseline cannot tell a 10 % slowdown from the
+machine's mood. Runs of the baseline and the candidate taken in turns see the same machine; each
+pair gives one log ratio of their speeds, and the pairs are tested together. After each pair
+from ``min_pairs`` on, every run gated is tested two ways (Student's t from ``scipy.stats``):
+
+- **alarm** when "the candidate is at most ``margin`` slower" is rejected;
+- **pass** when "the candidate is ``detect`` or more slower" is rejected.
+
+Each test is made at a constant nominal level over the looks (Pocock's boundary: the level at
+which the chance of crossing at any of the looks is ``alpha / runs`` for an alarm, ``beta`` for a
+pass, under normal pair ratios; the multivariate normal from ``scipy.stats``). So a build within
+``margin`` raises a false alarm in at most ``alpha`` of gates, and a run ``detect`` slower passes
+in at most ``beta`` of them, as long as the pairs suffice: a run still undecided at ``max_pairs``
+takes the nearer hypothesis (its estimate against the midpoint of ``margin`` and ``detect``).
+Simulated with 10 pairs at most (``tests/test_paired_gate.py``), the rates hold for pair ratios
+as noisy as 8 % (2 shared cores: about 6 %); at 10 % the false alarms per run reach alpha. The
+verdict states the pairs taken, the estimate with its interval, and the smallest slowdown the
+pairs taken could have detected with ``1 - beta`` power.
 """
 
 from __future__ import annotations
@@ -17,49 +26,118 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass
+from functools import cache
+
+
+@cache
+def pocock_level(total: float, looks: tuple[int, ...]) -> float:
+    """The one-sided nominal level that, used at every look (after ``looks[i]`` pairs), is crossed
+    at some look with probability ``total`` by a normal statistic with independent increments."""
+    if len(looks) == 1:
+        return total
+    import numpy as np
+    from scipy.optimize import brentq
+    from scipy.stats import multivariate_normal, norm
+
+    n = np.asarray(looks, dtype=float)
+    cov = np.sqrt(np.minimum.outer(n, n) / np.maximum.outer(n, n))
+    mvn = multivariate_normal(mean=np.zeros(len(n)), cov=cov, allow_singular=True, seed=0,
+                              maxpts=4000 * len(n), abseps=1e-5, releps=1e-4)
+
+    def excess(c: float) -> float:
+        return (1.0 - float(mvn.cdf(np.full(len(n), c)))) - total
+
+    return float(norm.sf(brentq(excess, norm.isf(total), norm.isf(total / len(n)) + 0.5, xtol=1e-4)))
+
+
+@dataclass(frozen=True)
+class SequentialDesign:
+    """What a sequential gate decides and at which error rates (module docstring)."""
+
+    margin: float = 0.0
+    detect: float = 0.10
+    alpha: float = 0.05
+    beta: float = 0.10
+    min_pairs: int = 3
+    max_pairs: int = 10
+    runs: int = 1
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.min_pairs <= self.max_pairs:
+            raise ValueError(f"pairs: need 2 <= min_pairs ({self.min_pairs}) <= max_pairs ({self.max_pairs})")
+        if not 0 <= self.margin < self.detect < 1:
+            raise ValueError(f"need 0 <= margin ({self.margin:.0%}) < detect ({self.detect:.0%}) < 100%")
+
+    @property
+    def looks(self) -> tuple[int, ...]:
+        return tuple(range(self.min_pairs, self.max_pairs + 1))
+
+    @property
+    def alarm_level(self) -> float:
+        return pocock_level(self.alpha / max(1, self.runs), self.looks)
+
+    @property
+    def pass_level(self) -> float:
+        return pocock_level(self.beta, self.looks)
 
 
 @dataclass
-class PairedVerdict:
-    """One run's paired comparison: ``change`` is the candidate's speed relative to the baseline
-    (-0.2: 20 % slower), with its interval; ``alarm`` when it is slower beyond ``margin`` with
-    the confidence the test demands."""
+class SequentialVerdict:
+    """One run's comparison after ``pairs`` pairs: ``change`` is the candidate's speed relative to
+    the baseline (-0.2: 20 % slower), with its interval; ``decided``: "alarm", "pass", or None
+    (more pairs wanted); ``detectable``: the smallest slowdown these pairs could have caught."""
 
     pairs: int
     change: float
     low: float
     high: float
-    p_value: float
-    level: float
-    margin: float
-    alarm: bool
+    p_alarm: float
+    p_pass: float
+    detectable: float
+    decided: str | None
+    design: SequentialDesign
+    early: bool = False  # decided by crossing a boundary, not by running out of pairs
+
+    @property
+    def alarm(self) -> bool:
+        return self.decided == "alarm"
 
     def describe(self) -> str:
+        d = self.design
         word = "slower" if self.change < 0 else "faster"
-        conf = 1 - self.level
-        return (f"{abs(self.change):.1%} {word} (interval {self.low:+.1%} to {self.high:+.1%}); "
-                f"p = {self.p_value:.2g} that it is at most {self.margin:.0%} slower, alarm below {self.level:.2g} "
-                f"({conf:.1%} confidence), {self.pairs} interleaved pairs")
+        how = (f"decided after {self.pairs} pairs" if self.early
+               else f"not decided by {self.pairs} pairs, judged there")
+        return (f"{abs(self.change):.1%} {word} (interval {self.low:+.1%} to {self.high:+.1%}); {how}: "
+                f"p = {self.p_alarm:.2g} that it is at most {d.margin:.0%} slower (alarm below {d.alarm_level:.2g}), "
+                f"p = {self.p_pass:.2g} that it is {d.detect:.0%} or more slower (pass below {d.pass_level:.2g}); "
+                f"could have detected a {self.detectable:.1%} slowdown")
 
 
-def paired_speed(base_tok_s: list[float], cand_tok_s: list[float], margin: float = 0.05, alpha: float = 0.05,
-                 runs_gated: int = 1) -> PairedVerdict:
-    """Test pair k's ``cand_tok_s[k] / base_tok_s[k]`` over all pairs (at least 2)."""
-    if len(base_tok_s) != len(cand_tok_s) or len(base_tok_s) < 2:
+def sequential_look(base_speed: list[float], cand_speed: list[float], design: SequentialDesign) -> SequentialVerdict:
+    """Test pair k's ``cand_speed[k] / base_speed[k]`` over the pairs so far (at least 2)."""
+    from scipy.stats import t as student
+
+    if len(base_speed) != len(cand_speed) or len(base_speed) < 2:
         raise ValueError("a paired speed test needs at least two pairs of runs")
-    logs = [math.log(c / b) for b, c in zip(base_tok_s, cand_tok_s, strict=True)]
+    logs = [math.log(c / b) for b, c in zip(base_speed, cand_speed, strict=True)]
     n = len(logs)
     mean = statistics.fmean(logs)
-    se = statistics.stdev(logs) / math.sqrt(n)
-    level = alpha / max(1, runs_gated)
-    bound = math.log(1.0 - margin)  # "at most margin slower": log ratio >= bound
-    if se == 0:
-        p = 0.0 if mean < bound else 1.0
-        half = 0.0
-    else:
-        from scipy.stats import t as student
-
-        p = float(student.cdf((mean - bound) / se, n - 1))  # small when the mean is far below the bound
-        half = float(student.ppf(1 - level / 2, n - 1)) * se
-    return PairedVerdict(n, math.exp(mean) - 1, math.exp(mean - half) - 1, math.exp(mean + half) - 1, p, level,
-                         margin, p < level)
+    se = max(statistics.stdev(logs) / math.sqrt(n), 1e-12)
+    df = n - 1
+    at_margin, at_detect = math.log(1 - design.margin), math.log(1 - design.detect)
+    p_alarm = float(student.cdf((mean - at_margin) / se, df))  # small: slower than the margin
+    p_pass = float(student.sf((mean - at_detect) / se, df))  # small: faster than a `detect` slowdown
+    alarm_q, pass_q = float(student.isf(design.alarm_level, df)), float(student.isf(design.pass_level, df))
+    half = float(student.isf(design.alpha / max(1, design.runs) / 2, df)) * se
+    detectable = 1 - math.exp(at_margin - (alarm_q + pass_q) * se)
+    decided = None
+    early = False
+    if n >= design.min_pairs:
+        if p_alarm < design.alarm_level:
+            decided, early = "alarm", True
+        elif p_pass < design.pass_level:
+            decided, early = "pass", True
+        elif n >= design.max_pairs:  # out of pairs: the nearer of the two hypotheses
+            decided = "alarm" if mean < (at_margin + at_detect) / 2 else "pass"
+    return SequentialVerdict(n, math.exp(mean) - 1, math.exp(mean - half) - 1, math.exp(mean + half) - 1, p_alarm,
+                             p_pass, max(0.0, detectable), decided, design, early)

@@ -2,16 +2,18 @@
 git revision, built in a temporary worktree and run in turns with it on this machine.
 
 Pair k runs the scenarios once at REV and once here, the order alternating (REV first in even
-pairs), so drift in the machine's speed lands on both sides. Speed is judged by the paired test
-of ``harness.judge.paired`` over the pairs; losses and memory by the usual gates, with a
-baseline built from REV's runs. The worktree runs its own ``harness`` package when it has one
-(the harness's own repository), else this one, so a trainer script's repository can be gated
-the same way.
+pairs), so drift in the machine's speed lands on both sides. Pairs are added until the
+sequential paired test of ``harness.judge.paired`` has decided every run's speed (each run's
+speed: its faster steps', ``baselines.fast_tok_s``), from ``--min-pairs`` to ``--pairs``;
+losses and memory are judged by the usual gates, with a baseline built from REV's runs. The
+worktree runs its own ``harness`` package when it has one (the harness's own repository), else
+this one, so a trainer script's repository can be gated the same way.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 import statistics
@@ -65,19 +67,30 @@ def _tok_s(docs: list[tuple[Path, dict[str, Any]]]) -> dict[tuple[str, str], lis
     for key, entry in collect_repeats(docs).items():
         if entry["failed"] or not entry["repeats"]:
             continue
-        out[key] = [r["median_tok_s"] for r in entry["repeats"]]
+        out[key] = [r.get("fast_tok_s") or r["median_tok_s"] for r in entry["repeats"]]
     return out
+
+
+def _speeds(outs: list[Path]) -> dict[tuple[str, str], list[float]]:
+    return _tok_s(load_results([str(o) for o in outs]))
 
 
 def cmd_gate_against(args: argparse.Namespace, overrides: dict[str, float | None]) -> int:
     """``gate --against``; ``overrides``: the tolerance flags given."""
     from harness.judge.baselines import Tolerances, build_baseline
     from harness.judge.gates import Gate, gate
-    from harness.judge.paired import paired_speed
+    from harness.judge.paired import SequentialDesign, sequential_look
     from harness.present.gate_report import gate_text
 
     if args.pairs < 2:
         raise ScenarioError(f"--pairs must be at least 2, got {args.pairs}")
+    if not 2 <= args.min_pairs <= args.pairs:
+        raise ScenarioError(f"--min-pairs must be from 2 to --pairs ({args.pairs}), got {args.min_pairs}")
+    if not 0 <= args.slowdown_margin < args.detect < 100:
+        raise ScenarioError(f"--slowdown-margin ({args.slowdown_margin:g}) must be below --detect ({args.detect:g}), "
+                            f"from 0 to 100")
+    design = SequentialDesign(args.slowdown_margin / 100, args.detect / 100, args.alpha, args.beta,
+                              args.min_pairs, args.pairs)
     repo = Path(_git(["rev-parse", "--show-toplevel"], Path.cwd()))
     try:
         commit = _git(["rev-parse", "--verify", "--quiet", f"{args.against}^{{commit}}"], repo)
@@ -91,7 +104,8 @@ def cmd_gate_against(args: argparse.Namespace, overrides: dict[str, float | None
         missing = [s for s in scenarios if not (tree / s).is_file()]
         if missing:
             raise ScenarioError(f"{missing[0]}: not in revision {args.against} ({commit[:12]})")
-        sides = {"baseline": (tree, []), "candidate": (repo, [])}
+        sides: dict[str, tuple[Path, list[Path]]] = {"baseline": (tree, []), "candidate": (repo, [])}
+        verdicts: dict[tuple[str, str], Any] = {}
         for k in range(args.pairs):
             order = ("baseline", "candidate") if k % 2 == 0 else ("candidate", "baseline")
             for label in order:
@@ -100,6 +114,14 @@ def cmd_gate_against(args: argparse.Namespace, overrides: dict[str, float | None
                 _run_side(root, scenarios, out, label)
                 outs.append(out)
                 print(f"pair {k + 1}/{args.pairs}: {label} done", file=sys.stderr, flush=True)
+            if k + 1 >= args.min_pairs:
+                base_speed, cand_speed = _speeds(sides["baseline"][1]), _speeds(sides["candidate"][1])
+                keys = sorted(set(base_speed) & set(cand_speed))
+                runs = dataclasses.replace(design, runs=len(keys))
+                verdicts = {key: sequential_look(base_speed[key], cand_speed[key], runs) for key in keys}
+                if all(v.decided for v in verdicts.values()):
+                    break
+        pairs = len(sides["candidate"][1])
         base_docs = load_results([str(o) for o in sides["baseline"][1]])
         cand_docs = load_results([str(o) for o in sides["candidate"][1]])
     finally:
@@ -110,14 +132,11 @@ def cmd_gate_against(args: argparse.Namespace, overrides: dict[str, float | None
     gates, notes, compared = gate(baseline, cand_docs, tol)
     gates = [g for g in gates if g.metric != "throughput"]
     base_speed, cand_speed = _tok_s(base_docs), _tok_s(cand_docs)
-    keys = sorted(set(base_speed) & set(cand_speed))
-    margin = args.slowdown_margin / 100
-    for key in keys:
-        v = paired_speed(base_speed[key], cand_speed[key], margin, args.alpha, len(keys))
+    for key, v in sorted(verdicts.items()):
         gates.append(Gate(*key, "throughput (paired)", not v.alarm, f"{statistics.median(cand_speed[key]):.1f} tok/s",
                           f"{statistics.median(base_speed[key]):.1f} tok/s",
-                          f"at most {args.slowdown_margin:g}% slower, p >= {v.level:.2g}", v.describe()))
+                          f"at most {args.slowdown_margin:g}% slower, p >= {v.design.alarm_level:.2g}", v.describe()))
     env = cand_docs[0][1]["environment"]
-    name = f"{args.against} ({commit[:12]}), {args.pairs} interleaved pairs"
+    name = f"{args.against} ({commit[:12]}), {pairs} interleaved pairs (sequential, {args.min_pairs} to {args.pairs})"
     print(gate_text(gates, notes, compared, baseline, env, name, args.format))
     return EXIT_PASS if all(g.passed for g in gates) else EXIT_CHECK_FAILED

@@ -104,11 +104,18 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--baseline", help="baseline file, or a directory of per-platform baselines")
     g.add_argument("--against", metavar="REV",
                    help="run the scenarios here and at git revision REV (a temporary worktree), in turns")
-    g.add_argument("--pairs", type=int, default=5, help="with --against: interleaved pairs of runs (default 5)")
-    g.add_argument("--slowdown-margin", type=float, default=5.0,
-                   help="with --against: the slowdown in %% that is not a regression (default 5)")
+    g.add_argument("--pairs", type=int, default=10,
+                   help="with --against: the most interleaved pairs of runs (default 10); pairs are added until "
+                        "every run's speed is decided")
+    g.add_argument("--min-pairs", type=int, default=3, help="with --against: pairs before the first look (default 3)")
+    g.add_argument("--slowdown-margin", type=float, default=0.0,
+                   help="with --against: the slowdown in %% that is not a regression (default 0)")
+    g.add_argument("--detect", type=float, default=10.0,
+                   help="with --against: the slowdown in %% to catch with 1 - beta power (default 10)")
     g.add_argument("--alpha", type=float, default=0.05,
                    help="with --against: the chance of a false alarm over the whole gate (default 0.05)")
+    g.add_argument("--beta", type=float, default=0.10,
+                   help="with --against: the chance of missing a --detect slowdown, per run (default 0.10)")
     g.add_argument("--force", action="store_true", help="compare even when the platforms differ")
     g.add_argument("--format", choices=("plain", "github"), default="plain", help="table format")
     _tolerance_args(g)
