@@ -65,11 +65,47 @@ def test_throughput_fails_only_beyond_the_larger_of_percent_and_spread() -> None
     slow = _gates(quiet, _repeat(850.0))["throughput"]
     assert not slow.passed
     assert slow.message() == ("FAIL s/single throughput: 850.0 tok/s vs baseline 1000.0 tok/s (threshold -10.0% = "
-                              "max(10% configured, 3 x 0.0% repeat spread over 3 repeats)); -15.0%")
+                              "max(10% configured, 3 x 0.0% repeat spread over 3 repeats)); -15.0%; a baseline made "
+                              "before speeds were tested: remake it for a band from its repeats")
     noisy = _baseline((900.0, 1000.0, 1100.0))  # 10% spread: 3 x 10% = 30% allowed
     assert _gates(noisy, _repeat(750.0))["throughput"].passed
     failed = _gates(noisy, _repeat(650.0))["throughput"]
     assert not failed.passed and "-30.0% = max(10% configured, 3 x 10.0% repeat spread" in failed.threshold
+
+
+def _fast(*speeds: float, precision: str = "float32") -> list[dict[str, Any]]:
+    return [{**_repeat(v), "fast_tok_s": v, "precision": precision} for v in speeds]
+
+
+def _fast_baseline(*speeds: float) -> dict[str, Any]:
+    return build_baseline([(Path("b.json"), _doc(_fast(*speeds)))], Tolerances())
+
+
+def test_a_baseline_with_its_repeats_speeds_is_tested_against_their_own_spread() -> None:
+    """Baseline 1000/1050/950 (log spread 5.0 %), current repeats 850/800/820: the pooled t test
+    (4 degrees of freedom) rejects "not slower"; 990/1010/1000 it does not."""
+    base = _fast_baseline(1000.0, 1050.0, 950.0)
+    assert base["scenarios"]["s"]["single"]["fast_tok_s_repeats"] == [1000.0, 1050.0, 950.0]
+    gates, _, _ = gate(base, [(Path("r.json"), _doc(_fast(850.0, 800.0, 820.0)))], Tolerances())
+    slow = next(g for g in gates if g.metric == "throughput")
+    assert not slow.passed and slow.detail.startswith("-17.6%, p = 0.0023")
+    assert "t test against 3 baseline repeats of spread 5.0%" in slow.threshold
+    assert "could have detected a 1" in slow.detail  # about 11 %: the smallest slowdown these repeats catch
+    gates, _, _ = gate(base, [(Path("r.json"), _doc(_fast(990.0, 1010.0, 1000.0)))], Tolerances())
+    assert next(g for g in gates if g.metric == "throughput").passed
+    noisy = _fast_baseline(700.0, 1000.0, 1300.0)  # a baseline this noisy cannot catch 17.6 %, and says so
+    gates, _, _ = gate(noisy, [(Path("r.json"), _doc(_fast(850.0, 800.0, 820.0)))], Tolerances())
+    quiet = next(g for g in gates if g.metric == "throughput")
+    assert quiet.passed and float(quiet.detail.split("could have detected a ")[1].split("%")[0]) > 30
+
+
+def test_another_precision_is_refused_unless_forced() -> None:
+    base = _fast_baseline(1000.0, 1050.0, 950.0)
+    docs = [(Path("r.json"), _doc(_fast(1000.0, precision="bfloat16")))]
+    with pytest.raises(BaselineError, match="s/single ran at precision bfloat16, its baseline at float32: refusing"):
+        gate(base, docs, Tolerances())
+    _, notes, _ = gate(base, docs, Tolerances(), force=True)
+    assert "s/single: compared across precisions (forced): bfloat16 vs baseline float32" in notes
 
 
 def test_a_different_loss_fails_naming_the_step_values_and_tolerance() -> None:

@@ -89,7 +89,8 @@ def repeat_figures(run: dict[str, Any]) -> dict[str, Any]:
     """What one repeat of a run contributes to a baseline (kept in ``result.json`` per repeat)."""
     keys = ("ok", "median_tok_s", "runtime_s", "losses", "mlx_peak_bytes", "rss_peak_bytes", "avg_loss",
             "final_loss")
-    return {**{k: run.get(k) for k in keys}, "fast_tok_s": fast_tok_s(run)}
+    return {**{k: run.get(k) for k in keys}, "fast_tok_s": fast_tok_s(run),
+            "precision": (run.get("precision") or {}).get("label")}
 
 
 def run_repeats(run: dict[str, Any]) -> list[dict[str, Any]]:
@@ -113,6 +114,7 @@ def summarize_run(where: str, repeats: list[dict[str, Any]], world_size: int) ->
         counts = " and ".join(map(str, sorted(ranks)))
         raise BaselineError(f"{where}: repeats report {counts} ranks, expected {world_size}")
     tok_s = [r["median_tok_s"] for r in repeats]
+    fast = [r.get("fast_tok_s") for r in repeats]
     losses = [statistics.fmean(step) for step in zip(*(r["losses"] for r in repeats), strict=True)]
     loss_spread = max(abs(x - m) for r in repeats for x, m in zip(r["losses"], losses, strict=True))
     return {
@@ -121,6 +123,8 @@ def summarize_run(where: str, repeats: list[dict[str, Any]], world_size: int) ->
         "median_tok_s": statistics.median(tok_s),
         "tok_s_repeats": tok_s,
         "tok_s_spread": relative_spread(tok_s),
+        "fast_tok_s_repeats": fast if None not in fast else None,  # what the speed gate tests against
+        "precision": repeats[0].get("precision"),
         "runtime_s": statistics.median(r["runtime_s"] for r in repeats),
         "losses": losses,
         "loss_spread": loss_spread,

@@ -60,15 +60,49 @@ def check_platform(baseline: dict[str, Any], base_file: Path, doc: dict[str, Any
             for k in diff]
 
 
+SPEED_ALPHA = 0.05  # a false alarm on an unchanged build, over the runs gated
+SPEED_BETA = 0.10  # the miss rate at the smallest detectable slowdown the gate states
+
+
+def speed_test_gate(name: tuple[str, str], base: dict[str, Any], reps: list[dict[str, Any]], runs_gated: int) -> Gate:
+    """The current repeats' speeds (their faster steps', ``baselines.fast_tok_s``) against the
+    baseline's repeats: a one-sided two-sample Student t test of "not slower" on log speeds, with
+    the variance pooled from both, at ``SPEED_ALPHA`` over the runs gated (``scipy.stats``). The
+    band comes from the baseline's own repeats and their count; the gate states the smallest
+    slowdown it could have detected with ``1 - SPEED_BETA`` power."""
+    import math
+
+    from scipy.stats import t as student
+
+    a = [math.log(v) for v in base["fast_tok_s_repeats"]]
+    b = [math.log(r["fast_tok_s"]) for r in reps]
+    ss = sum((x - statistics.fmean(a)) ** 2 for x in a) + sum((x - statistics.fmean(b)) ** 2 for x in b)
+    df = len(a) + len(b) - 2
+    se = max(math.sqrt(ss / df * (1 / len(a) + 1 / len(b))), 1e-12)
+    diff = statistics.fmean(b) - statistics.fmean(a)
+    level = SPEED_ALPHA / max(1, runs_gated)
+    p = float(student.cdf(diff / se, df))  # small: slower than the baseline's repeats allow
+    detectable = 1 - math.exp(-(float(student.isf(level, df)) + float(student.isf(SPEED_BETA, df))) * se)
+    spread = statistics.stdev(a)
+    reps_word = f" (median of {len(b)} repeats)" if len(b) > 1 else ""
+    return Gate(*name, "throughput", p >= level,
+                f"{statistics.median(r['fast_tok_s'] for r in reps):.1f} tok/s{reps_word}",
+                f"{statistics.median(base['fast_tok_s_repeats']):.1f} tok/s",
+                f"p >= {level:.2g} that it is not slower (t test against {len(a)} baseline repeats of spread "
+                f"{spread:.1%})", f"{math.exp(diff) - 1:+.1%}, p = {p:.2g}; could have detected a {detectable:.1%} "
+                f"slowdown (faster-step speed)")
+
+
 def throughput_gate(name: tuple[str, str], base: dict[str, Any], current: list[float], tol: Tolerances) -> Gate:
-    """Fail only on a slowdown beyond max(configured %, spread multiple x measured repeat spread)."""
+    """A baseline without its repeats' faster-step speeds (made before they were kept): fail only
+    on a slowdown beyond max(configured %, spread multiple x measured repeat spread)."""
     now = statistics.median(current)
     allowed = tol.slowdown_allowed(base["tok_s_spread"])
     change = now / base["median_tok_s"] - 1
     threshold = (f"-{allowed:.1%} = max({tol.throughput_pct:g}% configured, {tol.spread_multiple:g} x "
                  f"{base['tok_s_spread']:.1%} repeat spread over {base['repeats']} repeats)")
     reps = f" (median of {len(current)} repeats)" if len(current) > 1 else ""
-    detail = f"{change:+.1%}"
+    detail = f"{change:+.1%}; a baseline made before speeds were tested: remake it for a band from its repeats"
     if allowed >= 0.5:
         detail += "; the baseline is too noisy to catch smaller slowdowns (more repeats or longer runs help)"
     return Gate(*name, "throughput", change >= -allowed, f"{now:.1f} tok/s{reps}", f"{base['median_tok_s']:.1f} tok/s",
@@ -110,14 +144,17 @@ def memory_gates(name: tuple[str, str], base: dict[str, Any], repeats: list[dict
     return gates
 
 
-def gate(baseline: dict[str, Any], docs: list[tuple[Path, dict[str, Any]]], tol: Tolerances
+def gate(baseline: dict[str, Any], docs: list[tuple[Path, dict[str, Any]]], tol: Tolerances, force: bool = False
          ) -> tuple[list[Gate], list[str], list[tuple[str, str, dict[str, Any], dict[str, Any]]]]:
     """Gate every run of ``docs`` the baseline holds. Returns the gates, notes on runs that were
-    not compared, and (scenario, run, baseline entry, current figures) for each compared run."""
+    not compared, and (scenario, run, baseline entry, current figures) for each compared run. A
+    run at another precision than its baseline's is refused (``BaselineError``) unless ``force``."""
     gates: list[Gate] = []
     notes: list[str] = []
     compared = []
-    for (scenario, run), entry in collect_repeats(docs).items():
+    pooled = collect_repeats(docs)
+    gated = sum(1 for scenario, run in pooled if run in baseline["scenarios"].get(scenario, {}))
+    for (scenario, run), entry in pooled.items():
         base = baseline["scenarios"].get(scenario, {}).get(run)
         name = (scenario, run)
         if base is None:
@@ -128,7 +165,16 @@ def gate(baseline: dict[str, Any], docs: list[tuple[Path, dict[str, Any]]], tol:
                               "every repeat passes"))
             continue
         reps = entry["repeats"]
-        gates.append(throughput_gate(name, base, [r["median_tok_s"] for r in reps], tol))
+        then, now = base.get("precision"), reps[0].get("precision")
+        if then and now and then != now:
+            if not force:
+                raise BaselineError(f"{scenario}/{run} ran at precision {now}, its baseline at {then}: refusing to "
+                                    f"compare (--force compares anyway)")
+            notes.append(f"{scenario}/{run}: compared across precisions (forced): {now} vs baseline {then}")
+        if base.get("fast_tok_s_repeats") and all(r.get("fast_tok_s") for r in reps):
+            gates.append(speed_test_gate(name, base, reps, gated))
+        else:
+            gates.append(throughput_gate(name, base, [r["median_tok_s"] for r in reps], tol))
         gates.append(loss_gate(name, base, [r["losses"] for r in reps], tol))
         gates.extend(memory_gates(name, base, reps, tol))
         current = {"median_tok_s": statistics.median(r["median_tok_s"] for r in reps),

@@ -55,7 +55,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
     for f, doc in docs:
         notes += check_platform(baseline, base_file, doc, f, args.force)
     tol = Tolerances(**baseline["tolerances"]).updated(**tolerance_overrides(args))
-    gates, more, compared = gate(baseline, docs, tol)
+    gates, more, compared = gate(baseline, docs, tol, args.force)
     text = gate_text(gates, notes + more, compared, baseline, env, str(base_file), args.format)
     print(text)
     append_step_summary(gate_text(gates, notes + more, compared, baseline, env, str(base_file), "github"))
