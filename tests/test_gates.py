@@ -188,9 +188,16 @@ def test_gate_and_baseline_commands(tmp_path: Path) -> None:
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert "PASSED (4 of 4 gates passed)" in ok.stdout and "Single-process regression against the baseline" in ok.stdout
     slower = _write(tmp_path / "slow.json", _doc([_repeat(700.0)]))
-    failed = cli("gate", "--baseline", str(written), str(slower))
+    failed = cli("gate", "--baseline", str(written), str(slower), "--out", str(tmp_path / "gate"))
     assert failed.returncode == 1
     assert "FAIL s/single throughput: 700.0 tok/s vs baseline 1000.0 tok/s (threshold -" in failed.stdout
+    record = json.loads((tmp_path / "gate" / "gate.json").read_text())  # why it failed, for a CI job to read
+    assert record["kind"] == "gate" and record["passed"] is False and record["against"] == str(written)
+    by_metric = {g["metric"]: g for g in record["gates"]}
+    assert set(by_metric) == {"throughput", "loss", "peak MLX memory", "peak RSS"}
+    assert by_metric["throughput"]["result"] == "FAIL" and by_metric["loss"]["result"] == "pass"
+    assert all(set(g) == {"scenario", "run", "metric", "passed", "current", "baseline", "threshold", "detail",
+                          "result"} for g in record["gates"])
     summary = tmp_path / "summary.md"
     cli_env = cli("gate", "--baseline", str(written), str(slower), "--throughput-pct", "40",
                   env={"GITHUB_STEP_SUMMARY": str(summary)})

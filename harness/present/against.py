@@ -80,7 +80,7 @@ def cmd_gate_against(args: argparse.Namespace, overrides: dict[str, float | None
     from harness.judge.baselines import Tolerances, build_baseline
     from harness.judge.gates import Gate, gate
     from harness.judge.paired import SequentialDesign, sequential_look
-    from harness.present.gate_report import gate_text
+    from harness.present.gate_report import emit_gate
 
     if args.pairs < 2:
         raise ScenarioError(f"--pairs must be at least 2, got {args.pairs}")
@@ -138,5 +138,5 @@ def cmd_gate_against(args: argparse.Namespace, overrides: dict[str, float | None
                           f"at most {args.slowdown_margin:g}% slower, p >= {v.design.alarm_level:.2g}", v.describe()))
     env = cand_docs[0][1]["environment"]
     name = f"{args.against} ({commit[:12]}), {pairs} interleaved pairs (sequential, {args.min_pairs} to {args.pairs})"
-    print(gate_text(gates, notes, compared, baseline, env, name, args.format))
+    emit_gate(gates, notes, compared, baseline, env, name, args.format, args.out)
     return EXIT_PASS if all(g.passed for g in gates) else EXIT_CHECK_FAILED

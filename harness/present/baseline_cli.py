@@ -37,8 +37,7 @@ def baseline_filename(key: dict[str, object]) -> str:
 def cmd_gate(args: argparse.Namespace) -> int:
     from harness.judge.baselines import Tolerances, pick_baseline
     from harness.judge.gates import check_platform, gate
-    from harness.present.gate_report import gate_text
-    from harness.present.report import append_step_summary
+    from harness.present.gate_report import emit_gate
 
     if args.against:
         from harness.present.against import cmd_gate_against
@@ -56,9 +55,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
         notes += check_platform(baseline, base_file, doc, f, args.force)
     tol = Tolerances(**baseline["tolerances"]).updated(**tolerance_overrides(args))
     gates, more, compared = gate(baseline, docs, tol, args.force)
-    text = gate_text(gates, notes + more, compared, baseline, env, str(base_file), args.format)
-    print(text)
-    append_step_summary(gate_text(gates, notes + more, compared, baseline, env, str(base_file), "github"))
+    emit_gate(gates, notes + more, compared, baseline, env, str(base_file), args.format, args.out)
     return EXIT_PASS if all(g.passed for g in gates) else EXIT_CHECK_FAILED
 
 
@@ -118,6 +115,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="with --against: the chance of missing a --detect slowdown, per run (default 0.10)")
     g.add_argument("--force", action="store_true", help="compare even when the platforms differ")
     g.add_argument("--format", choices=("plain", "github"), default="plain", help="table format")
+    g.add_argument("--out", metavar="DIR", help="write DIR/gate.json: every gate's fields, for a CI job to read")
     _tolerance_args(g)
     g.set_defaults(func=cmd_gate)
     b = sub.add_parser("baseline", help="write baselines")

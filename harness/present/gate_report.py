@@ -1,10 +1,13 @@
 """What ``gate`` and ``baseline update`` print: the seed's single-process regression table,
-the gates, and the baseline's entries."""
+the gates, and the baseline's entries; and the one record every gate writes (``emit_gate``)."""
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
 from typing import Any
 
+from harness import schema
 from harness.judge.baselines import Tolerances
 from harness.judge.gates import Gate
 from harness.present.tables import table
@@ -77,3 +80,26 @@ def baseline_table(baseline: dict[str, Any], fmt: str = "plain") -> str:
     headers = ["Scenario", "Run", "World size", "Repeats", "Median tok/s", "Repeat spread", "Slowdown allowed",
                "Loss tolerance", "Memory"]
     return table(baseline_rows(baseline), headers, fmt)
+
+
+GATE_FILE = "gate.json"
+
+
+def gate_record(gates: list[Gate], notes: list[str], base_name: str, env: dict[str, Any]) -> dict[str, Any]:
+    """Every gate (speed, loss, memory, a run that failed) in the same fields, for a CI job to read."""
+    return schema.stamp({"kind": "gate", "against": base_name, "passed": all(g.passed for g in gates),
+                         "environment": env, "notes": notes,
+                         "gates": [{**dataclasses.asdict(g), "result": g.result} for g in gates]})
+
+
+def emit_gate(gates: list[Gate], notes: list[str], compared: list, baseline: dict[str, Any], env: dict[str, Any],
+              base_name: str, fmt: str, out: str | None) -> None:
+    """Print the gate report, append it to the GitHub job summary (where one is kept) and, with
+    ``out``, write ``out/gate.json``."""
+    from harness.present.report import append_step_summary
+
+    print(gate_text(gates, notes, compared, baseline, env, base_name, fmt))
+    append_step_summary(gate_text(gates, notes, compared, baseline, env, base_name, "github"))
+    if out is not None:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        schema.write_json_atomic(Path(out) / GATE_FILE, gate_record(gates, notes, base_name, env))
