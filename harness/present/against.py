@@ -1,5 +1,9 @@
-"""``mlx-ddp-harness gate --against REV SCENARIO...``: the candidate (this checkout) against a
-git revision, built in a temporary worktree and run in turns with it on this machine.
+"""The paired gates. ``gate --against REV SCENARIO...``: the candidate (this checkout) against a
+git revision, built in a temporary worktree and run in turns with it on this machine. ``gate
+--env PYTHON SCENARIO...``: this environment (the candidate) against another Python environment
+(an upgrade's, or the one before it), the same checkout's scenarios run in turns under each; the
+other runs without this one's ``PYTHONPATH``, ``PYTHONHOME`` and ``VIRTUAL_ENV``, and the report
+names both environments' versions of Python, mlx, mlx-lm, mlx-vlm, numpy and unsloth-zoo.
 
 Pair k runs the scenarios once at REV and once here, the order alternating (REV first in even
 pairs), so drift in the machine's speed lands on both sides. Pairs are added until the
@@ -20,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,12 +48,41 @@ def _side_env(tree: Path) -> dict[str, str]:
     return env
 
 
-def _run_side(tree: Path, scenarios: list[str], out: Path, label: str) -> None:
-    p = subprocess.run([sys.executable, "-m", "harness", "run", *scenarios, "--out", str(out), "--progress", "off"],
-                       cwd=tree, env=_side_env(tree), capture_output=True, text=True)
-    if p.returncode not in RUN_OK or not (out / "result.json").is_file():
-        tail = " | ".join(p.stderr.strip().splitlines()[-3:])
-        raise ScenarioError(f"the {label} side's run exited {p.returncode}: {tail}")
+VERSIONED = ("mlx", "mlx-lm", "mlx-vlm", "numpy", "unsloth_zoo")
+VERSIONS = ("import importlib.metadata as m, json, sys\n"
+            "def v(n):\n    try:\n        return m.version(n)\n"
+            "    except m.PackageNotFoundError:\n        return None\n"
+            "print(json.dumps({'python': sys.version.split()[0], **{n: v(n) for n in sys.argv[1:]}}))")
+
+
+def versions(python: str, extra: tuple[str, ...] = ()) -> dict[str, str | None]:
+    """The versions of Python and of the packages a gate reports, in the environment of ``python``."""
+    import json
+
+    p = subprocess.run([python, "-c", VERSIONS, *VERSIONED, *extra], capture_output=True, text=True)
+    if p.returncode != 0:
+        raise ScenarioError(f"{python}: cannot run it to read its package versions: "
+                            f"{(p.stderr.strip().splitlines() or ['failed'])[-1]}")
+    return json.loads(p.stdout)
+
+
+@dataclass
+class Side:
+    """One side of a paired gate: the Python that runs it, the tree it runs in, its results."""
+
+    label: str  # "baseline" or "candidate"
+    python: str
+    root: Path
+    env: dict[str, str]
+    outs: list[Path] = field(default_factory=list)
+
+    def run(self, scenarios: list[str], out: Path) -> None:
+        p = subprocess.run([self.python, "-m", "harness", "run", *scenarios, "--out", str(out), "--progress", "off"],
+                           cwd=self.root, env=self.env, capture_output=True, text=True)
+        if p.returncode not in RUN_OK or not (out / "result.json").is_file():
+            tail = " | ".join(p.stderr.strip().splitlines()[-3:])
+            raise ScenarioError(f"the {self.label} side's run exited {p.returncode}: {tail}")
+        self.outs.append(out)
 
 
 def _relative(repo: Path, scenario: str) -> str:
@@ -75,12 +109,9 @@ def _speeds(outs: list[Path]) -> dict[tuple[str, str], list[float]]:
     return _tok_s(load_results([str(o) for o in outs]))
 
 
-def cmd_gate_against(args: argparse.Namespace, overrides: dict[str, float | None]) -> int:
-    """``gate --against``; ``overrides``: the tolerance flags given."""
-    from harness.judge.baselines import Tolerances, build_baseline
-    from harness.judge.gates import Gate, gate
-    from harness.judge.paired import SequentialDesign, sequential_look
-    from harness.present.gate_report import emit_gate
+def sequential_design(args: argparse.Namespace) -> Any:
+    """The sequential test the flags ask for (one-line errors for flags that do not fit)."""
+    from harness.judge.paired import SequentialDesign
 
     if args.pairs < 2:
         raise ScenarioError(f"--pairs must be at least 2, got {args.pairs}")
@@ -89,8 +120,13 @@ def cmd_gate_against(args: argparse.Namespace, overrides: dict[str, float | None
     if not 0 <= args.slowdown_margin < args.detect < 100:
         raise ScenarioError(f"--slowdown-margin ({args.slowdown_margin:g}) must be below --detect ({args.detect:g}), "
                             f"from 0 to 100")
-    design = SequentialDesign(args.slowdown_margin / 100, args.detect / 100, args.alpha, args.beta,
-                              args.min_pairs, args.pairs)
+    return SequentialDesign(args.slowdown_margin / 100, args.detect / 100, args.alpha, args.beta,
+                            args.min_pairs, args.pairs)
+
+
+def cmd_gate_against(args: argparse.Namespace, overrides: dict[str, float | None]) -> int:
+    """``gate --against REV``; ``overrides``: the tolerance flags given."""
+    design = sequential_design(args)
     repo = Path(_git(["rev-parse", "--show-toplevel"], Path.cwd()))
     try:
         commit = _git(["rev-parse", "--verify", "--quiet", f"{args.against}^{{commit}}"], repo)
@@ -104,32 +140,48 @@ def cmd_gate_against(args: argparse.Namespace, overrides: dict[str, float | None
         missing = [s for s in scenarios if not (tree / s).is_file()]
         if missing:
             raise ScenarioError(f"{missing[0]}: not in revision {args.against} ({commit[:12]})")
-        sides: dict[str, tuple[Path, list[Path]]] = {"baseline": (tree, []), "candidate": (repo, [])}
-        verdicts: dict[tuple[str, str], Any] = {}
-        for k in range(args.pairs):
-            order = ("baseline", "candidate") if k % 2 == 0 else ("candidate", "baseline")
-            for label in order:
-                root, outs = sides[label]
-                out = work / f"{label}{k}"
-                _run_side(root, scenarios, out, label)
-                outs.append(out)
-                print(f"pair {k + 1}/{args.pairs}: {label} done", file=sys.stderr, flush=True)
-            if k + 1 >= args.min_pairs:
-                base_speed, cand_speed = _speeds(sides["baseline"][1]), _speeds(sides["candidate"][1])
-                keys = sorted(set(base_speed) & set(cand_speed))
-                runs = dataclasses.replace(design, runs=len(keys))
-                verdicts = {key: sequential_look(base_speed[key], cand_speed[key], runs) for key in keys}
-                if all(v.decided for v in verdicts.values()):
-                    break
-        pairs = len(sides["candidate"][1])
-        base_docs = load_results([str(o) for o in sides["baseline"][1]])
-        cand_docs = load_results([str(o) for o in sides["candidate"][1]])
+        sides = [Side("baseline", sys.executable, tree, _side_env(tree)), Side("candidate", sys.executable, repo,
+                                                                                 dict(os.environ))]
+        verdicts = run_pairs(sides, scenarios, design, work)
+        base_docs, cand_docs = (load_results([str(o) for o in side.outs]) for side in sides)
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=repo, capture_output=True)
         shutil.rmtree(work, ignore_errors=True)
+    name = f"{args.against} ({commit[:12]}), {len(sides[1].outs)} interleaved pairs (sequential, {args.min_pairs} to " \
+           f"{args.pairs})"
+    return judge_pairs(args, overrides, verdicts, base_docs, cand_docs, name, [])
+
+
+def run_pairs(sides: list[Side], scenarios: list[str], design: Any, work: Path) -> dict[tuple[str, str], Any]:
+    """Pairs of runs, the order alternating, until every run's speed is decided (or ``design.max_pairs``)."""
+    from harness.judge.paired import sequential_look
+
+    verdicts: dict[tuple[str, str], Any] = {}
+    for k in range(design.max_pairs):
+        for side in sides if k % 2 == 0 else sides[::-1]:
+            side.run(scenarios, work / f"{side.label}{k}")
+            print(f"pair {k + 1}/{design.max_pairs}: {side.label} done", file=sys.stderr, flush=True)
+        if k + 1 >= design.min_pairs:
+            base_speed, cand_speed = _speeds(sides[0].outs), _speeds(sides[1].outs)
+            keys = sorted(set(base_speed) & set(cand_speed))
+            runs = dataclasses.replace(design, runs=len(keys))
+            verdicts = {key: sequential_look(base_speed[key], cand_speed[key], runs) for key in keys}
+            if all(v.decided for v in verdicts.values()):
+                break
+    return verdicts
+
+
+def judge_pairs(args: argparse.Namespace, overrides: dict[str, float | None], verdicts: dict[tuple[str, str], Any],
+                base_docs: list, cand_docs: list, name: str, notes: list[str]) -> int:
+    """Speed by the paired verdicts; losses and memory against a baseline made of the baseline side's runs."""
+    from harness.judge.baselines import Tolerances, build_baseline
+    from harness.judge.gates import Gate, gate
+    from harness.present.gate_report import emit_gate
+
     tol = Tolerances().updated(**overrides)
     baseline = build_baseline(base_docs, tol)
-    gates, notes, compared = gate(baseline, cand_docs, tol)
+    gates, more, compared = gate(baseline, cand_docs, tol)
+    notes = [*notes, *more]
     gates = [g for g in gates if g.metric != "throughput"]
     base_speed, cand_speed = _tok_s(base_docs), _tok_s(cand_docs)
     for key, v in sorted(verdicts.items()):
@@ -137,6 +189,50 @@ def cmd_gate_against(args: argparse.Namespace, overrides: dict[str, float | None
                           f"{statistics.median(base_speed[key]):.1f} tok/s",
                           f"at most {args.slowdown_margin:g}% slower, p >= {v.design.alarm_level:.2g}", v.describe()))
     env = cand_docs[0][1]["environment"]
-    name = f"{args.against} ({commit[:12]}), {pairs} interleaved pairs (sequential, {args.min_pairs} to {args.pairs})"
     emit_gate(gates, notes, compared, baseline, env, name, args.format, args.out)
     return EXIT_PASS if all(g.passed for g in gates) else EXIT_CHECK_FAILED
+
+
+ENVIRONMENT_VARS = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")  # this environment's, not the other's
+
+
+def _interpreter(spec: str) -> str:
+    """``--env``'s Python: an interpreter path, or ``tox:NAME`` for ``.tox/NAME``'s."""
+    if spec.startswith("tox:"):
+        path = Path(".tox") / spec[4:] / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+        if not path.is_file():
+            raise ScenarioError(f"--env {spec}: no {path} (create it first: tox -e {spec[4:]} --notest)")
+        return str(path.resolve())
+    found = shutil.which(spec)
+    if found is None:
+        raise ScenarioError(f"--env {spec}: not a Python interpreter here")
+    return found
+
+
+def cmd_gate_env(args: argparse.Namespace, overrides: dict[str, float | None]) -> int:
+    """``gate --env PYTHON``: the same scenarios of this checkout under another Python environment
+    (the baseline) and under this one (the candidate), in turns; ``overrides``: the tolerance flags."""
+    design = sequential_design(args)
+    other = _interpreter(args.env)
+    packages = tuple(args.package or ())
+    base_v, cand_v = versions(other, packages), versions(sys.executable, packages)
+    for s in args.results:
+        if not Path(s).is_file():
+            raise ScenarioError(f"{s}: no such scenario file")
+    work = Path(tempfile.mkdtemp(prefix="mlx-ddp-harness-env-"))
+    try:
+        here = Path.cwd()
+        own = {k: v for k, v in os.environ.items() if k not in ENVIRONMENT_VARS}  # each Python finds its own
+        sides = [Side("baseline", other, here, own), Side("candidate", sys.executable, here, dict(os.environ))]
+        verdicts = run_pairs(sides, [str(Path(s).resolve()) for s in args.results], design, work)
+        base_docs, cand_docs = (load_results([str(o) for o in side.outs]) for side in sides)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    differ = [k for k in base_v if base_v[k] != cand_v.get(k)]
+    notes = [f"environments: baseline {other}, candidate {sys.executable}",
+             *(f"{k}: {base_v[k] or 'not installed'} (baseline) vs {cand_v.get(k) or 'not installed'} (candidate)"
+               for k in base_v),
+             f"they differ in: {', '.join(differ)}" if differ else "their Python and packages are the same versions"]
+    name = f"the environment of {args.env}, {len(sides[1].outs)} interleaved pairs (sequential, {args.min_pairs} to " \
+           f"{args.pairs})"
+    return judge_pairs(args, overrides, verdicts, base_docs, cand_docs, name, notes)

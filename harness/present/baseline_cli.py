@@ -39,14 +39,18 @@ def cmd_gate(args: argparse.Namespace) -> int:
     from harness.judge.gates import check_platform, gate
     from harness.present.gate_report import emit_gate
 
-    if args.against:
-        from harness.present.against import cmd_gate_against
+    if args.against and args.env:
+        raise ScenarioError("give --against REV or --env PYTHON, not both")
+    if args.against or args.env:
+        from harness.present.against import cmd_gate_against, cmd_gate_env
 
         if args.baseline:
-            raise ScenarioError("--against runs its own baseline: give --baseline or --against, not both")
-        return cmd_gate_against(args, tolerance_overrides(args))
+            raise ScenarioError(f"--{'against' if args.against else 'env'} runs its own baseline: give --baseline or "
+                                f"--{'against' if args.against else 'env'}, not both")
+        return (cmd_gate_against if args.against else cmd_gate_env)(args, tolerance_overrides(args))
     if not args.baseline:
-        raise ScenarioError("gate needs --baseline FILE (results against a stored baseline) or --against REV")
+        raise ScenarioError("gate needs --baseline FILE (results against a stored baseline), --against REV or "
+                            "--env PYTHON")
     docs = load_results(args.results)
     env = docs[0][1]["environment"]
     base_file, baseline = pick_baseline(Path(args.baseline), env)
@@ -101,6 +105,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--baseline", help="baseline file, or a directory of per-platform baselines")
     g.add_argument("--against", metavar="REV",
                    help="run the scenarios here and at git revision REV (a temporary worktree), in turns")
+    g.add_argument("--env", metavar="PYTHON",
+                   help="run the scenarios under this Python environment (an interpreter, or tox:NAME for "
+                        ".tox/NAME) and this one, in turns: gate a dependency upgrade")
+    g.add_argument("--package", action="append", metavar="NAME",
+                   help="with --env: a package whose versions the report names too (the trainer's own; repeatable)")
     g.add_argument("--pairs", type=int, default=10,
                    help="with --against: the most interleaved pairs of runs (default 10); pairs are added until "
                         "every run's speed is decided")

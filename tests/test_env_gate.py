@@ -1,0 +1,65 @@
+"""``gate --env PYTHON``: the same scenarios under two Python environments, in turns, judged as
+``gate --against`` judges two revisions. Real ranks both ways: an environment whose trainer
+package is slowed fails the gate, an identical one passes."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+
+def _python(path: Path, body: str) -> Path:
+    """An interpreter of its own environment: a wrapper that runs this Python with ``body``'s settings."""
+    path.write_text(f"#!/bin/sh\n{body} exec {sys.executable} \"$@\"\n")
+    path.chmod(0o755)
+    return path
+
+
+def _gate(python: Path, other: Path, tmp_path: Path, *flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(python), "-m", "harness", "gate", "--env", str(other),
+                           str(REPO / "scenarios" / "speed_gate.toml"), "--min-pairs", "3", "--pairs", "6",
+                           "--out", str(tmp_path / "gate"), *flags],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.ranks
+def test_an_environment_with_a_slowed_trainer_fails_and_an_identical_one_passes(tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location("gate_power", REPO / "benchmarks" / "gate_power.py")
+    gate_power = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gate_power)
+    slow_root = tmp_path / "slow"
+    shutil.copytree(REPO / "harness", slow_root / "harness")
+    gate_power.slowed(slow_root, 0.5)  # the reference trainer, as this environment installs it: half the tok/s
+    slow = _python(tmp_path / "slow-python", f'PYTHONPATH="{slow_root}"')
+    same = _python(tmp_path / "same-python", "")
+
+    p = _gate(slow, same, tmp_path)  # the candidate (this environment) is the slowed one
+    assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-2000:]
+    record = json.loads((tmp_path / "gate" / "gate.json").read_text())
+    speed = [g for g in record["gates"] if g["metric"] == "throughput (paired)"]
+    assert {g["run"] for g in speed} == {"single", "ddp2"} and all(g["result"] == "FAIL" for g in speed), speed
+    assert all(g["result"] == "pass" for g in record["gates"] if g["metric"] == "loss")  # same losses, slower
+    assert f"environments: baseline {same}" in p.stdout and "mlx: " in p.stdout and "numpy: " in p.stdout
+
+    p = _gate(same, _python(tmp_path / "twin-python", ""), tmp_path, "--alpha", "0.001")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    assert "their Python and packages are the same versions" in p.stdout
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["--env", "no-such-python-x"], "--env no-such-python-x: not a Python interpreter here"),
+    (["--env", "tox:nope"], "--env tox:nope: no .tox/nope/bin/python (create it first: tox -e nope --notest)"),
+    (["--env", sys.executable, "--against", "HEAD"], "give --against REV or --env PYTHON, not both"),
+])
+def test_gate_env_refuses_bad_input_with_one_line(tmp_path: Path, args: list[str], needle: str) -> None:
+    p = subprocess.run([sys.executable, "-m", "harness", "gate", str(REPO / "scenarios" / "speed_gate.toml"), *args],
+                       cwd=tmp_path, capture_output=True, text=True)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and needle in p.stderr, p.stderr
