@@ -5,17 +5,19 @@ trainer slowed down (each step sleeps ``--slowdown`` / (1 - ``--slowdown``) of i
 inside the timed step: its tok/s falls by ``--slowdown``), ``gate --against HEAD`` runs
 ``--tries-slow`` and ``--tries-same`` times, the two kinds in turns. Counted: how often the slow
 build raised an alarm (detections) and how often the unchanged one did (false alarms), with the
-estimated changes, the pairs each gate took and its wall time. The committed tree must be clean
+estimated changes, the pairs each gate took and its wall time; and, over every pair of the
+unchanged build, how much faster a side ran second than first. The committed tree must be clean
 for "unchanged" to mean it. ``--min-pairs N --pairs N`` gates with N pairs always (the wall time
 of a fixed gate).
 
-usage: python benchmarks/gate_power.py [--tries-slow 10] [--tries-same 20] [--min-pairs 3] [--pairs 10]
+usage: python benchmarks/gate_power.py [--tries-slow 10] [--tries-same 20] [--min-pairs 4] [--pairs 10]
        [--slowdown 0.1]
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import statistics
@@ -33,6 +35,7 @@ STEP_END = ("            self._record(step, micros, (tokens, agreed.values[1]), 
             "time.perf_counter() - t0 - probe_s)")
 CHANGE = re.compile(r"throughput \(paired\).*?(\d+\.\d)% (slower|faster)")
 PAIRS = re.compile(r"(\d+) interleaved pairs")
+PAIR_CHANGES = re.compile(r"note: \S+?/(\S+): pairs ((?:[+-]\d+\.\d% ?)+)")
 
 
 def slowed(tree: Path, slowdown: float) -> None:
@@ -45,8 +48,9 @@ def slowed(tree: Path, slowdown: float) -> None:
     path.write_text(src.replace(STEP_END, sleep + STEP_END, 1))
 
 
-def gate_once(tree: Path, min_pairs: int, pairs: int) -> tuple[bool, list[float], int, float]:
-    """One gate: alarmed, the estimated change per run, the pairs it took, its wall time."""
+def gate_once(tree: Path, min_pairs: int, pairs: int) -> tuple[bool, list[float], int, float, dict[str, list[float]]]:
+    """One gate: alarmed, the estimated change per run, the pairs it took, its wall time, and each
+    run's pair ratios (candidate over baseline, the baseline first in the 1st, 3rd, ...)."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
     t0 = time.monotonic()
     p = subprocess.run([sys.executable, "-m", "harness", "gate", "--against", "HEAD", SCENARIO, "--pairs", str(pairs),
@@ -57,14 +61,15 @@ def gate_once(tree: Path, min_pairs: int, pairs: int) -> tuple[bool, list[float]
     table = "\n".join(ln for ln in p.stdout.splitlines() if not ln.startswith("FAIL "))  # not the spelled-out ones
     changes = [float(v) * (-1 if w == "slower" else 1) for v, w in CHANGE.findall(table)]
     taken = PAIRS.search(p.stdout)
-    return p.returncode == 1, changes, int(taken.group(1)) if taken else pairs, wall
+    ratios = {run: [1 + float(c.rstrip("%")) / 100 for c in cs.split()] for run, cs in PAIR_CHANGES.findall(p.stdout)}
+    return p.returncode == 1, changes, int(taken.group(1)) if taken else pairs, wall, ratios
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tries-slow", type=int, default=10)
     ap.add_argument("--tries-same", type=int, default=20)
-    ap.add_argument("--min-pairs", type=int, default=3)
+    ap.add_argument("--min-pairs", type=int, default=4)
     ap.add_argument("--pairs", type=int, default=10)
     ap.add_argument("--slowdown", type=float, default=0.1)
     args = ap.parse_args()
@@ -80,10 +85,14 @@ def main() -> int:
     order = [kind for _, kind in sorted([((k + 0.5) / args.tries_slow, "slow") for k in range(args.tries_slow)]
                                         + [((k + 0.5) / args.tries_same, "same") for k in range(args.tries_same)])]
     rows, alarms, walls, taken = [], {"slow": 0, "same": 0}, [], []
+    second: dict[str, list[float]] = {}  # per run: log ratios of the unchanged build, signed by who ran second
     t0 = time.monotonic()
     try:
         for i, kind in enumerate(order, 1):
-            alarm, changes, pairs, wall = gate_once(trees[kind], args.min_pairs, args.pairs)
+            alarm, changes, pairs, wall, ratios = gate_once(trees[kind], args.min_pairs, args.pairs)
+            for run, rs in ratios.items():
+                if kind == "same":  # the candidate ran second in even pairs (from 0)
+                    second.setdefault(run, []).extend(math.log(r) * (1 if k % 2 == 0 else -1) for k, r in enumerate(rs))
             alarms[kind] += alarm
             walls.append(wall)
             taken.append(pairs)
@@ -99,6 +108,9 @@ def main() -> int:
           f"unchanged: {alarms['same']} false alarms in {args.tries_same} tries; "
           f"{args.min_pairs} to {args.pairs} interleaved pairs, median {statistics.median(taken):g} pairs and "
           f"{statistics.median(walls):.0f} s a gate ({time.monotonic() - t0:.0f} s in all)")
+    for run, logs in sorted(second.items()):
+        print(f"{run}: running second changed a side's speed by {math.exp(statistics.fmean(logs)) - 1:+.1%} "
+              f"(over {len(logs)} pairs of the unchanged build; a pair's spread {statistics.pstdev(logs):.1%})")
     return 0
 
 

@@ -21,7 +21,7 @@ def test_the_paired_test_uses_students_t_as_its_tables_give_it() -> None:
     half-width is t(0.975, 4) = 2.776 standard errors; "at most 5 % slower" has p = P(T4 < -1.54)
     and "10 % or more slower" p = P(T4 > 0.17)."""
     logs = [-0.1, -0.2, 0.0, -0.1, -0.1]
-    design = SequentialDesign(margin=0.05, detect=0.10, min_pairs=5, max_pairs=5)
+    design = SequentialDesign(margin=0.05, detect=0.10, alpha=0.05, min_pairs=5, max_pairs=5)
     v = sequential_look([1.0] * 5, [math.exp(x) for x in logs], design)
     se = math.sqrt(0.005 / 5)
     assert v.low == pytest.approx(math.exp(-0.1 - 2.776 * se) - 1, abs=2e-4)
@@ -84,12 +84,29 @@ def test_a_slowdown_alarms_early_and_noise_passes_early() -> None:
     same = sequential_look(base, [b * f for b, f in zip(base, (1.01, 0.99, 1.0, 1.01), strict=True)], design)
     assert same.decided == "pass" and same.early and same.detectable < 0.06
     assert "could have detected a" in same.describe()
-    wide = sequential_look(base[:3], [b * f for b, f in zip(base[:3], (1.2, 0.8, 1.0), strict=True)], design)
+    wide = sequential_look(base, [b * f for b, f in zip(base, (1.2, 0.8, 1.0, 0.9), strict=True)], design)
     assert wide.decided is None  # too noisy to say either: more pairs
     with pytest.raises(ValueError, match="at least two pairs"):
         sequential_look([1.0], [1.0], design)
     with pytest.raises(ValueError, match="min_pairs"):
         SequentialDesign(min_pairs=4, max_pairs=3)
+
+
+def test_it_looks_only_where_both_orders_have_run_equally_often() -> None:
+    """Pair k runs the baseline first when k is even: a side that gains 4 % by running second
+    shows as +4 %, -4 %, ... in the pairs; at an even count that cancels, at an odd count it would
+    not, and the test does not decide there."""
+    design = SequentialDesign(runs=1)
+    assert design.looks == (4, 6, 8, 10) and SequentialDesign(min_pairs=3, max_pairs=8).looks == (3, 5, 7, 8)
+    base = [100.0, 103.0, 98.0, 101.0, 99.0]
+    order = [1.04 if k % 2 == 0 else 1 / 1.04 for k in range(5)]
+    slow = [b * 0.8 * f for b, f in zip(base, order, strict=True)]
+    assert sequential_look(base[:4], slow[:4], design).alarm
+    assert sequential_look(base, slow, design).decided is None  # 5 pairs: not a look, whatever they show
+    even = sequential_look(base[:4], [b * f for b, f in zip(base, order[:4], strict=False)], design)
+    assert even.change == pytest.approx(0.0, abs=1e-9) and even.decided == "pass"
+    assert even.pair_note() == ("pairs +4.0% -3.8% +4.0% -3.8% (the baseline first in the 1st, 3rd, ...); "
+                                "running second changed a side's speed by +4.0%")
 
 
 @pytest.mark.ranks

@@ -113,13 +113,14 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--pairs", type=int, default=10,
                    help="with --against: the most interleaved pairs of runs (default 10); pairs are added until "
                         "every run's speed is decided")
-    g.add_argument("--min-pairs", type=int, default=3, help="with --against: pairs before the first look (default 3)")
+    g.add_argument("--min-pairs", type=int, default=4,
+                   help="with --against: pairs before the first look (default 4); it looks every second pair")
     g.add_argument("--slowdown-margin", type=float, default=0.0,
                    help="with --against: the slowdown in %% that is not a regression (default 0)")
     g.add_argument("--detect", type=float, default=10.0,
                    help="with --against: the slowdown in %% to catch with 1 - beta power (default 10)")
-    g.add_argument("--alpha", type=float, default=0.05,
-                   help="with --against: the chance of a false alarm over the whole gate (default 0.05)")
+    g.add_argument("--alpha", type=float, default=0.02,
+                   help="with --against: the chance of a false alarm over the whole gate (default 0.02)")
     g.add_argument("--beta", type=float, default=0.10,
                    help="with --against: the chance of missing a --detect slowdown, per run (default 0.10)")
     g.add_argument("--force", action="store_true", help="compare even when the platforms differ")
