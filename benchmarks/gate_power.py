@@ -31,9 +31,10 @@ from tabulate import tabulate
 
 REPO = Path(__file__).resolve().parents[1]
 SCENARIO = "scenarios/speed_gate.toml"
+RUNS = ("single", "ddp2")  # its runs
 STEP_END = ("            self._record(step, micros, (tokens, agreed.values[1]), loss, norm, "
             "time.perf_counter() - t0 - probe_s)")
-CHANGE = re.compile(r"throughput \(paired\).*?(\d+\.\d)% (slower|faster)")
+CHANGE = re.compile(r"^\S+\s+(\S+)\s+throughput \(paired\).*?(\d+\.\d)% (slower|faster)", re.M)
 PAIRS = re.compile(r"(\d+) interleaved pairs")
 PAIR_CHANGES = re.compile(r"note: \S+?/(\S+): pairs ((?:[+-]\d+\.\d% ?)+)")
 
@@ -48,9 +49,10 @@ def slowed(tree: Path, slowdown: float) -> None:
     path.write_text(src.replace(STEP_END, sleep + STEP_END, 1))
 
 
-def gate_once(tree: Path, min_pairs: int, pairs: int) -> tuple[bool, list[float], int, float, dict[str, list[float]]]:
-    """One gate: alarmed, the estimated change per run, the pairs it took, its wall time, and each
-    run's pair ratios (candidate over baseline, the baseline first in the 1st, 3rd, ...)."""
+def gate_once(tree: Path, min_pairs: int, pairs: int) -> tuple[bool, dict[str, float], int, float,
+                                                               dict[str, list[float]]]:
+    """One gate: alarmed, the estimated change of each run, the pairs it took, its wall time, and
+    each run's pair ratios (candidate over baseline, the baseline first in the 1st, 3rd, ...)."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
     t0 = time.monotonic()
     p = subprocess.run([sys.executable, "-m", "harness", "gate", "--against", "HEAD", SCENARIO, "--pairs", str(pairs),
@@ -59,7 +61,7 @@ def gate_once(tree: Path, min_pairs: int, pairs: int) -> tuple[bool, list[float]
     if p.returncode not in (0, 1):
         raise SystemExit(f"gate exited {p.returncode}: {p.stderr.strip()[-500:]}")
     table = "\n".join(ln for ln in p.stdout.splitlines() if not ln.startswith("FAIL "))  # not the spelled-out ones
-    changes = [float(v) * (-1 if w == "slower" else 1) for v, w in CHANGE.findall(table)]
+    changes = {run: float(v) * (-1 if w == "slower" else 1) for run, v, w in CHANGE.findall(table)}
     taken = PAIRS.search(p.stdout)
     ratios = {run: [1 + float(c.rstrip("%")) / 100 for c in cs.split()] for run, cs in PAIR_CHANGES.findall(p.stdout)}
     return p.returncode == 1, changes, int(taken.group(1)) if taken else pairs, wall, ratios
@@ -96,14 +98,14 @@ def main() -> int:
             alarms[kind] += alarm
             walls.append(wall)
             taken.append(pairs)
-            rows.append([i, kind, "ALARM" if alarm else "pass", " ".join(f"{c:+.1f}%" for c in changes), pairs,
-                         f"{wall:.0f}"])
+            rows.append([i, kind, "ALARM" if alarm else "pass", *(f"{changes.get(r, math.nan):+.1f}%" for r in RUNS),
+                         pairs, f"{wall:.0f}"])
             print(tabulate([rows[-1]], tablefmt="plain"), f"({time.monotonic() - t0:.0f} s)", flush=True)
     finally:
         for tree in trees.values():
             subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=REPO, capture_output=True)
     print()
-    print(tabulate(rows, headers=["try", "build", "gate", "estimated change per run (single, ddp2)", "pairs", "s"]))
+    print(tabulate(rows, headers=["try", "build", "gate", *(f"{r}: estimated change" for r in RUNS), "pairs", "s"]))
     print(f"\nslowed by {args.slowdown:.0%}: {alarms['slow']} alarms in {args.tries_slow} tries; "
           f"unchanged: {alarms['same']} false alarms in {args.tries_same} tries; "
           f"{args.min_pairs} to {args.pairs} interleaved pairs, median {statistics.median(taken):g} pairs and "

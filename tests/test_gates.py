@@ -99,6 +99,17 @@ def test_a_baseline_with_its_repeats_speeds_is_tested_against_their_own_spread()
     assert quiet.passed and float(quiet.detail.split("could have detected a ")[1].split("%")[0]) > 30
 
 
+def test_the_baseline_table_says_what_one_run_against_it_could_detect() -> None:
+    """3 repeats of log spread 5 %, one run gated: t(0.95, 2) + t(0.90, 2) = 2.920 + 1.886 standard
+    errors of 5 % x sqrt(1/3 + 1), a 24.2 % slowdown; a baseline without its speeds says its old band."""
+    from harness.present.gate_report import baseline_rows
+
+    (row,) = baseline_rows(_fast_baseline(1000.0, 1050.0, 950.0))
+    assert row[6] == "24.2%"
+    (old,) = baseline_rows(_baseline())
+    assert old[6] == "-10.0% allowed (old band)"
+
+
 def test_another_precision_is_refused_unless_forced() -> None:
     base = _fast_baseline(1000.0, 1050.0, 950.0)
     docs = [(Path("r.json"), _doc(_fast(1000.0, precision="bfloat16")))]

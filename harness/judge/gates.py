@@ -64,18 +64,15 @@ SPEED_ALPHA = 0.05  # a false alarm on an unchanged build, over the runs gated
 SPEED_BETA = 0.10  # the miss rate at the smallest detectable slowdown the gate states
 
 
-def speed_test_gate(name: tuple[str, str], base: dict[str, Any], reps: list[dict[str, Any]], runs_gated: int) -> Gate:
-    """The current repeats' speeds (their faster steps', ``baselines.fast_tok_s``) against the
-    baseline's repeats: a one-sided two-sample Student t test of "not slower" on log speeds, with
-    the variance pooled from both, at ``SPEED_ALPHA`` over the runs gated (``scipy.stats``). The
-    band comes from the baseline's own repeats and their count; the gate states the smallest
-    slowdown it could have detected with ``1 - SPEED_BETA`` power."""
+def speed_t_test(base: list[float], current: list[float], runs_gated: int) -> tuple[float, float, float, float]:
+    """A one-sided two-sample Student t test of "not slower" on log speeds, the variance pooled from
+    both (``scipy.stats``), at ``SPEED_ALPHA`` over the runs gated: the change, its p, the level,
+    the smallest slowdown it could detect with ``1 - SPEED_BETA`` power."""
     import math
 
     from scipy.stats import t as student
 
-    a = [math.log(v) for v in base["fast_tok_s_repeats"]]
-    b = [math.log(r["fast_tok_s"]) for r in reps]
+    a, b = [math.log(v) for v in base], [math.log(v) for v in current]
     ss = sum((x - statistics.fmean(a)) ** 2 for x in a) + sum((x - statistics.fmean(b)) ** 2 for x in b)
     df = len(a) + len(b) - 2
     se = max(math.sqrt(ss / df * (1 / len(a) + 1 / len(b))), 1e-12)
@@ -83,18 +80,29 @@ def speed_test_gate(name: tuple[str, str], base: dict[str, Any], reps: list[dict
     level = SPEED_ALPHA / max(1, runs_gated)
     p = float(student.cdf(diff / se, df))  # small: slower than the baseline's repeats allow
     detectable = 1 - math.exp(-(float(student.isf(level, df)) + float(student.isf(SPEED_BETA, df))) * se)
-    spread = statistics.stdev(a)
-    reps_word = f" (median of {len(b)} repeats)" if len(b) > 1 else ""
+    return math.exp(diff) - 1, p, level, detectable
+
+
+def speed_test_gate(name: tuple[str, str], base: dict[str, Any], reps: list[dict[str, Any]], runs_gated: int) -> Gate:
+    """The current repeats' speeds (their fastest steps', ``baselines.fast_tok_s``) against the
+    baseline's repeats (``speed_t_test``): the band comes from the baseline's own repeats and
+    their count, and the gate states the smallest slowdown it could have detected."""
+    import math
+
+    repeats = base["fast_tok_s_repeats"]
+    change, p, level, detectable = speed_t_test(repeats, [r["fast_tok_s"] for r in reps], runs_gated)
+    spread = statistics.stdev(math.log(v) for v in repeats)
+    reps_word = f" (median of {len(reps)} repeats)" if len(reps) > 1 else ""
     return Gate(*name, "throughput", p >= level,
                 f"{statistics.median(r['fast_tok_s'] for r in reps):.1f} tok/s{reps_word}",
-                f"{statistics.median(base['fast_tok_s_repeats']):.1f} tok/s",
-                f"p >= {level:.2g} that it is not slower (t test against {len(a)} baseline repeats of spread "
-                f"{spread:.1%})", f"{math.exp(diff) - 1:+.1%}, p = {p:.2g}; could have detected a {detectable:.1%} "
-                f"slowdown (faster-step speed)")
+                f"{statistics.median(repeats):.1f} tok/s",
+                f"p >= {level:.2g} that it is not slower (t test against {len(repeats)} baseline repeats of spread "
+                f"{spread:.1%})", f"{change:+.1%}, p = {p:.2g}; could have detected a {detectable:.1%} "
+                f"slowdown (fastest-steps speed)")
 
 
 def throughput_gate(name: tuple[str, str], base: dict[str, Any], current: list[float], tol: Tolerances) -> Gate:
-    """A baseline without its repeats' faster-step speeds (made before they were kept): fail only
+    """A baseline without its repeats' fastest-steps speeds (made before they were kept): fail only
     on a slowdown beyond max(configured %, spread multiple x measured repeat spread)."""
     now = statistics.median(current)
     allowed = tol.slowdown_allowed(base["tok_s_spread"])

@@ -42,7 +42,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
     if args.against and args.env:
         raise ScenarioError("give --against REV or --env PYTHON, not both")
     if args.against or args.env:
-        from harness.present.against import cmd_gate_against, cmd_gate_env
+        from harness.present.paired_gates import cmd_gate_against, cmd_gate_env
 
         if args.baseline:
             raise ScenarioError(f"--{'against' if args.against else 'env'} runs its own baseline: give --baseline or "

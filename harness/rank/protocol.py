@@ -23,6 +23,15 @@ def protocol_dir(run_dir: Path | str, rank: int) -> Path:
     return Path(run_dir) / f"rank{rank}.protocol"
 
 
+def open_protocol(run_dir: Path | str, rank: int, rep: Any, label: str) -> tuple[Path, Feed]:
+    """Rank ``rank``'s protocol directory, made, and the ``Feed`` that hands its events to ``rep``
+    (a ``StepReporter``, which names the trainer ``label`` in its failures)."""
+    out = protocol_dir(run_dir, rank)
+    out.mkdir(exist_ok=True)
+    rep.name = label
+    return out, Feed(out, rep, label)
+
+
 @cache
 def _validator(name: str) -> Any:
     import jsonschema

@@ -21,7 +21,7 @@ from typing import Any
 
 from harness import schema
 from harness.rank.entry import RankContext, ReportedFailure
-from harness.rank.protocol import Feed, problem, protocol_dir, read_outcome
+from harness.rank.protocol import open_protocol, problem, read_outcome
 from harness.rank.reporter import StepReporter
 from harness.scenario import Scenario
 
@@ -62,11 +62,8 @@ def run(ctx: RankContext) -> dict[str, Any]:
     exe = str(s.trainer.path)
     label = f"command {Path(exe).name} (rank {ctx.rank})"
     rep = StepReporter(ctx, s, NOT_APPLICABLE)
-    rep.name = label
-    out = protocol_dir(ctx.run_dir, ctx.rank)
-    out.mkdir(exist_ok=True)
+    out, feed = open_protocol(ctx.run_dir, ctx.rank, rep, label)
     env = {**os.environ, **write_job(ctx, s, out)}
-    feed = Feed(out, rep, label)
     rep.start()
     try:
         proc = subprocess.Popen([exe, *s.trainer.args], env=env)  # its output goes to the rank's files

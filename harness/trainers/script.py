@@ -16,7 +16,7 @@ from typing import Any
 
 from harness import api
 from harness.rank.entry import RankContext, ReportedFailure
-from harness.rank.protocol import FILES, Feed, Writer, protocol_dir, read_outcome
+from harness.rank.protocol import FILES, Writer, open_protocol, read_outcome
 from harness.rank.reporter import StepReporter
 from harness.scenario import Scenario
 
@@ -33,13 +33,10 @@ def run(ctx: RankContext) -> dict[str, Any]:
     path = str(s.trainer.path)
     label = f"trainer script {Path(path).name}"
     rep = StepReporter(ctx, s, NOT_APPLICABLE)
-    rep.name = label
     argv, syspath = list(sys.argv), list(sys.path)
     sys.argv = [path, *s.trainer.args]
     sys.path.insert(0, str(Path(path).parent))
-    out = protocol_dir(ctx.run_dir, ctx.rank)
-    out.mkdir(exist_ok=True)
-    feed = Feed(out, rep, label)
+    out, feed = open_protocol(ctx.run_dir, ctx.rank, rep, label)
     api._activate(api.Session(ctx, s, rep, Writer(out), feed.read))
     rep.start()
     try:
