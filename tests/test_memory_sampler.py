@@ -3,10 +3,12 @@ device gets, and few ``memory`` events, each for a figure that rose."""
 
 from __future__ import annotations
 
+import signal
 import time
 from pathlib import Path
 
 import mlx.core as mx
+import pytest
 
 from harness import schema
 from harness.rank.memory import (
@@ -81,3 +83,23 @@ def test_the_sampler_writes_few_memory_events_each_for_a_figure_that_rose(tmp_pa
     assert figures["rss_baseline"] == JOB_START and figures["rss_baseline_bytes"] == runtime
     assert figures["rss_peak_after_baseline_bytes"] >= max(e["rss_bytes"] for e in memory)
     del held
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads a thread's signal mask from Linux's /proc")
+def test_the_sampler_thread_leaves_the_stack_dump_signal_to_the_main_thread(tmp_path: Path) -> None:
+    """The watchdog's SIGUSR1 dumps the main thread's stack; a sampler thread that took it could
+    be dumped mid-run instead (harness.rank.entry), so it blocks it."""
+    events = schema.EventWriter(tmp_path / "events.jsonl")
+    sampler = MemorySampler(events, 0, peak_rss_bytes(), JOB_START, every_s=0.005)
+    sampler.start()
+    try:
+        time.sleep(0.05)
+        tid = sampler._thread.native_id
+        blocked = next(int(ln.split()[1], 16) for ln in Path(f"/proc/self/task/{tid}/status").read_text().splitlines()
+                       if ln.startswith("SigBlk:"))
+        main = next(int(ln.split()[1], 16) for ln in Path("/proc/thread-self/status").read_text().splitlines()
+                    if ln.startswith("SigBlk:"))
+    finally:
+        sampler.stop()
+        events.close()
+    assert blocked & (1 << (signal.SIGUSR1 - 1)) and not main & (1 << (signal.SIGUSR1 - 1))

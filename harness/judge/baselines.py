@@ -77,10 +77,10 @@ FAST_SHARE = 0.1  # the fastest tenth of a run's steps
 def fast_tok_s(run: dict[str, Any]) -> float | None:
     """The speed of a run's fastest steps: the mean tok/s of the fastest tenth of its steps after
     the first (at least one). Another process only slows steps down, so this moves less between
-    runs on a shared machine than the median or a percentile (measured on 2 shared cores, pair
-    to pair: 6.4 % and 12.5 % for the 1- and 2-rank runs of ``speed_gate``, against 8.1 % and
-    14.0 % for the 90th percentile, 11.0 % and 17.2 % for the median), while a trainer that is
-    slower in every step is slower in these too."""
+    runs on a shared machine than the median or a percentile (on 2 shared cores in a noisy hour,
+    pair to pair: 6.4 % and 12.5 % for the 1- and 2-rank runs of ``speed_gate``, against 8.1 %
+    and 14.0 % for the 90th percentile, 11.0 % and 17.2 % for the median), while a trainer that
+    is slower in every step is slower in these too."""
     speeds = sorted(v for v in (run.get("tok_s_global") or [])[1:] if v)
     if not speeds:
         return run.get("median_tok_s")

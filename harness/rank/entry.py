@@ -236,7 +236,10 @@ def main(argv: list[str]) -> int:
         os.environ["TMPDIR"] = os.environ[TMPDIR_VAR]
         tempfile.tempdir = None
     faulthandler.enable()
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # The watchdog's SIGUSR1 dumps the main thread's stack (the trainer's loop). Not every
+    # thread's: dumping a thread while it runs can crash the rank (faulthandler's own caveat),
+    # and the rank's sampler thread blocks the signal, so it reaches the main thread.
+    faulthandler.register(signal.SIGUSR1, all_threads=False)
     run_dir = Path(argv[0])
     rank = int(os.environ.get("MLX_RANK", "0"))
     events = schema.EventWriter(schema.events_path(run_dir, rank))

@@ -21,6 +21,7 @@ is not the job's), and the MLX figure is what it reports in its step events (``r
 
 from __future__ import annotations
 
+import signal
 import sys
 import threading
 from typing import Any
@@ -136,6 +137,8 @@ class MemorySampler:
             self._thread = None
 
     def _run(self) -> None:
+        if hasattr(signal, "pthread_sigmask"):  # the stack-dump signal is for the main thread (rank.entry)
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
         try:
             while not self._stop.wait(self.every_s):
                 self.sample()
