@@ -49,7 +49,10 @@ def test_an_environment_with_a_slowed_trainer_fails_and_an_identical_one_passes(
     assert all(g["result"] == "pass" for g in record["gates"] if g["metric"] == "loss")  # same losses, slower
     assert f"environments: baseline {same}" in p.stdout and "mlx: " in p.stdout and "numpy: " in p.stdout
 
-    p = _gate(same, _python(tmp_path / "twin-python", ""), tmp_path, "--alpha", "0.001")
+    # Beside other tests on two cores a pair's speeds vary far more than in a gate run alone (the
+    # gate's rates are measured alone: benchmarks/gate_power.py), so this one asks a coarser
+    # question: not a 20 % slowdown, against one of 50 % or more.
+    p = _gate(same, _python(tmp_path / "twin-python", ""), tmp_path, "--slowdown-margin", "20", "--detect", "50")
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
     assert "their Python and packages are the same versions" in p.stdout
 
