@@ -20,8 +20,8 @@ in at most ``beta`` of them, as long as the pairs suffice: a run still undecided
 takes the nearer hypothesis (its estimate against the midpoint of ``margin`` and ``detect``).
 Simulated with 10 pairs at most (``tests/test_paired_gate.py``), the rates hold for pair ratios
 as noisy as 8 %; noisier pairs run out before they decide, and the decisions taken at
-``max_pairs`` raise both rates (on 2 shared cores a 1-rank run's pairs vary 6.4 %, a 2-rank
-run's 12.5 %: docs/benchmarks.md). The default ``alpha`` of 0.02 is well below the one
+``max_pairs`` raise both rates (on 2 shared cores a 1-rank run's pairs vary 4.0 to 6.4 %, a
+2-rank run's 6.3 to 12.5 %, hour to hour: docs/benchmarks.md). The default ``alpha`` of 0.02 is well below the one
 false alarm in 20 gates a team can live with, since an unchanged build sits exactly on the alarm
 hypothesis's boundary (with ``margin`` 0) and so alarms at the full rate. The
 verdict states the pairs taken, the estimate with its interval, and the smallest slowdown the

@@ -8,7 +8,8 @@ names both environments' versions of Python, mlx, mlx-lm, mlx-vlm, numpy and uns
 Pair k runs the scenarios once at REV and once here, the order alternating (REV first in even
 pairs), so drift in the machine's speed lands on both sides. Pairs are added until the
 sequential paired test of ``harness.judge.paired`` has decided every run's speed (each run's
-speed: its fastest steps', ``baselines.fast_tok_s``), from ``--min-pairs`` to ``--pairs``;
+speed: its fastest steps', ``baselines.fast_tok_s``), looking from ``--min-pairs`` every second
+pair up to ``--pairs``;
 losses and memory are judged by the usual gates, with a baseline built from REV's runs. The
 worktree runs its own ``harness`` package when it has one (the harness's own repository), else
 this one, so a trainer script's repository can be gated the same way.
