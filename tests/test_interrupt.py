@@ -31,13 +31,16 @@ def test_an_interrupted_run_keeps_its_partial_logs_marked_and_leaves_nothing(tmp
     p = subprocess.Popen([sys.executable, "-m", "harness", "run", str(path), "--out", str(out), "--progress", "off"],
                          cwd=REPO, env={**os.environ, "TMPDIR": str(tmp)}, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
+    # Beside other tests the run may first queue for this machine's rank slots (minutes at worst).
+    deadline = time.monotonic() + 480
     events = None
-    while time.monotonic() < deadline and events is None:  # rank 0 has finished step 2: rank 1 hangs in step 3
-        events = next((f for f in tmp.glob("mlx-ddp-harness-run-*/rank0.events.jsonl")
+    while time.monotonic() < deadline and events is None and p.poll() is None:  # rank 0 is past step 2:
+        events = next((f for f in tmp.glob("mlx-ddp-harness-run-*/rank0.events.jsonl")  # rank 1 hangs in 3
                        if '"step": 2' in f.read_text()), None)
         time.sleep(0.2)
-    assert events is not None, "the run never reached step 2"
+    if events is None:
+        p.terminate()  # the harness stops its ranks on SIGTERM
+        pytest.fail(f"the run never reached step 2: {p.communicate(timeout=60)[1][-2000:]}")
     run_dir = events.parent
     ranks = [q.pid for q in psutil.process_iter(["cmdline"]) if str(run_dir) in " ".join(q.info["cmdline"] or [])]
     p.send_signal(sig)

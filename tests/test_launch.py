@@ -182,3 +182,23 @@ def test_hostfile_is_private(tmp_path: Path) -> None:
     data = json.loads(path.read_text())
     assert data["backend"] == "ring" and len(data["hosts"]) == 3
     assert all(h == {"ssh": "127.0.0.1", "ips": ["127.0.0.1"]} for h in data["hosts"])
+
+
+def test_a_rank_whose_end_was_not_seen_is_named_after_the_rank_that_failed() -> None:
+    """Rank 1 exited with code 3; mlx.launch stopped rank 0 for it before its exit code was
+    recorded: rank 0 gone without a result and without an exit code is the consequence."""
+    from harness.controller.collect import RankOutcome, failure_reason
+    from harness.controller.watch import WatchReport
+
+    step = [{"kind": "step", "step": 1}]
+    report = WatchReport(wall_s=3.0, returncode=3, limit="rank_gone", limit_detail="ranks 0, 1 gone without a result",
+                         exited_early=[0, 1])
+    ranks = [RankOutcome(0, None, False, None, step, "[ring] Socket 4 was closed by the peer"),
+             RankOutcome(1, 3, False, None, step, "")]
+    lines = failure_reason(ranks, report).splitlines()
+    assert lines[0] == "rank 1 ended with exit code 3 after step 1"
+    assert lines[1].startswith("rank 0 exited without writing a result, after step 1")
+    lost = RankOutcome(1, None, False, {"status": "error", "error": "connection to a peer was lost"}, step, "")
+    alone = failure_reason([lost, ranks[0]], report).splitlines()
+    assert alone[0].startswith("rank 0 exited without writing a result")  # no seen failure: before its peer
+    assert "rank 1: connection to a peer was lost" in alone[1:]

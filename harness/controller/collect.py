@@ -122,9 +122,12 @@ def failure_reason(ranks: list[RankOutcome], report: WatchReport) -> str | None:
     """One message per failing rank, the causes first and their consequences after.
 
     A rank that lost its peer, or that mlx.launch stopped with SIGTERM because another rank
-    failed, is a consequence; the rank that raised, exited or died first is the cause.
+    failed, is a consequence; the rank that raised, exited or died first is the cause. A rank
+    gone without a result whose exit was not seen (mlx.launch stopped it for another rank's
+    failure before its exit code was recorded, or a host's rank) comes between the two.
     """
-    found: list[tuple[bool, int, str]] = []  # (is a consequence, rank, message)
+    cause, unseen, consequence = 0, 1, 2
+    found: list[tuple[int, int, str]] = []  # (cause, unseen or consequence; rank; message)
     for o in ranks:
         tail = f"; stderr tail:\n{o.stderr_tail}" if o.stderr_tail else ""
         if o.result is not None and o.result.get("status") != "ok":
@@ -134,25 +137,26 @@ def failure_reason(ranks: list[RankOutcome], report: WatchReport) -> str | None:
                 msg = error
             else:
                 msg = f"rank {o.rank}: {error}" if peer else f"rank {o.rank} failed: {error}"
-            found.append((peer, o.rank, msg))
+            found.append((consequence if peer else cause, o.rank, msg))
         elif o.exit_code not in (0, None):
             sigterm = o.exit_code == -15
             why = " (mlx.launch stops the other ranks when one fails)" if sigterm else ""
             detail = why if sigterm else f" {after_step(o.last_step)}{tail}"
-            found.append((sigterm, o.rank, f"rank {o.rank} ended with {describe_exit(o.exit_code)}{detail}"))
+            found.append((consequence if sigterm else cause, o.rank,
+                          f"rank {o.rank} ended with {describe_exit(o.exit_code)}{detail}"))
         elif o.result is None and (o.rank in report.exited_early or (not o.killed and not report.limit)):
             how = "" if o.exit_code is None else f" with {describe_exit(o.exit_code)}"
-            found.append((False, o.rank, f"rank {o.rank} exited{how} without writing a result, "
-                                         f"{after_step(o.last_step)}{tail}"))
+            found.append((unseen if o.exit_code is None else cause, o.rank,
+                          f"rank {o.rank} exited{how} without writing a result, {after_step(o.last_step)}{tail}"))
         elif not o.ok:
-            found.append((True, o.rank, f"rank {o.rank} was stopped before it finished"))
+            found.append((consequence, o.rank, f"rank {o.rank} was stopped before it finished"))
     reasons = [msg for _, _, msg in sorted(found)]
     if report.limit:
         stacks = " (rank stacks dumped to their stderr)" if report.stacks_dumped else ""
         line = f"watchdog: {report.limit_detail}; process group killed{stacks}"
         # After a rank failed, the watchdog's kill is a consequence; a time limit is the cause.
-        consequence = report.limit in ("peer_failed", "rank_gone") and reasons
-        reasons.insert(len(reasons) if consequence else 0, line)
+        after = report.limit in ("peer_failed", "rank_gone") and reasons
+        reasons.insert(len(reasons) if after else 0, line)
     if report.survivors:
         reasons.append(f"processes survived the kill: {report.survivors}")
     return "\n".join(reasons) if reasons else None
