@@ -64,6 +64,8 @@ class Session:
         self._ctx, self.scenario, self._rep = ctx, scenario, reporter
         self._out, self._pump = writer, pump  # the protocol's writer; ``pump`` reads what it wrote
         self._steps = self._saves = 0
+        self._started = False  # the script said what training starts from (``start``)
+        self.used = False  # the script asked for its session
         self.rank: int = ctx.rank
         self.world_size: int = ctx.world_size
         self.group: Any = ctx.group
@@ -84,12 +86,30 @@ class Session:
 
     def split(self, model: Any) -> Any:
         """``model`` itself; in the noise-floor run, with its forward computing each batch in
-        ``split_rows`` row chunks (the same logits; the rounding of that many ranks)."""
+        ``split_rows`` row chunks (the same logits; the rounding of that many ranks). Training
+        is taken to start from its parameters as they are now (``start``)."""
         from harness.trainers.common import split_floor, split_text_model
 
         if (plan := split_floor(self._ctx.job, self.seed)) is not None:
             split_text_model(model, plan)
+        self.start(model.parameters())
         return model
+
+    def start(self, params: Any) -> None:
+        """Training starts from ``params``: every run compared must start from the same ones
+        (call it again after changing them, e.g. after broadcasting rank 0's weights). From
+        here on, training must leave the global RNGs (numpy's and MLX's) as they are."""
+        import mlx.core as mx
+
+        from harness.rank.models import tree_digest
+
+        mx.eval(params)  # on every rank alike: weights that are a collective's result must not be computed on one
+        digest = tree_digest(params)
+        if self.rank == 0:
+            self._out.params(params, "start_params")
+        self._out.event("start", rank=self.rank, world_size=self.world_size, digest=digest)
+        self._started = True
+        self._pump()
 
     def rows(self, split: str = "train") -> list[tuple[Any, Any]]:
         """The scenario's ``[data]`` rows of ``split`` ("train" or "eval"), tokenized: a list of
@@ -153,12 +173,18 @@ class Session:
         self._out.params(params)
         self._out.result(status="ok", steps=self._steps, saves=self._saves)
 
+    @property
+    def started(self) -> bool:
+        """The script said what training starts from (``split`` or ``start``)."""
+        return self._started
+
 
 def session() -> Session:
     """This rank's session; raises ``NotUnderHarness`` outside a harness run."""
     if _current is None:
         raise NotUnderHarness("not running under mlx-ddp-harness: run this script through a scenario with "
                               "[trainer] kind = \"script\"")
+    _current.used = True
     return _current
 
 

@@ -51,13 +51,13 @@ def _expected_failure(s: Scenario, spec: RunSpec) -> list[str]:
     return ["expected_failure"] if spec.expect_error is not None else []
 
 
-@rule("parity", (*STEP_LOCAL, "lr_schedule", "loss_parity", "param_parity", "eval_parity"))
+@rule("parity", ("start_parity", *STEP_LOCAL, "lr_schedule", "loss_parity", "param_parity", "eval_parity"))
 def _parity(s: Scenario, spec: RunSpec) -> list[str]:
     """Against the reference (a parity scenario): step-local (n/a with the reason for a trainer
     that cannot be probed), then the trajectories; a run stopped by design compares its losses."""
     if not compared(s, spec):
         return []
-    names = [*(STEP_LOCAL if s.checks.probe_every else ()), "lr_schedule", "loss_parity"]
+    names = ["start_parity", *(STEP_LOCAL if s.checks.probe_every else ()), "lr_schedule", "loss_parity"]
     if spec.stop_after is None:
         names += ["param_parity"] + (["eval_parity"] if evaluates(s, spec) else [])
     return names

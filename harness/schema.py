@@ -48,7 +48,7 @@ COMMAND_ENV = {
     "rank": "MLX_DDP_HARNESS_RANK", "world_size": "MLX_DDP_HARNESS_WORLD_SIZE",
 }
 COMMAND_FILES = {"job": "job.json", "rows": "rows.tsv", "events": "events.jsonl", "result": "result.json",
-                 "params": "params.safetensors"}
+                 "params": "params.safetensors", "start_params": "start.safetensors"}
 
 
 class SchemaError(ValueError):
@@ -74,6 +74,12 @@ def stderr_path(run_dir: Path | str, rank: int) -> Path:
 def params_path(run_dir: Path | str) -> Path:
     """Final parameters written by rank 0 (safetensors)."""
     return Path(run_dir) / "rank0.params.safetensors"
+
+
+def start_params_path(run_dir: Path | str) -> Path:
+    """The parameters training started from, written by rank 0 (safetensors): how far training
+    moved them is what a parameter comparison must be able to tell apart from noise."""
+    return Path(run_dir) / "rank0.start.safetensors"
 
 
 def probe_path(directory: Path | str, step: int) -> Path:
@@ -170,7 +176,7 @@ class _TrainRequired(TypedDict):
     rss_step_peak_bytes: int
     seed_used: int
     precision: dict[str, Any]
-    global_rng_untouched: bool
+    global_rng_untouched: bool  # judged from the start of training (``global_rng_changed``: which RNG moved)
     probes: list[dict[str, Any]] | None  # step-local probes (``harness.rank.step_probe``)
 
 
@@ -194,6 +200,7 @@ class TrainResult(_TrainRequired, total=False):
     not_applicable: dict[str, str]  # check -> why the trainer cannot be judged by it
     history_start: int
     from_rank0: dict[str, Any] | None  # figures every rank took from rank 0, and why
+    global_rng_changed: list[str]  # the global RNGs training changed ("numpy", "mlx")
 
 
 def _keys_problem(record: dict[str, Any], *types: Any, closed: bool = True) -> str | None:

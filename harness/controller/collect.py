@@ -55,6 +55,7 @@ class RunOutcome:
     ranks: list[RankOutcome]
     watch: WatchReport
     params: dict[str, Any] | None = None
+    moved: float | None = None  # how far training moved rank 0's parameters, relative (``session.moved``)
     artifacts: Path | None = None
     notes: list[str] = field(default_factory=list)
     floor: str | None = None  # a noise-floor run the harness added: what it computes

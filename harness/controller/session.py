@@ -38,6 +38,23 @@ def _load_params(path: Path) -> dict[str, Any] | None:
     return {k: np.array(v.astype(mx.float32)) for k, v in mx.load(str(path)).items()}
 
 
+def moved(final: dict[str, Any] | None, start_path: Path) -> float | None:
+    """How far training moved rank 0's parameters: ||final - start|| / ||final|| over every
+    element (None where rank 0 left no start or the two differ in names or shapes)."""
+    start = _load_params(start_path)
+    if final is None or start is None or start.keys() != final.keys():
+        return None
+    import numpy as np
+
+    diff = norm = 0.0
+    for k, y in final.items():
+        if start[k].shape != y.shape:
+            return None
+        d = y.astype(np.float64) - start[k].astype(np.float64)
+        diff, norm = diff + float(np.sum(d * d)), norm + float(np.sum(y.astype(np.float64) ** 2))
+    return (diff / norm) ** 0.5 if norm > 0 else None
+
+
 def _why(e: BaseException) -> str:
     if isinstance(e, KeyboardInterrupt):
         return "Ctrl-C"
@@ -156,6 +173,7 @@ def _summarize(name: str, run_dir: Path, started: launcher.Launch, report: Watch
     ranks = collect(run_dir, world_size, report)
     failure = failure_reason(ranks, report)
     feed.finish("ok" if failure is None else failure.splitlines()[0])
+    params = _load_params(schema.params_path(run_dir)) if failure is None else None
     return RunOutcome(
         name=name,
         world_size=world_size,
@@ -164,6 +182,7 @@ def _summarize(name: str, run_dir: Path, started: launcher.Launch, report: Watch
         failure=failure,
         ranks=ranks,
         watch=report,
-        params=_load_params(schema.params_path(run_dir)) if failure is None else None,
+        params=params,
+        moved=moved(params, schema.start_params_path(run_dir)),
         hosts=[str(started.ranks.host_of(r)) for r in range(world_size)] if started.ranks.remote else None,
     )

@@ -124,6 +124,9 @@ def lr_schedule(run: RunOutcome, ref: RunOutcome) -> Check:
     a, b = run.result().get("learning_rates") or [], ref.result().get("learning_rates") or []
     b = b[: len(a)]
     limit = LR_ULPS * 2.0**-24
+    if not a and not b:
+        return Check("lr_schedule", run.name, True, None, None, "not applicable: neither run reported its learning "
+                     "rates (a script: run.step(..., lr=...))", applicable=False)
     if not a or len(a) != len(b):
         return Check("lr_schedule", run.name, False, None, limit, f"{len(a)} vs {len(b)} learning rates recorded")
     rel = [abs(x - y) / abs(y) if y else abs(x) for x, y in zip(a, b, strict=True)]
@@ -279,12 +282,21 @@ def rank0_side_effects(run: RunOutcome, trainer: TrainerSpec) -> Check:
     return Check("rank0_side_effects", run.name, ok, others, 0, detail)
 
 
+RNG_REMEDY = {"numpy": "numpy's (np.random.*): draw from np.random.default_rng(seed) instead",
+              "mlx": "MLX's (mx.random.* without key=): pass key= from mx.random.key(seed), split per use"}
+
+
 def global_rng_untouched(run: RunOutcome) -> Check:
-    """No rank changed numpy's or MLX's global RNG state (all randomness is local and seeded)."""
-    touched = [o.rank for o in run.ranks if (o.result or {}).get("global_rng_untouched") is not True]
-    detail = (f"ranks that changed it: {listed(touched)}" if touched
-              else "numpy and MLX global RNG unchanged on every rank")
-    return Check("global_rng_untouched", run.name, not touched, len(touched), 0, detail)
+    """No rank's training changed numpy's or MLX's global RNG state (all randomness is local and
+    seeded); a failure names the RNG each rank changed and what to use instead."""
+    changed = {o.rank: (o.result or {}).get("global_rng_changed") or ["numpy or MLX"] for o in run.ranks
+               if (o.result or {}).get("global_rng_untouched") is not True}
+    if not changed:
+        return Check("global_rng_untouched", run.name, True, 0, 0, "numpy and MLX global RNG unchanged on every rank")
+    names = sorted({n for rngs in changed.values() for n in rngs})
+    detail = ("training changed the global RNG: " + "; ".join(f"rank {r}: {', '.join(rngs)}" for r, rngs in changed.items())
+              + "; " + "; ".join(RNG_REMEDY.get(n, n) for n in names))
+    return Check("global_rng_untouched", run.name, False, len(changed), 0, detail)
 
 
 def data_share(run: RunOutcome, ref: RunOutcome, slack: float, micro_rows: int | None = None) -> Check:

@@ -26,6 +26,7 @@ from harness.judge.checks import (
 )
 from harness.judge.floors import floors
 from harness.judge.parity import eval_parity, loss_parity, param_parity, step_local
+from harness.judge.power import judge_power, start_parity
 from harness.judge.resume_checks import judge_resume
 from harness.scenario import RunSpec, Scenario
 
@@ -37,14 +38,15 @@ def parity_checks(s: Scenario, run: RunOutcome, ref: RunOutcome, by_name: dict[s
     f = floors(s, spec, s.run(ref.name), by_name)
     measured = f["loss"].run
     noise = measured if measured is not None and measured.ok and not f["loss"].refused else None
-    out = step_local(run, ref, s, noise) if s.checks.probe_every else []
+    start = start_parity(run, ref, f["loss"].runs)
+    out = [start, *(step_local(run, ref, s, noise) if s.checks.probe_every else [])]
     out.append(lr_schedule(run, ref))
     out.append(loss_parity(run, ref, f["loss"], s, prefix=partial))
     if not partial:
         out.append(param_parity(run, ref, f["param"], s))
         if run.result()["evals"]:
             out.append(eval_parity(run, ref, f["eval"], s))
-    return with_power(out, run, ref)
+    return with_power(judge_power(out, run, ref, start), run, ref)
 
 
 def mutation_caught(run: RunOutcome, mutation: str, checks: list[Check], margin: float) -> Check:
@@ -119,7 +121,8 @@ JUDGES: dict[str, Callable[[Judged], list[Check]]] = {
 
 def _unmeasured(j: Judged, name: str) -> Check:
     """A planned check its rule could not measure on this run's results, as "n/a" with why."""
-    if name in ("lr_schedule", "loss_parity", "param_parity", "eval_parity", *STEP_LOCAL) and not j.vs_ref:
+    if name in ("start_parity", "lr_schedule", "loss_parity", "param_parity", "eval_parity", *STEP_LOCAL) \
+            and not j.vs_ref:
         why = f"the reference run {j.s.checks.reference} did not complete"
     elif name in ("eval_parity", "resume_eval_parity"):
         why = "the runs reported no evaluations"

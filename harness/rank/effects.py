@@ -56,18 +56,25 @@ class MainRankEffects:
         write_probe(path, model, grads, meta)
         self.counts["probes"] += 1
 
+    def save_start(self, params: Any) -> None:
+        """Rank 0 writes the parameters training starts from (``schema.start_params_path``)."""
+        if self.active:
+            self._write(schema.start_params_path(self.run_dir), params)
+
+    def _write(self, final: Any, params: Any) -> None:
+        import mlx.core as mx
+        from mlx.utils import tree_flatten
+
+        tmp = final.with_name(f".{final.name}.tmp.safetensors")
+        params = params.parameters() if hasattr(params, "parameters") else params
+        mx.save_safetensors(str(tmp), dict(tree_flatten(params)))
+        os.replace(tmp, final)
+
     def save_params(self, model: Any, count: bool = True) -> None:
         """Rank 0 writes the final parameters (of a model, or a parameter tree) atomically: a
         reader never sees a partial file. ``count``: a save of the trainer's (not the harness's
         own copy for judging an external trainer)."""
         if not self.active:
             return
-        import mlx.core as mx
-        from mlx.utils import tree_flatten
-
-        final = schema.params_path(self.run_dir)
-        tmp = final.with_name(".rank0.params.tmp.safetensors")
-        params = model.parameters() if hasattr(model, "parameters") else model
-        mx.save_safetensors(str(tmp), dict(tree_flatten(params)))
-        os.replace(tmp, final)
+        self._write(schema.params_path(self.run_dir), model)
         self.counts["saves"] += int(count)

@@ -63,13 +63,14 @@ class Writer:
         self._events.write(json.dumps({"protocol": schema.COMMAND_PROTOCOL, "kind": kind, **fields}) + "\n")
         self._events.flush()
 
-    def params(self, tree: Any) -> None:
+    def params(self, tree: Any, name: str = "params") -> None:
+        """A parameter tree into the protocol's ``name`` file ("params", or "start_params")."""
         import mlx.core as mx
         from mlx.utils import tree_flatten
 
-        tmp = self.out / f".{FILES['params']}.tmp.safetensors"
+        tmp = self.out / f".{FILES[name]}.tmp.safetensors"
         mx.save_safetensors(str(tmp), dict(tree_flatten(tree)))
-        os.replace(tmp, self.out / FILES["params"])
+        os.replace(tmp, self.out / FILES[name])
 
     def result(self, **fields: Any) -> None:
         self._events.close()
@@ -115,6 +116,9 @@ class Feed:
                           step_time_s=e.get("step_time_s"), digest=e.get("digest"))
         elif e["kind"] == "eval":
             self.rep.eval(e["step"], e["loss"], e["tokens"])
+        elif e["kind"] == "start" and "digest" in e:
+            saved = self.path.parent / FILES["start_params"]
+            self.rep.starting(digest=e["digest"], saved=saved if saved.exists() else None)
 
 
 def exit_words(code: int) -> str:

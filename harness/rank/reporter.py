@@ -23,16 +23,21 @@ from harness.rank.models import param_count, tree_digest
 from harness.scenario import Scenario
 
 
-def global_rng_digest() -> str:
-    """A digest of numpy's and MLX's global RNG states: training must leave both untouched."""
+def global_rng_states() -> dict[str, str]:
+    """A digest of each global RNG's state, numpy's and MLX's: training must leave both untouched."""
     import hashlib
 
     import mlx.core as mx
     import numpy as np
 
-    h = hashlib.sha256(np.random.get_state()[1].tobytes())
-    h.update(np.array(mx.random.state[0]).tobytes())
-    return h.hexdigest()
+    return {"numpy": hashlib.sha256(np.random.get_state()[1].tobytes()).hexdigest(),
+            "mlx": hashlib.sha256(np.array(mx.random.state[0]).tobytes()).hexdigest()}
+
+
+def rng_changes(before: dict[str, str]) -> dict[str, Any]:
+    """The result's fields for the global RNGs changed since ``before`` (``global_rng_states``)."""
+    changed = [name for name, state in global_rng_states().items() if before.get(name) != state]
+    return {"global_rng_untouched": not changed, "global_rng_changed": changed}
 
 
 HISTORY = ("losses", "step_times_s", "tok_s_local", "tok_s_global", "tokens_local_per_step", "learning_rates",
@@ -78,7 +83,8 @@ class StepReporter:
         self.digests: dict[int, str] = {}
         self.saves = 0
         self.rss_peak = self.proc.memory_info().rss
-        self.rng_before = global_rng_digest()
+        self.rng_before = global_rng_states()
+        self.rng_from_start = False  # snapshot the global RNGs again when training starts (a script's)
         self.t_start = self.t_last = time.perf_counter()
         self.data_bytes = 0
         self.stream: Any = None  # the trainer reads its rows lazily from this (``rows_read``)
@@ -104,11 +110,27 @@ class StepReporter:
         self.resume = {**info, "step": int(step)}
 
     def start(self, params: Any = None) -> None:
-        """Training begins (from ``params``, when given: the replica digest before the first step)."""
+        """Training begins (from ``params``, when given: ``starting``)."""
         if params is not None:
-            self.digests[self.done] = tree_digest(params)
+            self.starting(params)
         self.ctx.phase("train")
         self.t_start = self.t_last = time.perf_counter()
+
+    def starting(self, params: Any = None, digest: str | None = None, saved: Any = None) -> None:
+        """Training starts from ``params`` (or parameters of ``digest``, kept by rank 0 in the
+        file ``saved``): their digest is the replica digest before the first step, compared with
+        every other run's (``start_parity``), and rank 0 keeps them to measure how far training
+        moved them. A later call replaces an earlier one (a script that broadcasts its weights
+        after building them reports again)."""
+        self.digests[self.done] = digest if digest is not None else tree_digest(params)
+        if saved is not None and self.ctx.rank == 0:
+            import os
+
+            os.replace(saved, schema.start_params_path(self.ctx.run_dir))
+        elif params is not None:
+            self.effects.save_start(params)
+        if self.rng_from_start:
+            self.rng_before = global_rng_states()
 
     def probe(self, step: int, model: Any, compute: Callable[[], tuple[Any, Any, int]]) -> None:
         """Before optimizer step ``step`` updates anything: a step-local probe there when the job
@@ -237,7 +259,7 @@ class StepReporter:
             "rss_step_peak_bytes": self.rss_peak,
             "seed_used": self.s.seed,
             "precision": measure_precision(self.s.model.dtype),
-            "global_rng_untouched": global_rng_digest() == self.rng_before,
+            **rng_changes(self.rng_before),
             "probes": self.probes.records if self.probes.mode else None,
             "from_rank0": self.from_rank0,
             **(extra or {}),

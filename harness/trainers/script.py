@@ -26,6 +26,10 @@ STEP_CHECKS = ("step_token_parity", "step_loss_parity", "step_grad_parity")
 NOT_APPLICABLE = {
     "data_share_bytes": "the harness cannot see which rows a script holds",
 }
+NOT_STARTED = ("the script never said what training starts from (harness.api: run.split(model), or "
+               "run.start(params) before the first step)")
+UNSTARTED = {"start_parity": NOT_STARTED,
+             "global_rng_untouched": f"{NOT_STARTED}, so building its model cannot be told from training"}
 
 
 def run(ctx: RankContext) -> dict[str, Any]:
@@ -33,11 +37,13 @@ def run(ctx: RankContext) -> dict[str, Any]:
     path = str(s.trainer.path)
     label = f"trainer script {Path(path).name}"
     rep = StepReporter(ctx, s, NOT_APPLICABLE)
+    rep.rng_from_start = True  # the global RNGs are judged from the start of training, not the model's build
     argv, syspath = list(sys.argv), list(sys.path)
     sys.argv = [path, *s.trainer.args]
     sys.path.insert(0, str(Path(path).parent))
     out, feed = open_protocol(ctx.run_dir, ctx.rank, rep, label)
-    api._activate(api.Session(ctx, s, rep, Writer(out), feed.read))
+    session = api.Session(ctx, s, rep, Writer(out), feed.read)
+    api._activate(session)
     rep.start()
     try:
         runpy.run_path(path, run_name="__main__")
@@ -54,12 +60,15 @@ def run(ctx: RankContext) -> dict[str, Any]:
     feed.read()
     if not (out / FILES["result"]).exists():
         if not rep.steps:
-            raise ReportedFailure(f"{label} reported no steps (call harness.api.session().step(...) once per "
-                                  f"optimizer step)")
+            how = ("it never called harness.api.session(): see docs/scripts.md" if not session.used else
+                   "call harness.api.session().step(...) once per optimizer step")
+            raise ReportedFailure(f"{label} reported no steps ({how})")
         raise ReportedFailure(f"{label} never handed over its final parameters "
                               f"(call harness.api.session().finish(params))")
     _, params = read_outcome(out, rep, label)
     finished = rep.finish(params)
     if not rep.probe_offered:
         finished["not_applicable"].update(dict.fromkeys(STEP_CHECKS, NOT_PROBED))
+    if not session.started:
+        finished["not_applicable"].update(UNSTARTED)
     return {**finished, "trainer": {"kind": "script", "title": label, "path": path}}

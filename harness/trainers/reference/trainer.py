@@ -40,7 +40,7 @@ from harness.rank.entry import RankContext
 from harness.rank.models import build_model, param_count, param_digest
 from harness.rank.optimizer import build_optimizer
 from harness.rank.precision import measure_precision
-from harness.rank.reporter import global_rng_digest
+from harness.rank.reporter import global_rng_states, rng_changes
 from harness.scenario import Scenario
 from harness.trainers.reference import resume
 from harness.trainers.reference.batching import LocalBatch, collate, uneven_last
@@ -198,7 +198,7 @@ class Trainer:
     def run(self) -> dict[str, Any]:
 
         ctx, spec, coord = self.ctx, self.spec, self.coord
-        rng_before = global_rng_digest()
+        rng_before = global_rng_states()
         loaded = resume.open_checkpoint(ctx, coord, self.s) if ctx.job.get("resume") else None
         if loaded:
             self.resumed = loaded[3]
@@ -224,6 +224,7 @@ class Trainer:
             coord.agree()
             self.resumed = {**self.resumed, **restored}
         self.progress.digests[self.progress.start_step - 1] = param_digest(self.model)
+        self.effects.save_start(self.model)
 
         ctx.phase("train")
         self.t_train = time.perf_counter()
@@ -272,7 +273,7 @@ class Trainer:
         coord.attempt("save", last, save)
         coord.agree()
         self.progress.digests[last] = param_digest(self.model)
-        return self._result(last, runtime, data_rss, global_rng_digest() == rng_before)
+        return self._result(last, runtime, data_rss, rng_changes(rng_before))
 
     def train_clock(self) -> float:
         return time.perf_counter() - self.t_train
@@ -355,7 +356,7 @@ class Trainer:
         self.coord.attempt("callback", step, self.effects.callback, "step",
                            {"step": step, "loss": loss, "tokens": tokens, "lr": lr})
 
-    def _result(self, last: int, runtime: float, data_rss: int, rng_untouched: bool) -> dict[str, Any]:
+    def _result(self, last: int, runtime: float, data_rss: int, rng: dict[str, Any]) -> dict[str, Any]:
         import mlx.core as mx
 
         ctx, train = self.ctx, self.data.train
@@ -368,7 +369,7 @@ class Trainer:
             hosts.setdefault(r["host"], []).append(r["rank"])
         return schema.train_result(**{
             "trainer": {"kind": "reference", "title": "the harness's reference DDP trainer"},
-            "global_rng_untouched": rng_untouched,
+            **rng,
             "steps": last,
             "steps_planned": self.spec.steps,
             **self.progress.result_fields(last, runtime, self.N),
