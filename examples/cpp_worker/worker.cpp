@@ -12,6 +12,7 @@
 // Build: examples/cpp_worker/build.sh (g++ against the headers and libmlx of the mlx wheel).
 
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
@@ -107,6 +108,18 @@ std::vector<mx::array> loss_sum(const std::vector<mx::array>& p, const Batch& b)
   return {mx::sum((lse - picked) * b.weights)};
 }
 
+// A digest of the parameters (FNV-1a over their bytes): equal on two ranks exactly when they are.
+std::string digest(const std::vector<mx::array>& params) {
+  uint64_t h = 1469598103934665603ull;
+  for (const auto& p : params) {
+    const auto* bytes = reinterpret_cast<const unsigned char*>(p.data<float>());
+    for (size_t i = 0; i < p.nbytes(); ++i) h = (h ^ bytes[i]) * 1099511628211ull;
+  }
+  char hex[17];
+  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(h));
+  return hex;
+}
+
 void event(std::ofstream& out, const std::string& body) {
   out << "{\"protocol\": 1, " << body << "}\n";
   out.flush();
@@ -145,14 +158,16 @@ int main(int argc, char** argv) {
 
     auto group = mx::distributed::init();
     const int world = group.size();
-    event(events, "\"kind\": \"start\", \"rank\": " + std::to_string(group.rank()) + ", \"world_size\": " +
-                      std::to_string(world));
-
     auto keys = mx::random::split(mx::random::key(seed));  // the same weights on every rank
     const float scale = 1.0f / std::sqrt(static_cast<float>(dim));
     std::vector<mx::array> params{mx::random::normal({vocab, dim}, mx::float32, 0.0f, 1.0f, keys.first),
                                   mx::random::normal({dim, vocab}, mx::float32, 0.0f, scale, keys.second)};
     mx::eval(params);
+    if (group.rank() == 0) {  // what training starts from, to measure how far it moved
+      mx::save_safetensors(out_dir + "/start.safetensors", {{"embed.weight", params[0]}, {"out.weight", params[1]}});
+    }
+    event(events, "\"kind\": \"start\", \"rank\": " + std::to_string(group.rank()) + ", \"world_size\": " +
+                      std::to_string(world) + ", \"digest\": \"" + digest(params) + "\"");
 
     std::vector<mx::array> leaked;
     for (int step = 1; step <= steps; ++step) {
