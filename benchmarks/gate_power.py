@@ -49,22 +49,24 @@ def slowed(tree: Path, slowdown: float) -> None:
     path.write_text(src.replace(STEP_END, sleep + STEP_END, 1))
 
 
-def gate_once(tree: Path, min_pairs: int, pairs: int) -> tuple[bool, dict[str, float], int, float,
+def gate_once(tree: Path, min_pairs: int, pairs: int) -> tuple[str, dict[str, float], int, float,
                                                                dict[str, list[float]]]:
-    """One gate: alarmed, the estimated change of each run, the pairs it took, its wall time, and
-    each run's pair ratios (candidate over baseline, the baseline first in the 1st, 3rd, ...)."""
+    """One gate: its verdict ("pass", "ALARM" or "INCONCLUSIVE"), the estimated change of each
+    run, the pairs it took, its wall time, and each run's pair ratios (candidate over baseline,
+    the baseline first in the 1st, 3rd, ...)."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
     t0 = time.monotonic()
     p = subprocess.run([sys.executable, "-m", "harness", "gate", "--against", "HEAD", SCENARIO, "--pairs", str(pairs),
                         "--min-pairs", str(min_pairs)], cwd=tree, env=env, capture_output=True, text=True)
     wall = time.monotonic() - t0
-    if p.returncode not in (0, 1):
+    if p.returncode not in (0, 1, 4):  # 4: not decided by the last pair (inconclusive)
         raise SystemExit(f"gate exited {p.returncode}: {p.stderr.strip()[-500:]}")
     table = "\n".join(ln for ln in p.stdout.splitlines() if not ln.startswith("FAIL "))  # not the spelled-out ones
     changes = {run: float(v) * (-1 if w == "slower" else 1) for run, v, w in CHANGE.findall(table)}
     taken = PAIRS.search(p.stdout)
     ratios = {run: [1 + float(c.rstrip("%")) / 100 for c in cs.split()] for run, cs in PAIR_CHANGES.findall(p.stdout)}
-    return p.returncode == 1, changes, int(taken.group(1)) if taken else pairs, wall, ratios
+    verdict = {0: "pass", 1: "ALARM", 4: "INCONCLUSIVE"}[p.returncode]
+    return verdict, changes, int(taken.group(1)) if taken else pairs, wall, ratios
 
 
 def main() -> int:
@@ -86,19 +88,20 @@ def main() -> int:
     # the slow tries spread evenly among the unchanged ones
     order = [kind for _, kind in sorted([((k + 0.5) / args.tries_slow, "slow") for k in range(args.tries_slow)]
                                         + [((k + 0.5) / args.tries_same, "same") for k in range(args.tries_same)])]
-    rows, alarms, walls, taken = [], {"slow": 0, "same": 0}, [], []
+    rows, alarms, undecided, walls, taken = [], {"slow": 0, "same": 0}, {"slow": 0, "same": 0}, [], []
     second: dict[str, list[float]] = {}  # per run: log ratios of the unchanged build, signed by who ran second
     t0 = time.monotonic()
     try:
         for i, kind in enumerate(order, 1):
-            alarm, changes, pairs, wall, ratios = gate_once(trees[kind], args.min_pairs, args.pairs)
+            verdict, changes, pairs, wall, ratios = gate_once(trees[kind], args.min_pairs, args.pairs)
             for run, rs in ratios.items():
                 if kind == "same":  # the candidate ran second in even pairs (from 0)
                     second.setdefault(run, []).extend(math.log(r) * (1 if k % 2 == 0 else -1) for k, r in enumerate(rs))
-            alarms[kind] += alarm
+            alarms[kind] += verdict == "ALARM"
+            undecided[kind] += verdict == "INCONCLUSIVE"
             walls.append(wall)
             taken.append(pairs)
-            rows.append([i, kind, "ALARM" if alarm else "pass", *(f"{changes.get(r, math.nan):+.1f}%" for r in RUNS),
+            rows.append([i, kind, verdict, *(f"{changes.get(r, math.nan):+.1f}%" for r in RUNS),
                          pairs, f"{wall:.0f}"])
             print(tabulate([rows[-1]], tablefmt="plain"), f"({time.monotonic() - t0:.0f} s)", flush=True)
     finally:
@@ -107,7 +110,8 @@ def main() -> int:
     print()
     print(tabulate(rows, headers=["try", "build", "gate", *(f"{r}: estimated change" for r in RUNS), "pairs", "s"]))
     print(f"\nslowed by {args.slowdown:.0%}: {alarms['slow']} alarms in {args.tries_slow} tries; "
-          f"unchanged: {alarms['same']} false alarms in {args.tries_same} tries; "
+          f"unchanged: {alarms['same']} false alarms in {args.tries_same} tries; inconclusive: "
+          f"{undecided['slow']} slowed, {undecided['same']} unchanged; "
           f"{args.min_pairs} to {args.pairs} interleaved pairs, median {statistics.median(taken):g} pairs and "
           f"{statistics.median(walls):.0f} s a gate ({time.monotonic() - t0:.0f} s in all)")
     for run, logs in sorted(second.items()):

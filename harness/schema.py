@@ -47,6 +47,8 @@ COMMAND_ENV = {
     "vocab_size": "MLX_DDP_HARNESS_VOCAB_SIZE", "split_rows": "MLX_DDP_HARNESS_SPLIT_ROWS",
     "rank": "MLX_DDP_HARNESS_RANK", "world_size": "MLX_DDP_HARNESS_WORLD_SIZE",
 }
+NO_STEPS = "reported no steps"  # a trainer that never trained: every other run of it would say the same
+
 COMMAND_FILES = {"job": "job.json", "rows": "rows.tsv", "events": "events.jsonl", "result": "result.json",
                  "params": "params.safetensors", "start_params": "start.safetensors"}
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.present.results import EXIT_INCONCLUSIVE, EXIT_PASS
 from tests.conftest import REPO
 
 
@@ -53,7 +54,7 @@ def test_an_environment_with_a_slowed_trainer_fails_and_an_identical_one_passes(
     # gate's rates are measured alone: benchmarks/gate_power.py), so this one asks a coarser
     # question: not a 20 % slowdown, against one of 50 % or more.
     p = _gate(same, _python(tmp_path / "twin-python", ""), tmp_path, "--slowdown-margin", "20", "--detect", "50")
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    assert p.returncode in (EXIT_PASS, EXIT_INCONCLUSIVE), p.stdout[-3000:] + p.stderr[-2000:]  # never a regression
     assert "their Python and packages are the same versions" in p.stdout
 
 

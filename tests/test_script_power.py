@@ -102,3 +102,19 @@ def test_training_that_draws_from_numpys_global_rng_is_named(tmp_path: Path) -> 
     assert c["result"] == "FAIL", c
     assert "rank 0: numpy" in c["detail"] and "np.random.default_rng(seed)" in c["detail"], c
     assert "mlx" not in c["detail"].split(";")[0], c
+
+
+@pytest.mark.ranks
+def test_a_script_that_never_uses_the_api_stops_after_its_first_run(tmp_path: Path) -> None:
+    """It reports no steps in the first run; every other run would say the same, so none is launched."""
+    (tmp_path / "minimal_script.py").write_text("print('training')\n")
+    (tmp_path / "s.toml").write_text((REPO / "examples" / "minimal_script.toml").read_text())
+    p = cli("run", str(tmp_path / "s.toml"), "--out", str(tmp_path / "o"))
+    assert p.returncode == 3, p.stdout[-3000:] + p.stderr[-2000:]
+    line = ("trainer script minimal_script.py reported no steps (it never called harness.api.session(): "
+            "see docs/scripts.md)")
+    assert line in p.stdout, p.stdout[-3000:]
+    runs = {r["name"]: r for r in json.loads((tmp_path / "o" / "result.json").read_text())["scenarios"][0]["runs"]}
+    assert not (tmp_path / "o" / "runs" / "minimal_script" / "ddp2").exists()  # never launched
+    assert set(runs) >= {"single", "ddp2"} and not runs["ddp2"]["ok"]
+    assert "not run: run 'single'" in runs["ddp2"]["failure"], runs["ddp2"]

@@ -20,14 +20,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 from harness.cluster_spec import Cluster
-from harness.controller.collect import RunOutcome
+from harness.controller.collect import RankOutcome, RunOutcome
 from harness.controller.inputs import prepare
 from harness.controller.memory_guard import MemoryLimits
 from harness.controller.progress import Observer
 from harness.controller.session import execute
+from harness.controller.watch import WatchReport
 from harness.run_plan import FloorRun, compared, floor_runs, launch_order, probe_steps
 from harness.scenario import RunSpec, Scenario, writes_checkpoints
-from harness.schema import probe_path
+from harness.schema import NO_STEPS, probe_path
 from harness.trainer_registry import trainer_info
 
 KEEP_FROM_CHECKPOINTS = ("manifest.json", "trainer.json")
@@ -95,6 +96,12 @@ def train_job(s: Scenario, run: RunSpec, workspace: Path | None = None, floor: F
     return job
 
 
+def not_run(name: str, world_size: int, why: str) -> RunOutcome:
+    """A run left out because an earlier one showed it could not train (``why``)."""
+    ranks = [RankOutcome(r, None, False, None, [], "") for r in range(world_size)]
+    return RunOutcome(name, world_size, None, False, f"not run: {why}", ranks, WatchReport(0.0, None))
+
+
 def _keep_checkpoints(workspace: Path, dest: Path, whole: bool) -> None:
     for f in workspace.glob("*/checkpoints/*/*"):
         if whole or f.name in KEEP_FROM_CHECKPOINTS:
@@ -121,7 +128,8 @@ def run_scenario(
     workspace = Path(tempfile.mkdtemp(prefix=f"mlx-ddp-harness-{s.name}-"))
     floors = floor_runs(s)
     try:
-        for spec, floor in [*((r, None) for r in launch_order(s)), *((f.spec(s), f) for f in floors)]:
+        pending = [*((r, None) for r in launch_order(s)), *((f.spec(s), f) for f in floors)]
+        for spec, floor in pending:
             keep = artifacts / spec.name if artifacts else None
             outcome = execute(
                 spec.name,
@@ -144,6 +152,15 @@ def run_scenario(
             outcomes[spec.name] = outcome
             if on_run:
                 on_run(outcome)
+            if outcome.failure and NO_STEPS in outcome.failure:  # the same trainer would say the same every time
+                why = f"run {spec.name!r}: {outcome.failure.splitlines()[0]}"
+                for rest, rest_floor in pending[pending.index((spec, floor)) + 1:]:
+                    outcomes[rest.name] = not_run(rest.name, rest.world_size, why)
+                    if rest_floor is not None:
+                        outcomes[rest.name].floor = rest_floor.description
+                    if on_run:
+                        on_run(outcomes[rest.name])
+                break
         if artifacts:
             _keep_checkpoints(workspace, artifacts, keep_checkpoints)
     finally:

@@ -219,7 +219,7 @@ class StepReporter:
         if self.finished is not None:
             return self.finished
         if not self.history["losses"]:
-            raise ReportedFailure(f"{self.name} reported no steps")
+            raise ReportedFailure(f"{self.name} {schema.NO_STEPS}")
         runtime = time.perf_counter() - self.t_start
         self.ctx.phase("save")
         self.effects.save_params(params, count=False)

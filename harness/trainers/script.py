@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from harness import api
+from harness import api, schema
 from harness.rank.entry import RankContext, ReportedFailure
 from harness.rank.protocol import FILES, Writer, open_protocol, read_outcome
 from harness.rank.reporter import StepReporter
@@ -62,7 +62,7 @@ def run(ctx: RankContext) -> dict[str, Any]:
         if not rep.steps:
             how = ("it never called harness.api.session(): see docs/scripts.md" if not session.used else
                    "call harness.api.session().step(...) once per optimizer step")
-            raise ReportedFailure(f"{label} reported no steps ({how})")
+            raise ReportedFailure(f"{label} {schema.NO_STEPS} ({how})")
         raise ReportedFailure(f"{label} never handed over its final parameters "
                               f"(call harness.api.session().finish(params))")
     _, params = read_outcome(out, rep, label)
