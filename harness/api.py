@@ -8,7 +8,7 @@ did::
     from harness import api
 
     run = api.session()                  # this rank's session
-    model = run.model()                  # the scenario's model (or build your own)
+    model = run.model()                  # the scenario's model (or your own, seeded: run.split(model))
     rows = run.rows()                    # the scenario's train rows: [(token ids, supervised mask)]
     optimizer = run.optimizer()          # the scenario's optimizer and learning-rate schedule
     for step in range(1, run.steps + 1):
@@ -19,6 +19,10 @@ did::
         ...                              # your own save
         run.saved()                      # announce it (rank 0 only, if the script is correct)
     run.finish(model.parameters())       # the final parameters, judged for parity
+
+docs/scripts.md explains every call and argument. ``split`` (which ``model`` calls) marks where
+training starts: the parameters then are compared with every other run's (runs that start from
+different weights fail), and from then on training must leave the global RNGs alone.
 
 Every report is a record of the rank protocol (docs/rank-protocol.md), written to the rank's
 protocol directory and read back by its rank process exactly as an executable's records are

@@ -84,3 +84,11 @@ def test_the_readme_scenario_is_the_example_and_loads() -> None:
     assert block.group(1) == body
     s = load_scenario(example)
     assert [r.world_size for r in s.runs] == [1, 2] and s.checks.reference == "single"
+
+
+def test_the_scripts_page_shows_the_minimal_script_as_it_is() -> None:
+    """docs/scripts.md's complete minimal script is examples/minimal_script.py, word for word."""
+    block = re.search(r"## A complete minimal script.*?```python\n(.*?)```", (ROOT / "docs" / "scripts.md").read_text(),
+                      re.S)
+    assert block is not None
+    assert block.group(1) == (ROOT / "examples" / "minimal_script.py").read_text()
