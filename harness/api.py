@@ -70,6 +70,7 @@ class Session:
         self._steps = self._saves = 0
         self._started = False  # the script said what training starts from (``start``)
         self.used = False  # the script asked for its session
+        self.model_config: dict[str, Any] | None = None  # the scenario's model's, once ``model`` built it
         self.rank: int = ctx.rank
         self.world_size: int = ctx.world_size
         self.group: Any = ctx.group
@@ -85,8 +86,9 @@ class Session:
         from harness.data.tokenizers import load_tokenizer
         from harness.rank.models import build_model
 
-        return self.split(build_model(self.scenario.model, load_tokenizer(self.scenario.data).vocab_size,
-                                      self.seed)[0])
+        model, self.model_config = build_model(self.scenario.model, load_tokenizer(self.scenario.data).vocab_size,
+                                               self.seed)
+        return self.split(model)
 
     def split(self, model: Any) -> Any:
         """``model`` itself; in the noise-floor run, with its forward computing each batch in

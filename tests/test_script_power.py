@@ -54,6 +54,8 @@ def test_the_correct_script_passes_with_its_rng_judged_from_the_start_of_trainin
     # mx.random.seed and the model's build moved MLX's global RNG before training started
     assert checks[("global_rng_untouched", "single")]["result"] == "pass"
     assert checks[("global_rng_untouched", "ddp2")]["result"] == "pass"
+    scenario = json.loads((tmp_path / "o" / "result.json").read_text())["scenarios"][0]
+    assert scenario["model"].startswith("the script's own model 0.0"), scenario["model"]  # its MLP, not qwen3
 
 
 @pytest.mark.ranks

@@ -71,4 +71,5 @@ def run(ctx: RankContext) -> dict[str, Any]:
         finished["not_applicable"].update(dict.fromkeys(STEP_CHECKS, NOT_PROBED))
     if not session.started:
         finished["not_applicable"].update(UNSTARTED)
-    return {**finished, "trainer": {"kind": "script", "title": label, "path": path}}
+    return {**finished, "model_config": session.model_config,  # None: the script's own model
+            "trainer": {"kind": "script", "title": label, "path": path}}
