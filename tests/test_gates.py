@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +110,56 @@ def test_the_baseline_table_says_what_one_run_against_it_could_detect() -> None:
     assert row[6] == "24.2%"
     (old,) = baseline_rows(_baseline())
     assert old[6] == "-10.0% allowed (old band)"
+
+
+def test_an_undecided_paired_gate_makes_the_gate_inconclusive_never_passed_or_failed() -> None:
+    """A paired speed gate out of pairs, the other gates passing: INCONCLUSIVE and exit 4, in the
+    text, the record and the regression table; a failing gate still makes it FAILED (exit 1)."""
+    from harness.present.gate_report import PairedGate, exit_code, gate_record, gate_text, verdict
+    from harness.present.results import EXIT_CHECK_FAILED, EXIT_INCONCLUSIVE, EXIT_PASS
+
+    base = _fast_baseline(1000.0, 1050.0, 950.0)
+    docs = [(Path("r.json"), _doc([{**r, "median_tok_s": r["fast_tok_s"] - 100} for r in _fast(990.0, 1010.0)]))]
+    gates, notes, compared = gate(base, docs, Tolerances())
+    others = [g for g in gates if g.metric != "throughput"]
+    assert others and all(g.passed for g in others)
+    undecided = PairedGate("s", "single", "throughput (paired)", False, "990.0 fastest-tenth tok/s",
+                           "1000.0 fastest-tenth tok/s", "at most 0% slower, p >= 0.01",
+                           "1.0% slower (interval -50.0% to +96.0%); inconclusive: not decided by 4 pairs",
+                           inconclusive=True)
+    assert undecided.result == "INCONCLUSIVE" and not undecided.passed
+    assert verdict([*others, undecided]) == "INCONCLUSIVE" and exit_code([*others, undecided]) == EXIT_INCONCLUSIVE
+    assert EXIT_INCONCLUSIVE == 4
+    decided = dataclasses.replace(undecided, passed=True, inconclusive=False)
+    assert verdict([*others, decided]) == "PASSED" and exit_code([*others, decided]) == EXIT_PASS
+    alarm = PairedGate("s", "single", "throughput (paired)", False, "800.0", "1000.0", "at most 0% slower", "")
+    assert alarm.result == "FAIL" and exit_code([*others, alarm]) == EXIT_CHECK_FAILED
+    assert verdict([*others, undecided, alarm]) == "FAILED"  # a failure is a failure, decided or not
+
+    from harness.present.gate_report import add_fast_speeds
+
+    add_fast_speeds(compared, docs)
+    text = gate_text([*others, undecided], notes, compared, base, ENV, "HEAD (abc1234)",
+                     sides=(("HEAD", "abc1234"), ("this checkout", "def5678+dirty")))
+    head = text.splitlines()[0]
+    assert head == f"gate against HEAD (abc1234): INCONCLUSIVE ({len(others)} of {len(others) + 1} gates passed, " \
+                   "1 inconclusive)"
+    assert "PASSED" not in text and "FAILED" not in text and "rerun with a larger --pairs" in text
+    assert "INCONCLUSIVE s/single throughput (paired): 990.0 fastest-tenth tok/s vs baseline" in text
+    lines = text.splitlines()
+    header = next(ln for ln in lines if ln.startswith("Model / seq"))
+    assert "  Run  " in header and "Revision" in header and "Branch" not in header
+    assert "Post-step-1 median tok/s" in header and "Gated speed: fastest-tenth tok/s" in header
+    rows = [re.split(r"\s{2,}", ln) for ln in lines if ln.startswith("qwen3 0.10M / 160")]
+    # the run; the repository's revision on each side, and the harness's (abc1234 in ENV) where it
+    # differs; both speeds: the post-step-1 median and the gated one (the median over the repeats)
+    assert [r[1:5] for r in rows] == [["s", "single", "Test CPU", "HEAD (abc1234)"],
+                                      ["s", "single", "Test CPU", "this checkout (def5678+dirty; harness abc1234)"]]
+    assert [r[6:8] for r in rows] == [["1000.0", "1000.0"], ["900.0", "1000.0"]]
+    record = gate_record([*others, undecided], notes, "HEAD (abc1234)", ENV)
+    assert record["verdict"] == "inconclusive" and record["exit_code"] == 4 and record["passed"] is False
+    assert {tuple(sorted(g)) for g in record["gates"]} == {tuple(sorted(record["gates"][0]))}  # the same fields
+    assert record["gates"][-1]["result"] == "INCONCLUSIVE"
 
 
 def test_another_precision_is_refused_unless_forced() -> None:

@@ -16,12 +16,13 @@ Each test is made at a constant nominal level over the looks (Pocock's boundary:
 which the chance of crossing at any of the looks is ``alpha / runs`` for an alarm, ``beta`` for a
 pass, under normal pair ratios; the multivariate normal from ``scipy.stats``). So a build within
 ``margin`` raises a false alarm in at most ``alpha`` of gates, and a run ``detect`` slower passes
-in at most ``beta`` of them, as long as the pairs suffice: a run still undecided at ``max_pairs``
-takes the nearer hypothesis (its estimate against the midpoint of ``margin`` and ``detect``).
-Simulated with 10 pairs at most (``tests/test_paired_gate.py``), the rates hold for pair ratios
-as noisy as 8 %; noisier pairs run out before they decide, and the decisions taken at
-``max_pairs`` raise both rates (on 2 shared cores a 1-rank run's pairs vary 4.0 to 6.4 %, a
-2-rank run's 6.3 to 12.5 %, hour to hour: docs/benchmarks.md). The default ``alpha`` of 0.02 is well below the one
+in at most ``beta`` of them. A run still undecided at ``max_pairs`` is **inconclusive**: neither
+hypothesis was rejected, so it neither passes nor fails, and its verdict gives the interval (more
+pairs would decide it). Simulated with 10 pairs at most (``tests/test_paired_gate.py``), the
+rates hold for pair ratios as noisy as 8 %, and at 6 % or less at most 3 % of runs end
+inconclusive; at 8 % about a fifth of 10 %-slower runs do, and noisier pairs run out more often
+(on 2 shared cores a 1-rank run's pairs vary 4.0 to 6.4 %, a 2-rank run's 6.3 to 12.5 %, hour to
+hour: docs/benchmarks.md). The default ``alpha`` of 0.02 is well below the one
 false alarm in 20 gates a team can live with, since an unchanged build sits exactly on the alarm
 hypothesis's boundary (with ``margin`` 0) and so alarms at the full rate. The
 verdict states the pairs taken, the estimate with its interval, and the smallest slowdown the
@@ -92,8 +93,9 @@ class SequentialDesign:
 @dataclass
 class SequentialVerdict:
     """One run's comparison after ``pairs`` pairs: ``change`` is the candidate's speed relative to
-    the baseline (-0.2: 20 % slower), with its interval; ``decided``: "alarm", "pass", or None
-    (more pairs wanted); ``detectable``: the smallest slowdown these pairs could have caught."""
+    the baseline (-0.2: 20 % slower), with its interval; ``decided``: "alarm", "pass",
+    "inconclusive" (out of pairs with neither rejected), or None (more pairs wanted);
+    ``detectable``: the smallest slowdown these pairs could have caught."""
 
     pairs: int
     change: float
@@ -104,7 +106,7 @@ class SequentialVerdict:
     detectable: float
     decided: str | None
     design: SequentialDesign
-    early: bool = False  # decided by crossing a boundary, not by running out of pairs
+    early: bool = False  # decided by crossing a boundary (every alarm and pass is)
     ratios: tuple[float, ...] = ()  # each pair's candidate speed over the baseline's, in order
 
     def pair_note(self) -> str:
@@ -119,12 +121,18 @@ class SequentialVerdict:
     def alarm(self) -> bool:
         return self.decided == "alarm"
 
+    @property
+    def inconclusive(self) -> bool:
+        return self.decided == "inconclusive"
+
     def describe(self) -> str:
         d = self.design
         word = "slower" if self.change < 0 else "faster"
         how = (f"decided after {self.pairs} pairs" if self.early
-               else f"not decided by {self.pairs} pairs, judged there")
-        return (f"{abs(self.change):.1%} {word} (interval {self.low:+.1%} to {self.high:+.1%}); {how}: "
+               else f"inconclusive: not decided by {self.pairs} pairs, the most allowed (more pairs would decide)"
+               if self.inconclusive else f"not decided after {self.pairs} pairs")
+        high = f"{self.high:+.1%}" if self.high < 10 else "over +1000%"  # one degree of freedom: no bound to speak of
+        return (f"{abs(self.change):.1%} {word} (interval {self.low:+.1%} to {high}); {how}: "
                 f"p = {self.p_alarm:.2g} that it is at most {d.margin:.0%} slower (alarm below {d.alarm_level:.2g}), "
                 f"p = {self.p_pass:.2g} that it is {d.detect:.0%} or more slower (pass below {d.pass_level:.2g}); "
                 f"could have detected a {self.detectable:.1%} slowdown")
@@ -155,8 +163,8 @@ def sequential_look(base_speed: list[float], cand_speed: list[float], design: Se
             decided, early = "alarm", True
         elif p_pass < design.pass_level:
             decided, early = "pass", True
-        elif n >= design.max_pairs:  # out of pairs: the nearer of the two hypotheses
-            decided = "alarm" if mean < (at_margin + at_detect) / 2 else "pass"
+        elif n >= design.max_pairs:  # out of pairs with neither rejected: neither pass nor alarm
+            decided = "inconclusive"
     return SequentialVerdict(n, math.exp(mean) - 1, math.exp(mean - half) - 1, math.exp(mean + half) - 1, p_alarm,
                              p_pass, max(0.0, detectable), decided, design, early,
                              tuple(c / b for b, c in zip(base_speed, cand_speed, strict=True)))

@@ -296,8 +296,9 @@ EXIT_CODES = """exit codes of run:
   1  a check failed
   2  bad input: one line naming the file, key or value, before anything starts
   3  a run did not complete: a rank crashed or hung, or the launch failed
-report exits 0, gate 1 on a regression, doctor 1 when an essential check fails; any command
-exits 2 on bad input.
+report exits 0; gate 1 on a regression, 4 when inconclusive (no gate failed, but a paired speed
+test reached --pairs undecided: neither pass nor fail, rerun with more pairs); doctor 1 when an
+essential check fails; any command exits 2 on bad input.
 every command and option: docs/commands.md"""
 
 

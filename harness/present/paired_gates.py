@@ -10,9 +10,11 @@ pairs), so drift in the machine's speed lands on both sides. Pairs are added unt
 sequential paired test of ``harness.judge.paired`` has decided every run's speed (each run's
 speed: its fastest steps', ``baselines.fast_tok_s``), looking from ``--min-pairs`` every second
 pair up to ``--pairs``;
-losses and memory are judged by the usual gates, with a baseline built from REV's runs. The
-worktree runs its own ``harness`` package when it has one (the harness's own repository), else
-this one, so a trainer script's repository can be gated the same way.
+losses and memory are judged by the usual gates, with a baseline built from REV's runs. A run
+still undecided at ``--pairs`` is INCONCLUSIVE (``gate_report.PairedGate``): the gate then exits
+``EXIT_INCONCLUSIVE`` unless another gate failed. The worktree runs its own ``harness`` package
+when it has one (the harness's own repository), else this one, so a trainer script's repository
+can be gated the same way.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.present.results import EXIT_CHECK_FAILED, EXIT_PASS, load_results
+from harness.present.results import load_results
 from harness.scenario import ScenarioError
 
 RUN_OK = (0, 1)  # a run whose checks fail still measured its speed
@@ -39,6 +41,26 @@ def _git(args: list[str], cwd: Path) -> str:
     p = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True)
     if p.returncode != 0:
         raise ScenarioError(f"git {' '.join(args)}: {(p.stderr.strip().splitlines() or ['failed'])[-1]}")
+    return p.stdout.strip()
+
+
+def repository(cwd: Path) -> Path:
+    """The top of the git repository holding ``cwd`` (one-line errors without git or outside one)."""
+    if shutil.which("git") is None:
+        raise ScenarioError("git: not found on PATH; gate --against checks out a revision with git")
+    p = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=cwd, capture_output=True, text=True)
+    if p.returncode != 0 or not p.stdout.strip():
+        raise ScenarioError(f"not a git repository: {cwd} (gate --against compares revisions of the git "
+                            f"repository it runs in: run it there)")
+    return Path(p.stdout.strip())
+
+
+def resolve_revision(rev: str, repo: Path) -> str:
+    """The full commit ``rev`` names in ``repo`` (a one-line error when it names none)."""
+    p = subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"], cwd=repo,
+                       capture_output=True, text=True)
+    if p.returncode != 0 or not p.stdout.strip():
+        raise ScenarioError(f"{rev}: no such revision in {repo}")
     return p.stdout.strip()
 
 
@@ -127,12 +149,12 @@ def sequential_design(args: argparse.Namespace) -> Any:
 
 def cmd_gate_against(args: argparse.Namespace, overrides: dict[str, float | None]) -> int:
     """``gate --against REV``; ``overrides``: the tolerance flags given."""
+    from harness.controller.environment import git_revision
+
     design = sequential_design(args)
-    repo = Path(_git(["rev-parse", "--show-toplevel"], Path.cwd()))
-    try:
-        commit = _git(["rev-parse", "--verify", "--quiet", f"{args.against}^{{commit}}"], repo)
-    except ScenarioError as e:
-        raise ScenarioError(f"--against {args.against}: not a revision of the git repository {repo}") from e
+    repo = repository(Path.cwd())
+    commit = resolve_revision(args.against, repo)
+    here = git_revision(repo)  # this checkout's commit, +dirty with uncommitted changes
     scenarios = [_relative(repo, s) for s in args.results]
     work = Path(tempfile.mkdtemp(prefix="mlx-ddp-harness-against-"))
     tree = work / "tree"
@@ -150,7 +172,9 @@ def cmd_gate_against(args: argparse.Namespace, overrides: dict[str, float | None
         shutil.rmtree(work, ignore_errors=True)
     name = f"{args.against} ({commit[:12]}), {len(sides[1].outs)} interleaved pairs (sequential, {args.min_pairs} to " \
            f"{args.pairs})"
-    return judge_pairs(args, overrides, verdicts, base_docs, cand_docs, name, [])
+    short = commit[:len(here.partition("+")[0])] if here else commit[:12]
+    return judge_pairs(args, overrides, verdicts, base_docs, cand_docs, name, [],
+                       ((args.against, short), ("this checkout", here)))
 
 
 def run_pairs(sides: list[Side], scenarios: list[str], design: Any, work: Path) -> dict[tuple[str, str], Any]:
@@ -173,11 +197,12 @@ def run_pairs(sides: list[Side], scenarios: list[str], design: Any, work: Path) 
 
 
 def judge_pairs(args: argparse.Namespace, overrides: dict[str, float | None], verdicts: dict[tuple[str, str], Any],
-                base_docs: list, cand_docs: list, name: str, notes: list[str]) -> int:
-    """Speed by the paired verdicts; losses and memory against a baseline made of the baseline side's runs."""
+                base_docs: list, cand_docs: list, name: str, notes: list[str], sides: Any) -> int:
+    """Speed by the paired verdicts; losses and memory against a baseline made of the baseline side's
+    runs; ``sides``: each side's label and repository revision, for the regression table."""
     from harness.judge.baselines import Tolerances, build_baseline
-    from harness.judge.gates import Gate, gate
-    from harness.present.gate_report import emit_gate
+    from harness.judge.gates import gate
+    from harness.present.gate_report import FAST_TOK_S, PairedGate, add_fast_speeds, emit_gate, exit_code
 
     tol = Tolerances().updated(**overrides)
     baseline = build_baseline(base_docs, tol)
@@ -186,13 +211,16 @@ def judge_pairs(args: argparse.Namespace, overrides: dict[str, float | None], ve
     gates = [g for g in gates if g.metric != "throughput"]
     base_speed, cand_speed = _tok_s(base_docs), _tok_s(cand_docs)
     for key, v in sorted(verdicts.items()):
-        gates.append(Gate(*key, "throughput (paired)", not v.alarm, f"{statistics.median(cand_speed[key]):.1f} tok/s",
-                          f"{statistics.median(base_speed[key]):.1f} tok/s",
-                          f"at most {args.slowdown_margin:g}% slower, p >= {v.design.alarm_level:.2g}", v.describe()))
+        gates.append(PairedGate(*key, "throughput (paired)", v.decided == "pass",
+                                f"{statistics.median(cand_speed[key]):.1f} {FAST_TOK_S}",
+                                f"{statistics.median(base_speed[key]):.1f} {FAST_TOK_S}",
+                                f"at most {args.slowdown_margin:g}% slower, p >= {v.design.alarm_level:.2g}",
+                                v.describe(), inconclusive=v.decided != "pass" and not v.alarm))
         notes.append(f"{key[0]}/{key[1]}: {v.pair_note()}")
+    add_fast_speeds(compared, cand_docs)
     env = cand_docs[0][1]["environment"]
-    emit_gate(gates, notes, compared, baseline, env, name, args.format, args.out)
-    return EXIT_PASS if all(g.passed for g in gates) else EXIT_CHECK_FAILED
+    emit_gate(gates, notes, compared, baseline, env, name, args.format, args.out, sides)
+    return exit_code(gates)
 
 
 ENVIRONMENT_VARS = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")  # this environment's, not the other's
@@ -237,4 +265,5 @@ def cmd_gate_env(args: argparse.Namespace, overrides: dict[str, float | None]) -
              f"they differ in: {', '.join(differ)}" if differ else "their Python and packages are the same versions"]
     name = f"the environment of {args.env}, {len(sides[1].outs)} interleaved pairs (sequential, {args.min_pairs} to " \
            f"{args.pairs})"
-    return judge_pairs(args, overrides, verdicts, base_docs, cand_docs, name, notes)
+    return judge_pairs(args, overrides, verdicts, base_docs, cand_docs, name, notes,
+                       ((f"environment {args.env}", None), ("this environment", None)))
