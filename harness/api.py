@@ -120,8 +120,8 @@ class Session:
     def rows(self, split: str = "train") -> list[tuple[Any, Any]]:
         """The scenario's ``[data]`` rows of ``split`` ("train" or "eval"), tokenized: a list of
         (int32 token ids, bool mask of the tokens that are training targets)."""
+        from harness.data.rows import split_rows
         from harness.data.tokenizers import load_tokenizer
-        from harness.trainers.common import split_rows
 
         tok = load_tokenizer(self.scenario.data)
         return [(e.ids, e.supervised) for _, e in split_rows(self.scenario, tok, split)]

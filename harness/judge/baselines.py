@@ -9,6 +9,7 @@ another platform say nothing about a regression on this one.
 from __future__ import annotations
 
 import dataclasses
+import os
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -206,6 +207,27 @@ def read_baseline(path: Path) -> dict[str, Any]:
     except TypeError as e:
         raise BaselineError(f"{path}: bad tolerances ({e})") from e
     return doc
+
+
+def baseline_target(given: str) -> tuple[Path, bool]:
+    """Where ``baseline update --baseline GIVEN`` writes: the path, and whether it is a directory
+    (the platform's file goes into it). A path that exists is taken as it is, a directory or a
+    file; a new path ending in ``/`` is a directory, one ending in ``.json`` a file, both in a
+    directory that exists. Any other new path is ambiguous and refused (``BaselineError``)."""
+    path = Path(given)
+    if path.is_dir():
+        return path, True
+    is_dir = given.endswith(("/", os.sep))
+    if path.exists():
+        if is_dir:
+            raise BaselineError(f"--baseline {given}: {path} is a file, not a directory")
+        return path, False
+    if not is_dir and path.suffix != ".json":
+        raise BaselineError(f"--baseline {given}: no such file or directory; say which to write: {given}.json for "
+                            f"a file, {given}/ for a directory (its file named after the platform)")
+    if not path.parent.is_dir():
+        raise BaselineError(f"--baseline {given}: {path.parent}: no such directory")
+    return path, is_dir
 
 
 def pick_baseline(path: Path, env: dict[str, Any]) -> tuple[Path, dict[str, Any]]:

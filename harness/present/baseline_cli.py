@@ -1,7 +1,9 @@
 """``mlx-ddp-harness gate`` and ``mlx-ddp-harness baseline update``.
 
 Exit codes of ``gate``: 0 every gate passed, 1 a gate failed, 2 bad input (a missing or damaged
-file, a result from another platform than the baseline without ``--force``, nothing to compare).
+file, a result from another platform than the baseline without ``--force``, nothing to compare,
+``--against`` outside a git repository or with an unknown revision), 4 inconclusive (no gate
+failed, but a paired speed test of ``--against`` or ``--env`` reached ``--pairs`` undecided).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import argparse
 import re
 from pathlib import Path
 
-from harness.present.results import EXIT_CHECK_FAILED, EXIT_PASS, load_results
+from harness.present.results import EXIT_PASS, load_results
 from harness.scenario import ScenarioError
 
 TOLERANCE_FLAGS = (
@@ -37,7 +39,7 @@ def baseline_filename(key: dict[str, object]) -> str:
 def cmd_gate(args: argparse.Namespace) -> int:
     from harness.judge.baselines import Tolerances, pick_baseline
     from harness.judge.gates import check_platform, gate
-    from harness.present.gate_report import emit_gate
+    from harness.present.gate_report import add_fast_speeds, emit_gate, exit_code
 
     if args.against and args.env:
         raise ScenarioError("give --against REV or --env PYTHON, not both")
@@ -59,14 +61,16 @@ def cmd_gate(args: argparse.Namespace) -> int:
         notes += check_platform(baseline, base_file, doc, f, args.force)
     tol = Tolerances(**baseline["tolerances"]).updated(**tolerance_overrides(args))
     gates, more, compared = gate(baseline, docs, tol, args.force)
+    add_fast_speeds(compared, docs)
     emit_gate(gates, notes + more, compared, baseline, env, str(base_file), args.format, args.out)
-    return EXIT_PASS if all(g.passed for g in gates) else EXIT_CHECK_FAILED
+    return exit_code(gates)
 
 
 def cmd_baseline_update(args: argparse.Namespace) -> int:
     from harness import schema
     from harness.judge.baselines import (
         Tolerances,
+        baseline_target,
         build_baseline,
         platform_differences,
         platform_key,
@@ -74,10 +78,9 @@ def cmd_baseline_update(args: argparse.Namespace) -> int:
     )
     from harness.present.gate_report import baseline_table
 
+    target, into_dir = baseline_target(args.baseline)  # an ambiguous path is refused before anything is read
     docs = load_results(args.results)
-    path = Path(args.baseline)
-    if path.is_dir():
-        path = path / baseline_filename(platform_key(docs[0][1]["environment"]))
+    path = target / baseline_filename(platform_key(docs[0][1]["environment"])) if into_dir else target
     # an existing baseline keeps its configured tolerances unless a flag changes them, and the
     # scenarios these results do not cover
     old = read_baseline(path) if path.exists() else None
@@ -86,9 +89,14 @@ def cmd_baseline_update(args: argparse.Namespace) -> int:
     if old and not platform_differences(old["platform"], doc["platform"]):
         kept = {k: v for k, v in old["scenarios"].items() if k not in doc["scenarios"]}
         doc["scenarios"] = {**kept, **doc["scenarios"]}
+    made = into_dir and not target.is_dir()
+    if made:
+        target.mkdir()
     schema.write_json_atomic(path, doc)
     print(baseline_table(doc, args.format))
-    print(f"\nwrote {path}")
+    where = (f"a file named after this platform, in the {'new ' if made else ''}directory {target}" if into_dir
+             else "a file, as --baseline names one")
+    print(f"\nwrote {path} ({where})")
     return EXIT_PASS
 
 
@@ -99,7 +107,7 @@ def _tolerance_args(p: argparse.ArgumentParser) -> None:
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     g = sub.add_parser("gate", help="compare results against a baseline of the same platform, or run scenarios "
-                                     "against a git revision (exit 1 on a regression)")
+                                     "against a git revision (exit 1 on a regression, 4 when undecided)")
     g.add_argument("results", nargs="+", metavar="RESULT",
                    help="result.json files or --out directories (with --against: scenario files)")
     g.add_argument("--baseline", help="baseline file, or a directory of per-platform baselines")
@@ -112,7 +120,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="with --env: a package whose versions the report names too (the trainer's own; repeatable)")
     g.add_argument("--pairs", type=int, default=10,
                    help="with --against: the most interleaved pairs of runs (default 10); pairs are added until "
-                        "every run's speed is decided")
+                        "every run's speed is decided, and a run still undecided here is INCONCLUSIVE (exit 4)")
     g.add_argument("--min-pairs", type=int, default=4,
                    help="with --against: pairs before the first look (default 4); it looks every second pair")
     g.add_argument("--slowdown-margin", type=float, default=0.0,
@@ -133,7 +141,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     u = bsub.add_parser("update", help="write a baseline from results (at least 2 repeats of each run)")
     u.add_argument("results", nargs="+", metavar="RESULT", help="result.json files or --out directories")
     u.add_argument("--baseline", required=True,
-                   help="baseline file to write, or a directory (the file is named after the platform)")
+                   help="the baseline file to write, or a directory (the file is named after the platform); a new "
+                        "path ends in .json (a file) or / (a directory)")
     u.add_argument("--format", choices=("plain", "github"), default="plain", help="table format")
     _tolerance_args(u)
     u.set_defaults(func=cmd_baseline_update)

@@ -65,7 +65,7 @@ def to_row(ids: Any, supervised: Any, where: str) -> tuple[list[int], int]:
 
 def datasets(s: Scenario) -> tuple[list[tuple[list[int], int]], list[tuple[list[int], int]], int]:
     """(train rows, eval rows, vocabulary size) from the scenario's data and tokenizer."""
-    from harness.trainers.common import load_rows
+    from harness.data.rows import load_rows
 
     rows = load_rows(s)
 

@@ -172,7 +172,7 @@ class StreamedRows:
         self.rows_read = 0
 
     def _items(self) -> Iterator[dict[str, list[int]]]:
-        from harness.trainers.common import iter_rows
+        from harness.data.rows import iter_rows
 
         for _, ex in iter_rows(self.s, self.tok, "train"):
             self.rows_read += 1
@@ -290,8 +290,9 @@ def run(ctx: RankContext) -> dict[str, Any]:
 
     from unsloth_zoo.mlx.trainer import MLXTrainer
 
+    from harness.data.rows import load_rows
     from harness.rank.models import build_model
-    from harness.trainers.common import apply_lora, load_rows, split_floor, split_text_model
+    from harness.trainers.common import apply_lora, split_floor, split_text_model
 
     s = Scenario.from_dict(ctx.job["scenario"])
     lora = s.trainer.fine_tune == "lora"
