@@ -30,6 +30,11 @@ def token_loss_sum(model, inputs, targets, mask):
     return (nn.losses.cross_entropy(model(inputs), targets) * mask).sum()
 
 
+def global_gradient(grads, tokens, group):
+    """The ranks' gradients summed (an all-reduce) over the global batch's supervised tokens."""
+    return tree_map(lambda g: mx.distributed.all_sum(g, group=group) / tokens, grads)
+
+
 def main():
     run = api.session()  # 1. this rank's session: rank, world size, seed, steps, global batch
     group = mx.distributed.init()  # the group the harness already joined
@@ -56,7 +61,7 @@ def main():
 
         tokens = mx.distributed.all_sum(mask.sum(), group=group)  # the global batch's supervised tokens
         loss_sum, grads = grad_fn(model, inputs, targets, mask)
-        grads = tree_map(lambda g: mx.distributed.all_sum(g, group=group) / tokens, grads)
+        grads = global_gradient(grads, tokens, group)
         loss = mx.distributed.all_sum(loss_sum, group=group) / tokens
         optimizer.update(model, grads)
         mx.eval(model.parameters(), optimizer.state, loss, tokens)

@@ -187,6 +187,32 @@ def test_console_script_is_installed() -> None:
 
 
 @pytest.mark.ranks
+def test_repeats_show_their_median_and_range_in_the_run_table(tmp_path: Path) -> None:
+    """``run --repeat 2``: the run table's speed figures are the median of the repeats with their
+    range, its headers say so, and result.json keeps the first repeat's figures beside them."""
+    import statistics
+
+    out = tmp_path / "out"
+    p = cli("run", "examples/minimal_parity.toml", "--repeat", "2", "--out", str(out))
+    assert p.returncode == 0, p.stdout + p.stderr
+    report = (out / "report.md").read_text()
+    for text in (p.stdout, report):
+        assert "Post-step-1 median tok/s (median of 2 repeats, min-max)" in text
+        assert "Runtime (median of 2 repeats, min-max)" in text
+        assert "DDP parity at equal global batch; trainer: reference; fine-tune: full" in text
+    (s,) = json.loads((out / "result.json").read_text())["scenarios"]
+    for r in s["runs"]:
+        tok_s = [x["median_tok_s"] for x in r["repeats"]]
+        assert r["median_tok_s"] == tok_s[0] and (r["trainer"], r["fine_tune"]) == ("reference", "full")
+        assert r["over_repeats"]["median_tok_s"] == {"median": statistics.median(tok_s), "min": min(tok_s),
+                                                     "max": max(tok_s), "n": 2}
+        lo, hi = f"{min(tok_s):.1f}", f"{max(tok_s):.1f}"
+        cell = f"{statistics.median(tok_s):.1f}" + (f" ({lo}-{hi})" if lo != hi else "")
+        row = next(ln for ln in p.stdout.splitlines() if f"  {r['name']}{' (floor)' if r['floor'] else ''}  " in ln)
+        assert f"  {cell}  " in row or f"  {cell} *  " in row, row
+
+
+@pytest.mark.ranks
 def test_report_renders_saved_results_without_running(tmp_path: Path) -> None:
     out = tmp_path / "out"
     p = cli("run", str(write_scenario(tmp_path, "saved", world_sizes=(1,), steps=2)), "--out", str(out))

@@ -8,7 +8,8 @@ from typing import Any
 from harness import schema
 from harness.present.report import write_outputs
 from harness.present.results import merge_repeats
-from harness.present.tables import scenario_text
+from harness.present.tables import runs_table, scenario_text
+from tests.conftest import REPO
 
 MB = 1024 * 1024
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -147,3 +148,123 @@ def test_a_speed_measured_beside_other_work_is_marked_and_a_queue_wait_said() ->
             "once): its speed is not comparable with a quiet run's") in scenario_text(s)
     ddp2["neighbours"] = {"samples": 10, "shared": 5, "most": 6}  # half of it: its fastest steps were alone
     assert "*" not in scenario_text(s)
+
+
+def _cells(text: str, run: str) -> list[str]:
+    """The cells of ``run``'s row in a GitHub table (the header row when ``run`` is ``""``)."""
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if line.startswith("|") and (cells[1] == run if run else cells[0] == "Model / seq"):
+            return cells
+    raise AssertionError(f"no row {run!r} in\n{text}")
+
+
+def _row(text: str, run: str) -> dict[str, str]:
+    """``run``'s row of a GitHub table, by header."""
+    return dict(zip(_cells(text, ""), _cells(text, run), strict=True))
+
+
+def _repeat(tok_s: float, runtime: float, losses: list[float] | None = None) -> dict[str, Any]:
+    s = _scenario("passed", tok_s)
+    for r in s["runs"]:
+        r["runtime_s"] = runtime / r["world_size"]
+        r["trainer"], r["fine_tune"], r["lora"] = "reference", "full", None
+        if losses:
+            r.update(losses=losses, avg_loss=sum(losses) / len(losses), final_loss=losses[-1])
+    s["runs"][1]["final_loss_delta"] = 0.0
+    return s
+
+
+def test_over_repeats_the_run_table_shows_the_median_and_range_and_says_so() -> None:
+    merged = merge_repeats([_repeat(1000.0, 2.0), _repeat(900.0, 2.4), _repeat(1300.0, 1.8)])
+    single, ddp2 = merged["runs"]
+    assert single["median_tok_s"] == 1000.0  # result.json keeps the first repeat's figures
+    assert single["over_repeats"]["median_tok_s"] == {"median": 1000.0, "min": 900.0, "max": 1300.0, "n": 3}
+    assert ddp2["over_repeats"]["runtime_s"] == {"median": 1.0, "min": 0.9, "max": 1.2, "n": 3}
+    text = runs_table(merged, "github")
+    header = _cells(text, "")
+    assert "Post-step-1 median tok/s (median of 3 repeats, min-max)" in header
+    assert "Runtime (median of 3 repeats, min-max)" in header
+    assert "Avg loss" in header and "Final loss" in header  # the same in every repeat: shown once, as they are
+    row = _row(text, "single")
+    assert row["Post-step-1 median tok/s (median of 3 repeats, min-max)"] == "1000.0 (900.0-1300.0)"
+    assert row["Runtime (median of 3 repeats, min-max)"] == "2.000s (1.800-2.400s)"
+    assert row["Final loss"] == "2.200000"
+    row = _row(text, "ddp2")
+    assert row["Post-step-1 median tok/s (median of 3 repeats, min-max)"] == "500.0 (450.0-650.0)"
+    # losses that moved between repeats are shown as their median and range too
+    moved = merge_repeats([_repeat(1000.0, 2.0), _repeat(1000.0, 2.0, [3.0, 2.5, 2.4]), _repeat(1000.0, 2.0)])
+    text = runs_table(moved, "github")
+    row = _row(text, "single")
+    assert row["Final loss (median of 3 repeats, min-max)"] == "2.200000 (2.200000-2.400000)"
+    assert row["Post-step-1 median tok/s (median of 3 repeats, min-max)"] == "1000.0"  # no spread: one value
+    # a repeat that did not complete is counted out, and the cell says so
+    broken = _repeat(700.0, 2.0)
+    broken["runs"][0].update(ok=False, failure="killed")
+    text = runs_table(merge_repeats([_repeat(1000.0, 2.0), broken, _repeat(1200.0, 2.0)]), "github")
+    row = _row(text, "single")
+    assert row["Post-step-1 median tok/s (median of 3 repeats, min-max)"] == "1100.0 (1000.0-1200.0; 2 of 3 repeats)"
+    assert "median of" not in runs_table(_repeat(1000.0, 2.0))  # one run: its own figures, no claim
+
+
+def test_the_report_md_run_table_shows_the_same_medians(tmp_path: Path) -> None:
+    from harness.present.report import markdown
+
+    merged = merge_repeats([_repeat(1000.0, 2.0), _repeat(900.0, 2.4)])
+    doc = schema.stamp({"passed": True, "exit_code": 0, "environment": {"cpu": "Test CPU"}, "scenarios": [merged]})
+    report = markdown(doc)
+    assert "### DDP parity at equal global batch; trainer: reference; fine-tune: full" in report
+    (table,) = [t for t in _gfm_tables(report) if t[0][0] == "Model / seq"]
+    row = dict(zip(table[0], table[1], strict=True))
+    assert row["Post-step-1 median tok/s (median of 2 repeats, min-max)"] == "950.0 (900.0-1000.0)"
+    assert row["Runtime (median of 2 repeats, min-max)"] == "2.200s (2.000-2.400s)"
+
+
+def _throughput(ref_tok_s: float, lora_tok_s: float, lora_trainer: str = "reference") -> dict[str, Any]:
+    """A throughput scenario: ``full`` (the reference run, full fine-tuning) and ``lora`` (LoRA, rank 8),
+    their fine-tune figures as ``run_summary`` records them from ``scenarios/mlx_lm_lora.toml``'s trainer."""
+    from harness.present.results import fine_tune
+    from harness.scenario import load_scenario
+
+    s = load_scenario(REPO / "scenarios" / "mlx_lm_lora.toml")
+    lora_trainer_spec = s.for_run(s.runs[0]).trainer
+    full = dict(_run("full", 1, ref_tok_s, [3.0, 2.5]), trainer="reference", fine_tune="full", lora=None)
+    lora = dict(_run("lora", 1, lora_tok_s, [3.0, 2.6]), trainer=lora_trainer, **fine_tune(lora_trainer_spec))
+    return {"name": "speed", "description": "", "kind": "throughput", "model": "llama 0.10M / 160",
+            "reference": "full", "status": "passed", "passed": True, "checks": [], "runs": [full, lora]}
+
+
+def test_the_trainer_and_fine_tune_are_shown_and_speed_never_compares_lora_with_full_silently() -> None:
+    from harness.present.tables import runs_title
+
+    s = _throughput(1000.0, 1470.0)
+    assert s["runs"][1]["fine_tune"] == "lora" and s["runs"][1]["lora"]["rank"] == 8
+    text = runs_table(s, "github")
+    header = _cells(text, "")
+    assert header[1:4] == ["Run", "Trainer", "Fine-tune"]  # the runs differ: a column each
+    full, lora = _row(text, "full"), _row(text, "lora")
+    assert (full["Trainer"], full["Fine-tune"], lora["Trainer"], lora["Fine-tune"]) == \
+        ("reference", "full", "reference", "lora r=8")
+    assert full["Speed vs full"] == "1.00x"
+    assert lora["Speed vs full"] == "1.47x (lora r=8 vs full)"
+    other = _row(runs_table(_throughput(1000.0, 800.0, "mlx_lm"), "github"), "lora")
+    assert other["Speed vs full"] == "0.80x (mlx_lm vs reference; lora r=8 vs full)"
+    # over repeats: the median of each repeat's ratio to the reference run of the same repeat
+    merged = merge_repeats([_throughput(1000.0, 1470.0), _throughput(1100.0, 1320.0), _throughput(900.0, 1440.0)])
+    assert merged["runs"][1]["over_repeats"]["speed_vs_reference"]["median"] == 1.47
+    text = runs_table(merged, "github")
+    lora = _row(text, "lora")
+    assert lora["Speed vs full (median of 3 repeats, min-max)"] == "1.47x (1.20-1.60x; lora r=8 vs full)"
+    # one trainer and fine-tune for every run: named once, in the title, not in columns
+    same = _throughput(1000.0, 1100.0)
+    same["runs"][1].update(fine_tune="full", lora=None)
+    text = runs_table(same, "github")
+    assert "Trainer" not in text and _row(text, "lora")["Speed vs full"] == "1.10x"
+    assert runs_title(same).endswith("; trainer: reference; fine-tune: full")
+    text = scenario_text(same)
+    assert text.splitlines()[2].endswith("; trainer: reference; fine-tune: full")  # above the table it names
+    assert runs_title(_throughput(1000.0, 1100.0)).endswith("not a parity test)")
+    script = _throughput(1000.0, 1100.0)
+    script["runs"][1].update(trainer="script", fine_tune=None, lora=None)  # a script fine-tunes as its code does
+    lora = _row(runs_table(script, "github"), "lora")
+    assert lora["Fine-tune"] == "set by the script" and lora["Speed vs full"] == "1.10x (script vs reference)"

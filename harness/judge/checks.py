@@ -294,8 +294,8 @@ def global_rng_untouched(run: RunOutcome) -> Check:
     if not changed:
         return Check("global_rng_untouched", run.name, True, 0, 0, "numpy and MLX global RNG unchanged on every rank")
     names = sorted({n for rngs in changed.values() for n in rngs})
-    detail = ("training changed the global RNG: " + "; ".join(f"rank {r}: {', '.join(rngs)}" for r, rngs in changed.items())
-              + "; " + "; ".join(RNG_REMEDY.get(n, n) for n in names))
+    per_rank = "; ".join(f"rank {r}: {', '.join(rngs)}" for r, rngs in changed.items())
+    detail = f"training changed the global RNG: {per_rank}; " + "; ".join(RNG_REMEDY.get(n, n) for n in names)
     return Check("global_rng_untouched", run.name, False, len(changed), 0, detail)
 
 

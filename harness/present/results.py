@@ -11,8 +11,11 @@ from harness.controller.collect import RunOutcome
 from harness.judge.checks import Check, median_after_first
 from harness.run_plan import spec_of
 from harness.scenario import Scenario, ScenarioError
+from harness.scenario_spec import TrainerSpec
+from harness.trainer_registry import trainer_info
 
 EXIT_PASS, EXIT_CHECK_FAILED, EXIT_BAD_INPUT, EXIT_INFRA = 0, 1, 2, 3
+EXIT_INCONCLUSIVE = 4  # gate: no gate failed, but a paired speed test ran out of pairs undecided
 
 
 def per_rank_batch(global_batch: int, world_size: int) -> str:
@@ -55,6 +58,16 @@ def startup_summary(run: RunOutcome) -> dict[str, Any] | None:
             "first_step_extra_s": None if extra is None else round(extra, 4)}
 
 
+def fine_tune(trainer: TrainerSpec) -> dict[str, Any]:
+    """How a run fine-tunes: ``fine_tune`` "full" or "lora" (then ``lora``: its rank, scale and
+    adapted layers, -1: all), or None for a script or command, whose own code decides."""
+    info = trainer_info(trainer.kind)
+    if info.script or info.command:
+        return {"fine_tune": None, "lora": None}
+    lora = {"rank": trainer.lora_rank, "scale": trainer.lora_scale, "layers": trainer.lora_layers}
+    return {"fine_tune": trainer.fine_tune, "lora": lora if trainer.fine_tune == "lora" else None}
+
+
 def run_summary(run: RunOutcome, s: Scenario, ref: RunOutcome | None) -> dict[str, Any]:
     spec = spec_of(s, run.name)
     train = s.for_run(spec).train
@@ -62,6 +75,7 @@ def run_summary(run: RunOutcome, s: Scenario, ref: RunOutcome | None) -> dict[st
     out: dict[str, Any] = {
         "name": run.name,
         "trainer": s.for_run(spec).trainer.kind,
+        **fine_tune(s.for_run(spec).trainer),
         "world_size": run.world_size,
         "backend": run.backend or "none",
         "backend_reason": run.backend_reason,
@@ -133,9 +147,14 @@ def run_summary(run: RunOutcome, s: Scenario, ref: RunOutcome | None) -> dict[st
 
 
 def model_label(s: Scenario, runs: list[RunOutcome]) -> str:
-    """``arch size / seq`` as the seed's tables name a model (size from a run's parameter count)."""
-    count = next((r.result(0).get("param_count") for r in runs if r.ok), None)
+    """``arch size / seq`` as the seed's tables name a model (size from a run's parameter count);
+    a script's or an executable's own model (no ``model_config`` reported) as theirs, not the scenario's."""
+    r0 = next((r.result(0) for r in runs if r.ok), {})
+    count = r0.get("param_count")
     size = f" {count / 1e6:.2f}M" if count else ""
+    kind = (r0.get("trainer") or {}).get("kind")
+    if kind in ("script", "command") and r0.get("model_config") is None:
+        return f"the {kind}'s own model{size} / {s.data.max_seq_len}"
     return f"{s.model.arch}{size} / {s.data.max_seq_len}"
 
 
@@ -158,10 +177,32 @@ def scenario_summary(s: Scenario, runs: list[RunOutcome], checks: list[Check]) -
     }
 
 
+REPEAT_STATS = ("median_tok_s", "median_img_s", "runtime_s", "avg_loss", "final_loss", "final_loss_delta")
+
+
+def spread(values: list[float]) -> dict[str, Any]:
+    """The median, the range and the count of ``values`` (one figure over repeats)."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def over_repeats(runs: list[dict[str, Any]], refs: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """One run's figures over its repeats (``runs``, one per repeat): for each of ``REPEAT_STATS``
+    and for ``speed_vs_reference`` (each repeat's tok/s over the reference run's in the same
+    repeat, ``refs``) the median, min, max and count of the repeats that completed."""
+    ok = [r for r in runs if r.get("ok")]
+    out = {k: spread(vals) for k in REPEAT_STATS if (vals := [r[k] for r in ok if r.get(k) is not None])}
+    ratios = [r["median_tok_s"] / x["median_tok_s"] for r, x in zip(runs, refs or [], strict=False)
+              if r.get("ok") and x.get("ok") and r.get("median_tok_s") and x.get("median_tok_s")]
+    if ratios:
+        out["speed_vs_reference"] = spread(ratios)
+    return out
+
+
 def merge_repeats(reps: list[dict[str, Any]]) -> dict[str, Any]:
     """One scenario summary from its repeats: the first repeat's runs and checks, each run with
-    every repeat's figures (``repeats``), the checks a later repeat failed (their run named with
-    the repeat), and the worst status of all."""
+    every repeat's figures (``repeats``) and their median and range (``over_repeats``, which the
+    run table shows), the checks a later repeat failed (their run named with the repeat), and the
+    worst status of all."""
     from harness.judge.baselines import repeat_figures
 
     first = reps[0]
@@ -173,8 +214,16 @@ def merge_repeats(reps: list[dict[str, Any]]) -> dict[str, Any]:
     merged["passed"] = merged["status"] == "passed"
     for k, rep in enumerate(reps[1:], start=2):
         merged["checks"] += [dict(c, run=f"{c['run']} (repeat {k})") for c in rep["checks"] if not c["passed"]]
+
+    def runs_of(name: str) -> list[dict[str, Any]]:
+        return [next(x for x in rep["runs"] if x["name"] == name) for rep in reps]
+
+    ref = first.get("reference")
+    refs = runs_of(ref) if any(r["name"] == ref for r in first["runs"]) else None
     for run in merged["runs"]:
-        run["repeats"] = [repeat_figures(next(x for x in rep["runs"] if x["name"] == run["name"])) for rep in reps]
+        mine = runs_of(run["name"])
+        run["repeats"] = [repeat_figures(x) for x in mine]
+        run["over_repeats"] = over_repeats(mine, refs)
     return merged
 
 

@@ -46,57 +46,164 @@ def has_images(scenario: dict[str, Any]) -> bool:
     return any(r.get("images_global") for r in scenario["runs"])
 
 
-def _speed(run: dict[str, Any], ref: dict[str, Any] | None) -> str:
+def trainer_label(run: dict[str, Any]) -> str:
+    """The trainer kind that ran ``run`` (``-`` in a result that does not record it)."""
+    return run.get("trainer") or "-"
+
+
+def fine_tune_label(run: dict[str, Any]) -> str:
+    """``full``, ``lora r=8`` (with the layers adapted when not all), ``set by the script`` for a
+    script or command, which fine-tunes as its own code does, or ``-`` where not recorded."""
+    if "fine_tune" not in run:
+        return "-"
+    if run["fine_tune"] is None:
+        return f"set by the {trainer_label(run)}"
+    lora = run.get("lora")
+    if run["fine_tune"] != "lora" or not lora:
+        return str(run["fine_tune"])
+    return f"lora r={lora['rank']}" + ("" if lora.get("layers", -1) == -1 else f", {lora['layers']} layers")
+
+
+def setups(scenario: dict[str, Any]) -> list[tuple[str, str]]:
+    """Each run's (trainer, fine-tune) labels, in run order."""
+    return [(trainer_label(r), fine_tune_label(r)) for r in scenario["runs"]]
+
+
+def setup_columns(scenario: dict[str, Any]) -> bool:
+    """Whether the run table needs Trainer and Fine-tune columns: its runs differ in either (one
+    setup shared by every run is named once, in the table's title)."""
+    return len(set(setups(scenario))) > 1
+
+
+def repeat_count(scenario: dict[str, Any]) -> int:
+    """How many repeats the run table's speed figures are the median of (1: a single run)."""
+    if not any(r.get("over_repeats") for r in scenario["runs"]):
+        return 1
+    return scenario.get("repeats") or 1
+
+
+def _stats(run: dict[str, Any], key: str) -> dict[str, Any] | None:
+    return (run.get("over_repeats") or {}).get(key)
+
+
+def losses_vary(scenario: dict[str, Any]) -> bool:
+    """Whether a run's losses differed from repeat to repeat (then the table shows their median)."""
+    keys = ("avg_loss", "final_loss", "final_loss_delta")
+    return any((st := _stats(r, k)) and st["min"] != st["max"] for r in scenario["runs"] for k in keys)
+
+
+def _cell(value: float | None, st: dict[str, Any] | None, form: str, repeats: int, suffix: str = "",
+          note: str = "") -> str:
+    """``value`` formatted with ``form``, or over repeats (``st``) their median, with the min-max
+    range where it is not one value and the count where some repeats did not complete; ``note``
+    goes into the same parentheses."""
+    if st is None or repeats < 2:
+        notes = [note] if note else []
+        shown = "-" if value is None else f"{value:{form}}{suffix}"
+    else:
+        med, lo, hi = (f"{st[k]:{form}}" for k in ("median", "min", "max"))
+        notes = [f"{lo}-{hi}{suffix}"] if lo != hi else []
+        notes += [f"{st['n']} of {repeats} repeats"] if st["n"] < repeats else []
+        notes += [note] if note else []
+        shown = f"{med}{suffix}"
+    return shown + (f" ({'; '.join(notes)})" if notes else "")
+
+
+def _figure(run: dict[str, Any], key: str, form: str, repeats: int, suffix: str = "") -> str:
+    return _cell(run.get(key), _stats(run, key), form, repeats, suffix)
+
+
+def setup_difference(run: dict[str, Any], ref: dict[str, Any]) -> str:
+    """What sets ``run`` apart from ``ref`` beyond its world size and batch: ``mlx_lm vs
+    reference``, ``lora r=8 vs full`` (empty when they share trainer and fine-tune). A fine-tune
+    that a script or command sets itself is not known, so only its trainer is compared."""
+    pairs = [(trainer_label(run), trainer_label(ref))]
+    if run.get("fine_tune") and ref.get("fine_tune"):
+        pairs.append((fine_tune_label(run), fine_tune_label(ref)))
+    return "; ".join(f"{a} vs {b}" for a, b in pairs if a != b and "-" not in (a, b))
+
+
+def _speed(run: dict[str, Any], ref: dict[str, Any] | None, repeats: int) -> str:
+    """Speed vs the reference run (over repeats: the median of each repeat's ratio), saying where
+    the two runs' trainer or fine-tune differ."""
     if not ref or not ref.get("ok") or not ref.get("median_tok_s"):
         return "-"
-    return f"{run['median_tok_s'] / ref['median_tok_s']:.2f}x"
+    return _cell(run["median_tok_s"] / ref["median_tok_s"], _stats(run, "speed_vs_reference"), ".2f", repeats, "x",
+                 setup_difference(run, ref))
+
+
+def run_headers(scenario: dict[str, Any]) -> list[str]:
+    """The run table's headers: the parity or throughput shape, img/s for a vision-language
+    scenario, Trainer and Fine-tune where the runs differ in them, and over repeats which figures
+    are the median of how many repeats."""
+    ref = scenario.get("reference") or "reference"
+    shape = THROUGHPUT_HEADERS if scenario.get("kind") == "throughput" else PARITY_HEADERS
+    headers = [h.format(ref=ref) for h in shape]
+    if has_images(scenario):
+        headers.insert(headers.index(TOK_S_HEADER) + 1, IMAGES_HEADER)
+    if setup_columns(scenario):
+        headers[2:2] = ["Trainer", "Fine-tune"]
+    repeats = repeat_count(scenario)
+    if repeats > 1:
+        over = f" (median of {repeats} repeats, min-max)"
+        medians = {"Runtime", TOK_S_HEADER, IMAGES_HEADER, f"Speed vs {ref}"}
+        if losses_vary(scenario):
+            medians |= {"Avg loss", "Final loss", f"Final-loss delta vs {ref}"}
+        headers = [h + over if h in medians else h for h in headers]
+    return headers
 
 
 def run_rows(scenario: dict[str, Any]) -> list[list[Any]]:
     """One row per run, in the seed's parity-table shape, or its guide-shape throughput shape for
-    a ``throughput`` scenario (effective global batch, tokens and speed vs the reference run)."""
+    a ``throughput`` scenario (effective global batch, tokens and speed vs the reference run,
+    saying where the run's trainer or fine-tune differs from the reference's). Over repeats the
+    speed figures are their median and range; the losses too where they differ between repeats."""
     throughput = scenario.get("kind") == "throughput"
     images = has_images(scenario)
     ref = next((r for r in scenario["runs"] if r["name"] == scenario.get("reference")), None)
-    width = len(THROUGHPUT_HEADERS if throughput else PARITY_HEADERS) + images
+    columns = setup_columns(scenario)
+    width = len(THROUGHPUT_HEADERS if throughput else PARITY_HEADERS) + images + 2 * columns
+    repeats = repeat_count(scenario)
+    over = repeats if losses_vary(scenario) else 1
     rows = []
     for r in scenario["runs"]:
         name = f"{r['name']} (floor)" if r.get("floor") else r["name"]
-        head = [scenario.get("model", "-"), name, r["world_size"], r["per_rank_batch"]]
+        head = [scenario.get("model", "-"), name, *([trainer_label(r), fine_tune_label(r)] if columns else []),
+                r["world_size"], r["per_rank_batch"]]
         if throughput:
             head.append(r["global_batch"])
         if not r["ok"]:
             status = "FAILED (expected)" if r.get("expect_error") else "FAILED"
             rows.append(head + [status] + ["-"] * (width - len(head) - 1))
             continue
-        img_s = r.get("median_img_s")
         mark = f" {MARK}" if disturbed(r) else ""
-        speed = [f"{r['median_tok_s']:.1f}{mark}",
-                 *([f"{img_s:.1f}" if img_s is not None else "-"] if images else [])]
-        losses = [f"{r['avg_loss']:.6f}", f"{r['final_loss']:.6f}"]
+        speed = [_figure(r, "median_tok_s", ".1f", repeats) + mark,
+                 *([_figure(r, "median_img_s", ".1f", repeats)] if images else [])]
+        losses = [_figure(r, "avg_loss", ".6f", over), _figure(r, "final_loss", ".6f", over)]
         memory = [_mb(r["mlx_peak_bytes"]), _mb(r["rss_peak_bytes"])]
-        runtime = f"{r['runtime_s']:.3f}s"
+        runtime = _figure(r, "runtime_s", ".3f", repeats, "s")
         if throughput:
-            rows.append(head + [runtime, r["tokens_global"], width_cell(r), *speed, _speed(r, ref), *losses, *memory])
+            rows.append(head + [runtime, r["tokens_global"], width_cell(r), *speed, _speed(r, ref, repeats), *losses,
+                                *memory])
         else:
-            delta = r.get("final_loss_delta")
-            rows.append(head + [runtime, *speed, *losses, "-" if delta is None else f"{delta:+.6f}", *memory])
+            rows.append(head + [runtime, *speed, *losses, _figure(r, "final_loss_delta", "+.6f", over), *memory])
     return rows
 
 
 def runs_table(scenario: dict[str, Any], fmt: str = "plain") -> str:
-    ref = scenario.get("reference") or "reference"
-    shape = THROUGHPUT_HEADERS if scenario.get("kind") == "throughput" else PARITY_HEADERS
-    headers = [h.format(ref=ref) for h in shape]
-    if has_images(scenario):
-        headers.insert(headers.index(TOK_S_HEADER) + 1, IMAGES_HEADER)
-    return table(run_rows(scenario), headers, fmt)
+    return table(run_rows(scenario), run_headers(scenario), fmt)
 
 
 def runs_title(scenario: dict[str, Any]) -> str:
+    """The run table's title: its shape, and the trainer and fine-tune every run shares."""
     if scenario.get("kind") == "throughput":
-        return f"Throughput vs {scenario.get('reference')} (runs at different global batches: not a parity test)"
-    return "DDP parity at equal global batch"
+        title = f"Throughput vs {scenario.get('reference')} (runs at different global batches: not a parity test)"
+    else:
+        title = "DDP parity at equal global batch"
+    shared = set(setups(scenario))
+    if len(shared) == 1 and (setup := shared.pop()) != ("-", "-"):
+        title += f"; trainer: {setup[0]}; fine-tune: {setup[1]}"
+    return title
 
 
 def _fmt(v: Any) -> str:
@@ -231,7 +338,8 @@ def scenario_text(scenario: dict[str, Any], fmt: str = "plain") -> str:
     unseen = scenario.get("inconclusive") or []
     status = scenario["status"].upper() + (f" (inconclusive, without power to see a known behaviour: "
                                            f"{', '.join(unseen)})" if unseen else "")
-    parts = [f"{scenario['name']}: {status}", runs_table(scenario, fmt)]
+    gap = "\n\n" if fmt == "github" else "\n"  # a GitHub table must not continue the title's paragraph
+    parts = [f"{scenario['name']}: {status}", runs_title(scenario) + gap + runs_table(scenario, fmt)]
     if floor_notes(scenario):
         parts.append("\n".join(floor_notes(scenario)))
     conditions = condition_notes(scenario)
