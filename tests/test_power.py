@@ -42,6 +42,21 @@ def test_a_behaviour_is_gone_only_where_a_passing_check_had_power() -> None:
     assert "step_grad_parity limit 0.1 vs recorded 0.07" in blind[1].detail
 
 
+def test_a_check_without_power_is_never_an_expected_failure_shown() -> None:
+    """A trajectory check failed as "no power" (its limit as large as training itself) is no
+    evidence of the behaviour: it stays a failure, while one that failed on its value is the
+    behaviour shown."""
+    behaviour = {"mean_of_means": {"reason": "a mean of per-rank means", "checks": {"loss_parity": 1e-2,
+                                                                                   "param_parity": 0.15}}}
+    blind = [Check("loss_parity", "ddp2", False, 0.3, 1.8, "no power: ...", no_power=True),
+             Check("param_parity", "ddp2", False, 0.9, 8.7, "no power: ...", no_power=True)]
+    mark_expected_failures(blind, behaviour)
+    assert [c.result for c in blind] == ["FAIL", "FAIL"] and not any(c.passed for c in blind)
+    seen = [Check("loss_parity", "ddp2", False, 3e-2, 1e-4), Check("param_parity", "ddp2", True, 1e-6, 1e-5)]
+    mark_expected_failures(seen, behaviour)
+    assert [c.result for c in seen] == ["xfail", "xfail"] and all(c.passed for c in seen)
+
+
 def test_a_check_that_measured_nothing_shows_nothing() -> None:
     """A step check that failed for want of probes (no value) neither shows the behaviour nor
     counts as xfail: it stays a failure; a second behaviour on the same check does not re-judge it."""

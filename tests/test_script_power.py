@@ -120,3 +120,16 @@ def test_a_script_that_never_uses_the_api_stops_after_its_first_run(tmp_path: Pa
     assert not (tmp_path / "o" / "runs" / "minimal_script" / "ddp2").exists()  # never launched
     assert set(runs) >= {"single", "ddp2"} and not runs["ddp2"]["ok"]
     assert "not run: run 'single'" in runs["ddp2"]["failure"], runs["ddp2"]
+
+
+@pytest.mark.ranks
+def test_saying_where_training_starts_after_a_step_is_refused(tmp_path: Path) -> None:
+    """A start reported after step 1 would hide the global RNG's use in step 1 and replace the
+    start compared: the run fails with one line naming the script."""
+    after = "                 lr=optimizer.learning_rate.item(), params=model.parameters())\n"
+    (tmp_path / "minimal_script.py").write_text(variant((after, after + "        run.start(model.parameters())\n")))
+    (tmp_path / "s.toml").write_text((REPO / "examples" / "minimal_script.toml").read_text())
+    p = cli("run", str(tmp_path / "s.toml"))
+    assert p.returncode == 3, p.stdout[-3000:] + p.stderr[-2000:]
+    assert ("trainer script minimal_script.py said where training starts after step 1: run.split and run.start "
+            "come before the first step") in p.stdout, p.stdout[-3000:]

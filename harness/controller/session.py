@@ -40,10 +40,12 @@ def _load_params(path: Path) -> dict[str, Any] | None:
 
 def moved(final: dict[str, Any] | None, start_path: Path) -> float | None:
     """How far training moved rank 0's parameters: ||final - start|| / ||final|| over every
-    element (None where rank 0 left no start or the two differ in names or shapes)."""
+    element of ``final`` (None where rank 0 left no start, or one without all of them or of
+    other shapes)."""
     start = _load_params(start_path)
-    if final is None or start is None or start.keys() != final.keys():
+    if final is None or start is None or not final.keys() <= start.keys():
         return None
+    start = {k: start[k] for k in final}  # a LoRA run's final parameters are its adapters alone
     import numpy as np
 
     diff = norm = 0.0

@@ -72,7 +72,8 @@ def mark_expected_failures(checks: list[Any], expected: dict[str, Any]) -> None:
     for b in behaviours(expected):
         runs = sorted({c.run for c in checks if b.covers(c.name, c.run) and c.applicable})
         for run in runs:  # a check claimed by an earlier behaviour stays with it
-            mine = [c for c in checks if c.run == run and b.covers(c.name, c.run) and c.applicable and c.xfail is None]
+            mine = [c for c in checks if c.run == run and b.covers(c.name, c.run) and c.applicable and c.xfail is None
+                    and not getattr(c, "no_power", False)]  # a check without power shows nothing: it stays failed
             _judge(b, mine, measured)
 
 

@@ -55,6 +55,7 @@ class Check:
     expected_state: str | None = None  # of an expected failure: "shown", "gone" or "inconclusive"
     power: float | None = None  # the smallest deviation it could detect, in its value's units
     precision: str | None = None  # what the compared runs computed at (dtype, TF32)
+    no_power: bool = False  # failed because it could not have seen a defect (``harness.judge.power``)
 
     @property
     def result(self) -> str:

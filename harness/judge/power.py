@@ -8,7 +8,8 @@ So a comparison first checks the start (``start_parity``: the replica digest bef
 step of the reference, of every rank of the compared run and of its floor runs), and then each
 trajectory check's power: a limit as large as what training itself moved (the loss over the
 steps compared; the parameters, ``||final - start|| / ||final||`` as rank 0 measured it) admits
-a run that never trained, and is reported as a failure, "no power", never a pass.
+a run that never trained, and is reported as a failure, "no power", never a pass (nor as an
+expected failure's behaviour shown: ``harness.judge.behaviours`` leaves such a check failed).
 """
 
 from __future__ import annotations
@@ -77,11 +78,11 @@ def judge_power(checks: list[Check], run: RunOutcome, base: RunOutcome, start: C
         if c.name not in TRAJECTORIES or not c.passed:
             continue
         if start is not None and start.applicable and not start.passed:
-            c.passed, c.detail = False, f"{NO_POWER}: {SEED_IT}; {c.detail}"
+            c.passed, c.no_power, c.detail = False, True, f"{NO_POWER}: {SEED_IT}; {c.detail}"
             continue
         signal, what = signals[c.name]
         if c.floor is not None and signal and isinstance(c.limit, int | float) and c.limit >= signal:
-            c.passed = False
+            c.passed, c.no_power = False, True
             c.detail = (f"{NO_POWER}: the limit {c.limit:.3g} is as large as {what} ({signal:.3g}), so a run that "
                         f"never trained would pass; the floor runs differ from {base.name} as much as a defect "
                         f"would: are the runs seeded alike and their data order fixed?; {c.detail}")

@@ -120,8 +120,11 @@ class StepReporter:
         """Training starts from ``params`` (or parameters of ``digest``, kept by rank 0 in the
         file ``saved``): their digest is the replica digest before the first step, compared with
         every other run's (``start_parity``), and rank 0 keeps them to measure how far training
-        moved them. A later call replaces an earlier one (a script that broadcasts its weights
-        after building them reports again)."""
+        moved them. A later call before the first step replaces an earlier one (a script that
+        broadcasts its weights after building them reports again); one after it is refused."""
+        if self.history["losses"]:
+            raise ReportedFailure(f"{self.name} said where training starts after step {self.steps}: run.split and "
+                                  f"run.start come before the first step")
         self.digests[self.done] = digest if digest is not None else tree_digest(params)
         if saved is not None and self.ctx.rank == 0:
             import os

@@ -224,7 +224,7 @@ class Trainer:
             coord.agree()
             self.resumed = {**self.resumed, **restored}
         self.progress.digests[self.progress.start_step - 1] = param_digest(self.model)
-        self.effects.save_start(self.model)
+        coord.attempt("save", self.progress.start_step - 1, self.effects.save_start, self.model)  # agreed at step 1
 
         ctx.phase("train")
         self.t_train = time.perf_counter()
