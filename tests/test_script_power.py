@@ -91,7 +91,7 @@ def test_a_limit_as_large_as_training_itself_is_no_power(tmp_path: Path) -> None
     assert checks[("start_parity", "ddp2")]["result"] == "n/a"
     assert "never said what training starts from" in checks[("start_parity", "ddp2")]["detail"]
     param = checks[("param_parity", "ddp2")]
-    assert param["result"] == "FAIL" and param["detail"].startswith("no power: the limit"), param
+    assert param["result"] == "FAIL" and param["detail"].startswith("no power: the floor runs differ"), param
     assert param["limit"] >= 1.0
     assert checks[("global_rng_untouched", "ddp2")]["result"] == "n/a"
 

@@ -56,6 +56,7 @@ class Check:
     power: float | None = None  # the smallest deviation it could detect, in its value's units
     precision: str | None = None  # what the compared runs computed at (dtype, TF32)
     no_power: bool = False  # failed because it could not have seen a defect (``harness.judge.power``)
+    noise: float | None = None  # a trajectory's floor runs' own largest deviation (``floor`` adds the absolute floor)
 
     @property
     def result(self) -> str:

@@ -277,7 +277,8 @@ def _judge_series(name: str, run: RunOutcome, base: RunOutcome, points: list[Any
                       f"from {base.name} over the same steps ({measured:.3g}); absolute floor: the rounding of "
                       f"one value there ({absolute[i]:.3g})")
     passed = value <= limit if limit > 0 else value == 0
-    return Check(name, run.name, passed, value, limit, detail, floor=eff[i] if eff else None, derivation=derivation)
+    return Check(name, run.name, passed, value, limit, detail, floor=eff[i] if eff else None, derivation=derivation,
+                 noise=measured)
 
 
 def loss_parity(run: RunOutcome, base: RunOutcome, floor: Floor, s: Scenario, name: str = "loss_parity",

@@ -6,9 +6,13 @@ their own weights (a script that never seeds its model) differ from the start by
 defect would, their floor grows just as large, and every limit derived from it passes anything.
 So a comparison first checks the start (``start_parity``: the replica digest before the first
 step of the reference, of every rank of the compared run and of its floor runs), and then each
-trajectory check's power: a limit as large as what training itself moved (the loss over the
-steps compared; the parameters, ``||final - start|| / ||final||`` as rank 0 measured it) admits
-a run that never trained, and is reported as a failure, "no power", never a pass (nor as an
+trajectory check's power: floor runs that differ from the reference so much that the limit they
+make (``floor_ratio`` x their largest deviation) is as large as what training itself moved (the
+loss over the steps compared; the parameters, ``||final - start|| / ||final||`` as rank 0
+measured it) would pass a run that never trained, and the check is reported as a failure, "no
+power", never a pass. A limit that only the absolute floor (the rounding of one value in the
+model's dtype) lifts that high is the dtype's, not noise: the check passes, saying what it could
+not see (nor as an
 expected failure's behaviour shown: ``harness.judge.behaviours`` leaves such a check failed).
 """
 
@@ -81,9 +85,15 @@ def judge_power(checks: list[Check], run: RunOutcome, base: RunOutcome, start: C
             c.passed, c.no_power, c.detail = False, True, f"{NO_POWER}: {SEED_IT}; {c.detail}"
             continue
         signal, what = signals[c.name]
-        if c.floor is not None and signal and isinstance(c.limit, int | float) and c.limit >= signal:
+        if c.floor is None or c.noise is None or not signal or not isinstance(c.limit, int | float):
+            continue
+        from_noise = c.limit * c.noise / c.floor if c.floor > 0 else 0.0  # floor_ratio x the floor runs' deviation
+        if from_noise >= signal:
             c.passed, c.no_power = False, True
-            c.detail = (f"{NO_POWER}: the limit {c.limit:.3g} is as large as {what} ({signal:.3g}), so a run that "
-                        f"never trained would pass; the floor runs differ from {base.name} as much as a defect "
-                        f"would: are the runs seeded alike and their data order fixed?; {c.detail}")
+            c.detail = (f"{NO_POWER}: the floor runs differ from {base.name} so much that the limit they make, "
+                        f"{from_noise:.3g}, is as large as {what} ({signal:.3g}): a run that never trained would "
+                        f"pass; are the runs seeded alike and their data order fixed?; {c.detail}")
+        elif c.limit >= signal:
+            c.detail += (f"; its limit, set by the absolute floor (the rounding of one value), is as large as {what} "
+                         f"({signal:.3g}): it could not see a defect smaller than that")
     return checks
