@@ -68,7 +68,7 @@ class Session:
         self._ctx, self.scenario, self._rep = ctx, scenario, reporter
         self._out, self._pump = writer, pump  # the protocol's writer; ``pump`` reads what it wrote
         self._steps = self._saves = 0
-        self._started = False  # the script said what training starts from (``start``)
+        self.started = False  # the script said what training starts from (``split`` or ``start``)
         self.used = False  # the script asked for its session
         self.model_config: dict[str, Any] | None = None  # the scenario's model's, once ``model`` built it
         self.rank: int = ctx.rank
@@ -111,10 +111,10 @@ class Session:
 
         mx.eval(params)  # on every rank alike: weights that are a collective's result must not be computed on one
         digest = tree_digest(params)
-        if self.rank == 0:
+        if self.rank == 0 and self._ctx.job.get("keep_start"):  # the run the others are compared with
             self._out.params(params, "start_params")
         self._out.event("start", rank=self.rank, world_size=self.world_size, digest=digest)
-        self._started = True
+        self.started = True
         self._pump()
 
     def rows(self, split: str = "train") -> list[tuple[Any, Any]]:
@@ -178,11 +178,6 @@ class Session:
         """Training is over; ``params`` are the final parameters."""
         self._out.params(params)
         self._out.result(status="ok", steps=self._steps, saves=self._saves)
-
-    @property
-    def started(self) -> bool:
-        """The script said what training starts from (``split`` or ``start``)."""
-        return self._started
 
 
 def session() -> Session:

@@ -38,23 +38,36 @@ def _load_params(path: Path) -> dict[str, Any] | None:
     return {k: np.array(v.astype(mx.float32)) for k, v in mx.load(str(path)).items()}
 
 
+def param_delta(a: dict[str, Any] | None, b: dict[str, Any] | None) -> tuple[float, float, str] | None:
+    """(||a - b|| / ||b|| over every parameter element, the largest |a - b| element, its tensor);
+    None where either is missing or they differ in names or shapes."""
+    import numpy as np
+
+    if a is None or b is None or a.keys() != b.keys():
+        return None
+    diff = norm = worst = 0.0
+    where = ""
+    for k in sorted(a):
+        x, y = a[k].astype(np.float64), b[k].astype(np.float64)
+        if x.shape != y.shape:
+            return None
+        d = x - y
+        diff, norm = diff + float(np.sum(d * d)), norm + float(np.sum(y * y))
+        big = float(np.max(np.abs(d))) if d.size else 0.0
+        if big > worst or not where:
+            worst, where = big, k
+    return (diff / norm) ** 0.5 if norm > 0 else 0.0, worst, where
+
+
 def moved(final: dict[str, Any] | None, start_path: Path) -> float | None:
     """How far training moved rank 0's parameters: ||final - start|| / ||final|| over every
-    element of ``final`` (None where rank 0 left no start, or one without all of them or of
-    other shapes)."""
+    element of ``final`` (a LoRA run's final parameters are its adapters alone); None where rank
+    0 left no start (only the run others are compared with does: ``keep_start`` in its job)."""
     start = _load_params(start_path)
     if final is None or start is None or not final.keys() <= start.keys():
         return None
-    start = {k: start[k] for k in final}  # a LoRA run's final parameters are its adapters alone
-    import numpy as np
-
-    diff = norm = 0.0
-    for k, y in final.items():
-        if start[k].shape != y.shape:
-            return None
-        d = y.astype(np.float64) - start[k].astype(np.float64)
-        diff, norm = diff + float(np.sum(d * d)), norm + float(np.sum(y.astype(np.float64) ** 2))
-    return (diff / norm) ** 0.5 if norm > 0 else None
+    got = param_delta({k: start[k] for k in final}, final)
+    return got[0] if got is not None and got[0] > 0 else None
 
 
 def _why(e: BaseException) -> str:

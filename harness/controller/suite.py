@@ -83,6 +83,8 @@ def train_job(s: Scenario, run: RunSpec, workspace: Path | None = None, floor: F
         "emulate": floor.emulate if floor and floor.kind == "twin" else None,
         "split_rows": floor.emulate if floor is not None and floor.kind == "split" else 0,
         "split_sample": floor.sample if floor is not None else 0,
+        # rank 0 keeps the parameters the run starts from: the reference's, to measure how far training moved them
+        "keep_start": floor is None and run.name == s.checks.reference,
         "probe": probe_plan(s, run, workspace, floor),
     }
     if workspace is not None and writes_checkpoints(s, run):

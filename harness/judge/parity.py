@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from harness.controller.collect import RunOutcome
+from harness.controller.session import param_delta
 from harness.judge.checks import Check, listed
 from harness.run_plan import spec_of
 from harness.scenario import Scenario
@@ -175,23 +176,8 @@ def _evals(run: RunOutcome) -> dict[int, tuple[float, int]]:
 
 
 def _param_delta(a: RunOutcome, b: RunOutcome) -> tuple[float, float, str] | None:
-    """(||a - b|| / ||b|| over every parameter element, the largest |a - b| element, its tensor)."""
-    import numpy as np
-
-    if a.params is None or b.params is None or a.params.keys() != b.params.keys():
-        return None
-    diff = norm = worst = 0.0
-    where = ""
-    for k in sorted(a.params):
-        x, y = a.params[k].astype(np.float64), b.params[k].astype(np.float64)
-        if x.shape != y.shape:
-            return None
-        d = x - y
-        diff, norm = diff + float(np.sum(d * d)), norm + float(np.sum(y * y))
-        big = float(np.max(np.abs(d))) if d.size else 0.0
-        if big > worst or not where:
-            worst, where = big, k
-    return math.sqrt(diff / norm) if norm > 0 else 0.0, worst, where
+    """``param_delta`` of two runs' final parameters (rank 0's)."""
+    return param_delta(a.params, b.params)
 
 
 @dataclass

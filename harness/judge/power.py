@@ -10,10 +10,10 @@ trajectory check's power: floor runs that differ from the reference so much that
 make (``floor_ratio`` x their largest deviation) is as large as what training itself moved (the
 loss over the steps compared; the parameters, ``||final - start|| / ||final||`` as rank 0
 measured it) would pass a run that never trained, and the check is reported as a failure, "no
-power", never a pass. A limit that only the absolute floor (the rounding of one value in the
-model's dtype) lifts that high is the dtype's, not noise: the check passes, saying what it could
-not see (nor as an
-expected failure's behaviour shown: ``harness.judge.behaviours`` leaves such a check failed).
+power", never a pass (nor an expected failure's behaviour shown: ``harness.judge.behaviours``
+leaves such a check failed). A limit that only the absolute floor (the rounding of one value in
+the model's dtype) lifts that high is the dtype's, not noise: the check passes, saying what it
+could not see.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def loss_signal(base: RunOutcome, steps: int) -> float | None:
     return max(abs(x - losses[0]) for x in losses) if losses else None
 
 
-def judge_power(checks: list[Check], run: RunOutcome, base: RunOutcome, start: Check | None) -> list[Check]:
+def judge_power(checks: list[Check], run: RunOutcome, base: RunOutcome, start: Check) -> list[Check]:
     """The trajectory checks that passed without power turned into failures saying why: runs
     that start apart (``start``), or a limit as large as what ``base``'s training moved."""
     compared = len(run.result().get("losses") or [])
@@ -81,7 +81,7 @@ def judge_power(checks: list[Check], run: RunOutcome, base: RunOutcome, start: C
     for c in checks:
         if c.name not in TRAJECTORIES or not c.passed:
             continue
-        if start is not None and start.applicable and not start.passed:
+        if start.applicable and not start.passed:
             c.passed, c.no_power, c.detail = False, True, f"{NO_POWER}: {SEED_IT}; {c.detail}"
             continue
         signal, what = signals[c.name]

@@ -152,8 +152,9 @@ def model_label(s: Scenario, runs: list[RunOutcome]) -> str:
     r0 = next((r.result(0) for r in runs if r.ok), {})
     count = r0.get("param_count")
     size = f" {count / 1e6:.2f}M" if count else ""
-    kind = (r0.get("trainer") or {}).get("kind")
-    if kind in ("script", "command") and r0.get("model_config") is None:
+    kind = (r0.get("trainer") or {}).get("kind") or s.trainer.kind  # the trainer that ran it
+    info = trainer_info(kind)
+    if (info.script or info.command) and r0.get("model_config") is None:
         return f"the {kind}'s own model{size} / {s.data.max_seq_len}"
     return f"{s.model.arch}{size} / {s.data.max_seq_len}"
 

@@ -14,8 +14,9 @@ from harness import schema
 
 
 class MainRankEffects:
-    def __init__(self, run_dir: Any, rank: int):
+    def __init__(self, run_dir: Any, rank: int, keep_start: bool = False):
         self.run_dir, self.rank = run_dir, rank
+        self.keep_start = keep_start  # rank 0 keeps the start parameters (the job's ``keep_start``)
         self.counts = {"callbacks": 0, "log_lines": 0, "saves": 0, "checkpoints": 0, "probes": 0}
 
     @property
@@ -56,9 +57,14 @@ class MainRankEffects:
         write_probe(path, model, grads, meta)
         self.counts["probes"] += 1
 
+    @property
+    def keeps_start(self) -> bool:
+        return self.active and self.keep_start
+
     def save_start(self, params: Any) -> None:
-        """Rank 0 writes the parameters training starts from (``schema.start_params_path``)."""
-        if self.active:
+        """Rank 0 writes the parameters training starts from (``schema.start_params_path``), where
+        the job asks for them."""
+        if self.keeps_start:
             self._write(schema.start_params_path(self.run_dir), params)
 
     def _write(self, final: Any, params: Any) -> None:

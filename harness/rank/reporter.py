@@ -76,7 +76,7 @@ class StepReporter:
         self.not_applicable = dict(not_applicable or {})
         self.compile_scope = compile_scope
         self.fallback_reason: str | None = None  # why a compiled trainer fell back to eager
-        self.effects = MainRankEffects(ctx.run_dir, ctx.rank)
+        self.effects = MainRankEffects(ctx.run_dir, ctx.rank, bool(ctx.job.get("keep_start")))
         self.proc = psutil.Process()
         self.history: dict[str, list[Any]] = {k: [] for k in HISTORY}
         self.evals: list[dict[str, Any]] = []
@@ -119,14 +119,15 @@ class StepReporter:
     def starting(self, params: Any = None, digest: str | None = None, saved: Any = None) -> None:
         """Training starts from ``params`` (or parameters of ``digest``, kept by rank 0 in the
         file ``saved``): their digest is the replica digest before the first step, compared with
-        every other run's (``start_parity``), and rank 0 keeps them to measure how far training
-        moved them. A later call before the first step replaces an earlier one (a script that
-        broadcasts its weights after building them reports again); one after it is refused."""
+        every other run's (``start_parity``), and rank 0 keeps them where the job asks
+        (``keep_start``), to measure how far training moved them. A later call before the first
+        step replaces an earlier one (a script that broadcasts its weights after building them
+        reports again); one after it is refused."""
         if self.history["losses"]:
             raise ReportedFailure(f"{self.name} said where training starts after step {self.steps}: run.split and "
                                   f"run.start come before the first step")
         self.digests[self.done] = digest if digest is not None else tree_digest(params)
-        if saved is not None and self.ctx.rank == 0:
+        if saved is not None and self.effects.keeps_start:
             import os
 
             os.replace(saved, schema.start_params_path(self.ctx.run_dir))

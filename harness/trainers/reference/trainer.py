@@ -64,7 +64,7 @@ class Trainer:
         self.uneven = uneven_last(self.spec.global_batch, self.spec.grad_accum, ctx.rank, self.N)
         self.probes = step_probe.Probes(ctx.job.get("probe"))
         self.coord = Coordinator(ctx.group, ctx.rank, ctx.world_size)
-        self.effects = MainRankEffects(ctx.run_dir, ctx.rank)
+        self.effects = MainRankEffects(ctx.run_dir, ctx.rank, bool(ctx.job.get("keep_start")))
         self.proc = psutil.Process()
         self.progress = Progress()
         self.rss_peak = self.proc.memory_info().rss
