@@ -67,7 +67,8 @@ def test_an_unseeded_script_fails_with_the_different_weights_line(tmp_path: Path
     for name in ("loss_parity", "param_parity"):  # never a pass: the floor runs drew their own weights too
         c = checks[(name, "ddp2")]
         assert c["result"] == "FAIL" and c["detail"].startswith("no power"), c
-    assert checks[("replica_consistency", "ddp2")]["result"] == "FAIL"
+    # replica_consistency is not asserted: MLX seeds an unseeded RNG from the clock, so two ranks
+    # started in the same tick may draw the same weights (runs seconds apart never do)
 
 
 @pytest.mark.ranks
