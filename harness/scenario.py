@@ -115,7 +115,7 @@ def parse_scenario(data: dict[str, Any], src: str, base: Path) -> Scenario:
             raise ScenarioError(f"{src}: [{key}]: unknown section (known: {', '.join(sorted(top))})")
     head = data.get("scenario")
     require(isinstance(head, dict), src, "[scenario]", "section is missing")
-    allowed = {"name", "description", "seed", "default", "kind"}
+    allowed = {"name", "description", "seed", "default", "full", "kind"}
     for key in head:
         require(key in allowed, src, f"[scenario].{key}", f"unknown key (known: {', '.join(sorted(allowed))})")
     name = head.get("name")
@@ -127,6 +127,9 @@ def parse_scenario(data: dict[str, Any], src: str, base: Path) -> Scenario:
     require(isinstance(desc, str), src, "[scenario].description", "must be a string")
     default = head.get("default", False)
     require(isinstance(default, bool), src, "[scenario].default", "must be true or false")
+    full = head.get("full", default)
+    require(isinstance(full, bool), src, "[scenario].full", "must be true or false")
+    require(full or not default, src, "[scenario].full", "a scenario of the default set is in the full set too")
     kind = head.get("kind", "parity")
     require(kind in KINDS, src, "[scenario].kind", f"must be one of {', '.join(KINDS)}, got {kind!r}")
 
@@ -140,6 +143,7 @@ def parse_scenario(data: dict[str, Any], src: str, base: Path) -> Scenario:
         description=desc,
         seed=seed,
         default=default,
+        full=full,
         kind=kind,
         trainer=_build(TrainerSpec, data.get("trainer", {}), "[trainer]", src),
         model=_build(ModelSpec, data.get("model", {}), "[model]", src),

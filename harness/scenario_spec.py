@@ -290,12 +290,15 @@ class Scenario:
     """A scenario file. ``kind``: ``parity`` runs train at one global batch and must match the
     reference run; ``throughput`` runs (for example the guide shape: per-rank batch 1, 4
     accumulation steps) may differ in global batch, are not compared for parity, and are
-    reported by speed against the reference run."""
+    reported by speed against the reference run. ``default``: in its directory's default set
+    (what ``run`` runs with no file named); ``full``: in the full set (``run --all``), as every
+    default one is."""
 
     name: str
     description: str = ""
     seed: int = 0
     default: bool = False
+    full: bool = False
     kind: str = "parity"
     trainer: TrainerSpec = field(default_factory=TrainerSpec)
     model: ModelSpec = field(default_factory=ModelSpec)
@@ -320,6 +323,7 @@ class Scenario:
             description=d["description"],
             seed=d["seed"],
             default=d["default"],
+            full=d.get("full", d["default"]),
             kind=d.get("kind", "parity"),
             trainer=TrainerSpec(**d.get("trainer", {})),
             model=ModelSpec(**d["model"]),

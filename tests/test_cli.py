@@ -149,7 +149,15 @@ def test_run_without_argument_takes_the_default_set(tmp_path: Path) -> None:
     p = cli("run", cwd=tmp_path)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "chosen: PASSED" in p.stdout and not any(ln.startswith("other:") for ln in p.stdout.splitlines())
-    assert f"{d}: not run (no default = true; name a file to run it): other.toml" in p.stderr
+    assert f"{d}: not run (name the file to run it, or --all for the full set): other.toml" in p.stderr
+    assert not p.stdout.splitlines()[-1].startswith("ran the default set")
+    other = d / "other.toml"
+    other.write_text(other.read_text().replace("seed = 7", "seed = 7\nfull = true"))
+    p = cli("run", cwd=tmp_path)
+    assert p.stdout.splitlines()[-1] == "ran the default set: 1 of the 2 scenarios of the full set; --all runs them all"
+    p = cli("run", "--all", cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "chosen: PASSED" in p.stdout and "other: PASSED" in p.stdout and "ran the default set" not in p.stdout
     assert "no ./scenarios here" not in p.stderr
 
 
@@ -165,7 +173,7 @@ def test_bare_run_outside_a_checkout_says_which_suite_it_takes(tmp_path: Path) -
         os.chdir(here)
     assert found and all(s.default for s in found)
     assert notes[0] == f"no ./scenarios here: running the harness's own default suite ({REPO / 'scenarios'})"
-    assert notes[1].startswith(f"{REPO / 'scenarios'}: not run (no default = true; name a file to run it): ")
+    assert notes[1].startswith(f"{REPO / 'scenarios'}: not run (name the file to run it, or --all for the full set): ")
 
 
 def test_list_and_doctor() -> None:

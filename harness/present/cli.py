@@ -32,11 +32,14 @@ def default_scenario_dir() -> Path:
     return here if here.is_dir() else Path(__file__).resolve().parents[2] / "scenarios"
 
 
-def resolve_scenarios(paths: list[str], notes: list[str] | None = None) -> list[Scenario]:
-    """Files are taken as given; a directory (or nothing: the default dir) gives its default set.
-    ``notes`` gets a line for what a directory leaves out, and for the shipped suite taken for
-    want of a ``./scenarios``."""
+def resolve_scenarios(paths: list[str], notes: list[str] | None = None, every: bool = False,
+                      left_out: list[str] | None = None) -> list[Scenario]:
+    """Files are taken as given; a directory (or nothing: the default dir) gives its default set
+    (``default = true``), or with ``every`` its full set (``full = true``, every default one too).
+    ``notes`` gets a line for what a directory leaves out, and for the shipped suite taken for want
+    of a ``./scenarios``; ``left_out`` the files of the full set left out."""
     notes = [] if notes is None else notes
+    left_out = [] if left_out is None else left_out
     if not paths:
         paths = [str(default_scenario_dir())]
         if not (Path.cwd() / "scenarios").is_dir():
@@ -45,12 +48,14 @@ def resolve_scenarios(paths: list[str], notes: list[str] | None = None) -> list[
     for p in map(Path, paths):
         if p.is_dir():
             found = [(f, load_scenario(f)) for f in discover(p)]
-            chosen = [s for _, s in found if s.default]
+            chosen = [s for _, s in found if (s.full if every else s.default)]
             if not chosen:
-                raise ScenarioError(f"{p}: no scenario with default = true")
-            left = [f.name for f, s in found if not s.default]
+                raise ScenarioError(f"{p}: no scenario with {'full' if every else 'default'} = true")
+            left = [f.name for f, s in found if not any(s is c for c in chosen)]
             if left:
-                notes.append(f"{p}: not run (no default = true; name a file to run it): {', '.join(left)}")
+                notes.append(f"{p}: not run (name the file to run it{'' if every else ', or --all for the full set'}): "
+                             f"{', '.join(left)}")
+                left_out.extend(f.name for f, s in found if s.full and not any(s is c for c in chosen))
             out.extend(chosen)
         else:
             out.append(load_scenario(p))
@@ -166,6 +171,14 @@ def _check_out(out: Path | None) -> None:
         raise ScenarioError(f"{out}: --out cannot be written ({e.strerror or e} in {base})") from e
 
 
+def slow_blas_notes() -> list[str]:
+    """A line for the top of a run whose ranks will use the mlx-cpu wheel's slow reference BLAS."""
+    from harness.controller.environment import blas_info
+
+    blas = blas_info()
+    return [f"note: ranks will use the {blas['blas']}: {blas['fix']}"] if blas["slow"] else []
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from harness.controller.environment import environment
     from harness.controller.ports import PortError
@@ -176,8 +189,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     from harness.present.results import document, merge_repeats, scenario_summary, summary_lines
     from harness.present.tables import scenario_text
 
-    notes: list[str] = []
-    scenarios, skipped = available(resolve_scenarios(args.scenarios, notes))
+    notes: list[str] = slow_blas_notes()
+    left_out: list[str] = []
+    scenarios, skipped = available(resolve_scenarios(args.scenarios, notes, args.all, left_out))
     cluster = cluster_of(args, scenarios)
     for s in scenarios:
         notes += preflight(s, args.backend, cluster)
@@ -224,7 +238,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     if out is not None:
         for f in write_outputs(out, doc):
             print(f"wrote {f}", file=sys.stderr)
-    print("\n".join(summary_lines(doc, out)), flush=True)
+    lines = summary_lines(doc, out)
+    if left_out:
+        lines.append(f"ran the default set: {len(scenarios)} of the {len(scenarios) + len(left_out)} scenarios of "
+                     f"the full set; --all runs them all")
+    print("\n".join(lines), flush=True)
     return doc["exit_code"]
 
 
@@ -257,11 +275,11 @@ def cmd_list(args: argparse.Namespace) -> int:
         sizes = ", ".join(str(r.world_size) for r in s.runs)
         why = runnable(s)[1]
         skipped += [why] if why is not None else []
-        default = "yes" if s.default else ""
+        which = "default" if s.default else "full" if s.full else ""
         if why is not None:
-            default = f"{default} (skips {'all' if why.whole else ', '.join(why.runs)})".strip()
-        rows.append([s.name, f.name, default, sizes, s.description])
-    print(tabulate(rows, headers=["Scenario", "File", "Default", "World sizes", "Description"]))
+            which = f"{which} (skips {'all' if why.whole else ', '.join(why.runs)})".strip()
+        rows.append([s.name, f.name, which, sizes, s.description])
+    print(tabulate(rows, headers=["Scenario", "File", "Set", "World sizes", "Description"]))
     for reason in sorted({s.reason for s in skipped}):
         print(f"skipped here: {reason}")
     print()
@@ -312,6 +330,8 @@ def parser() -> argparse.ArgumentParser:
                          formatter_class=formatter)
     run.add_argument("scenarios", nargs="*", help="scenario files or directories")
     run.add_argument("--out", help="directory for result.json, report.md and rank logs")
+    run.add_argument("--all", action="store_true",
+                     help="a directory runs its full set (full = true), not only its default set (default = true)")
     run.add_argument("--format", choices=("plain", "github"), default="plain", help="table format")
     run.add_argument("--repeat", type=int, default=1, metavar="N",
                      help="run each scenario N times; result.json keeps every repeat's figures (for baselines)")

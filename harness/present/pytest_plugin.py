@@ -55,6 +55,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--mlx-ddp-progress", type=float, default=PLAIN_EVERY_S, metavar="S",
                     help="while a scenario runs, a progress line per run every S seconds (0: none; "
                          "not from xdist workers, which have no terminal)")
+    group.addoption("--mlx-ddp-all", action="store_true", default=False,
+                    help="a directory stands for its full set (full = true), not only its default set (default = true)")
     parser.addini("mlx_ddp", type="bool", default=False, help="collect scenario files wherever pytest walks")
 
 
@@ -114,7 +116,9 @@ def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Col
     data = scenario_toml(path)
     if data is None:
         return None
-    if not explicit and data and not data["scenario"].get("default", False):
+    head = data["scenario"] if data else {}
+    chosen = head.get("full", head.get("default", False)) if config.getoption("--mlx-ddp-all") else head.get("default")
+    if not explicit and data and not chosen:
         # a directory stands for its default set, as on the command line; the others show as skipped
         return NotDefaultFile.from_parent(parent, path=file_path) if walked else None
     return ScenarioFile.from_parent(parent, path=file_path)
@@ -130,7 +134,7 @@ class NotDefaultFile(pytest.File):
 class NotDefault(pytest.Item):
     def runtest(self) -> None:
         pytest.skip(f"{self.path.name} has no default = true: a directory runs its default set; "
-                    f"name the file to run it")
+                    f"name the file, or pass --mlx-ddp-all, to run it")
 
     def reportinfo(self) -> tuple[Path, int | None, str]:
         return self.path, None, f"{self.path.name}: not in the default set"
