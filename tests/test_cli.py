@@ -149,7 +149,7 @@ def test_run_without_argument_takes_the_default_set(tmp_path: Path) -> None:
     p = cli("run", cwd=tmp_path)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "chosen: PASSED" in p.stdout and not any(ln.startswith("other:") for ln in p.stdout.splitlines())
-    assert f"{d}: not run (name the file to run it, or --all for the full set): other.toml" in p.stderr
+    assert f"{d}: run only when named: other.toml" in p.stderr
     assert not p.stdout.splitlines()[-1].startswith("ran the default set")
     other = d / "other.toml"
     other.write_text(other.read_text().replace("seed = 7", "seed = 7\nfull = true"))
@@ -173,7 +173,8 @@ def test_bare_run_outside_a_checkout_says_which_suite_it_takes(tmp_path: Path) -
         os.chdir(here)
     assert found and all(s.default for s in found)
     assert notes[0] == f"no ./scenarios here: running the harness's own default suite ({REPO / 'scenarios'})"
-    assert notes[1].startswith(f"{REPO / 'scenarios'}: not run (name the file to run it, or --all for the full set): ")
+    assert notes[1].startswith(f"{REPO / 'scenarios'}: not in the default set (--all runs the full set): ")
+    assert notes[2].startswith(f"{REPO / 'scenarios'}: run only when named: ")
 
 
 def test_list_and_doctor() -> None:

@@ -16,11 +16,13 @@ from typing import TYPE_CHECKING
 
 from harness.availability import Skipped, runnable
 from harness.judge.baselines import BaselineError
+from harness.memory_plan import BUDGET_VAR, check_launches, size_arg
 from harness.present import starter
 from harness.present.baseline_cli import add_parsers
 from harness.present.live import MODES, PLAIN_EVERY_S, PlainProgress, progress_display
 from harness.present.results import EXIT_BAD_INPUT, EXIT_INFRA, load_results
 from harness.scenario import Scenario, ScenarioError, discover, load_scenario
+from harness.scenario_spec import DEVICES, with_device
 
 if TYPE_CHECKING:
     from harness.cluster_spec import Cluster
@@ -51,11 +53,14 @@ def resolve_scenarios(paths: list[str], notes: list[str] | None = None, every: b
             chosen = [s for _, s in found if (s.full if every else s.default)]
             if not chosen:
                 raise ScenarioError(f"{p}: no scenario with {'full' if every else 'default'} = true")
-            left = [f.name for f, s in found if not any(s is c for c in chosen)]
-            if left:
-                notes.append(f"{p}: not run (name the file to run it{'' if every else ', or --all for the full set'}): "
-                             f"{', '.join(left)}")
-                left_out.extend(f.name for f, s in found if s.full and not any(s is c for c in chosen))
+            left = [(f.name, s.full) for f, s in found if not any(s is c for c in chosen)]
+            in_full = [name for name, full in left if full]
+            by_name = [name for name, full in left if not full]
+            if in_full:
+                notes.append(f"{p}: not in the default set (--all runs the full set): {', '.join(in_full)}")
+            if by_name:
+                notes.append(f"{p}: run only when named: {', '.join(by_name)}")
+            left_out.extend(in_full)
             out.extend(chosen)
         else:
             out.append(load_scenario(p))
@@ -99,14 +104,17 @@ def check_resume_sources(s: Scenario) -> None:
 
 
 def check_backends(s: Scenario, backend: str | None) -> None:
-    """Refuse, before anything runs, a run whose backend cannot run its world size here."""
-    from harness.controller.devices import BackendRefused, plan_backend
+    """Refuse, before anything runs, a run whose device or backend cannot run here."""
+    from harness.controller.devices import BackendRefused, DeviceRefused, plan_backend, plan_device
     from harness.trainer_registry import cpu_collectives
 
     for r in s.runs:
+        eff = s.for_run(r)
         try:
-            plan_backend(r.world_size, r.backend or backend, cpu_collectives=cpu_collectives(s.for_run(r).trainer.kind))
-        except BackendRefused as e:
+            device, _ = plan_device(eff.train.device)
+            plan_backend(r.world_size, r.backend or backend, cpu_collectives=cpu_collectives(eff.trainer.kind),
+                         device=device)
+        except (BackendRefused, DeviceRefused) as e:
             raise ScenarioError(f"{s.path}: run {r.name}: {e}") from e
 
 
@@ -122,6 +130,7 @@ def preflight(s: Scenario, backend: str | None, cluster: Cluster | None = None) 
     except ValueError as e:
         raise ScenarioError(str(e)) from e
     check_resume_sources(s)
+    check_launches(s, cluster is not None)  # each run's expected memory fits the memory budget
     notes = check_data_files(s)
     if cluster is None:
         check_backends(s, backend)
@@ -189,9 +198,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     from harness.present.results import document, merge_repeats, scenario_summary, summary_lines
     from harness.present.tables import scenario_text
 
+    if args.memory_budget is not None:  # shared with every launch of this run and its children
+        os.environ[BUDGET_VAR] = str(size_arg(args.memory_budget, "--memory-budget"))
     notes: list[str] = slow_blas_notes()
     left_out: list[str] = []
     scenarios, skipped = available(resolve_scenarios(args.scenarios, notes, args.all, left_out))
+    scenarios = [with_device(s, args.device) for s in scenarios]
     cluster = cluster_of(args, scenarios)
     for s in scenarios:
         notes += preflight(s, args.backend, cluster)
@@ -337,6 +349,9 @@ def parser() -> argparse.ArgumentParser:
                      help="run each scenario N times; result.json keeps every repeat's figures (for baselines)")
     run.add_argument("--backend", choices=("ring", "nccl", "mpi", "jaccl"),
                      help="distributed backend of every run that names none (default: nccl with CUDA, else ring)")
+    run.add_argument("--device", choices=DEVICES,
+                     help="the device of every run, over the scenarios' [train] device (auto: the GPU where MLX "
+                          "sees a real one, else the CPU)")
     run.add_argument("--progress", choices=MODES, default="auto",
                      help="progress while runs run: a live display on a terminal, plain lines otherwise (auto)")
     run.add_argument("--progress-every", type=float, default=PLAIN_EVERY_S, metavar="S",
@@ -345,6 +360,9 @@ def parser() -> argparse.ArgumentParser:
                      help="run every multi-rank run across these hosts (mlx.launch's hostfile format, over SSH)")
     run.add_argument("--keep-checkpoints", action="store_true",
                      help="keep whole checkpoints under OUT/runs (default: their manifests and trainer state)")
+    run.add_argument("--memory-budget", metavar="SIZE",
+                     help=f"memory every launch on this machine shares, e.g. 6GB or 512MB ({BUDGET_VAR}; "
+                          "default: the working set); each rank's share is it / the ranks on its host")
     run.set_defaults(func=cmd_run)
     rep = sub.add_parser("report", help="print the tables of saved results (result.json files or --out dirs)")
     rep.add_argument("results", nargs="+", help="result.json files or directories holding one")
