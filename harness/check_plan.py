@@ -100,6 +100,13 @@ def _memory(s: Scenario, spec: RunSpec) -> list[str]:
     return [name for name, limit in zip(MEMORY, limits, strict=True) if limit is not None]
 
 
+@rule("wired_share", ("wired_share",))
+def _wired_share(s: Scenario, spec: RunSpec) -> list[str]:
+    """Every run: no rank holds more than its share of its machine's memory (n/a where no rank
+    recorded one)."""
+    return ["wired_share"]
+
+
 @rule("mutation", ("mutation_caught",))
 def _mutation(s: Scenario, spec: RunSpec) -> list[str]:
     return ["mutation_caught"] if spec.mutation is not None else []

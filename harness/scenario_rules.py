@@ -16,6 +16,7 @@ from harness.scenario_spec import (
     COMPILE_SCOPES,
     DAMAGE_ACTIONS,
     DATA_FORMATS,
+    DEVICES,
     DTYPES,
     FAULT_ACTIONS,
     FAULT_PHASES,
@@ -86,6 +87,7 @@ def _validate_train(t: TrainSpec, d: DataSpec, src: str, where: str) -> None:
     require(0 <= t.input_dropout < 1, src, f"{where}.input_dropout", "must be in [0, 1)")
     _one_of(t.compile, COMPILE_MODES, src, f"{where}.compile")
     _one_of(t.precision, PRECISIONS, src, f"{where}.precision")
+    _one_of(t.device, DEVICES, src, f"{where}.device")
     _one_of(t.grad_norms, ("auto", "on", "off"), src, f"{where}.grad_norms")
     require(t.digest_every >= 0, src, f"{where}.digest_every", "must be >= 0")
     require(t.eval_every >= 0, src, f"{where}.eval_every", "must be >= 0")
@@ -160,6 +162,8 @@ def _validate_fault(f: FaultSpec, where: str, src: str) -> None:
     require(f.action != "stale_view" or f.phase == "resume", src, f"{where}.phase",
              "stale_view happens while resuming: use phase 'resume'")
     require(f.action != "allocate" or f.mb > 0, src, f"{where}.mb", "allocate needs the MB to allocate (> 0)")
+    require((f.action == "wrong_result") == (f.phase == "device_check"), src, f"{where}.action",
+            "wrong_result is the device_check phase's one action, and that phase's only one")
 
 
 def _validate_trainer_spec(t: TrainerSpec, src: str, at: str) -> None:
@@ -204,8 +208,10 @@ def _validate_run_trainer(s: Scenario, i: int, r: RunSpec, src: str) -> None:
         require(eff.train.input_dropout == 0, src, f"{where}.train.input_dropout", f"{name} has no input dropout")
     if info.rules is not None:
         info.rules(eff, r, src, where)
-    if info.external:
-        for j, f in enumerate(eff.faults):
+    for j, f in enumerate(eff.faults):
+        require(not info.command or f.phase != "device_check", src, f"[[faults]][{j}].phase",
+                f"{name} runs its own process on its own device: the harness runs no device check for it")
+        if info.external and f.phase != "device_check":  # the rank runtime checks every other trainer's device
             require(f.phase == "step" and f.action in STEP_FAULTS, src, f"[[faults]][{j}]",
                     f"{name} can be faulted in the 'step' phase with {', '.join(STEP_FAULTS)}")
 
@@ -291,7 +297,7 @@ def validate(s: Scenario, src: str) -> None:
                     "give the reason the check is expected to fail, as a string (or a table of run name -> reason)")
     require(s.limits.wall_s > 0 and s.limits.no_progress_s > 0, src, "[limits]",
              "limits must be positive")
-    for key in ("hard_rss_mb", "hard_mlx_mb"):
+    for key in ("hard_rss_mb", "hard_mlx_mb", "memory_budget_mb"):
         require(getattr(s.limits, key) is None or getattr(s.limits, key) > 0, src, f"[limits].{key}",
                 "must be positive")
     require(s.limits.hard_memory_factor >= 1, src, "[limits].hard_memory_factor",

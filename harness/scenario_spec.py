@@ -15,14 +15,15 @@ ARCHS = TEXT_ARCHS + VLM_ARCHS
 DTYPES = ("float32", "bfloat16", "float16")
 BACKENDS = ("ring", "nccl", "mpi", "jaccl")
 FAULT_ACTIONS = ("raise", "exit", "sigkill", "segfault", "hang", "exit0", "stop", "compile_error",
-                 "truncate", "corrupt", "delete", "stale_view", "allocate")
-FAULT_PHASES = ("fetch", "step", "update", "eval", "checkpoint", "resume", "save")
+                 "truncate", "corrupt", "delete", "stale_view", "allocate", "wrong_result")
+FAULT_PHASES = ("fetch", "step", "update", "eval", "checkpoint", "resume", "save", "device_check")
 DAMAGE_ACTIONS = ("truncate", "corrupt", "delete")
 CHECKPOINT_FILES = ("model.safetensors", "optimizer.safetensors", "trainer.json", "manifest.json")
 DATA_FORMATS = ("auto", "text", "prompt_completion", "chat")
 ORDERS = ("ordered", "shuffled", "length_sorted")
 COMPILE_MODES = ("off", "strict", "best_effort")
 PRECISIONS = ("auto", "full", "device")
+DEVICES = ("auto", "gpu", "cpu")
 KINDS = ("parity", "throughput")
 COMPILE_SCOPES = ("none", "local-grad", "full-step", "fallback-eager")
 LR_SCHEDULES = ("constant", "cosine", "linear")
@@ -121,7 +122,10 @@ class TrainSpec:
 
     ``pad_to``: the reference trainer pads each micro-batch's input width up to a multiple of it
     (masked), as mlx-lm's ``iterate_batches`` pads to 32: MLX's CUDA backend trains a width that
-    is not a multiple of 32 at about half speed. 1 pads to the longest row only."""
+    is not a multiple of 32 at about half speed. 1 pads to the longest row only.
+
+    ``device``: what every rank computes on. ``gpu``, ``cpu``, or ``auto`` (the default): the GPU
+    where MLX sees a real one (CUDA or Metal), else the CPU (``harness.controller.devices.plan_device``)."""
 
     steps: int = 20
     global_batch: int = 8
@@ -143,6 +147,7 @@ class TrainSpec:
     digest_every: int = 0
     checkpoint_every: int = 0
     keep_last: int = 2
+    device: str = "auto"
 
 
 @dataclass
@@ -253,7 +258,8 @@ class LimitSpec:
     (``harness.controller.memory_guard``): per rank ``hard_rss_mb`` (RSS above the rank's
     baseline) and ``hard_mlx_mb``, by default the larger of ``hard_memory_factor`` x the
     ``[checks]`` ceiling and the ceiling + ``hard_memory_slack_mb``, where one is set; all ranks
-    together at most ``machine_memory_fraction`` of the machine."""
+    together at most ``machine_memory_fraction`` of the machine. ``memory_budget_mb``: the memory
+    this scenario's runs share, where lower than the machine's budget (``harness.memory_plan``)."""
 
     wall_s: float = 600.0
     no_progress_s: float = 120.0
@@ -262,11 +268,15 @@ class LimitSpec:
     hard_memory_factor: float = 3.0
     hard_memory_slack_mb: float = 256.0
     machine_memory_fraction: float = 0.9
+    memory_budget_mb: float | None = None
 
 
 @dataclass
 class FaultSpec:
     """Make ``rank`` misbehave at optimizer step ``step`` in ``phase`` (to prove failure handling).
+
+    In the ``device_check`` phase (before training; ``step`` is not used there) ``wrong_result``
+    makes the rank's device check see a wrong matmul, as a device that computes wrong would.
 
     ``stop`` requests an early stop as a callback would; ``compile_error`` makes the rank's
     compiled step fail to trace (eager still works). In the ``checkpoint`` phase a kill happens
@@ -393,3 +403,11 @@ def is_named_tokenizer(value: Any) -> bool:
 
 def writes_checkpoints(s: Scenario, run: RunSpec) -> bool:
     return run.stop_after is not None or s.for_run(run).train.checkpoint_every > 0
+
+
+def with_device(s: Scenario, device: str | None) -> Scenario:
+    """``s`` with every run on ``device`` (``--device``, ``--mlx-ddp-device``); ``None``: as written."""
+    if device is None:
+        return s
+    runs = [dataclasses.replace(r, train={k: v for k, v in r.train.items() if k != "device"}) for r in s.runs]
+    return dataclasses.replace(s, train=dataclasses.replace(s.train, device=device), runs=runs)

@@ -45,7 +45,7 @@ COMMAND_ENV = {
     "seed": "MLX_DDP_HARNESS_SEED", "steps": "MLX_DDP_HARNESS_STEPS", "global_batch": "MLX_DDP_HARNESS_GLOBAL_BATCH",
     "learning_rate": "MLX_DDP_HARNESS_LEARNING_RATE", "optimizer": "MLX_DDP_HARNESS_OPTIMIZER",
     "vocab_size": "MLX_DDP_HARNESS_VOCAB_SIZE", "split_rows": "MLX_DDP_HARNESS_SPLIT_ROWS",
-    "rank": "MLX_DDP_HARNESS_RANK", "world_size": "MLX_DDP_HARNESS_WORLD_SIZE",
+    "rank": "MLX_DDP_HARNESS_RANK", "world_size": "MLX_DDP_HARNESS_WORLD_SIZE", "device": "MLX_DDP_HARNESS_DEVICE",
 }
 NO_STEPS = "reported no steps"  # a trainer that never trained: every other run of it would say the same
 
@@ -131,6 +131,9 @@ class RankResult(_RankRequired, total=False):
     device: str
     is_main: bool
     accelerator: str  # "cpu", "cuda" or "metal"
+    device_asked: str  # a training job's ``[train] device``: "auto", "gpu" or "cpu"
+    device_reason: str | None  # why it computes there, where auto chose or the device check moved it
+    device_check: dict[str, Any]  # device, checks, status (passed, fell_back, skipped), detail
     startup_s: float
     startup_parts_s: dict[str, float]
     startup_total_s: float
@@ -142,6 +145,7 @@ class RankResult(_RankRequired, total=False):
     rss_baseline_bytes: int | None
     rss_peak_after_baseline_bytes: int | None
     memory_sampler_error: str | None
+    memory_share: dict[str, Any]  # working set, budget, share, limit calls (``harness.rank.memory_share``)
 
 
 class _TrainRequired(TypedDict):

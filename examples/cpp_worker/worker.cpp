@@ -155,6 +155,12 @@ int main(int argc, char** argv) {
     const uint64_t seed = std::stoull(env("MLX_DDP_HARNESS_SEED"));
     if (env("MLX_DDP_HARNESS_OPTIMIZER") != "sgd") throw std::runtime_error("this worker trains with sgd only");
     auto rows = read_rows(env("MLX_DDP_HARNESS_ROWS"), steps);
+    const char* device = std::getenv("MLX_DDP_HARNESS_DEVICE");  // "cpu" or "gpu": [train] device, as planned
+    if (device != nullptr && std::string(device) == "cpu") {
+      mx::set_default_device(mx::Device::cpu);
+    } else if (device != nullptr && std::string(device) == "gpu") {
+      mx::set_default_device(mx::Device::gpu);
+    }
 
     auto group = mx::distributed::init();
     const int world = group.size();

@@ -1,4 +1,5 @@
-"""The machine's GPUs as MLX sees them, and which backend runs how many ranks on them.
+"""The machine's GPUs as MLX sees them, which device a run computes on (``plan_device``), and
+which backend runs how many ranks on them.
 
 NCCL needs one GPU per rank: ``mlx.launch --backend nccl`` gives rank r ``CUDA_VISIBLE_DEVICES=r``,
 so a rank beyond the GPU count finds no device. The harness therefore refuses a run that asks for
@@ -7,7 +8,7 @@ ring backend instead, with the reason recorded in its result: ring ranks talk ov
 sockets, so any number of them can share the GPUs (rank r on GPU r mod count). A trainer that
 all-sums on MLX's CPU stream (``TrainerInfo.cpu_collectives``: mlx-lm's, mlx-vlm's,
 unsloth-zoo's) runs on ring on a CUDA machine for the same kind of reason: nccl serves GPU
-arrays only.
+arrays only; so does a run on the CPU device.
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ from dataclasses import dataclass
 
 class BackendRefused(ValueError):
     """A run's backend cannot run its world size on this machine."""
+
+
+class DeviceRefused(ValueError):
+    """A run asks for a device this machine does not have."""
 
 
 @dataclass(frozen=True)
@@ -34,6 +39,20 @@ class Accelerators:
             return f"none: MLX computes on the CPU ({self.name})"
         memory = f", {self.memory_bytes / 2**30:.0f} GiB each" if self.memory_bytes else ""
         return f"{self.count} x {self.name} ({self.kind}{memory})"
+
+    @property
+    def paravirtual(self) -> bool:
+        """A paravirtual Metal device ("Apple Paravirtual device": a GitHub-hosted macOS runner's
+        M1 VM), where GPU work is unsupported and custom kernels were seen returning zeros."""
+        return self.kind == "metal" and "paravirtual" in self.name.lower()
+
+    def kind_line(self) -> str:
+        """The device's kind in words, for ``doctor``."""
+        if self.kind == "cpu":
+            return "none: the CPU"
+        if self.paravirtual:
+            return "Metal (paravirtual: a hosted VM; auto uses the CPU)"
+        return "CUDA" if self.kind == "cuda" else "Metal"
 
     def ranks_per_backend(self, available: list[str]) -> str:
         """Which backend can run how many ranks here, in words."""
@@ -67,16 +86,46 @@ def accelerators() -> Accelerators:
     return Accelerators(kind, count, str(info.get("device_name") or kind), int(memory) if memory else None)
 
 
+def plan_device(asked: str, acc: Accelerators | None = None) -> tuple[str, str | None]:
+    """(``gpu`` or ``cpu``, why, where ``auto`` chose) for a run asking ``asked`` (``[train]
+    device``); ``DeviceRefused`` for ``gpu`` where MLX sees none. ``auto`` takes a CUDA or real
+    Metal GPU and the CPU where there is none or the Metal device is paravirtual. ``gpu`` on a
+    paravirtual device is allowed: the ranks' device check (``harness.rank.device_check``) guards it."""
+    if asked == "cpu":
+        return "cpu", None
+    acc = acc or accelerators()
+    if asked == "gpu":
+        if acc.kind == "cpu":
+            raise DeviceRefused(f"device = \"gpu\", and MLX sees no GPU here ({acc.describe()}); use device = "
+                                f"\"cpu\" or \"auto\"")
+        return "gpu", None
+    if asked != "auto":
+        raise DeviceRefused(f"unknown device {asked!r} (auto, gpu or cpu)")
+    if acc.kind == "cpu":
+        return "cpu", "auto: no GPU here"
+    if acc.paravirtual:
+        return "cpu", (f"auto: the Metal device is paravirtual ({acc.name}, a hosted VM where GPU work is "
+                       f"unsupported): the CPU")
+    return "gpu", f"auto: {acc.count} x {acc.name} ({acc.kind})"
+
+
 def plan_backend(world_size: int, requested: str | None, acc: Accelerators | None = None,
-                 cpu_collectives: str | None = None) -> tuple[str | None, str | None]:
+                 cpu_collectives: str | None = None, device: str = "gpu") -> tuple[str | None, str | None]:
     """(backend, why the harness chose it, or None when it is the one asked for or the usual
-    default) of a run of ``world_size`` ranks; ``BackendRefused`` when it cannot run here.
-    ``cpu_collectives``: why the trainer all-reduces on the CPU stream (``TrainerInfo``)."""
+    default) of a run of ``world_size`` ranks on ``device`` (``plan_device``); ``BackendRefused``
+    when it cannot run here. ``cpu_collectives``: why the trainer all-reduces on the CPU stream
+    (``TrainerInfo``)."""
     if world_size == 1:
         return None, None
     acc = acc or accelerators()
     if acc.kind != "cuda":
         return requested or "ring", None
+    if device == "cpu":
+        if requested == "nccl":
+            raise BackendRefused("device cpu: the nccl backend serves GPU arrays only; name no backend to run it "
+                                 "on ring, or use device = \"gpu\"")
+        return requested or "ring", (None if requested else "device cpu, which nccl cannot serve (GPU arrays "
+                                                            "only): ring over loopback")
     if cpu_collectives and requested in (None, "nccl"):
         if requested == "nccl":
             raise BackendRefused(f"{cpu_collectives}, which the nccl backend cannot serve (GPU arrays only); "

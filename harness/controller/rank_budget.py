@@ -13,6 +13,15 @@ as its own and takes only what it needs beyond them, so it never waits for its o
 
 A held slot's file names its holder; a run's watchdog reads the names (``NeighbourMeter``) to
 say which part of the run other launches ran beside it, sharing its GPU where it has one.
+
+Memory is budgeted the same way: a launch that says what its ranks are expected to hold
+(``memory_bytes``: ranks x the expected per-rank peak, ``harness.memory_plan``) also claims that
+much of the machine's memory budget (``MLX_DDP_HARNESS_MEMORY_BUDGET``, else the working set):
+a ``mem-*`` file in the same directory, held with ``flock`` and holding the bytes and the holder.
+It is taken with its slots, under the same lock, only while the live claims (files whose lock is
+held; a dead holder's are removed) and its own fit the budget; a launch larger than the budget
+waits until no other claim is left. A launch of ranks its holder's slots cover
+(``MLX_DDP_HARNESS_RANKS_HELD``) still claims its memory.
 """
 
 from __future__ import annotations
@@ -30,6 +39,8 @@ from pathlib import Path
 from typing import IO, Any
 
 import psutil
+
+from harness.memory_plan import format_size, machine_budget
 
 BUDGET_VAR = "MLX_DDP_HARNESS_RANK_BUDGET"
 DIR_VAR = "MLX_DDP_HARNESS_RANK_DIR"
@@ -67,8 +78,15 @@ class RankSlots:
 
     held: list[IO[str]] = field(default_factory=list)
     waited_s: float = 0.0
+    memory: IO[str] | None = None  # its claim on the machine's memory budget
 
     def release(self) -> None:
+        if self.memory is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.memory.name)  # removed while still locked: no one counts it as stale
+                fcntl.flock(self.memory, fcntl.LOCK_UN)
+            self.memory.close()
+            self.memory = None
         for f in self.held:
             with contextlib.suppress(OSError):
                 f.seek(0)
@@ -184,28 +202,83 @@ def held_here() -> int:
         return 0
 
 
-def hold(ranks: int, what: str = "a launch", poll_s: float = 0.05) -> RankSlots:
-    """Wait until ``ranks`` slots (at most the budget, less those ``held_here``) are free, and
-    take them."""
+MEMORY_PREFIX = "mem-"
+_claims_made = 0
+
+
+def memory_claims(d: Path) -> list[tuple[int, str]]:
+    """(bytes, holder) of each live claim on the memory budget; a dead holder's claim is removed.
+    Called under the directory lock."""
+    out = []
+    for path in d.glob(f"{MEMORY_PREFIX}*"):
+        try:
+            f = open(path)  # noqa: SIM115 - closed below, after its lock is tested
+        except OSError:
+            continue
+        with f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:  # held: a live claim
+                size, _, holder = f.read().partition(" ")
+                out.append((int(size) if size.isdigit() else 0, holder.strip() or "a process that did not say"))
+                continue
+            with contextlib.suppress(OSError):
+                path.unlink()  # its holder died, and its lock with it
+    return out
+
+
+def _claim(d: Path, nbytes: int, what: str) -> IO[str]:
+    global _claims_made
+    _claims_made += 1
+    f = open(d / f"{MEMORY_PREFIX}{os.getpid()}-{_claims_made}", "w")  # noqa: SIM115 - held while the claim is
+    fcntl.flock(f, fcntl.LOCK_EX)
+    f.write(f"{nbytes} {what} (pid {os.getpid()})")
+    f.flush()
+    return f
+
+
+def claimed(claims: list[tuple[int, str]]) -> str:
+    """Live claims as one phrase: each holder with its bytes."""
+    return "; ".join(f"{format_size(n)} by {h}" for n, h in claims) or "none"
+
+
+def hold(ranks: int, what: str = "a launch", poll_s: float = 0.05, memory_bytes: int = 0) -> RankSlots:
+    """Wait until ``ranks`` slots (at most the budget, less those ``held_here``) are free and
+    ``memory_bytes`` fit the memory budget beside the live claims, and take them."""
     size = budget()
     want = min(ranks, size) - min(held_here(), size)
-    if want <= 0:
+    memory_bytes = max(0, int(memory_bytes))
+    if want <= 0 and memory_bytes == 0:
         return RankSlots()
+    mem = machine_budget() if memory_bytes else None
     d = slot_dir()
     t0 = time.monotonic()
     noticed = False
     while True:
+        busy: list[str] = []
+        claims: list[tuple[int, str]] = []
         with open(d / ".lock", "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
-                got, busy = _try_take(d, want, size, what)
+                claims = memory_claims(d) if mem is not None else []
+                used = sum(n for n, _ in claims)
+                fits = mem is None or not claims or used + memory_bytes <= mem.bytes
+                got: list[IO[str]] = []
+                if fits and want > 0:
+                    got, busy = _try_take(d, want, size, what)
+                if fits and (got or want <= 0):
+                    claim = _claim(d, memory_bytes, what) if memory_bytes else None
+                    return RankSlots(got, time.monotonic() - t0, claim)
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
         waited = time.monotonic() - t0
-        if got:
-            return RankSlots(got, waited)
         if not noticed and waited >= NOTICE_AFTER_S:
             noticed = True
-            print(f"{what}: waiting for {want} of this machine's {size} rank slots ({BUDGET_VAR}); "
-                  f"held: {holders(busy)}", file=sys.stderr, flush=True)
+            if busy or mem is None:
+                print(f"{what}: waiting for {want} of this machine's {size} rank slots ({BUDGET_VAR}); "
+                      f"held: {holders(busy)}", file=sys.stderr, flush=True)
+            else:
+                print(f"{what}: waiting for {format_size(memory_bytes)} of this machine's memory budget of "
+                      f"{format_size(mem.bytes)} ({mem.source}); claimed: {claimed(claims)}",
+                      file=sys.stderr, flush=True)
         time.sleep(poll_s)

@@ -15,7 +15,7 @@ from harness.controller import launch as launcher
 from harness.controller import rank_budget
 from harness.controller.collect import RunOutcome, collect, failure_reason
 from harness.controller.cpu_use import CpuMeter
-from harness.controller.devices import BackendRefused, plan_backend
+from harness.controller.devices import BackendRefused, DeviceRefused, plan_backend, plan_device
 from harness.controller.memory_guard import MemoryLimits
 from harness.controller.progress import Observer, ProgressFeed, RunProgress
 from harness.controller.watch import WatchReport, kill_group, watch
@@ -114,11 +114,16 @@ def execute(
     scenario = job.get("scenario") or {}
     steps = int(job.get("stop_after") or (scenario.get("train") or {}).get("steps") or 0)
     feed = ProgressFeed(RunProgress(str(scenario.get("name", "")), name, world_size, steps), progress)
-    backend, backend_reason = _backend(name, world_size, backend, scenario, on_cluster)
+    device = _device(name, job, on_cluster)
+    backend, backend_reason = _backend(name, world_size, backend, scenario, on_cluster,
+                                       (device or {}).get("planned") or "gpu")
+    if device is not None:
+        job = {**job, "device": device}
     try:
         feed.poll(False)  # queued
         # the watchdog starts once the ranks do; ranks on cluster hosts take no slots here
-        slots = rank_budget.hold(0 if on_cluster else world_size, f"run {name!r}")
+        expected = 0 if on_cluster else world_size * int((job.get("memory") or {}).get("expected_rank_bytes") or 0)
+        slots = rank_budget.hold(0 if on_cluster else world_size, f"run {name!r}", memory_bytes=expected)
     except ValueError as e:
         raise LaunchError(str(e)) from e
     run_dir: Path | None = None
@@ -144,6 +149,8 @@ def execute(
                 started.lease.release()
         outcome = _summarize(name, run_dir, started, report, feed)
         outcome.backend_reason, outcome.queued_s = backend_reason, slots.waited_s
+        if device is not None:
+            outcome.device, outcome.device_reason = device_used(outcome, device)
         if keep_to is not None:
             _keep(run_dir, keep_to)
             outcome.artifacts = keep_to
@@ -154,14 +161,40 @@ def execute(
             shutil.rmtree(run_dir, ignore_errors=True)
 
 
+def _device(name: str, job: dict[str, Any], on_cluster: bool) -> dict[str, Any] | None:
+    """The device a training job asks for, the one planned for it here and why (``plan_device``);
+    on a cluster's hosts ``auto`` is each rank's default device."""
+    asked = (job.get("device") or {}).get("asked")
+    if asked is None:
+        return None
+    if on_cluster:
+        return {"asked": asked, "planned": None if asked == "auto" else asked,
+                "reason": "auto: the hosts' default device" if asked == "auto" else None}
+    try:
+        planned, reason = plan_device(asked)
+    except DeviceRefused as e:
+        raise LaunchError(f"run {name!r}: {e}") from e
+    return {"asked": asked, "planned": planned, "reason": reason}
+
+
+def device_used(outcome: RunOutcome, plan: dict[str, Any]) -> tuple[str | None, str | None]:
+    """The device the run's ranks computed on and why: as planned, unless their device check
+    moved them to the CPU (``harness.rank.device_check``; every rank decides alike)."""
+    for o in outcome.ranks:
+        check = (o.result or {}).get("device_check") or {}
+        if check.get("device"):
+            return check["device"], o.result.get("device_reason")
+    return plan["planned"], plan["reason"]
+
+
 def _backend(name: str, world_size: int, backend: str | None, scenario: dict[str, Any],
-             on_cluster: bool) -> tuple[str | None, str | None]:
+             on_cluster: bool, device: str = "gpu") -> tuple[str | None, str | None]:
     """The run's backend and why, when the harness chose another than the usual one."""
     if on_cluster:  # the hosts' devices are theirs: ring unless the scenario or hostfile says
         return backend or "ring", None
     try:
         kind = scenario.get("trainer", {}).get("kind")
-        return plan_backend(world_size, backend, cpu_collectives=cpu_collectives(kind))
+        return plan_backend(world_size, backend, cpu_collectives=cpu_collectives(kind), device=device)
     except BackendRefused as e:
         raise LaunchError(f"run {name!r}: {e}") from e
 
@@ -171,6 +204,8 @@ def _launch(name: str, job: dict[str, Any], world_size: int, backend: str | None
     """Write the job into ``run_dir`` and start its ranks (here, or on ``cluster``'s hosts)."""
     # launched_at lets each rank measure its startup (launch to joined group) on one clock.
     job = {**job, "world_size": world_size, "backend": backend, "launched_at": time.time()}
+    placement = cluster.place(world_size) if cluster is not None else [0] * world_size  # rank -> its host
+    job["memory"] = {**(job.get("memory") or {}), "ranks_on_host": [placement.count(h) for h in placement]}
     schema.write_json_atomic(run_dir / schema.JOB_FILE, schema.stamp(job))
     try:
         if cluster is not None:

@@ -26,6 +26,7 @@ from harness.controller.memory_guard import MemoryLimits
 from harness.controller.progress import Observer
 from harness.controller.session import execute
 from harness.controller.watch import WatchReport
+from harness.memory_plan import job_memory
 from harness.run_plan import FloorRun, compared, floor_runs, launch_order, probe_steps
 from harness.scenario import RunSpec, Scenario, writes_checkpoints
 from harness.schema import NO_STEPS, probe_path
@@ -86,6 +87,8 @@ def train_job(s: Scenario, run: RunSpec, workspace: Path | None = None, floor: F
         # rank 0 keeps the parameters the run starts from: the reference's, to measure how far training moved them
         "keep_start": floor is None and run.name == s.checks.reference,
         "probe": probe_plan(s, run, workspace, floor),
+        "device": {"asked": eff.train.device},  # planned at launch (``session.execute``)
+        "memory": job_memory(s, run),  # the budget and expected peak; ranks per host added at launch
     }
     if workspace is not None and writes_checkpoints(s, run):
         job["checkpoint_dir"] = str(checkpoint_dir(workspace, run.name))

@@ -28,6 +28,7 @@ from harness.judge.floors import floors
 from harness.judge.parity import eval_parity, loss_parity, param_parity, step_local
 from harness.judge.power import judge_power, start_parity
 from harness.judge.resume_checks import judge_resume
+from harness.judge.wired_share import wired_share
 from harness.scenario import RunSpec, Scenario
 
 
@@ -115,6 +116,7 @@ JUDGES: dict[str, Callable[[Judged], list[Check]]] = {
     "expectations": lambda j: expectations(j.run, j.spec),
     "resume": lambda j: judge_resume(j.s, j.run, j.by_name),
     "memory": lambda j: memory_ceilings(j.run, j.s),
+    "wired_share": lambda j: [wired_share(j.run)],
     "mutation": lambda j: [mutation_caught(j.run, j.spec.mutation, j.so_far, j.s.checks.mutation_margin)],
 }
 

@@ -50,6 +50,9 @@ def cmd_gate(args: argparse.Namespace) -> int:
             raise ScenarioError(f"--{'against' if args.against else 'env'} runs its own baseline: give --baseline or "
                                 f"--{'against' if args.against else 'env'}, not both")
         return (cmd_gate_against if args.against else cmd_gate_env)(args, tolerance_overrides(args))
+    if args.device:
+        raise ScenarioError("--device is for a gate that runs scenarios itself (--against, --env); results "
+                            "already run keep the device they ran on")
     if not args.baseline:
         raise ScenarioError("gate needs --baseline FILE (results against a stored baseline), --against REV or "
                             "--env PYTHON")
@@ -131,6 +134,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="with --against: the chance of a false alarm over the whole gate (default 0.02)")
     g.add_argument("--beta", type=float, default=0.10,
                    help="with --against: the chance of missing a --detect slowdown, per run (default 0.10)")
+    g.add_argument("--device", choices=("auto", "gpu", "cpu"),
+                   help="with --against or --env: the device of every run on both sides (run --device)")
     g.add_argument("--force", action="store_true", help="compare even when the platforms differ")
     g.add_argument("--format", choices=("plain", "github"), default="plain", help="table format")
     g.add_argument("--out", metavar="DIR", help="write DIR/gate.json: every gate's fields, for a CI job to read")

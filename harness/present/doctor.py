@@ -25,6 +25,8 @@ def checks() -> list[tuple[str, str, bool]]:
     ]
     acc = accelerators()
     rows.append(("GPUs", acc.describe(), True))
+    rows.append(("device kind", acc.kind_line(), True))
+    rows.append(device_check_row("cpu" if acc.kind == "cpu" else "gpu"))
     avail = [b for b in BACKENDS if mx.distributed.is_available(b)]
     rows.append(("distributed backends", ", ".join(avail) or "none", bool(avail)))
     rows.append(("ranks per backend", acc.ranks_per_backend(avail) or "none", bool(avail)))
@@ -42,9 +44,46 @@ def checks() -> list[tuple[str, str, bool]]:
         rows.append(("rank budget", f"{budget()} ranks at once on this machine ({BUDGET_VAR})", True))
     except ValueError as e:
         rows.append(("rank budget", str(e), False))
+    rows += memory_rows()
     blas = blas_info()
     rows.append(("BLAS", blas["blas"] + (f" -- {blas['fix']}" if blas["slow"] else ""), not blas["slow"]))
     rows.append(("mpirun", shutil.which("mpirun") or "not found (only needed for --backend mpi)", True))
+    return rows
+
+
+def device_check_row(device: str) -> tuple[str, str, bool]:
+    """The ranks' device check (``harness.rank.device_check``) run once on ``device`` in a
+    process of its own, without the collective."""
+    import json
+    import subprocess
+    import sys
+
+    try:
+        p = subprocess.run([sys.executable, "-m", "harness.rank.device_check", device], capture_output=True,
+                           text=True, timeout=120)
+        found = json.loads(p.stdout.strip().splitlines()[-1])
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError) as e:
+        return "device check", f"{device}: could not run it ({e})", False
+    if found["problems"]:
+        return "device check", f"{found['device']} computes wrong: {found['problems'][0]}", False
+    return "device check", f"{found['device']}: {' and '.join(found['checks'])} right (numpy's answers)", True
+
+
+def memory_rows() -> list[tuple[str, str, bool]]:
+    """The working set and where it comes from, the memory budget, and a rank's share at 2 and 4
+    ranks on this machine (``harness.memory_plan``)."""
+    from harness.memory_plan import BUDGET_VAR, format_size, machine_budget, machine_working_set, share_of
+
+    ws = machine_working_set()
+    rows = [("working set", f"{format_size(ws.bytes)}: {ws.source}", True)]
+    try:
+        b = machine_budget()
+    except ValueError as e:
+        return [*rows, ("memory budget", str(e), False)]
+    how = b.source if b.given else f"the working set; --memory-budget or {BUDGET_VAR} sets another"
+    rows.append(("memory budget", f"{format_size(b.bytes)} ({how})", True))
+    rows.append(("memory share per rank", ", ".join(f"{format_size(share_of(b.bytes, n))} at {n} ranks"
+                                                    for n in (2, 4)), True))
     return rows
 
 

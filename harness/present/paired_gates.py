@@ -98,14 +98,22 @@ class Side:
     root: Path
     env: dict[str, str]
     outs: list[Path] = field(default_factory=list)
+    options: list[str] = field(default_factory=list)  # more options of ``run`` (``--device``)
 
     def run(self, scenarios: list[str], out: Path) -> None:
-        p = subprocess.run([self.python, "-m", "harness", "run", *scenarios, "--out", str(out), "--progress", "off"],
+        p = subprocess.run([self.python, "-m", "harness", "run", *scenarios, "--out", str(out), "--progress", "off",
+                            *self.options],
                            cwd=self.root, env=self.env, capture_output=True, text=True)
         if p.returncode not in RUN_OK or not (out / "result.json").is_file():
             tail = " | ".join(p.stderr.strip().splitlines()[-3:])
             raise ScenarioError(f"the {self.label} side's run exited {p.returncode}: {tail}")
         self.outs.append(out)
+
+
+def run_options(args: argparse.Namespace) -> list[str]:
+    """The options of ``gate`` that both sides' ``run`` takes: ``--device`` (a revision without
+    it refuses the option, and its side's run fails saying so)."""
+    return ["--device", args.device] if getattr(args, "device", None) else []
 
 
 def _relative(repo: Path, scenario: str) -> str:
@@ -163,8 +171,8 @@ def cmd_gate_against(args: argparse.Namespace, overrides: dict[str, float | None
         missing = [s for s in scenarios if not (tree / s).is_file()]
         if missing:
             raise ScenarioError(f"{missing[0]}: not in revision {args.against} ({commit[:12]})")
-        sides = [Side("baseline", sys.executable, tree, _side_env(tree)), Side("candidate", sys.executable, repo,
-                                                                                 dict(os.environ))]
+        sides = [Side("baseline", sys.executable, tree, _side_env(tree), options=run_options(args)),
+                 Side("candidate", sys.executable, repo, dict(os.environ), options=run_options(args))]
         verdicts = run_pairs(sides, scenarios, design, work)
         base_docs, cand_docs = (load_results([str(o) for o in side.outs]) for side in sides)
     finally:
@@ -253,7 +261,8 @@ def cmd_gate_env(args: argparse.Namespace, overrides: dict[str, float | None]) -
     try:
         here = Path.cwd()
         own = {k: v for k, v in os.environ.items() if k not in ENVIRONMENT_VARS}  # each Python finds its own
-        sides = [Side("baseline", other, here, own), Side("candidate", sys.executable, here, dict(os.environ))]
+        sides = [Side("baseline", other, here, own, options=run_options(args)),
+                 Side("candidate", sys.executable, here, dict(os.environ), options=run_options(args))]
         verdicts = run_pairs(sides, [str(Path(s).resolve()) for s in args.results], design, work)
         base_docs, cand_docs = (load_results([str(o) for o in side.outs]) for side in sides)
     finally:

@@ -38,6 +38,7 @@ from harness.present.live import PLAIN_EVERY_S, PlainProgress
 from harness.present.pytest_support import describe, named_paths, scenario_toml
 from harness.present.scenario_result import ScenarioResult, run_scenario_file, scenario_from
 from harness.scenario import Scenario, ScenarioError, load_scenario
+from harness.scenario_spec import DEVICES, with_device
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -49,6 +50,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "(default: under pytest's temporary directory)")
     group.addoption("--mlx-ddp-backend", default=None, choices=("ring", "nccl", "mpi", "jaccl"),
                     help="distributed backend of every run that names none")
+    group.addoption("--mlx-ddp-device", default=None, choices=DEVICES,
+                    help="the device of every run, over the scenarios' [train] device")
     group.addoption("--mlx-ddp-benchmark", action="store_true", default=False,
                     help="record each run's post-step-1 step times as a pytest-benchmark benchmark "
                          "(FILE::RUN::throughput[SCENARIO-RUN]), for --benchmark-autosave / --benchmark-compare")
@@ -57,6 +60,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "not from xdist workers, which have no terminal)")
     group.addoption("--mlx-ddp-all", action="store_true", default=False,
                     help="a directory stands for its full set (full = true), not only its default set (default = true)")
+    group.addoption("--mlx-ddp-memory-budget", metavar="SIZE", default=None,
+                    help="memory every launch on this machine shares, e.g. 6GB (sets MLX_DDP_HARNESS_MEMORY_BUDGET, "
+                         "which xdist workers share; default: the working set)")
     parser.addini("mlx_ddp", type="bool", default=False, help="collect scenario files wherever pytest walks")
 
 
@@ -65,6 +71,14 @@ _HELD = pytest.StashKey[Any]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    budget = config.getoption("--mlx-ddp-memory-budget", None)
+    if budget is not None:  # xdist workers get the option (and inherit the variable) too
+        from harness.memory_plan import BUDGET_VAR, parse_size
+
+        try:
+            os.environ[BUDGET_VAR] = str(parse_size(budget))
+        except ValueError as e:
+            raise pytest.UsageError(f"--mlx-ddp-memory-budget: {e}") from None
     config.addinivalue_line("markers", f"{WORLD_SIZE_MARKER}(n): the test runs up to n ranks at once; it holds n of "
                                        "the machine's rank slots from setup to teardown (its own launches use them)")
 
@@ -168,8 +182,8 @@ class ScenarioFile(pytest.File):
             config = self.config
             out = config.getoption("--mlx-ddp-out")
             base = Path(out) if out else config._tmp_path_factory.mktemp("mlx-ddp", numbered=True)  # noqa: SLF001
-            self._result = run_scenario_file(self.scenario, base, config.getoption("--mlx-ddp-backend"),
-                                             progress_lines(config))
+            self._result = run_scenario_file(with_device(self.scenario, config.getoption("--mlx-ddp-device")), base,
+                                             config.getoption("--mlx-ddp-backend"), progress_lines(config))
         return self._result
 
     def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None) -> str:
@@ -394,6 +408,7 @@ def mlx_ddp(tmp_path: Path, request: pytest.FixtureRequest) -> Any:
         s = scenario_from(scenario, tmp_path)
         if (skipped := runnable(s)[1]) is not None:  # a test asserts on every run: skip it whole
             pytest.skip(skipped.line())
+        s = with_device(s, request.config.getoption("--mlx-ddp-device"))
         return run_scenario_file(s, tmp_path / "artifacts", backend, progress_lines(request.config))
 
     return run

@@ -27,7 +27,7 @@ def rank_summary(o: Any, cluster_host: str | None = None) -> dict[str, Any]:
     """One rank's figures; ``cluster_host``: the hostfile's name of the host it ran on (its own
     hostname stays under ``hostname``)."""
     r = o.result or {}
-    keys = ("host", "pid", "device", "accelerator", "startup_s", "startup_total_s", "startup_parts_s",
+    keys = ("host", "pid", "device", "device_check", "accelerator", "startup_s", "startup_total_s", "startup_parts_s",
             "libraries_loaded", "runtime_s",
             "tokens_local", "tok_s_local", "step_times_s", "mlx_peak_bytes", "rss_peak_bytes", "precision", "error")
     out = {"rank": o.rank, "exit_code": o.exit_code, "status": r.get("status", "missing"),
@@ -79,6 +79,8 @@ def run_summary(run: RunOutcome, s: Scenario, ref: RunOutcome | None) -> dict[st
         "world_size": run.world_size,
         "backend": run.backend or "none",
         "backend_reason": run.backend_reason,
+        "device": run.device,
+        "device_reason": run.device_reason,
         "ok": run.ok,
         "failure": run.failure,
         "wall_s": run.watch.wall_s,

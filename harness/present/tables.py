@@ -203,6 +203,9 @@ def runs_title(scenario: dict[str, Any]) -> str:
     shared = set(setups(scenario))
     if len(shared) == 1 and (setup := shared.pop()) != ("-", "-"):
         title += f"; trainer: {setup[0]}; fine-tune: {setup[1]}"
+    devices = {(r.get("device"), r.get("device_reason")) for r in scenario["runs"]}
+    if len(devices) == 1 and (device := devices.pop())[0]:  # else ``device_notes`` says it per run
+        title += f"; device: {device[0]}" + (f" ({device[1]})" if device[1] else "")
     return title
 
 
@@ -333,6 +336,19 @@ def host_ranks(hosts: list[str]) -> str:
                      f"{','.join(str(r) for r, x in enumerate(hosts) if x == h)}" for h in names)
 
 
+def device_notes(scenario: dict[str, Any]) -> list[str]:
+    """Where runs that differ in device or in why computed, and why (where ``auto`` chose or the
+    device check moved them): one line per device and reason. Runs that share both have them in
+    the title (``runs_title``)."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for r in scenario["runs"]:
+        if r.get("device"):
+            groups.setdefault((r["device"], r.get("device_reason") or "as asked"), []).append(r["name"])
+    if len(groups) < 2 and all(r.get("device") for r in scenario["runs"]):
+        return []
+    return [f"run {', '.join(names)} on {device}: {why}" for (device, why), names in groups.items()]
+
+
 def scenario_text(scenario: dict[str, Any], fmt: str = "plain") -> str:
     """The table block the CLI prints for one scenario."""
     unseen = scenario.get("inconclusive") or []
@@ -349,6 +365,8 @@ def scenario_text(scenario: dict[str, Any], fmt: str = "plain") -> str:
                 if r.get("backend_reason")]
     if backends:
         parts.append("\n".join(backends))
+    if device_notes(scenario):
+        parts.append("\n".join(device_notes(scenario)))
     if scenario.get("kind") == "throughput" and width_warnings(scenario):
         parts.append("\n".join(width_warnings(scenario)))
     placed = [f"run {r['name']} across hosts: {host_ranks(r['hosts'])}" for r in scenario["runs"] if r.get("hosts")]

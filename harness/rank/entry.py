@@ -9,6 +9,7 @@ the process exits 1, so the controller learns the cause from the rank itself.
 from __future__ import annotations
 
 import faulthandler
+import importlib
 import os
 import signal
 import socket
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import schema
+from harness.rank import memory_share
 from harness.rank.memory import MemorySampler, accelerator, device_baseline_kind, peak_rss_bytes
 from harness.rank.startup import StartupClock
 from harness.scenario import FaultSpec
@@ -245,12 +247,15 @@ def main(argv: list[str]) -> int:
     events = schema.EventWriter(schema.events_path(run_dir, rank))
     result: dict[str, Any] = {"rank": rank, "pid": os.getpid(), "host": socket.gethostname(), "job": "unknown"}
     sampler: MemorySampler | None = None
+    share: memory_share.MemoryShare | None = None
     code = 0
     try:
         job = schema.read_json(run_dir / schema.JOB_FILE)
         result["job"] = job["kind"]
         clock = StartupClock(job.get("launched_at"))
         set_precision(job)
+        device_check = importlib.import_module("harness.rank.device_check")  # it raises ReportedFailure: no circle
+        device_check.set_device(job)  # before the group and warm-up: every array of the rank lives there
         world_size = int(job["world_size"])
         own_group = bool((job.get("trainer") or {}).get("own_group"))  # a command's processes join it
         group, backend = ((None, job.get("backend") or "none") if own_group
@@ -263,7 +268,10 @@ def main(argv: list[str]) -> int:
         import mlx.core as mx
 
         clock.done("device")
-        if not own_group:
+        if job["kind"] == "train":  # a device that computes wrong is refused (or, under auto, left for the CPU)
+            result.update(device_check.for_job(job, rank, world_size, group, backend, events))
+        if not own_group:  # every memory limit set in the rank is capped at its share (before any trainer import)
+            share = memory_share.install(job, rank)
             warm_up(job)
         clock.done("warm_up")
         startup_s = time.time() - float(job.get("launched_at", time.time()))
@@ -288,8 +296,10 @@ def main(argv: list[str]) -> int:
         code = 1
         # Agreed failures already say which rank failed and why; other errors carry their type.
         error = str(e) if isinstance(e, ReportedFailure) else f"{type(e).__name__}: {e}"
-        result.update(status="error", error=error, traceback=traceback.format_exc())
+        result.update(status="error", error=error, traceback=traceback.format_exc(), **getattr(e, "result_fields", {}))
         traceback.print_exc()
+    if share is not None:
+        result["memory_share"] = share.to_json()
     if sampler is not None:
         sampler.stop()
     events.emit("end", rank=rank, status=result["status"])

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import schema
+from harness.rank.device_check import current
 from harness.rank.entry import RankContext, ReportedFailure
 from harness.rank.protocol import open_protocol, problem, read_outcome
 from harness.rank.reporter import StepReporter
@@ -51,7 +52,7 @@ def write_job(ctx: RankContext, s: Scenario, out: Path) -> dict[str, str]:
     job = {"protocol": schema.COMMAND_PROTOCOL, "rank": ctx.rank, "world_size": ctx.world_size, "seed": s.seed,
            "steps": s.train.steps, "global_batch": s.train.global_batch, "learning_rate": s.train.learning_rate,
            "optimizer": s.train.optimizer, "vocab_size": data.tok.vocab_size, "split_rows": split,
-           "rows": str(rows_path), "out_dir": str(out)}
+           "rows": str(rows_path), "out_dir": str(out), "device": current()}
     assert problem("job", job) is None, problem("job", job)
     (out / schema.COMMAND_FILES["job"]).write_text(json.dumps(job, indent=1) + "\n")
     return {schema.COMMAND_ENV[k]: str(v) for k, v in job.items()}
