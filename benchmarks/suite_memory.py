@@ -5,7 +5,8 @@ This runs a harness command (default: ``run``, the default scenario set) and sam
 ``--every`` seconds, the RSS of each rank process under it (``python -m harness.rank``, and an
 executable a rank starts) and of the controller. It prints the peak of the ranks' sum (and when
 it was reached: the scenario and run running then), the most ranks alive at once, the largest
-single rank, the controller's peak, and the command's wall time and exit code.
+single rank, the controller's peak, the peak of every process under the command summed
+(launchers included), and the command's wall time and exit code.
 
 On a CPU device (and on Metal, whose memory is unified) MLX's buffers are host memory, so the
 RSS holds them; on CUDA device memory is not in it.
@@ -40,18 +41,25 @@ class Peaks:
     ranks_sum: int = 0
     ranks_sum_at: str = ""
     ranks_alive: int = 0
+    everything: int = 0  # the controller, its launchers and ranks, summed
     one_rank: int = 0
     controller: int = 0
     samples: int = 0
     per_scenario: dict[str, int] = field(default_factory=dict)
 
 
+def runs_module(argv: list[str], module: str) -> bool:
+    """``argv`` is a Python running ``-m module`` (a launcher's argv names the rank module later)."""
+    return "-m" in argv and argv.index("-m") + 1 < len(argv) and argv[argv.index("-m") + 1] == module
+
+
 def rank_processes(root: psutil.Process) -> list[psutil.Process]:
-    """The rank processes under ``root``, each with the processes it started (an executable)."""
+    """The rank processes under ``root`` (each counted with the processes it started: an
+    executable), not the launchers that started them."""
     out = []
     for p in root.children(recursive=True):
         try:
-            if RANK_MARK in " ".join(p.cmdline()):
+            if runs_module(p.cmdline(), RANK_MARK):
                 out.append(p)
         except psutil.Error:
             continue
@@ -90,6 +98,7 @@ def main(argv: list[str]) -> int:
                 peaks.controller = max(peaks.controller, root.memory_info().rss)
             except psutil.Error:
                 pass
+            peaks.everything = max(peaks.everything, rss_of_tree(root))
             where = current_run(log)
             scenario = where.split("/")[0] if where else ""
             if scenario:
@@ -105,6 +114,7 @@ def main(argv: list[str]) -> int:
             ["ranks alive at once, most", peaks.ranks_alive, ""],
             ["one rank's RSS, peak", f"{peaks.one_rank / mb:.0f} MB", ""],
             ["controller's RSS, peak", f"{peaks.controller / mb:.0f} MB", ""],
+            ["all its processes' RSS summed, peak", f"{peaks.everything / mb:.0f} MB", "controller, launchers, ranks"],
             ["samples", peaks.samples, f"every {args.every:g} s"],
             ["wall time", f"{wall:.0f} s", f"exit {proc.returncode}: {' '.join(cmd[1:])}"]]
     print(tabulate(rows, headers=["Figure", "Value", "Where"]))
