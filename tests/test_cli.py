@@ -252,3 +252,18 @@ def test_help_states_the_exit_codes_in_plain_text() -> None:
     for args in ((), ("run",)):
         text = cli(*args, "--help").stdout
         assert "exit codes of run:" in text and "3  a run did not complete" in text and "docs/commands.md" in text
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the mlx-cpu wheel's bundled BLAS is Linux's")
+def test_a_run_on_the_slow_bundled_blas_says_so_first_with_the_fix(tmp_path: Path) -> None:
+    path = write_scenario(tmp_path, "blas", world_sizes=(1,), steps=2)
+    p = cli("run", str(path), "--progress", "off", env={"MLX_DDP_HARNESS_BLAS": "bundled"})
+    assert p.returncode == 0, p.stdout + p.stderr
+    first = p.stderr.splitlines()[0]
+    assert first.startswith("note: ranks will use the bundled reference BLAS (") and \
+        "unset MLX_DDP_HARNESS_BLAS" in first, first
+    quiet = cli("run", str(path), "--progress", "off", env={"MLX_DDP_HARNESS_BLAS": ""})
+    from harness.controller.environment import blas_info
+
+    if not blas_info()["slow"]:  # OpenBLAS is here: nothing to say
+        assert not any(ln.startswith("note: ranks will use") for ln in quiet.stderr.splitlines())
