@@ -1,9 +1,9 @@
 """One machine's memory, shared among its ranks: the working set, the memory budget, each rank's
 share, and what a launch is expected to hold (both sides of the process boundary read it).
 
-*Working set*: what the device may hold. On Metal, ``mx.device_info()``'s
-``max_recommended_working_set_size`` (what mlx-lm wires); on CUDA, the GPU's memory (one GPU's,
-also where ranks spread over several: a conservative figure); on the CPU, the machine's physical
+*Working set*: what the device may hold. On a Mac, Metal's ``max_recommended_working_set_size``
+(what mlx-lm wires; also for ranks on the CPU device, whose memory is the same); on CUDA, the
+GPUs' memory, each rank's share taken from the GPU it runs on; elsewhere, the machine's physical
 memory (psutil).
 
 *Budget*: the memory every launch on this machine shares: ``--memory-budget`` /
@@ -15,8 +15,10 @@ each rank to it).
 
 *Expected peak* of a rank (``expected_rank_bytes``): the scenario's ``[checks]`` ceiling
 (``max_mlx_mb``, ``max_rss_mb``: the larger) where given, else an estimate from the model:
-``ESTIMATE_COPIES`` copies of its parameters in its dtype (weights, gradients, Adam's two moments)
-times ``ESTIMATE_MARGIN``, plus ``ESTIMATE_FIXED_MB`` for activations, batches and MLX's cache.
+``ESTIMATE_COPIES`` copies of its parameters in its dtype (weights, gradients, Adam's two moments;
+one copy under LoRA, whose frozen weights have neither; a local model's weights as its safetensors
+hold them) times ``ESTIMATE_MARGIN``, plus ``ESTIMATE_FIXED_MB`` for activations, batches and MLX's
+cache.
 The rank's runtime (Python, MLX's device runtime, libraries) is not counted. The machine's rank
 budget (``harness.controller.rank_budget``) admits a launch only while its ranks' expected peaks
 fit the budget beside the launches running.
@@ -73,35 +75,53 @@ def share_of(budget: int, ranks_on_host: int) -> int:
 
 @dataclass(frozen=True)
 class WorkingSet:
-    """What the device may hold, in bytes, and where that figure comes from."""
+    """What the machine's devices may hold, in bytes, and where that figure comes from; ``units``:
+    the GPUs it is spread over (CUDA), each holding ``bytes / units``."""
 
     bytes: int
     source: str
+    units: int = 1
+
+    def share(self, ranks_on_host: int) -> int:
+        """A rank's share where no budget is given: its unit's memory among the ranks on it (ranks
+        spread over the GPUs: one per GPU with nccl, rank r on GPU r mod count with ring)."""
+        per_unit = self.bytes // max(1, self.units)
+        return per_unit // max(1, -(-int(ranks_on_host) // max(1, self.units)))
 
 
-def working_set_of(info: dict[str, Any], cuda: bool) -> WorkingSet:
-    """The working set from a device's own ``mx.device_info()`` (``info``, never a wrapped one)."""
+def working_set_of(info: dict[str, Any], cuda: bool, gpus: int = 1) -> WorkingSet:
+    """The working set from the GPU's own ``mx.device_info(mx.gpu)`` where there is a GPU, else
+    the CPU's (``info``, never a wrapped one); ``gpus``: the CUDA GPUs of the host."""
     if info.get(WORKING_SET_KEY):
         return WorkingSet(int(info[WORKING_SET_KEY]), f"Metal's recommended working set (mx.device_info "
                                                       f"{WORKING_SET_KEY})")
     memory = info.get("total_memory") or info.get("memory_size")
     if cuda and memory:
-        return WorkingSet(int(memory), "the GPU's memory (mx.device_info); ranks share the GPUs")
+        n = max(1, int(gpus))
+        what = "the GPU's memory" if n == 1 else f"{n} GPUs x {format_size(int(memory))}"
+        return WorkingSet(int(memory) * n, f"{what} (mx.device_info)", n)
     import psutil
 
     return WorkingSet(int(psutil.virtual_memory().total), "the machine's physical memory (psutil)")
 
 
+def device_info_of_machine(mx: Any) -> dict[str, Any]:
+    """``mx.device_info`` of this machine's GPU where MLX has one, whatever the default device (a
+    Mac's CPU and GPU share one memory, and Metal's wired limit is the GPU's), else of the CPU."""
+    gpu = bool(mx.cuda.is_available()) or bool(mx.metal.is_available())
+    try:
+        return dict(mx.device_info(mx.gpu if gpu else mx.cpu))
+    except Exception:  # device_info is not on every build
+        return {}
+
+
 @functools.lru_cache(maxsize=1)
 def machine_working_set() -> WorkingSet:
-    """This machine's working set (MLX imported here)."""
+    """This machine's working set (MLX imported here): on CUDA every GPU's."""
     import mlx.core as mx
 
-    try:
-        info = dict(mx.device_info())
-    except Exception:  # device_info is not on every build
-        info = {}
-    return working_set_of(info, bool(mx.cuda.is_available()))
+    cuda = bool(mx.cuda.is_available())
+    return working_set_of(device_info_of_machine(mx), cuda, int(mx.device_count(mx.gpu)) if cuda else 1)
 
 
 def budget_from_env() -> int | None:
@@ -176,7 +196,7 @@ def param_estimate(s: Scenario) -> tuple[int, str]:
     if model.path:
         files = list(Path(model.path).glob("*.safetensors"))
         size = sum(f.stat().st_size for f in files if f.is_file())
-        return size // 2, f"{model.path}: {format_size(size)} of safetensors, read as bfloat16"
+        return size // 2, f"{model.path}: {format_size(size)} of safetensors"
     config = dict(model.config)
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     vocab = _vocab(s, text)
@@ -196,10 +216,16 @@ def expected_rank_bytes(s: Scenario, run: RunSpec) -> tuple[int, str]:
         mb, key = max(ceilings)
         return int(mb * MB), f"the ceiling [checks] {key} = {mb:g}"
     params, how = param_estimate(eff)
-    b = DTYPE_BYTES.get(eff.model.dtype, 4)
-    est = int(params * b * ESTIMATE_COPIES * ESTIMATE_MARGIN) + ESTIMATE_FIXED_MB * MB
-    return est, (f"estimated: {how} x {b} bytes x {ESTIMATE_COPIES} (weights, gradients, Adam's moments) "
-                 f"x {ESTIMATE_MARGIN:g} + {ESTIMATE_FIXED_MB} MB")
+    lora = eff.trainer.fine_tune == "lora"
+    copies, what = (1, "the frozen weights; LoRA's adapters in the margin") if lora else (
+        ESTIMATE_COPIES, "weights, gradients, Adam's moments")
+    if eff.model.path:  # the weights as stored (quantized ones included)
+        weights = params * 2
+    else:
+        b = DTYPE_BYTES.get(eff.model.dtype, 4)
+        weights, how = params * b, f"{how} x {b} bytes"
+    est = int(weights * copies * ESTIMATE_MARGIN) + ESTIMATE_FIXED_MB * MB
+    return est, f"estimated: {how} x {copies} ({what}) x {ESTIMATE_MARGIN:g} + {ESTIMATE_FIXED_MB} MB"
 
 
 def job_memory(s: Scenario, run: RunSpec) -> dict[str, Any]:
@@ -218,8 +244,10 @@ def launch_problem(s: Scenario, run: RunSpec) -> str | None:
     total = expected * run.world_size
     if total <= budget.bytes:
         return None
+    declare = "" if why.startswith("the ceiling") else "; [checks] max_mlx_mb states a rank's peak instead"
     return (f"run {run.name}: its {run.world_size} rank(s) are expected to peak at {format_size(total)} "
-            f"({why} per rank), more than the memory budget of {format_size(budget.bytes)} ({budget.source})")
+            f"({why} per rank), more than the memory budget of {format_size(budget.bytes)} ({budget.source})"
+            f"{declare}")
 
 
 def check_launches(s: Scenario, on_cluster: bool = False) -> None:

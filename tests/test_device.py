@@ -149,7 +149,7 @@ def test_each_rank_records_its_device_and_a_passed_check(tmp_path: Path) -> None
         assert "on cpu: auto: no GPU here" in p.stdout and "on cpu: as asked" in p.stdout
     for run in runs.values():
         for rk in run["ranks"]:
-            assert rk["device_check"] == {"device": "cpu", "status": "passed", "detail": None,
+            assert rk["device_check"] == {"device": run["device"], "status": "passed", "detail": None,
                                           "checks": ["matmul", "reduction"] + (["all_sum"] if run["world_size"] > 1
                                                                                else [])}
     for r in (0, 1):
@@ -194,7 +194,9 @@ def test_the_cpp_worker_is_given_the_cpu_and_runs_there(worker: Path, tmp_path: 
     (tmp_path / "cpu.toml").write_text(body)
     p = cli("run", str(tmp_path / "cpu.toml"), "--out", str(tmp_path / "o"), "--progress", "off")
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
-    for d in sorted((tmp_path / "o" / "runs").glob("*/*/rank*.protocol")):
+    protocols = sorted((tmp_path / "o" / "runs").glob("*/*/rank*.protocol"))
+    assert protocols, "no rank kept its protocol directory"
+    for d in protocols:
         assert json.loads((d / "job.json").read_text())["device"] == "cpu"
     runs = json.loads((tmp_path / "o" / "result.json").read_text())["scenarios"][0]["runs"]
     for rk in (rk for r in runs for rk in r["ranks"]):

@@ -104,9 +104,13 @@ def test_mlx_limits_are_capped_at_the_share_and_recorded_with_their_caller() -> 
         assert calls == [("wired", state.working_set_bytes, min(state.working_set_bytes, 4 * GB), "mlx_lm.utils"),
                          ("cache", 64 * MB, 64 * MB, __name__)]
         assert mx.set_cache_limit(cache_before) == 64 * MB  # the real function got the capped value
+        mx.set_cache_limit(limit=32 * MB)  # MLX's keyword
+        assert (state.calls[-1].asked, state.calls[-1].set) == (32 * MB, 32 * MB)
+        assert mx.set_cache_limit(cache_before) == 32 * MB
     finally:
         memory_share.uninstall()
         mx.set_cache_limit(cache_before)
+        mx.set_wired_limit(0)  # MLX's default (a no-op off Metal)
     assert memory_plan.WORKING_SET_KEY not in mx.device_info() or mx.metal.is_available()
     assert memory_share.current() is None
 
@@ -129,9 +133,9 @@ def test_wired_share_fails_naming_the_rank_the_figure_and_the_share() -> None:
     fat = wired_share(_outcome([_share(256), _share(256)], [10 * MB, 400 * MB]))
     assert not fat.passed and (fat.value, fat.limit) == (400.0, 256.0)
     assert fat.detail.startswith("rank 1: MLX peak memory 400.0 MB above its share 256.0 MB"), fat.detail
-    call = {"limit": "wired", "function": "mx.set_wired_limit", "asked": GB, "set": 300 * MB, "caller": "x.y"}
-    wired = wired_share(_outcome([_share(256, [call]), _share(256)], [MB, MB]))
-    assert not wired.passed and "rank 0: mx.set_wired_limit(300.0 MB) from x.y above its share" in wired.detail
+    call = {"limit": "wired", "function": "mx.set_wired_limit", "asked": GB, "set": 256 * MB, "caller": "x.y"}
+    wired = wired_share(_outcome([_share(256, [call]), _share(256)], [MB, MB]))  # asked for more, capped: held less
+    assert wired.passed and "(first: mx.set_wired_limit from x.y asked 1024.0 MB, set 256.0 MB)" in wired.detail
     na = wired_share(_outcome([None, None], [MB, MB]))
     assert na.result == "n/a" and "kind = \"command\"" in na.detail
     half = wired_share(_outcome([_share(256), None], [MB, MB]))

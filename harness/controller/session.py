@@ -15,7 +15,7 @@ from harness.controller import launch as launcher
 from harness.controller import rank_budget
 from harness.controller.collect import RunOutcome, collect, failure_reason
 from harness.controller.cpu_use import CpuMeter
-from harness.controller.devices import BackendRefused, DeviceRefused, plan_backend, plan_device
+from harness.controller.devices import BackendRefused, DeviceRefused, accelerators, plan_backend, plan_device
 from harness.controller.memory_guard import MemoryLimits
 from harness.controller.progress import Observer, ProgressFeed, RunProgress
 from harness.controller.watch import WatchReport, kill_group, watch
@@ -205,7 +205,9 @@ def _launch(name: str, job: dict[str, Any], world_size: int, backend: str | None
     # launched_at lets each rank measure its startup (launch to joined group) on one clock.
     job = {**job, "world_size": world_size, "backend": backend, "launched_at": time.time()}
     placement = cluster.place(world_size) if cluster is not None else [0] * world_size  # rank -> its host
-    job["memory"] = {**(job.get("memory") or {}), "ranks_on_host": [placement.count(h) for h in placement]}
+    acc = accelerators() if cluster is None else None  # a cluster host's GPUs are its own to count
+    job["memory"] = {**(job.get("memory") or {}), "ranks_on_host": [placement.count(h) for h in placement],
+                     "gpus_on_host": acc.count if acc is not None and acc.kind == "cuda" else None}
     schema.write_json_atomic(run_dir / schema.JOB_FILE, schema.stamp(job))
     try:
         if cluster is not None:

@@ -1,9 +1,9 @@
 """``wired_share``: no rank holds more than its share of its machine's memory.
 
 Each Python rank records its share (the memory budget, or its host's working set, divided by the
-ranks on its host) and every MLX memory limit set in it (``harness.rank.memory_share``). A rank
-fails the check when a limit was set above its share, or when its MLX peak memory (MLX's own count
-of its buffers) passed it.
+ranks on its host) and every MLX memory limit set in it (``harness.rank.memory_share``, which
+caps each at the share). A rank fails the check when its MLX peak memory (MLX's own count of its
+buffers) passed its share; the detail lists the limits its trainer asked for and what it got.
 """
 
 from __future__ import annotations
@@ -30,12 +30,14 @@ def wired_share(run: RunOutcome) -> Check:
     over: list[str] = []
     worst: tuple[float, int, int, int] | None = None  # (ratio, rank, bytes, share)
     calls = 0
+    asked = ""
     for rank, share, peak in rows:
         limit = int(share["share_bytes"])
         held = [(f"MLX peak memory {_mb(int(peak))}", int(peak))] if peak is not None else []
         for c in share["calls"]:
             calls += 1
-            held.append((f"{c['function']}({_mb(c['set'])}) from {c['caller']}", int(c["set"])))
+            if calls == 1:
+                asked = f"{c['function']} from {c['caller']} asked {_mb(c['asked'])}, set {_mb(c['set'])}"
         for what, n in held:
             if n > limit:
                 over.append(f"rank {rank}: {what} above its share {_mb(limit)}")
@@ -45,7 +47,8 @@ def wired_share(run: RunOutcome) -> Check:
     first = next(s for _, s, _ in rows if isinstance(s, dict))
     basis = (f"share = {_mb(first['budget_bytes'])} budget ({first['budget_source']})" if first["budget_bytes"]
              else f"share = {_mb(first['working_set_bytes'])} working set ({first['working_set_source']})")
-    detail = f"{basis} / {first['ranks_on_host']} ranks on the host; {calls} limit call(s) recorded"
+    detail = (f"{basis} / {first['ranks_on_host']} ranks on the host; {calls} limit call(s) recorded"
+              + (f" (first: {asked})" if asked else ""))
     if worst is None:
         return Check("wired_share", run.name, False, None, None, "no rank reported its MLX peak memory; " + detail)
     _, rank, n, limit = worst

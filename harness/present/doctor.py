@@ -82,8 +82,8 @@ def memory_rows() -> list[tuple[str, str, bool]]:
         return [*rows, ("memory budget", str(e), False)]
     how = b.source if b.given else f"the working set; --memory-budget or {BUDGET_VAR} sets another"
     rows.append(("memory budget", f"{format_size(b.bytes)} ({how})", True))
-    rows.append(("memory share per rank", ", ".join(f"{format_size(share_of(b.bytes, n))} at {n} ranks"
-                                                    for n in (2, 4)), True))
+    shares = [f"{format_size(share_of(b.bytes, n) if b.given else ws.share(n))} at {n} ranks" for n in (2, 4)]
+    rows.append(("memory share per rank", ", ".join(shares), True))
     return rows
 
 

@@ -165,6 +165,15 @@ def current() -> str:
     return "gpu" if mx.default_device() == mx.gpu else "cpu"
 
 
+def _problems(rank: int, world_size: int, group: Any, collective: bool, wrong: bool = False) -> list[str]:
+    """This rank's mismatches on its device now; an error is one (a device that cannot compute
+    computes wrong), so every rank goes on to the agreement whatever happened here."""
+    try:
+        return compare(compute(rank, group, collective, wrong), expected(world_size if collective else None))
+    except Exception as e:  # noqa: BLE001 - said in the agreement
+        return [f"{type(e).__name__}: {e}"]
+
+
 def check(job: dict[str, Any], rank: int, world_size: int, group: Any, backend: str,
           wrong: bool = False) -> tuple[dict[str, Any], str | None]:
     """Run the check on every rank: (the result's ``device_check`` record, why the rank moved to
@@ -175,10 +184,7 @@ def check(job: dict[str, Any], rank: int, world_size: int, group: Any, backend: 
     device = current()
     collective = world_size > 1
     record: dict[str, Any] = {"device": device, "checks": list(CHECKS if collective else CHECKS[:2])}
-    try:
-        problems = compare(compute(rank, group, collective, wrong), expected(world_size if collective else None))
-    except Exception as e:  # noqa: BLE001 - a device that cannot compute is a device that computes wrong
-        problems = [f"{type(e).__name__}: {e}"]
+    problems = _problems(rank, world_size, group, collective, wrong)
     failed = agree(problems[0] if problems else None, rank, world_size, group, backend)
     if not failed:
         return {**record, "status": "passed", "detail": None}, None
@@ -192,7 +198,7 @@ def check(job: dict[str, Any], rank: int, world_size: int, group: Any, backend: 
                                 f"CPU: run with device = \"cpu\" (on ring)", fields)
     if device == "gpu" and asked == "auto":
         mx.set_default_device(mx.cpu)
-        again = compare(compute(rank, group, collective), expected(world_size if collective else None))
+        again = _problems(rank, world_size, group, collective)
         if agree(again[0] if again else None, rank, world_size, group, backend):
             raise DeviceCheckFailed(f"{line}, and the CPU computes wrong too", fields)
         name = label[3:].strip()

@@ -15,9 +15,10 @@ adapters, a user's script, which runs in the rank process) before its trainer is
   what MLX returns.
 - ``mx.device_info`` (and ``mx.metal.device_info``) is wrapped: where the device reports no
   ``max_recommended_working_set_size`` (the CPU, CUDA), it reports the machine's working set under
-  that key, as Metal does. A trainer that sizes its wired limit by it (mlx-lm) then asks on Linux
-  as it would on a Mac, and the cap is seen working there, where MLX's limit functions exist and
-  do nothing.
+  that key, as Metal does (on a Mac, Metal's own, also for the CPU device: Metal refuses a wired
+  limit above it, so none is set above it either). A trainer that sizes its wired limit by it
+  (mlx-lm) then asks on Linux as it would on a Mac, and the cap is seen working there, where
+  MLX's limit functions exist and do nothing.
 
 The rank's result holds the working set, the share and the calls (``memory_share``); the judge's
 ``wired_share`` check holds the rank to its share. An executable under ``[trainer] kind =
@@ -31,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from harness.memory_plan import WORKING_SET_KEY, share_of, working_set_of
+from harness.memory_plan import WORKING_SET_KEY, device_info_of_machine, share_of, working_set_of
 
 LIMITS = ("wired", "memory", "cache")
 
@@ -58,6 +59,7 @@ class MemoryShare:
     ranks_on_host: int
     share_bytes: int
     calls: list[LimitCall] = field(default_factory=list)
+    wired_max_bytes: int | None = None  # Metal refuses a wired limit above its recommended working set
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -75,11 +77,15 @@ def _caller(depth: int = 2) -> str:
 
 
 def _capped(state: MemoryShare, limit: str, function: str, real: Callable[..., Any]) -> Callable[..., Any]:
-    def set_limit(limit_bytes: int, *args: Any, **kwargs: Any) -> Any:
-        asked = int(limit_bytes)
+    def set_limit(*args: Any, **kwargs: Any) -> Any:
+        if not args and "limit" not in kwargs:
+            return real(*args, **kwargs)  # MLX's own error for a call without a limit
+        asked = int(args[0] if args else kwargs.pop("limit"))
         granted = min(asked, state.share_bytes)
+        if limit == "wired" and state.wired_max_bytes is not None:
+            granted = min(granted, state.wired_max_bytes)
         state.calls.append(LimitCall(limit, function, asked, granted, _caller()))
-        return real(granted, *args, **kwargs)
+        return real(granted, *args[1:], **kwargs)
 
     set_limit.__doc__ = f"{function}, capped at this rank's memory share (harness.rank.memory_share)."
     return set_limit
@@ -90,7 +96,7 @@ def _reporting(state: MemoryShare, real: Callable[..., Any]) -> Callable[..., An
         info = real(*args, **kwargs)
         if WORKING_SET_KEY in info:
             return info
-        return {**info, WORKING_SET_KEY: state.working_set_bytes}
+        return {**info, WORKING_SET_KEY: state.wired_max_bytes or state.working_set_bytes}
 
     device_info.__doc__ = "mx.device_info, reporting the machine's working set where the device does not."
     return device_info
@@ -112,20 +118,17 @@ def install(job: dict[str, Any], rank: int) -> MemoryShare:
     import mlx.core as mx
 
     uninstall()
-    try:
-        info = dict(mx.device_info())
-    except Exception:  # device_info is not on every build
-        info = {}
-    ws = working_set_of(info, bool(mx.cuda.is_available()))
+    info = device_info_of_machine(mx)
     memory = job.get("memory") or {}
+    ws = working_set_of(info, bool(mx.cuda.is_available()), int(memory.get("gpus_on_host") or 1))
     world = int(job.get("world_size") or 1)
     hosts = memory.get("ranks_on_host")
     on_host = int(hosts[rank]) if isinstance(hosts, list) and rank < len(hosts) else world
     budget = memory.get("budget_bytes")
-    share = share_of(int(budget) if budget else ws.bytes, on_host)
+    share = share_of(int(budget), on_host) if budget else ws.share(on_host)
     state = MemoryShare(ws.bytes, ws.source, int(budget) if budget else None,
                         str(memory.get("budget_source") or "the working set") if budget else "the working set",
-                        on_host, share)
+                        on_host, share, wired_max_bytes=info.get(WORKING_SET_KEY))
     metal = getattr(mx, "metal", None)
     for space, prefix in ((mx, "mx"), (metal, "mx.metal")):
         if space is None:
