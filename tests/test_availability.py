@@ -61,7 +61,7 @@ def test_without_unsloth_the_suite_runs_the_rest_and_says_what_it_skipped(tmp_pa
                     .replace("[model]", "[trainer]\nkind = \"unsloth_zoo\"\n\n[model]", 1))
     listed = cli("list", str(d), env=env)
     assert listed.returncode == 0, listed.stderr[-2000:]
-    assert "yes (skips unsloth2)" in listed.stdout and "yes (skips all)" in listed.stdout
+    assert "default (skips unsloth2)" in listed.stdout and "default (skips all)" in listed.stdout
     assert "skipped here: unsloth-zoo is not installed (install it with: pip install --no-deps" in listed.stdout
     p = cli("run", str(d), "--out", str(tmp_path / "out"), env=env)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]

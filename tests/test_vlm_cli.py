@@ -156,7 +156,7 @@ def test_shipped_vlm_scenarios_load() -> None:
     for name in ("vlm_parity", "vlm_local_rows", "vlm_local_chat", "vlm_compile", "vlm_batch_variant",
                  "vlm_stream_resume"):
         s = load_scenario(REPO / "scenarios" / f"{name}.toml")
-        assert s.model.vision and s.default
+        assert s.model.vision and s.full
 
 
 @pytest.mark.ranks
