@@ -36,7 +36,7 @@ SCHEMA_VERSION = 2
 JOB_FILE = "job.json"
 
 # The rank protocol an executable under test speaks (``[trainer] kind = "command"``;
-# docs/rank-protocol.md, JSON Schemas in docs/schemas/). Its rank process gives it the job in
+# docs/rank-protocol.md, JSON Schemas in harness/protocol/). Its rank process gives it the job in
 # ``COMMAND_ENV`` variables (and the same values in ``job.json`` in its directory) and reads
 # what it writes there: events, a result and its final parameters.
 COMMAND_PROTOCOL = 1

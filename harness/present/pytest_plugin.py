@@ -35,7 +35,7 @@ import pytest
 
 from harness.availability import runnable
 from harness.present.live import PLAIN_EVERY_S, PlainProgress
-from harness.present.pytest_support import describe, named_paths, scenario_toml
+from harness.present.pytest_support import benchmark_fixture, describe, named_paths, record_steps, scenario_toml
 from harness.present.scenario_result import ScenarioResult, run_scenario_file, scenario_from
 from harness.scenario import Scenario, ScenarioError, load_scenario
 from harness.scenario_spec import DEVICES, with_device
@@ -315,33 +315,6 @@ class ThroughputItem(ScenarioItem):
             "scenario": result.name, "run": self.run_name, "world_size": run.world_size,
             "device": r.get("device"), "backend": r.get("backend"),
             "median_tok_s": sorted(tok_s)[len(tok_s) // 2], "tokens_per_step": sorted(tokens)[len(tokens) // 2]})
-
-
-def benchmark_fixture(item: pytest.Item) -> Any:
-    """pytest-benchmark's fixture for a test that is not a function (it makes it per test from
-    the session's options, as its own ``benchmark`` fixture does); skips when it is off."""
-    bs = getattr(item.config, "_benchmarksession", None)
-    if bs is None:
-        pytest.skip("--mlx-ddp-benchmark needs pytest-benchmark installed")
-    if bs.skip or bs.disabled:
-        pytest.skip("pytest-benchmark is off here (--benchmark-skip/--benchmark-disable, or under xdist -n)")
-    from pytest_benchmark.fixture import BenchmarkFixture
-
-    return BenchmarkFixture(item, add_stats=bs.benchmarks.append, logger=bs.logger, warner=item.warn,
-                            disabled=bs.disabled, **bs.options)
-
-
-def record_steps(benchmark: Any, seconds: list[float], extra: dict[str, Any]) -> None:
-    """Give pytest-benchmark durations the ranks measured. It has no public call for durations
-    measured elsewhere: ``_make_stats`` is what its own ``pedantic`` uses, and ``_mode`` marks the
-    fixture used as ``pedantic`` does (pytest-benchmark is pinned below 6 for these two names)."""
-    benchmark._mode = "durations measured by the ranks"
-    if benchmark.disabled:  # --benchmark-disable: the run was still checked
-        return
-    benchmark.extra_info.update(extra)
-    stats = benchmark._make_stats(1)
-    for s in seconds:
-        stats.update(s)
 
 
 def progress_lines(config: pytest.Config) -> Any:

@@ -1,12 +1,14 @@
 """What the pytest plugin needs that is not a pytest node: which files are scenarios, a failed
-check as one line, and the closing block (scenarios and tests by outcome, rank-slot waits, where
-the artifacts went)."""
+check as one line, the closing block (scenarios and tests by outcome, rank-slot waits, where
+the artifacts went), and pytest-benchmark's fixture for the ranks' step times."""
 
 from __future__ import annotations
 
 import tomllib
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from harness.present.conditions import QUEUE_NOTE_S
 
@@ -74,3 +76,30 @@ def describe(c: Any) -> str:
     figures = f": {c.value:.4g} > limit {c.limit:.4g}" if isinstance(c.value, int | float) and isinstance(
         c.limit, int | float) else ""
     return f"{c.name} ({c.run}){figures}; {c.detail}"
+
+
+def benchmark_fixture(item: pytest.Item) -> Any:
+    """pytest-benchmark's fixture for a test that is not a function (it makes it per test from
+    the session's options, as its own ``benchmark`` fixture does); skips when it is off."""
+    bs = getattr(item.config, "_benchmarksession", None)
+    if bs is None:
+        pytest.skip("--mlx-ddp-benchmark needs pytest-benchmark installed")
+    if bs.skip or bs.disabled:
+        pytest.skip("pytest-benchmark is off here (--benchmark-skip/--benchmark-disable, or under xdist -n)")
+    from pytest_benchmark.fixture import BenchmarkFixture
+
+    return BenchmarkFixture(item, add_stats=bs.benchmarks.append, logger=bs.logger, warner=item.warn,
+                            disabled=bs.disabled, **bs.options)
+
+
+def record_steps(benchmark: Any, seconds: list[float], extra: dict[str, Any]) -> None:
+    """Give pytest-benchmark durations the ranks measured. It has no public call for durations
+    measured elsewhere: ``_make_stats`` is what its own ``pedantic`` uses, and ``_mode`` marks the
+    fixture used as ``pedantic`` does (pytest-benchmark is pinned below 6 for these two names)."""
+    benchmark._mode = "durations measured by the ranks"
+    if benchmark.disabled:  # --benchmark-disable: the run was still checked
+        return
+    benchmark.extra_info.update(extra)
+    stats = benchmark._make_stats(1)
+    for s in seconds:
+        stats.update(s)

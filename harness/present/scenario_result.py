@@ -97,7 +97,7 @@ def run_scenario_file(s: Scenario, artifacts_root: Path, backend: str | None = N
     from harness.controller.environment import environment
     from harness.controller.suite import run_scenario
     from harness.judge.verdict import judge
-    from harness.present.cli import preflight
+    from harness.present.preflight import preflight
     from harness.present.report import write_outputs
     from harness.present.results import document, scenario_summary
     from harness.present.tables import scenario_text
