@@ -38,6 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from harness.check_plan import STEP_LOCAL
 from harness.controller.collect import RunOutcome
 from harness.controller.session import param_delta
 from harness.judge.checks import Check, listed
@@ -96,7 +97,6 @@ def _probe_records(run: RunOutcome) -> list[list[dict[str, Any]]]:
     return [o.result["probes"] or [] if o.result else [] for o in run.ranks]
 
 
-STEP_CHECKS = ("step_token_parity", "step_loss_parity", "step_grad_parity")
 
 
 def step_local(run: RunOutcome, ref: RunOutcome, s: Scenario, floor: RunOutcome | None = None) -> list[Check]:
@@ -113,15 +113,15 @@ def step_local(run: RunOutcome, ref: RunOutcome, s: Scenario, floor: RunOutcome 
     expected = [k for k in recorded if r0["steps_start"] <= k <= r0["steps"]]
     if not recorded:
         return [Check(n, run.name, False, None, None, f"{ref.name} recorded no probes; not measured")
-                for n in STEP_CHECKS]
+                for n in STEP_LOCAL]
     if not expected:
         why = f"ran steps {r0['steps_start']}-{r0['steps']}; {ref.name} probed steps {listed(recorded)}"
         return [Check(n, run.name, True, None, None, f"{why}: nothing to measure", applicable=False)
-                for n in STEP_CHECKS]
+                for n in STEP_LOCAL]
     got = [p["step"] for p in per_rank[0]]
     if got != expected:
         why = f"probed steps {listed(got)}, expected {listed(expected)}"
-        return [Check(n, run.name, False, None, None, why) for n in STEP_CHECKS]
+        return [Check(n, run.name, False, None, None, why) for n in STEP_LOCAL]
     model = rounding(s, run, ref)
     steps = [rec["step"] for rec in per_rank[0]]
     tokens = max(abs(rec["tokens"] - rec["tokens_ref"]) for recs in per_rank for rec in recs)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import schema
+from harness.check_plan import STEP_LOCAL
 from harness.rank.device_check import current
 from harness.rank.entry import RankContext, ReportedFailure
 from harness.rank.protocol import open_protocol, problem, read_outcome
@@ -31,8 +32,7 @@ MLX_MEMORY = ("memory_mlx_per_rank_mb", "memory_mlx_total_mb")
 NOT_APPLICABLE = {
     "data_share_bytes": "the harness cannot see which rows an executable keeps",
     "global_rng_untouched": "the harness cannot see an executable's random number generators",
-    **dict.fromkeys(("step_token_parity", "step_loss_parity", "step_grad_parity"),
-                    "the rank protocol has no step-local probe"),
+    **dict.fromkeys(STEP_LOCAL, "the rank protocol has no step-local probe"),
 }
 
 

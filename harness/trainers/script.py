@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import api, schema
+from harness.check_plan import STEP_LOCAL
 from harness.rank.entry import RankContext, ReportedFailure
 from harness.rank.protocol import FILES, Writer, open_protocol, read_outcome
 from harness.rank.reporter import StepReporter
@@ -22,7 +23,6 @@ from harness.scenario import Scenario
 
 NOT_PROBED = ("the script hands over no loss-and-gradient function (harness.api: run.probe(step, model, fn, "
               "batch) before each update)")
-STEP_CHECKS = ("step_token_parity", "step_loss_parity", "step_grad_parity")
 NOT_APPLICABLE = {
     "data_share_bytes": "the harness cannot see which rows a script holds",
 }
@@ -68,7 +68,7 @@ def run(ctx: RankContext) -> dict[str, Any]:
     _, params = read_outcome(out, rep, label)
     finished = rep.finish(params)
     if not rep.probe_offered:
-        finished["not_applicable"].update(dict.fromkeys(STEP_CHECKS, NOT_PROBED))
+        finished["not_applicable"].update(dict.fromkeys(STEP_LOCAL, NOT_PROBED))
     if not session.started:
         finished["not_applicable"].update(UNSTARTED)
     return {**finished, "model_config": session.model_config,  # None: the script's own model

@@ -55,6 +55,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from harness.check_plan import STEP_LOCAL
 from harness.rank.entry import RankContext, ReportedFailure
 from harness.rank.reporter import StepReporter
 from harness.scenario import Scenario
@@ -63,7 +64,7 @@ TITLE = "unsloth_zoo.mlx.trainer.MLXTrainer"
 INSTALL = "pip install --no-deps 'unsloth_zoo>=2026.10.9'"
 NO_PROBE = ("unsloth-zoo draws a streamed run's micro-batches from its own iterator as it trains: a step's "
             "batches cannot be read before it without consuming its stream")
-STREAMED = {"step_token_parity": NO_PROBE, "step_loss_parity": NO_PROBE, "step_grad_parity": NO_PROBE}
+STREAMED = dict.fromkeys(STEP_LOCAL, NO_PROBE)
 NOT_APPLICABLE = {
     "data_share_bytes": "MLXTrainer takes the whole dataset on every rank and picks each rank's rows itself",
 }
