@@ -52,8 +52,10 @@ class TrainerInfo:
     they are present (transformers imports torch and torchvision: 8.5 s per rank on an H100);
     the rank marks them absent first (``harness.rank.entry.hide``). A module may define
     ``load_libraries(scenario)``: what it imports on every run, loaded before the rank's memory
-    baseline. ``requires``: an optional package it needs (``install``: how to install it);
-    where it is missing, the runs that need it are skipped, saying so (``harness.availability``).
+    baseline. ``package``: the distribution of the library it runs (a gate records its version;
+    its import is a start-up cost the rank names). ``requires``: an optional package it needs
+    (``install``: how to install it); where it is missing, the runs that need it are skipped,
+    saying so (``harness.availability``).
     """
 
     kind: str
@@ -72,6 +74,7 @@ class TrainerInfo:
     cpu_collectives: str | None = None
     saves: str | None = None
     hides: tuple[str, ...] = ()
+    package: str | None = None
     requires: str | None = None
     install: str | None = None
 
@@ -89,16 +92,19 @@ BUILTIN = (
     TrainerInfo("mlx_lm", "mlx-lm's trainer (mlx_lm.tuner.trainer.train)", "harness.trainers.mlx_lm", lora=True,
                 resumes=True, rules=trainer_rules.mlx_lm, probes=True,
                 cpu_collectives="mlx-lm's trainer all-sums its reported losses and token counts on the CPU stream",
-                saves="mlx-lm's trainer saves its adapter file on rank 0 after the last step", hides=NO_TORCH),
+                saves="mlx-lm's trainer saves its adapter file on rank 0 after the last step", hides=NO_TORCH,
+                package="mlx-lm"),
     TrainerInfo("mlx_vlm", "mlx-vlm's trainer (mlx_vlm.trainer.Trainer)", "harness.trainers.mlx_vlm",
                 models="vision", lora=True, rules=trainer_rules.mlx_vlm, probes=True,
                 cpu_collectives="mlx-vlm's trainer all-reduces its gradients and metrics on the CPU stream",
-                saves="mlx-vlm's trainer saves its adapter file on rank 0 after the last step", hides=NO_TORCH),
+                saves="mlx-vlm's trainer saves its adapter file on rank 0 after the last step", hides=NO_TORCH,
+                package="mlx-vlm"),
     TrainerInfo("unsloth_zoo", "unsloth-zoo's MLX trainer (unsloth_zoo.mlx.trainer)", "harness.trainers.unsloth_zoo",
                 lora=True, streams=True, rules=trainer_rules.unsloth_zoo, probes=True,
                 cpu_collectives="unsloth-zoo's MLX trainer all-sums its losses, token and row counts on the CPU stream",
                 saves="unsloth-zoo's trainer saves its final adapters (or model) on rank 0",
-                requires="unsloth_zoo", install="pip install --no-deps 'unsloth_zoo>=2026.10.9'"),
+                package="unsloth_zoo", requires="unsloth_zoo",
+                install="pip install --no-deps 'unsloth_zoo>=2026.10.9'"),
     TrainerInfo("script", "a user's training script (reporting through harness.api)", "harness.trainers.script",
                 script=True, probes=True),
     TrainerInfo("command", "any executable reporting through the rank protocol", "harness.trainers.command",
@@ -162,3 +168,16 @@ def cpu_collectives(kind: str | None) -> str | None:
 def with_kind(flag: str) -> tuple[str, ...]:
     """The kinds whose record has ``flag`` set (for messages: "mlx_lm, reference can resume")."""
     return tuple(k for k, info in _load().items() if getattr(info, flag))
+
+
+def versioned_packages() -> tuple[str, ...]:
+    """What a gate records the version of: MLX, numpy and every trainer's package."""
+    return tuple(sorted({"mlx", "numpy", *(t.package for t in trainers().values() if t.package)}))
+
+
+def heavy_libraries() -> tuple[str, ...]:
+    """Libraries whose import costs seconds: those trainers hide, transformers (mlx-lm and mlx-vlm
+    import it) and every trainer's package, as imported."""
+    names = [*(h for t in trainers().values() for h in t.hides), "transformers",
+             *(t.package.replace("-", "_") for t in trainers().values() if t.package)]
+    return tuple(dict.fromkeys(names))

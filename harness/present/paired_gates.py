@@ -33,6 +33,7 @@ from typing import Any
 
 from harness.present.results import load_results
 from harness.scenario import ScenarioError
+from harness.trainer_registry import versioned_packages
 
 RUN_OK = (0, 1)  # a run whose checks fail still measured its speed
 
@@ -71,7 +72,6 @@ def _side_env(tree: Path) -> dict[str, str]:
     return env
 
 
-VERSIONED = ("mlx", "mlx-lm", "mlx-vlm", "numpy", "unsloth_zoo")
 VERSIONS = ("import importlib.metadata as m, json, sys\n"
             "def v(n):\n    try:\n        return m.version(n)\n"
             "    except m.PackageNotFoundError:\n        return None\n"
@@ -82,7 +82,7 @@ def versions(python: str, extra: tuple[str, ...] = ()) -> dict[str, str | None]:
     """The versions of Python and of the packages a gate reports, in the environment of ``python``."""
     import json
 
-    p = subprocess.run([python, "-c", VERSIONS, *VERSIONED, *extra], capture_output=True, text=True)
+    p = subprocess.run([python, "-c", VERSIONS, *versioned_packages(), *extra], capture_output=True, text=True)
     if p.returncode != 0:
         raise ScenarioError(f"{python}: cannot run it to read its package versions: "
                             f"{(p.stderr.strip().splitlines() or ['failed'])[-1]}")

@@ -10,15 +10,16 @@ from typing import Any
 # The parts the rank runtime times itself, in order; the trainer's phases ("data", "model",
 # "resume", ...) follow, and "trainer" is its set-up before its first phase (its imports).
 PARTS = ("spawn", "device", "warm_up", "libraries")
-# Libraries whose import costs seconds: ``libraries_loaded`` names those a rank ended up holding.
-HEAVY = ("torch", "torchvision", "transformers", "mlx_lm", "mlx_vlm", "unsloth_zoo")
 
 
 def libraries_loaded() -> list[str]:
-    """The ``HEAVY`` libraries imported in this process (not those marked absent)."""
+    """The libraries whose import costs seconds (``trainer_registry.heavy_libraries``) imported in
+    this process (not those marked absent)."""
     import sys
 
-    return [name for name in HEAVY if sys.modules.get(name) is not None]
+    from harness.trainer_registry import heavy_libraries
+
+    return [name for name in heavy_libraries() if sys.modules.get(name) is not None]
 
 
 class StartupClock:
