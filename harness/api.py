@@ -138,7 +138,7 @@ class Session:
         def compute() -> tuple[Any, Any, int]:
             import mlx.core as mx
 
-            from harness.rank.entry import ReportedFailure
+            from harness.rank.context import ReportedFailure
 
             out = fn(*args)
             if not isinstance(out, tuple | list) or len(out) != 3 or not isinstance(out[1], dict):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from harness.rank.entry import RankContext
+from harness.rank.context import RankContext
 from harness.scenario import Scenario
 
 

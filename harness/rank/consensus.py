@@ -17,7 +17,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from harness.rank.entry import ReportedFailure
+from harness.rank.context import ReportedFailure
 
 PHASES = {
     "data": "loading the data",

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from harness.rank.entry import ReportedFailure
+from harness.rank.context import ReportedFailure
 
 SIZE = 64
 ENTRY = 8  # matmul entries in [-ENTRY, ENTRY]: every product and partial sum is an exact float32 integer

@@ -9,7 +9,6 @@ the process exits 1, so the controller learns the cause from the rank itself.
 from __future__ import annotations
 
 import faulthandler
-import importlib
 import os
 import signal
 import socket
@@ -18,118 +17,17 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from harness import schema
-from harness.rank import memory_share
+from harness.rank import device_check, memory_share
+from harness.rank.context import RankContext, ReportedFailure
 from harness.rank.memory import MemorySampler, accelerator, device_baseline_kind, peak_rss_bytes
 from harness.rank.startup import StartupClock
 from harness.scenario import FaultSpec
 
 TMPDIR_VAR = "MLX_DDP_HARNESS_TMPDIR"
-
-
-class ReportedFailure(RuntimeError):
-    """An error whose message already names the rank and the cause; written to the result as is."""
-
-
-@dataclass
-class RankContext:
-    """What a job needs to know about the process it runs in."""
-
-    run_dir: Path
-    job: dict[str, Any]
-    rank: int
-    world_size: int
-    group: Any
-    backend: str
-    events: schema.EventWriter
-    faults: list[FaultSpec] = field(default_factory=list)
-    host: str = field(default_factory=socket.gethostname)
-    memory: MemorySampler | None = None  # trainers tell it of each step (``step_memory``)
-    startup: StartupClock | None = None  # times the phases before training
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    def step_memory(self, step: int) -> dict[str, Any]:
-        """Optimizer step ``step`` ended: the memory fields of its ``step`` event
-        (``MemorySampler.step_ended``)."""
-        if self.memory is None:
-            raise RuntimeError("this rank has no memory sampler: steps are trained under harness.rank.entry.main")
-        return self.memory.step_ended(step)
-
-    def phase(self, name: str) -> None:
-        """Heartbeat between steps, so the watchdog sees progress through long phases; the
-        phases before ``train`` are timed as start-up."""
-        if self.startup is not None:
-            self.startup.phase(name)
-        self.events.emit("phase", name=name, rank=self.rank)
-
-    def maybe_fault(self, phase: str, step: int) -> FaultSpec | None:
-        """Misbehave as the job's fault specs say, when this rank reaches ``phase`` of ``step``.
-
-        Process-level faults happen here. Faults the caller must act out are returned: ``stop``
-        (request a stop); in the ``step`` phase ``raise`` and ``compile_error`` (for the model's
-        forward to raise them, inside a compiled function when there is one); checkpoint damage;
-        ``stale_view`` while resuming.
-        """
-        for f in self.faults:
-            if f.rank == self.rank and f.step == step and f.phase == phase:
-                if f.action in RETURNED.get(phase, ()):
-                    return f
-                # when and where it misbehaved, for the controller's detection times
-                self.events.emit("fault", rank=self.rank, step=step, phase=phase, action=f.action)
-                inject(f)
-        return None
-
-
-RETURNED = {
-    "step": ("stop", "raise", "compile_error"),
-    "eval": ("stop",),
-    "checkpoint": ("truncate", "corrupt", "delete"),
-    "resume": ("stale_view",),
-}
-
-
-ALLOCATE_CHUNK_MB = 32
-_HELD: list[Any] = []  # what an ``allocate`` fault holds for the rest of the process
-
-
-def allocate(mb: int) -> None:
-    """Allocate and touch ``mb`` MB of MLX memory, a chunk at a time (a runaway, not one jump),
-    and keep it."""
-    import mlx.core as mx
-
-    for _ in range(max(1, mb // ALLOCATE_CHUNK_MB)):
-        chunk = mx.ones((ALLOCATE_CHUNK_MB * 1024 * 1024,), dtype=mx.uint8)
-        mx.eval(chunk)
-        _HELD.append(chunk)
-        time.sleep(0.01)
-
-
-def inject(f: FaultSpec) -> None:
-    if f.action == "allocate":
-        allocate(f.mb)
-    if f.action == "raise":
-        raise RuntimeError(f"injected fault in phase {f.phase} at step {f.step}")
-    if f.action == "exit":
-        os._exit(f.code)
-    if f.action == "exit0":
-        os._exit(0)
-    if f.action == "sigkill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    if f.action == "segfault":
-        faulthandler.disable()
-        import ctypes
-
-        ctypes.string_at(0)
-    if f.action == "hang":
-        while True:
-            time.sleep(3600)
 
 
 def set_precision(job: dict[str, Any]) -> None:
@@ -254,7 +152,6 @@ def main(argv: list[str]) -> int:
         result["job"] = job["kind"]
         clock = StartupClock(job.get("launched_at"))
         set_precision(job)
-        device_check = importlib.import_module("harness.rank.device_check")  # it raises ReportedFailure: no circle
         device_check.set_device(job)  # before the group and warm-up: every array of the rank lives there
         world_size = int(job["world_size"])
         own_group = bool((job.get("trainer") or {}).get("own_group"))  # a command's processes join it

@@ -11,7 +11,7 @@ import os
 import time
 from typing import Any
 
-from harness.rank.entry import RankContext
+from harness.rank.context import RankContext
 
 
 def run(ctx: RankContext) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import schema
-from harness.rank.entry import ReportedFailure
+from harness.rank.context import ReportedFailure
 
 FILES = schema.COMMAND_FILES
 

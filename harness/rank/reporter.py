@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from harness import schema
-from harness.rank.entry import RankContext, ReportedFailure
+from harness.rank.context import RankContext, ReportedFailure
 from harness.rank.models import param_count, tree_digest
 from harness.scenario import Scenario
 

@@ -21,8 +21,8 @@ from typing import Any
 
 from harness import schema
 from harness.check_plan import STEP_LOCAL
+from harness.rank.context import RankContext, ReportedFailure
 from harness.rank.device_check import current
-from harness.rank.entry import RankContext, ReportedFailure
 from harness.rank.protocol import open_protocol, problem, read_outcome
 from harness.rank.reporter import StepReporter
 from harness.scenario import Scenario

@@ -16,7 +16,7 @@ from typing import Any
 
 from harness import api, schema
 from harness.check_plan import STEP_LOCAL
-from harness.rank.entry import RankContext, ReportedFailure
+from harness.rank.context import RankContext, ReportedFailure
 from harness.rank.protocol import FILES, Writer, open_protocol, read_outcome
 from harness.rank.reporter import StepReporter
 from harness.scenario import Scenario

@@ -56,7 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.check_plan import STEP_LOCAL
-from harness.rank.entry import RankContext, ReportedFailure
+from harness.rank.context import RankContext, ReportedFailure
 from harness.rank.reporter import StepReporter
 from harness.scenario import Scenario
 

@@ -35,8 +35,8 @@ from typing import Any
 from harness import schema
 from harness.rank import step_probe
 from harness.rank.consensus import AgreedStop, Coordinator, RankFailure
+from harness.rank.context import RankContext
 from harness.rank.effects import MainRankEffects
-from harness.rank.entry import RankContext
 from harness.rank.models import build_model, param_count, param_digest
 from harness.rank.optimizer import build_optimizer
 from harness.rank.precision import measure_precision
