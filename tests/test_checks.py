@@ -5,10 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from harness.controller.collect import RankOutcome, RunOutcome
 from harness.controller.cpu_use import CpuUse
+from harness.controller.outcome import RankOutcome, RunOutcome, WatchReport
 from harness.controller.rank_budget import Neighbours
-from harness.controller.watch import WatchReport
 from harness.judge.checks import (
     data_share,
     expected_failure,

@@ -187,8 +187,8 @@ def test_hostfile_is_private(tmp_path: Path) -> None:
 def test_a_rank_whose_end_was_not_seen_is_named_after_the_rank_that_failed() -> None:
     """Rank 1 exited with code 3; mlx.launch stopped rank 0 for it before its exit code was
     recorded: rank 0 gone without a result and without an exit code is the consequence."""
-    from harness.controller.collect import RankOutcome, failure_reason
-    from harness.controller.watch import WatchReport
+    from harness.controller.collect import failure_reason
+    from harness.controller.outcome import RankOutcome, WatchReport
 
     step = [{"kind": "step", "step": 1}]
     report = WatchReport(wall_s=3.0, returncode=3, limit="rank_gone", limit_detail="ranks 0, 1 gone without a result",

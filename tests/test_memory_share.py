@@ -18,10 +18,9 @@ import pytest
 
 from harness import memory_plan
 from harness.controller import rank_budget
-from harness.controller.collect import RankOutcome, RunOutcome
+from harness.controller.outcome import RankOutcome, RunOutcome, WatchReport
 from harness.controller.session import execute
 from harness.controller.suite import train_job
-from harness.controller.watch import WatchReport
 from harness.judge.wired_share import wired_share
 from harness.memory_plan import MB, parse_size, share_of
 from harness.scenario import load_scenario

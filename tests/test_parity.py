@@ -8,8 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from harness.controller.collect import RankOutcome, RunOutcome
-from harness.controller.watch import WatchReport
+from harness.controller.outcome import RankOutcome, RunOutcome, WatchReport
 from harness.judge.checks import Check
 from harness.judge.parity import U_ACC, Floor, eval_parity, loss_parity, param_parity, rounding, step_local
 from harness.judge.verdict import judge, mutation_caught

@@ -9,7 +9,7 @@ import pytest
 
 from harness import schema
 from harness.controller.collect import collect
-from harness.controller.watch import WatchReport
+from harness.controller.outcome import WatchReport
 from tests.conftest import train_result
 
 

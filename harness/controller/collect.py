@@ -7,69 +7,14 @@ every rank wrote a result with status "ok", exited 0, and the watchdog did not s
 from __future__ import annotations
 
 import signal
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from harness import schema
 from harness.controller.launch import launcher_exits
+from harness.controller.outcome import RankOutcome, WatchReport
 from harness.controller.progress import after_step
-from harness.controller.watch import WatchReport
 
 TAIL_LINES = 12
-
-
-@dataclass
-class RankOutcome:
-    rank: int
-    exit_code: int | None  # None: unknown (e.g. killed by the launcher or the watchdog)
-    killed: bool
-    result: dict[str, Any] | None
-    events: list[dict[str, Any]]
-    stderr_tail: str
-
-    @property
-    def last_step(self) -> int:
-        """The last step this rank finished, from its events."""
-        return max((int(e.get("step") or 0) for e in self.events if e.get("kind") == "step"), default=0)
-
-    @property
-    def ok(self) -> bool:
-        return (
-            self.result is not None
-            and self.result.get("status") == "ok"
-            and self.exit_code in (0, None)
-            and not self.killed
-        )
-
-
-@dataclass
-class RunOutcome:
-    """Everything the judge and the reports need from one run."""
-
-    name: str
-    world_size: int
-    backend: str | None
-    ok: bool
-    failure: str | None
-    ranks: list[RankOutcome]
-    watch: WatchReport
-    params: dict[str, Any] | None = None
-    moved: float | None = None  # how far training moved rank 0's parameters, relative (``session.moved``)
-    artifacts: Path | None = None
-    notes: list[str] = field(default_factory=list)
-    floor: str | None = None  # a noise-floor run the harness added: what it computes
-    backend_reason: str | None = None  # why the harness chose another backend than the usual one
-    device: str | None = None  # "gpu" or "cpu": what the ranks computed on (``session.device_used``)
-    device_reason: str | None = None  # why, where ``auto`` chose or the device check moved them
-    queued_s: float = 0.0  # how long the launch waited for rank slots (``rank_budget``)
-    hosts: list[str] | None = None  # rank -> the cluster host it ran on (``None``: this machine)
-
-    def result(self, rank: int = 0) -> dict[str, Any]:
-        res = self.ranks[rank].result
-        if res is None:
-            raise KeyError(f"rank {rank} of run {self.name!r} wrote no result")
-        return res
 
 
 def _tail(path: Path, lines: int = TAIL_LINES) -> str:

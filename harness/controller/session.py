@@ -13,12 +13,13 @@ from harness import schema
 from harness.cluster_spec import Cluster, ClusterError
 from harness.controller import launch as launcher
 from harness.controller import rank_budget
-from harness.controller.collect import RunOutcome, collect, failure_reason
+from harness.controller.collect import collect, failure_reason
 from harness.controller.cpu_use import CpuMeter
 from harness.controller.devices import BackendRefused, DeviceRefused, accelerators, plan_backend, plan_device
 from harness.controller.memory_guard import MemoryLimits
+from harness.controller.outcome import RunOutcome, WatchReport
 from harness.controller.progress import Observer, ProgressFeed, RunProgress
-from harness.controller.watch import WatchReport, kill_group, watch
+from harness.controller.watch import kill_group, watch
 from harness.trainer_registry import cpu_collectives
 
 INTERRUPTED = "INTERRUPTED"  # marks a kept run directory whose run was interrupted

@@ -20,12 +20,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from harness.cluster_spec import Cluster
-from harness.controller.collect import RankOutcome, RunOutcome
 from harness.controller.inputs import prepare
 from harness.controller.memory_guard import MemoryLimits
+from harness.controller.outcome import RankOutcome, RunOutcome, WatchReport
 from harness.controller.progress import Observer
 from harness.controller.session import execute
-from harness.controller.watch import WatchReport
 from harness.memory_plan import job_memory
 from harness.run_plan import FloorRun, compared, floor_runs, launch_order, probe_steps
 from harness.scenario import RunSpec, Scenario, writes_checkpoints

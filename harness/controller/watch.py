@@ -14,42 +14,23 @@ from __future__ import annotations
 import os
 import signal
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
 
 from harness import schema
-from harness.controller.cpu_use import CpuMeter, CpuUse
+from harness.controller.cpu_use import CpuMeter
 from harness.controller.launch import Launch, launcher_exits
 from harness.controller.memory_guard import MB, MemoryLimits, RankMemory
+from harness.controller.outcome import WatchReport
 from harness.controller.progress import EventTail, ProgressFeed
-from harness.controller.rank_budget import NeighbourMeter, Neighbours
+from harness.controller.rank_budget import NeighbourMeter
 
 POLL_S = 0.1
 STACK_DUMP_WAIT_S = 1.5  # the longest wait for the ranks' stack dumps
 STACK_SETTLE_S = 0.2  # a dump is complete once its stderr file stops growing this long
 PEER_GRACE_S = 10.0
 GONE_GRACE_S = 0.5  # mlx.launch ends a run itself when a rank exits non-zero; this long to do so
-
-
-@dataclass
-class WatchReport:
-    """How a run ended, seen from outside."""
-
-    wall_s: float
-    returncode: int | None
-    limit: str | None = None  # why the watchdog stopped it: "rank_gone", "memory", "wall", "no_progress", "peer_failed"
-    limit_detail: str = ""
-    stacks_dumped: bool = False
-    survivors: list[int | str] = field(default_factory=list)  # pids; "host:pid" on a cluster host
-    rank_pids: dict[int, int] = field(default_factory=dict)
-    exited_early: list[int] = field(default_factory=list)  # gone without a result before a limit fired
-    cpu: CpuUse | None = None  # what the machine's CPUs did meanwhile
-    neighbours: Neighbours | None = None  # other launches beside it
-    named_at: float = 0.0  # time.time() when the watch knew the run had ended or stopped it (a limit)
-    ended_at: float = 0.0  # time.time() once every process of the run was gone
-    remote: bool = False  # its ranks ran on cluster hosts
 
 
 class RankEvents:

@@ -11,7 +11,7 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from harness.controller.collect import RunOutcome
+from harness.controller.outcome import RunOutcome
 from harness.scenario import RunSpec, Scenario, TrainerSpec
 from harness.trainer_registry import trainer_info
 

@@ -4,7 +4,7 @@ absolute tolerance the scenario set."""
 
 from __future__ import annotations
 
-from harness.controller.collect import RunOutcome
+from harness.controller.outcome import RunOutcome
 from harness.judge.parity import Floor, step_local
 from harness.run_plan import floor_for
 from harness.scenario import RunSpec, Scenario

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from harness.check_plan import STEP_LOCAL
-from harness.controller.collect import RunOutcome
+from harness.controller.outcome import RunOutcome
 from harness.controller.session import param_delta
 from harness.judge.checks import Check, listed
 from harness.run_plan import spec_of

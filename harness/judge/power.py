@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from harness.controller.collect import RunOutcome
+from harness.controller.outcome import RunOutcome
 from harness.judge.checks import Check
 
 NO_POWER = "no power"

@@ -3,8 +3,8 @@ checkpoint every rank resumed from."""
 
 from __future__ import annotations
 
-from harness.controller.collect import RunOutcome
 from harness.controller.cpu_use import speed_disturbed
+from harness.controller.outcome import RunOutcome
 from harness.judge.checks import Check, fastest_after_first, with_power
 from harness.judge.floors import floors
 from harness.judge.parity import eval_parity, loss_parity, param_parity, unrecorded

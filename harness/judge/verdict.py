@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from harness.check_plan import STEP_LOCAL, run_rules
-from harness.controller.collect import RunOutcome
+from harness.controller.outcome import RunOutcome
 from harness.judge.behaviours import mark_expected_failures
 from harness.judge.checks import (
     Check,

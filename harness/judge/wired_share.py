@@ -8,7 +8,7 @@ buffers) passed its share; the detail lists the limits its trainer asked for and
 
 from __future__ import annotations
 
-from harness.controller.collect import RunOutcome
+from harness.controller.outcome import RunOutcome
 from harness.judge.checks import MB, Check
 
 NO_SHARE = ("the ranks recorded no memory share (an executable under [trainer] kind = \"command\" is its own "

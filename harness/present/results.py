@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import schema
-from harness.controller.collect import RunOutcome
+from harness.controller.outcome import RunOutcome
 from harness.judge.checks import Check, median_after_first
 from harness.run_plan import spec_of
 from harness.scenario import Scenario, ScenarioError
