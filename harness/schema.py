@@ -232,7 +232,7 @@ def train_result(**fields: Any) -> TrainResult:
 def check_rank_result(record: dict[str, Any], where: str) -> dict[str, Any]:
     """A rank's result read strictly: every key its job's kind requires, no key unknown
     (``SchemaError`` naming them); a training job's that ended ``ok`` is a ``TrainResult`` too."""
-    train = record.get("job") == "train"  # other jobs (a launch probe, a benchmark) carry figures of their own
+    train = record.get("job") == "train"  # other jobs (the all-sum job, a benchmark) carry figures of their own
     types = (RankResult, TrainResult) if train and record.get("status") == "ok" else (RankResult,)
     problem = _keys_problem(record, *types, closed=train)
     if problem:

@@ -100,13 +100,13 @@ def load_libraries(job: dict[str, Any]) -> None:
 
 def _job_runner(job: dict[str, Any]) -> Callable[[RankContext], dict[str, Any]]:
     """A ``train`` job runs the module of the trainer under test its job names; ``allsum``
-    is the launch probe, ``mlx_lm_step`` the speed anchor and ``grad_allreduce`` its all-reduce
+    is the all-sum job (``harness.rank.allsum``), ``mlx_lm_step`` the speed anchor and ``grad_allreduce`` its all-reduce
     alone (``harness.rank.anchor``)."""
     import importlib
 
     kind = job["kind"]
     if kind == "allsum":
-        return importlib.import_module("harness.rank.probe").run
+        return importlib.import_module("harness.rank.allsum").run
     if kind == "mlx_lm_step":
         return importlib.import_module("harness.rank.anchor").run
     if kind == "grad_allreduce":
