@@ -94,7 +94,7 @@ class Session:
         """``model`` itself; in the noise-floor run, with its forward computing each batch in
         ``split_rows`` row chunks (the same logits; the rounding of that many ranks). Training
         is taken to start from its parameters as they are now (``start``)."""
-        from harness.trainers.common import split_floor, split_text_model
+        from harness.rank.split_floor import split_floor, split_text_model
 
         if (plan := split_floor(self._ctx.job, self.seed)) is not None:
             split_text_model(model, plan)

@@ -10,7 +10,7 @@ rank r taking every N-th row of each global batch), its ``default_loss``, its co
 What the adapter adds:
 - ``iterate_batches`` is mlx-lm's own, wrapped to count each rank's supervised tokens (with
   ``default_loss``'s mask); in a floor run the model computes each batch in the ranks' row
-  chunks (``common.split_text_model``);
+  chunks (``harness.rank.split_floor.split_text_model``);
 - numpy's and MLX's global RNGs are seeded with the scenario seed on every rank, because mlx-lm
   draws its batch order from numpy's global RNG (and LoRA weights from MLX's): without it the
   ranks would train on different batches;
@@ -37,8 +37,9 @@ from typing import Any
 
 from harness.rank.context import RankContext, ReportedFailure
 from harness.rank.reporter import StepReporter
+from harness.rank.split_floor import split_floor, split_text_model
 from harness.scenario import Scenario
-from harness.trainers.common import apply_lora, split_floor, split_text_model
+from harness.trainers.common import apply_lora
 
 TITLE = "mlx_lm.tuner.trainer.train"
 NOT_APPLICABLE = {

@@ -16,7 +16,7 @@ What the adapter adds: mlx-vlm's own batch iterator (``iterate_vlm_batches``, gi
 ``make_task``) wrapped to see each batch on every rank: this rank's supervised tokens, the step
 boundaries (the next batch is drawn only after the step before it is done) and the parameters
 there for replica digests. In a floor run the model computes each batch in the ranks' row chunks
-(``common.split_forward``; image patches picked image by image). mlx-vlm calls its training
+(``harness.rank.split_floor.split_forward``; image patches picked image by image). mlx-vlm calls its training
 callback on rank 0 only, so the global loss, tokens and evaluations are rank 0's, sent to the
 other ranks after training (``ranks_agree`` says so and does not compare them).
 
@@ -71,7 +71,7 @@ def take_vlm_rows(args: tuple[Any, ...], kwargs: dict[str, Any], rows: int, pick
     import mlx.core as mx
     import numpy as np
 
-    from harness.trainers.common import take_rows
+    from harness.rank.split_floor import take_rows
 
     inputs, pixels, *rest = args
     grid = kwargs.get("image_grid_thw")
@@ -208,7 +208,8 @@ def run(ctx: RankContext) -> dict[str, Any]:
 
     from harness.rank.models import build_model
     from harness.rank.optimizer import build_optimizer
-    from harness.trainers.common import load_image_rows, split_floor, split_forward
+    from harness.rank.split_floor import split_floor, split_forward
+    from harness.trainers.common import load_image_rows
 
     s = Scenario.from_dict(ctx.job["scenario"])
     t, lora = s.train, s.trainer.fine_tune == "lora"

@@ -15,7 +15,7 @@ What the adapter adds: a Hugging Face style callback (``add_callback``), which u
 on every rank, reports each logged optimizer step (``logging_steps = 1``: the global loss and
 supervised tokens it all-reduced, this rank's tokens, its learning rate, the parameters for
 replica digests) and each evaluation. In a floor run the model computes each batch in the ranks'
-row chunks (``common.split_text_model``), and in its sequential order the adapter hands each
+row chunks (``harness.rank.split_floor.split_text_model``), and in its sequential order the adapter hands each
 batch's rows over in reverse order as well (its fused loss then sums them in another order too).
 
 Step-local probes go through unsloth-zoo's own parts, called eagerly: at its ``on_step_begin``
@@ -293,7 +293,8 @@ def run(ctx: RankContext) -> dict[str, Any]:
 
     from harness.data.rows import load_rows
     from harness.rank.models import build_model
-    from harness.trainers.common import apply_lora, split_floor, split_text_model
+    from harness.rank.split_floor import split_floor, split_text_model
+    from harness.trainers.common import apply_lora
 
     s = Scenario.from_dict(ctx.job["scenario"])
     lora = s.trainer.fine_tune == "lora"
