@@ -220,7 +220,7 @@ def _toml(value: Any) -> str:
                   value=VALUES)
 def test_generated_scenarios_are_accepted_or_refused_with_one_line(tmp_path: Path, table: str, key: str,
                                                                     value: Any) -> None:
-    from harness.present.preflight import preflight
+    from harness.present.pipeline import preflight
 
     path = _base(tmp_path)
     body = path.read_text()

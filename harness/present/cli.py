@@ -20,7 +20,7 @@ from harness.memory_plan import BUDGET_VAR, size_arg
 from harness.present import starter
 from harness.present.baseline_cli import add_parsers
 from harness.present.live import MODES, PLAIN_EVERY_S, PlainProgress, progress_display
-from harness.present.preflight import available, preflight
+from harness.present.pipeline import available, preflight, run_and_judge
 from harness.present.results import EXIT_BAD_INPUT, EXIT_INFRA, load_results
 from harness.scenario import Scenario, ScenarioError, discover, load_scenario
 from harness.scenario_spec import DEVICES, with_device
@@ -127,10 +127,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from harness.controller.environment import environment
     from harness.controller.ports import PortError
     from harness.controller.session import LaunchError
-    from harness.controller.suite import run_scenario
-    from harness.judge.verdict import judge
     from harness.present.report import write_outputs
-    from harness.present.results import document, merge_repeats, scenario_summary, summary_lines
+    from harness.present.results import document, merge_repeats, summary_lines
     from harness.present.tables import scenario_text
 
     if args.memory_budget is not None:  # shared with every launch of this run and its children
@@ -170,9 +168,10 @@ def cmd_run(args: argparse.Namespace) -> int:
                     of = f", repeat {k} of {args.repeat}" if args.repeat > 1 else ""
                     print(f"scenario {s.name} ({s.path}{of})", file=sys.stderr, flush=True)
                     logs = out / ("runs" if k == 1 else f"runs-repeat{k}") / s.name if out else None
-                    runs = run_scenario(s, artifacts=logs, on_run=finished, keep_checkpoints=args.keep_checkpoints,
-                                        backend=args.backend, progress=display, cluster=cluster)
-                    reps.append(scenario_summary(s, runs, judge(s, runs)))
+                    _, _, judged = run_and_judge(s, artifacts=logs, on_run=finished, backend=args.backend,
+                                                 progress=display, keep_checkpoints=args.keep_checkpoints,
+                                                 cluster=cluster)
+                    reps.append(judged)
                 summary = merge_repeats(reps)
                 summaries.append(summary)
                 print(scenario_text(summary, args.format) + "\n", flush=True)

@@ -95,18 +95,14 @@ def run_scenario_file(s: Scenario, artifacts_root: Path, backend: str | None = N
     (``result.json``, ``report.md``, plots and rank logs) to ``artifacts_root/<scenario name>``;
     ``progress`` (a ``harness.controller.progress.Observer``) is shown each run as it goes."""
     from harness.controller.environment import environment
-    from harness.controller.suite import run_scenario
-    from harness.judge.verdict import judge
-    from harness.present.preflight import preflight
+    from harness.present.pipeline import preflight, run_and_judge
     from harness.present.report import write_outputs
-    from harness.present.results import document, scenario_summary
+    from harness.present.results import document
     from harness.present.tables import scenario_text
 
     preflight(s, backend)
     out = artifacts_root / s.name
-    outcomes = run_scenario(s, artifacts=out / "runs", backend=backend, progress=progress)
-    checks = judge(s, outcomes)
-    summary = scenario_summary(s, outcomes, checks)
+    outcomes, checks, summary = run_and_judge(s, artifacts=out / "runs", backend=backend, progress=progress)
     write_outputs(out, document([summary], environment()))
     runs = {}
     for o in outcomes:

@@ -1,11 +1,12 @@
-"""What can be refused before any rank starts, for ``run`` and the pytest plugin alike: the
-scenarios this machine can run, resume sources, each run's expected memory against the budget,
-data files, and each run's device and backend."""
+"""A scenario's way through, for ``run`` and the pytest plugin alike: what can be refused before
+any rank starts (the scenarios this machine can run, resume sources, each run's expected memory
+against the budget, data files, each run's device and backend), then its runs launched and
+judged into the summary the tables, ``result.json`` and JUnit read (``run_and_judge``)."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from harness.availability import Skipped, runnable
 from harness.memory_plan import check_launches
@@ -13,6 +14,8 @@ from harness.scenario import Scenario, ScenarioError
 
 if TYPE_CHECKING:
     from harness.cluster_spec import Cluster
+    from harness.controller.outcome import RunOutcome
+    from harness.judge.checks import Check
 
 
 def available(scenarios: list[Scenario]) -> tuple[list[Scenario], list[Skipped]]:
@@ -79,3 +82,15 @@ def preflight(s: Scenario, backend: str | None, cluster: Cluster | None = None) 
     if cluster is None:
         check_backends(s, backend)
     return notes
+
+
+def run_and_judge(s: Scenario, **launch: Any) -> tuple[list[RunOutcome], list[Check], dict[str, Any]]:
+    """Launch the scenario's runs (``launch``: ``harness.controller.suite.run_scenario``'s options)
+    and judge them: (outcomes, checks, the scenario's summary)."""
+    from harness.controller.suite import run_scenario
+    from harness.judge.verdict import judge
+    from harness.present.results import scenario_summary
+
+    outcomes = run_scenario(s, **launch)
+    checks = judge(s, outcomes)
+    return outcomes, checks, scenario_summary(s, outcomes, checks)
