@@ -194,3 +194,11 @@ def load_scenario(path: Path | str) -> Scenario:
 def discover(directory: Path | str) -> list[Path]:
     """Scenario files in ``directory``, sorted by name."""
     return sorted(Path(directory).glob("*.toml"))
+
+
+def with_device(s: Scenario, device: str | None) -> Scenario:
+    """``s`` with every run on ``device`` (``--device``, ``--mlx-ddp-device``); ``None``: as written."""
+    if device is None:
+        return s
+    runs = [dataclasses.replace(r, train={k: v for k, v in r.train.items() if k != "device"}) for r in s.runs]
+    return dataclasses.replace(s, train=dataclasses.replace(s.train, device=device), runs=runs)

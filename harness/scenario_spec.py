@@ -403,11 +403,3 @@ def is_named_tokenizer(value: Any) -> bool:
 
 def writes_checkpoints(s: Scenario, run: RunSpec) -> bool:
     return run.stop_after is not None or s.for_run(run).train.checkpoint_every > 0
-
-
-def with_device(s: Scenario, device: str | None) -> Scenario:
-    """``s`` with every run on ``device`` (``--device``, ``--mlx-ddp-device``); ``None``: as written."""
-    if device is None:
-        return s
-    runs = [dataclasses.replace(r, train={k: v for k, v in r.train.items() if k != "device"}) for r in s.runs]
-    return dataclasses.replace(s, train=dataclasses.replace(s.train, device=device), runs=runs)

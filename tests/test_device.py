@@ -13,8 +13,7 @@ import pytest
 
 from harness.controller.devices import Accelerators, BackendRefused, DeviceRefused, plan_backend, plan_device
 from harness.rank import device_check as dc
-from harness.scenario import ScenarioError, parse_scenario
-from harness.scenario_spec import with_device
+from harness.scenario import ScenarioError, parse_scenario, with_device
 from tests.conftest import SMALL, cli
 from tests.test_command_trainer import WORKER_DIR, worker  # noqa: F401 - the C++ worker's fixture
 

@@ -22,8 +22,8 @@ from harness.present.baseline_cli import add_parsers
 from harness.present.live import MODES, PLAIN_EVERY_S, PlainProgress, progress_display
 from harness.present.pipeline import available, preflight, run_and_judge
 from harness.present.results import EXIT_BAD_INPUT, EXIT_INFRA, load_results
-from harness.scenario import Scenario, ScenarioError, discover, load_scenario
-from harness.scenario_spec import DEVICES, with_device
+from harness.scenario import Scenario, ScenarioError, discover, load_scenario, with_device
+from harness.scenario_spec import DEVICES
 
 if TYPE_CHECKING:
     from harness.cluster_spec import Cluster

@@ -37,8 +37,8 @@ from harness.availability import runnable
 from harness.present.live import PLAIN_EVERY_S, PlainProgress
 from harness.present.pytest_support import benchmark_fixture, describe, named_paths, record_steps, scenario_toml
 from harness.present.scenario_result import ScenarioResult, run_scenario_file, scenario_from
-from harness.scenario import Scenario, ScenarioError, load_scenario
-from harness.scenario_spec import DEVICES, with_device
+from harness.scenario import Scenario, ScenarioError, load_scenario, with_device
+from harness.scenario_spec import DEVICES
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
