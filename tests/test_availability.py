@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from harness import trainer_registry
-from harness.availability import runnable
 from harness.scenario import load_scenario
+from harness.scenario import trainers as trainer_registry
+from harness.scenario.availability import runnable
 from tests.conftest import REPO, cli, write_scenario
 
 # unsloth-zoo "not installed" in every process started with it on PYTHONPATH, ranks included:

@@ -263,8 +263,8 @@ def test_resume_checks_fail_on_doctored_accounting_and_disagreeing_ranks() -> No
 
 
 def test_every_check_rule_has_a_judge_and_a_rule_registers_once() -> None:
-    from harness import check_plan
     from harness.judge.verdict import JUDGES
+    from harness.scenario import checks as check_plan
 
     assert set(JUDGES) == set(check_plan.RULES)
     assert len(set(check_plan.CHECK_NAMES)) == len(check_plan.CHECK_NAMES)

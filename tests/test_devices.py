@@ -42,7 +42,7 @@ def test_doctor_words_for_gpus_and_backends() -> None:
 
 
 def test_a_trainer_that_all_reduces_on_the_cpu_stream_runs_on_ring_on_cuda_and_nccl_is_refused() -> None:
-    from harness.trainer_registry import cpu_collectives
+    from harness.scenario.trainers import cpu_collectives
 
     why = cpu_collectives("mlx_vlm")
     assert why and "CPU stream" in why

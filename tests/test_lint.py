@@ -85,7 +85,7 @@ def test_rooms_import_only_their_own_side_and_below() -> None:
 
 
 def test_mutation_names_are_the_mutations() -> None:
-    from harness.scenario_spec import MUTATION_NAMES
+    from harness.scenario.names import MUTATION_NAMES
     from harness.trainers.reference.semantics import MUTATIONS
 
     assert set(MUTATION_NAMES) == set(MUTATIONS)

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.check_plan import planned_checks
 from harness.scenario import load_scenario
+from harness.scenario.checks import planned_checks
 from tests.conftest import write_scenario
 
 

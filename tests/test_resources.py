@@ -16,8 +16,7 @@ from harness.controller.memory_guard import MemoryLimits, RankMemory, over_limit
 from harness.controller.session import execute
 from harness.controller.suite import checkpoint_dir, train_job
 from harness.rank.memory import JOB_START, device_baseline_kind
-from harness.scenario import load_scenario
-from harness.scenario_spec import CheckSpec, LimitSpec
+from harness.scenario import CheckSpec, LimitSpec, load_scenario
 from harness.trainers.reference import checkpoint
 from tests.conftest import cli, write_scenario
 from tests.test_launch import assert_clean

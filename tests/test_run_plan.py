@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from harness.controller.suite import train_job
-from harness.run_plan import floor_runs, launch_order
 from harness.scenario import ScenarioError, load_scenario
+from harness.scenario.runs import floor_runs, launch_order
 from tests.conftest import REPO, write_scenario
 
 

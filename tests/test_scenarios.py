@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from harness.present.tables import runs_table
-from harness.trainer_registry import trainer_info
+from harness.scenario.trainers import trainer_info
 from tests.conftest import REPO, cli, needs_unsloth
 
 pytestmark = pytest.mark.ranks

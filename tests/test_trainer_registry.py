@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from harness import trainer_registry
 from harness.scenario import load_scenario
-from harness.trainer_registry import TrainerInfo
+from harness.scenario import trainers as trainer_registry
+from harness.scenario.trainers import TrainerInfo
 from tests.conftest import REPO, cli, write_scenario
 
 PLUGIN = '''
-from harness.scenario_spec import require
-from harness.trainer_registry import TrainerInfo
+from harness.scenario.spec import require
+from harness.scenario.trainers import TrainerInfo
 
 
 def rules(eff, run, src, where):

@@ -27,7 +27,7 @@ import psutil
 from harness.controller.progress import after_step
 
 if TYPE_CHECKING:
-    from harness.scenario_spec import CheckSpec, LimitSpec
+    from harness.scenario import CheckSpec, LimitSpec
 
 MB = 1024 * 1024
 

@@ -20,7 +20,7 @@ from harness.controller.memory_guard import MemoryLimits
 from harness.controller.outcome import RunOutcome, WatchReport
 from harness.controller.progress import Observer, ProgressFeed, RunProgress
 from harness.controller.watch import kill_group, watch
-from harness.trainer_registry import cpu_collectives
+from harness.scenario.trainers import cpu_collectives
 
 INTERRUPTED = "INTERRUPTED"  # marks a kept run directory whose run was interrupted
 KEEP_SUFFIXES = (".events.jsonl", ".result.json", ".callbacks.jsonl", ".stdout", ".stderr", ".log")

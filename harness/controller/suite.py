@@ -2,7 +2,7 @@
 
 The reference run goes first: at its step-local probe steps it records its parameters and
 gradient into the workspace, and the runs compared with it read them there. Then the other runs
-in file order, then the floor runs (``run_plan``).
+in file order, then the floor runs (``harness.scenario.runs``).
 
 Runs of one scenario share a checkpoint workspace: each run that writes checkpoints gets its
 own directory there, and a run that resumes from an earlier run reads that run's directory.
@@ -26,10 +26,10 @@ from harness.controller.outcome import RankOutcome, RunOutcome, WatchReport
 from harness.controller.progress import Observer
 from harness.controller.session import execute
 from harness.memory_plan import job_memory
-from harness.run_plan import FloorRun, compared, floor_runs, launch_order, probe_steps
 from harness.scenario import RunSpec, Scenario, writes_checkpoints
+from harness.scenario.runs import FloorRun, compared, floor_runs, launch_order, probe_steps
+from harness.scenario.trainers import trainer_info
 from harness.schema import NO_STEPS, probe_path
-from harness.trainer_registry import trainer_info
 
 KEEP_FROM_CHECKPOINTS = ("manifest.json", "trainer.json")
 

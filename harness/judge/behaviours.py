@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from harness.scenario_spec import is_behaviour_table
+from harness.scenario.spec import is_behaviour_table
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from typing import Any
 
 from harness.controller.outcome import RunOutcome
 from harness.scenario import RunSpec, Scenario, TrainerSpec
-from harness.trainer_registry import trainer_info
+from harness.scenario.trainers import trainer_info
 
 MB = 1024 * 1024
 
@@ -261,7 +261,7 @@ def counted(counts: dict[str, int]) -> str:
 
 def rank0_side_effects(run: RunOutcome, trainer: TrainerSpec) -> Check:
     """Callbacks, log lines and saves happened on rank 0 only; and a save did happen there where
-    the trainer promises one (``harness.trainer_registry.TrainerInfo.saves``) or the script declares one
+    the trainer promises one (``harness.scenario.trainers.TrainerInfo.saves``) or the script declares one
     (``[trainer] saves = true``). An external trainer reports its own saves only (the callbacks
     are the harness's). A rank that reports no side-effect counts fails the check."""
     counts = [(o.result or {}).get("side_effects") for o in run.ranks]

@@ -1,4 +1,4 @@
-"""What each comparison's trajectories are judged against: its floor run (``run_plan``; a split
+"""What each comparison's trajectories are judged against: its floor run (``harness.scenario.runs``; a split
 floor's draws of the rounding, all of them), unless that run is refused as a floor, or the
 absolute tolerance the scenario set."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from harness.controller.outcome import RunOutcome
 from harness.judge.parity import Floor, step_local
-from harness.run_plan import floor_for
 from harness.scenario import RunSpec, Scenario
+from harness.scenario.runs import floor_for
 
 TOLERANCE_KEYS = {"loss": "loss_tolerance", "param": "param_tolerance", "eval": "eval_tolerance"}
 

@@ -13,7 +13,7 @@ times 2 for sums whose terms partly cancel. The token count must be equal.
 
 **Trajectory.** Over many steps AdamW turns rounding into moves of up to the learning rate
 (the sign of a near-zero gradient element) and the differences compound, so no rounding bound
-holds. Each comparison is instead judged against a floor run (``run_plan``) that does the same
+holds. Each comparison is instead judged against a floor run (``harness.scenario.runs``) that does the same
 mathematics in another summation order: per step, value / max(floor, absolute floor) must
 stay within ``floor_ratio``. The floor is the floor run's largest deviation over the same steps:
 where in a run chaotic growth reaches a given size is itself random, so two runs of equal noise
@@ -38,12 +38,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from harness.check_plan import STEP_LOCAL
 from harness.controller.outcome import RunOutcome
 from harness.controller.session import param_delta
 from harness.judge.checks import Check, listed
-from harness.run_plan import spec_of
 from harness.scenario import Scenario
+from harness.scenario.checks import STEP_LOCAL
+from harness.scenario.runs import spec_of
 
 U_ACC = 2.0**-24  # float32 accumulators, on every MLX device
 

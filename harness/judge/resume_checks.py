@@ -8,8 +8,8 @@ from harness.controller.outcome import RunOutcome
 from harness.judge.checks import Check, fastest_after_first, with_power
 from harness.judge.floors import floors
 from harness.judge.parity import eval_parity, loss_parity, param_parity, unrecorded
-from harness.run_plan import same_execution
 from harness.scenario import RunSpec, Scenario
+from harness.scenario.runs import same_execution
 
 
 def resume_parity(run: RunOutcome, target: RunOutcome, s: Scenario, by_name: dict[str, RunOutcome]) -> list[Check]:

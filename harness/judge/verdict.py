@@ -7,7 +7,6 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from harness.check_plan import STEP_LOCAL, run_rules
 from harness.controller.outcome import RunOutcome
 from harness.judge.behaviours import mark_expected_failures
 from harness.judge.checks import (
@@ -30,6 +29,7 @@ from harness.judge.power import judge_power, start_parity
 from harness.judge.resume_checks import judge_resume
 from harness.judge.wired_share import wired_share
 from harness.scenario import RunSpec, Scenario
+from harness.scenario.checks import STEP_LOCAL, run_rules
 
 
 def parity_checks(s: Scenario, run: RunOutcome, ref: RunOutcome, by_name: dict[str, RunOutcome]) -> list[Check]:
@@ -134,7 +134,7 @@ def _unmeasured(j: Judged, name: str) -> Check:
 
 
 def judge(s: Scenario, runs: list[RunOutcome]) -> list[Check]:
-    """All checks of a scenario, rule by rule (``harness.check_plan``): each judged run gets
+    """All checks of a scenario, rule by rule (``harness.scenario.checks``): each judged run gets
     exactly its planned checks (a planned check its results cannot measure is "n/a", saying why);
     runs that did not complete get none, and floor runs are measurements, not judged."""
     by_name = {r.name: r for r in runs}

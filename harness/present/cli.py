@@ -14,7 +14,6 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from harness.availability import runnable
 from harness.judge.baselines import BaselineError
 from harness.memory_plan import BUDGET_VAR, size_arg
 from harness.present import starter
@@ -23,7 +22,8 @@ from harness.present.live import MODES, PLAIN_EVERY_S, PlainProgress, progress_d
 from harness.present.pipeline import available, preflight, run_and_judge
 from harness.present.results import EXIT_BAD_INPUT, EXIT_INFRA, load_results
 from harness.scenario import Scenario, ScenarioError, discover, load_scenario, with_device
-from harness.scenario_spec import DEVICES
+from harness.scenario.availability import runnable
+from harness.scenario.names import DEVICES
 
 if TYPE_CHECKING:
     from harness.cluster_spec import Cluster
@@ -209,8 +209,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_list(args: argparse.Namespace) -> int:
     from tabulate import tabulate
 
-    from harness.availability import missing
-    from harness.trainer_registry import trainers
+    from harness.scenario.availability import missing
+    from harness.scenario.trainers import trainers
 
     directory = Path(args.directory) if args.directory else default_scenario_dir()
     if not directory.is_dir():

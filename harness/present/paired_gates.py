@@ -33,7 +33,7 @@ from typing import Any
 
 from harness.present.results import load_results
 from harness.scenario import ScenarioError
-from harness.trainer_registry import versioned_packages
+from harness.scenario.trainers import versioned_packages
 
 RUN_OK = (0, 1)  # a run whose checks fail still measured its speed
 

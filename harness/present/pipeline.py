@@ -8,9 +8,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from harness.availability import Skipped, runnable
 from harness.memory_plan import check_launches
 from harness.scenario import Scenario, ScenarioError
+from harness.scenario.availability import Skipped, runnable
 
 if TYPE_CHECKING:
     from harness.cluster_spec import Cluster
@@ -36,7 +36,7 @@ def check_resume_sources(s: Scenario) -> None:
     module checks its own saves (``check_resume_source``)."""
     import importlib
 
-    from harness.trainer_registry import trainer_info
+    from harness.scenario.trainers import trainer_info
 
     names = {r.name for r in s.runs}
     for i, r in enumerate(s.runs):
@@ -53,7 +53,7 @@ def check_resume_sources(s: Scenario) -> None:
 def check_backends(s: Scenario, backend: str | None) -> None:
     """Refuse, before anything runs, a run whose device or backend cannot run here."""
     from harness.controller.devices import BackendRefused, DeviceRefused, plan_backend, plan_device
-    from harness.trainer_registry import cpu_collectives
+    from harness.scenario.trainers import cpu_collectives
 
     for r in s.runs:
         eff = s.for_run(r)

@@ -33,12 +33,12 @@ from typing import Any
 
 import pytest
 
-from harness.availability import runnable
 from harness.present.live import PLAIN_EVERY_S, PlainProgress
 from harness.present.pytest_support import benchmark_fixture, describe, named_paths, record_steps, scenario_toml
 from harness.present.scenario_result import ScenarioResult, run_scenario_file, scenario_from
 from harness.scenario import Scenario, ScenarioError, load_scenario, with_device
-from harness.scenario_spec import DEVICES
+from harness.scenario.availability import runnable
+from harness.scenario.names import DEVICES
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -161,8 +161,8 @@ class ScenarioFile(pytest.File):
     _result: ScenarioResult | None = None
 
     def collect(self) -> Any:
-        from harness.check_plan import planned_checks
         from harness.judge.behaviours import reason_for
+        from harness.scenario.checks import planned_checks
 
         full = load_scenario(self.path)
         kept, skipped = runnable(full)  # runs whose trainer is not installed here are skipped
@@ -259,7 +259,7 @@ RUN_PROPERTIES = ("world_size", "backend", "wall_s", "queued_s", "runtime_s", "m
 
 
 class LaunchItem(ScenarioItem):
-    """The run completed (its checks are the plan's: ``harness.check_plan``)."""
+    """The run completed (its checks are the plan's: ``harness.scenario.checks``)."""
 
     def runtest(self) -> None:
         result = self.scenario_file.result()

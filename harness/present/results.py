@@ -9,10 +9,9 @@ from typing import Any
 from harness import schema
 from harness.controller.outcome import RunOutcome
 from harness.judge.checks import Check, median_after_first
-from harness.run_plan import spec_of
-from harness.scenario import Scenario, ScenarioError
-from harness.scenario_spec import TrainerSpec
-from harness.trainer_registry import trainer_info
+from harness.scenario import Scenario, ScenarioError, TrainerSpec
+from harness.scenario.runs import spec_of
+from harness.scenario.trainers import trainer_info
 
 EXIT_PASS, EXIT_CHECK_FAILED, EXIT_BAD_INPUT, EXIT_INFRA = 0, 1, 2, 3
 EXIT_INCONCLUSIVE = 4  # gate: no gate failed, but a paired speed test ran out of pairs undecided
@@ -239,7 +238,7 @@ def exit_code(scenarios: list[dict[str, Any]]) -> int:
 
 def document(scenarios: list[dict[str, Any]], env: dict[str, Any],
              skipped: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """The result document; ``skipped``: what this machine could not run (``harness.availability``)."""
+    """The result document; ``skipped``: what this machine could not run (``harness.scenario.availability``)."""
     code = exit_code(scenarios)
     return schema.stamp({"passed": code == EXIT_PASS, "exit_code": code, "environment": env,
                          "scenarios": scenarios, "skipped": skipped or []})

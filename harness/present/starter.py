@@ -22,7 +22,7 @@ from pathlib import Path
 
 from harness.present.starter_blocks import PER_RANK_BATCH, lora_lines, mean_of_means, throughput_runs, uses_harness_api
 from harness.scenario import Scenario, ScenarioError, load_scenario
-from harness.trainer_registry import trainer_info, trainers
+from harness.scenario.trainers import trainer_info, trainers
 
 Check = Callable[[Scenario, str | None], list[str]]
 

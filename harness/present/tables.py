@@ -8,7 +8,7 @@ from tabulate import tabulate
 
 from harness.present.conditions import MARK, condition_notes, disturbed
 from harness.present.shapes import width_cell, width_warnings
-from harness.scenario_spec import MUTATIONS_DESCRIBED
+from harness.scenario.names import MUTATIONS_DESCRIBED
 
 FORMATS = {"plain": "simple", "github": "github"}
 

@@ -51,7 +51,7 @@ def warm_up(job: dict[str, Any]) -> None:
     mx.eval((warm @ warm).sum())
     if job.get("kind") != "train" or mx.default_device() != mx.gpu:
         return
-    from harness.scenario_spec import VLM_ARCHS
+    from harness.scenario.names import VLM_ARCHS
 
     model = job["scenario"]["model"]
     dtype = getattr(mx, model.get("dtype") or "float32", mx.float32)

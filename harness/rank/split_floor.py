@@ -1,4 +1,4 @@
-"""The split forward of a noise-floor run (``harness.run_plan``'s *split* runs): the model computes
+"""The split forward of a noise-floor run (``harness.scenario.runs``'s *split* runs): the model computes
 each batch in N row chunks, each chunk's rows in reverse order, and the gradient of its output is
 rounded once more, as N ranks compute it. Used by the external trainers' adapters and by a
 script's session (``harness.api``)."""

@@ -17,7 +17,7 @@ def libraries_loaded() -> list[str]:
     this process (not those marked absent)."""
     import sys
 
-    from harness.trainer_registry import heavy_libraries
+    from harness.scenario.trainers import heavy_libraries
 
     return [name for name in heavy_libraries() if sys.modules.get(name) is not None]
 

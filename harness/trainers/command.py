@@ -20,12 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from harness import schema
-from harness.check_plan import STEP_LOCAL
 from harness.rank.context import RankContext, ReportedFailure
 from harness.rank.device_check import current
 from harness.rank.protocol import open_protocol, problem, read_outcome
 from harness.rank.reporter import StepReporter
 from harness.scenario import Scenario
+from harness.scenario.checks import STEP_LOCAL
 
 POLL_S = 0.02
 MLX_MEMORY = ("memory_mlx_per_rank_mb", "memory_mlx_total_mb")

@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from harness import api, schema
-from harness.check_plan import STEP_LOCAL
 from harness.rank.context import RankContext, ReportedFailure
 from harness.rank.protocol import FILES, Writer, open_protocol, read_outcome
 from harness.rank.reporter import StepReporter
 from harness.scenario import Scenario
+from harness.scenario.checks import STEP_LOCAL
 
 NOT_PROBED = ("the script hands over no loss-and-gradient function (harness.api: run.probe(step, model, fn, "
               "batch) before each update)")

@@ -55,10 +55,10 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from harness.check_plan import STEP_LOCAL
 from harness.rank.context import RankContext, ReportedFailure
 from harness.rank.reporter import StepReporter
 from harness.scenario import Scenario
+from harness.scenario.checks import STEP_LOCAL
 
 TITLE = "unsloth_zoo.mlx.trainer.MLXTrainer"
 INSTALL = "pip install --no-deps 'unsloth_zoo>=2026.10.9'"

@@ -16,7 +16,7 @@ from typing import Any
 def load_libraries(scenario: dict[str, Any]) -> None:
     """What every run imports beyond MLX: a vision-language model's mlx-vlm architecture (which
     imports transformers, and with it torch where that is installed)."""
-    from harness.scenario_spec import VLM_ARCHS
+    from harness.scenario.names import VLM_ARCHS
 
     arch = scenario["model"].get("arch")
     if arch in VLM_ARCHS:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from harness.scenario_spec import MUTATIONS_DESCRIBED
+from harness.scenario.names import MUTATIONS_DESCRIBED
 
 
 def _tree_map(fn: Any, *trees: Any) -> Any:

@@ -9,12 +9,12 @@ import dataclasses
 import importlib.util
 from dataclasses import dataclass
 
-from harness.scenario import Scenario
+from harness.scenario.spec import Scenario
 
 
 def missing(kind: str) -> str | None:
     """Why trainer ``kind`` cannot run here (its optional package is not installed), or None."""
-    from harness.trainer_registry import trainers
+    from harness.scenario.trainers import trainers
 
     info = trainers().get(kind)
     if info is None or info.requires is None or importlib.util.find_spec(info.requires) is not None:

@@ -13,7 +13,7 @@ far the same mathematics drifts when only its float rounding changes:
 - a *rerun* of B: B launched again exactly as it was; used for a resume at B's world size, where
   the only difference a correct trainer may show is the device's run-to-run variation;
 - a *split* run of B for X, for a trainer under test that cannot emulate ranks in one process
-  (an external trainer, ``harness.trainer_registry``): B in one process, the trainer untouched, the
+  (an external trainer, ``harness.scenario.trainers``): B in one process, the trainer untouched, the
   model's forward computing each batch in X's N row chunks, each chunk's rows in reverse order
   (N ranks' shapes and N partial sums of each gradient, as N ranks compute them, in another
   order; 2 chunks for a run of one process), the gradient of its output rounded once more, as
@@ -35,8 +35,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from harness.scenario_spec import RunSpec, Scenario
-from harness.trainer_registry import trainer_info
+from harness.scenario.spec import RunSpec, Scenario
+from harness.scenario.trainers import trainer_info
 
 SPLIT_SAMPLES = 3  # a split floor's draws of the rounding (``FloorRun.samples``)
 

@@ -1,5 +1,5 @@
 """Scenario files: TOML that reads like a test description, parsed into the specs of
-``harness.scenario_spec`` (re-exported here) and checked by ``harness.scenario_rules``.
+``harness.scenario.spec`` (re-exported here) and checked by ``harness.scenario.rules``.
 
 Every error names the file and the key (``ScenarioError``), so the CLI can print one line.
 """
@@ -12,9 +12,9 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from harness.scenario_rules import validate
-from harness.scenario_spec import (
-    KINDS,
+from harness.scenario.names import KINDS
+from harness.scenario.rules import validate
+from harness.scenario.spec import (
     CheckSpec,
     DataSpec,
     FaultSpec,

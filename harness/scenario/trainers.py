@@ -15,8 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
 
-from harness import trainer_rules
-from harness.scenario_spec import RunSpec, Scenario, ScenarioError
+from harness.scenario import trainer_rules
+from harness.scenario.spec import RunSpec, Scenario, ScenarioError
 
 ENTRY_POINTS = "mlx_ddp_harness.trainers"
 STEP_FAULTS = ("raise", "exit", "exit0", "sigkill", "segfault", "hang")  # what a trainer's own loop can take
@@ -39,12 +39,12 @@ class TrainerInfo:
     LoRA adapters. ``resumes``:
     a later run can continue from its saves; its module has ``check_resume_source(path, step,
     scenario)``, called before anything starts. ``streams``: it reads an unsized stream of rows.
-    ``rules``: its own scenario rules (``harness.trainer_rules``).
+    ``rules``: its own scenario rules (``harness.scenario.trainer_rules``).
 
     ``probes``: it computes step-local probes at the reference's parameters through its own
     code (``StepReporter.probe``; otherwise the step-local checks are n/a). ``twin``: it can
     compute N ranks' shards in one process (the noise-floor twin); otherwise its trajectories
-    are judged against *split* floor runs (``harness.run_plan``). ``cpu_collectives``: why it
+    are judged against *split* floor runs (``harness.scenario.runs``). ``cpu_collectives``: why it
     all-reduces on MLX's CPU stream, which only the ring backend serves on a CUDA machine (None:
     on the device, any backend). ``saves``: why it always saves on rank 0, so
     ``rank0_side_effects`` demands a save there (None: it promises none; a script declares its
@@ -55,7 +55,7 @@ class TrainerInfo:
     baseline. ``package``: the distribution of the library it runs (a gate records its version;
     its import is a start-up cost the rank names). ``requires``: an optional package it needs
     (``install``: how to install it); where it is missing, the runs that need it are skipped,
-    saying so (``harness.availability``).
+    saying so (``harness.scenario.availability``).
     """
 
     kind: str

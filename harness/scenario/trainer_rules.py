@@ -1,12 +1,12 @@
 """What each trainer under test can be given: the scenario rules of one trainer each, referred to
-by its record (``harness.trainer_registry.TrainerInfo.rules``). Each takes the run's effective
+by its record (``harness.scenario.trainers.TrainerInfo.rules``). Each takes the run's effective
 scenario, the run, the file and the run's key prefix, and raises ``ScenarioError`` naming them."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from harness.scenario_spec import RunSpec, Scenario, require
+from harness.scenario.spec import RunSpec, Scenario, require
 
 UNSLOTH_SCHEDULES = ("constant", "cosine")
 UNSLOTH_ORDERS = ("ordered", "shuffled")

@@ -7,8 +7,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from harness.check_plan import CHECK_NAMES
-from harness.scenario_spec import (
+from harness.scenario.checks import CHECK_NAMES
+from harness.scenario.names import (
     ARCHS,
     BACKENDS,
     CHECKPOINT_FILES,
@@ -28,6 +28,8 @@ from harness.scenario_spec import (
     PRECISIONS,
     TEXT_ARCHS,
     VLM_ARCHS,
+)
+from harness.scenario.spec import (
     DataSpec,
     FaultSpec,
     RunSpec,
@@ -38,7 +40,7 @@ from harness.scenario_spec import (
     require,
     writes_checkpoints,
 )
-from harness.trainer_registry import STEP_FAULTS, kinds, trainer_info, with_kind
+from harness.scenario.trainers import STEP_FAULTS, kinds, trainer_info, with_kind
 
 
 def _one_of(value: Any, allowed: tuple[str, ...], src: str, key: str) -> None:

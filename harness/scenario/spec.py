@@ -1,7 +1,5 @@
-"""Scenario specs: the dataclasses a scenario file is parsed into, and the names it may use.
-
-The lowest layer of the tree: it imports nothing else of the harness.
-"""
+"""Scenario specs: the dataclasses a scenario file is parsed into (one per section; the values
+each key may take are in ``harness.scenario.names``)."""
 
 from __future__ import annotations
 
@@ -9,26 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-TEXT_ARCHS = ("qwen3", "llama")
-VLM_ARCHS = ("qwen2_vl", "paligemma")
-ARCHS = TEXT_ARCHS + VLM_ARCHS
-DTYPES = ("float32", "bfloat16", "float16")
-BACKENDS = ("ring", "nccl", "mpi", "jaccl")
-FAULT_ACTIONS = ("raise", "exit", "sigkill", "segfault", "hang", "exit0", "stop", "compile_error",
-                 "truncate", "corrupt", "delete", "stale_view", "allocate", "wrong_result")
-FAULT_PHASES = ("fetch", "step", "update", "eval", "checkpoint", "resume", "save", "device_check")
-DAMAGE_ACTIONS = ("truncate", "corrupt", "delete")
-CHECKPOINT_FILES = ("model.safetensors", "optimizer.safetensors", "trainer.json", "manifest.json")
-DATA_FORMATS = ("auto", "text", "prompt_completion", "chat")
-ORDERS = ("ordered", "shuffled", "length_sorted")
-COMPILE_MODES = ("off", "strict", "best_effort")
-PRECISIONS = ("auto", "full", "device")
-DEVICES = ("auto", "gpu", "cpu")
-KINDS = ("parity", "throughput")
-COMPILE_SCOPES = ("none", "local-grad", "full-step", "fallback-eager")
-LR_SCHEDULES = ("constant", "cosine", "linear")
-OPTIMIZERS = ("adamw", "sgd")
-FINE_TUNES = ("full", "lora")
+from harness.scenario.names import VLM_ARCHS
 
 
 class ScenarioError(ValueError):
@@ -43,7 +22,7 @@ class TrainerSpec:
     with ``lora_rank``, ``lora_scale`` and ``lora_layers`` adapted layers, -1: all). ``script``: a
     user's training script at ``path`` (run with ``args`` as its command line), reporting through
     ``harness.api``; ``saves = true`` declares that it saves on rank 0, which the judge then demands
-    (the other trainers' saves are known: ``harness.trainer_registry.TrainerInfo.saves``)."""
+    (the other trainers' saves are known: ``harness.scenario.trainers.TrainerInfo.saves``)."""
 
     kind: str = "reference"
     path: str | None = None
@@ -370,18 +349,6 @@ class Scenario:
             faults=[f for f in self.faults if not f.runs or run.name in f.runs],
         )
 
-MUTATIONS_DESCRIBED = {  # the DDP bugs a run can inject into the reference trainer (``[[runs]] mutation``)
-    "mean_of_means": "loss and gradients normalised per rank (by its own token count), then averaged over ranks",
-    "sum_not_average": "gradients all-summed across ranks but not divided by the world size",
-    "unreduced_norms": "the normalisation weights left out of the gradient all-reduce (each rank keeps its own)",
-    "same_shard": "every rank reads rank 0's shard (the sampler was not given the rank)",
-    "drop_uneven": "the last rank drops its last micro-batch of a step when the split is uneven (a drop_last loop)",
-    "rank_seeds": "each rank initialises its model from its own seed (seed + rank)",
-    "lr_times_world": "the learning rate scaled by the world size",
-    "accum_twice": "accumulated gradients divided by grad_accum although the token weighting already normalises them",
-    "stale_gradient": "the previous step's gradient is all-reduced (zeros at the first step)",
-}
-MUTATION_NAMES = tuple(MUTATIONS_DESCRIBED)
 
 
 def is_behaviour_table(value: Any) -> bool:

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from harness.run_plan import compared
-from harness.scenario_spec import RunSpec, Scenario
+from harness.scenario.runs import compared
+from harness.scenario.spec import RunSpec, Scenario
 
 STEP_LOCAL = ("step_token_parity", "step_loss_parity", "step_grad_parity")
 MEMORY = ("memory_rss_per_rank_mb", "memory_rss_total_mb", "memory_mlx_per_rank_mb", "memory_mlx_total_mb")

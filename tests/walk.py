@@ -1,0 +1,117 @@
+"""A scenario's walk through the harness's modules, as ``run_scenario_file`` takes it in the
+controller's process: every harness function in the order it is first called, its module a
+*room*; consecutive calls in one room are one *stay*. A step into a room that imports (directly
+or not) the room it comes from *climbs back up*; a step into a room visited before *returns*.
+
+``python -m tests.walk FILE`` prints the figures and the walk; ``tests/test_structure.py``
+holds them to the limits of docs/development.md.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the harness modules it imports, at the top or inside a function."""
+    files = {".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__"): p
+             for p in (REPO / "harness").rglob("*.py")}
+    graph: dict[str, set[str]] = {m: set() for m in files}
+    for m, p in files.items():
+        for node in ast.walk(ast.parse(p.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            graph[m] |= {n for n in names if n in files and n != m and not m.startswith(n + ".")}
+    return graph
+
+
+def _below(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Module -> every module it imports, directly or not."""
+    out: dict[str, set[str]] = {}
+    for start in graph:
+        seen, todo = set(), list(graph[start])
+        while todo:
+            m = todo.pop()
+            if m not in seen:
+                seen.add(m)
+                todo += graph.get(m, ())
+        out[start] = seen
+    return out
+
+
+@dataclass
+class Walk:
+    stays: list[str]
+    climbs: int
+    returns: int
+
+    @property
+    def rooms(self) -> int:
+        return len(set(self.stays))
+
+    def line(self) -> str:
+        return (f"{self.rooms} rooms in {len(self.stays)} stays, climbs back up {self.climbs} times, "
+                f"returns {self.returns} times")
+
+
+def measure(modules: list[str]) -> Walk:
+    """The walk of a sequence of first calls' modules."""
+    below = _below(import_graph())
+    stays = [m for i, m in enumerate(modules) if i == 0 or modules[i - 1] != m]
+    climbs = sum(1 for a, b in zip(stays, stays[1:], strict=False) if a in below.get(b, ()))
+    returns = sum(1 for i, m in enumerate(stays) if m in stays[:i])
+    return Walk(stays, climbs, returns)
+
+
+def _harness(frame) -> bool:  # noqa: ANN001
+    return frame.f_globals.get("__name__", "").startswith("harness") and not frame.f_code.co_name.startswith("<")
+
+
+def first_calls(fn, *args, depth: int = 99, **kwargs) -> tuple[list[str], object]:
+    """The modules of the harness functions ``fn(*args, **kwargs)`` calls at most ``depth``
+    harness calls deep, each function at its first such call, in order; and what ``fn`` returned."""
+    seen: set[object] = set()
+    order: list[str] = []
+
+    def profile(frame, event, arg):  # noqa: ANN001 - sys.setprofile's signature
+        if event != "call" or frame.f_code in seen or not _harness(frame):
+            return
+        d, f = 0, frame
+        while f is not None and d <= depth:
+            if f.f_code.co_name == "<module>" and f.f_globals.get("__name__", "").startswith("harness"):
+                return  # a module being imported: not a step of the walk
+            d += _harness(f)
+            f = f.f_back
+        if d > depth:
+            return
+        seen.add(frame.f_code)
+        order.append(frame.f_globals["__name__"])
+
+    sys.setprofile(profile)
+    try:
+        out = fn(*args, **kwargs)
+    finally:
+        sys.setprofile(None)
+    return order, out
+
+
+def walk_of(scenario: Path, out: Path, depth: int = 99) -> Walk:
+    from harness.present.scenario_result import run_scenario_file
+    from harness.scenario import load_scenario
+
+    modules, _ = first_calls(lambda: run_scenario_file(load_scenario(scenario), out), depth=depth)
+    return measure(modules)
+
+
+if __name__ == "__main__":
+    with tempfile.TemporaryDirectory() as tmp:
+        w = walk_of(Path(sys.argv[1]), Path(tmp), int(sys.argv[2]) if len(sys.argv) > 2 else 99)
+    print(w.line())
+    print(" -> ".join(w.stays))
