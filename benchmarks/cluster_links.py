@@ -30,9 +30,10 @@ from tabulate import tabulate
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from harness.cluster_spec import load_hostfile  # noqa: E402
-from harness.controller.session import execute  # noqa: E402
 from harness.controller.suite import train_job  # noqa: E402
+
+from harness.cluster_spec import load_hostfile  # noqa: E402
+from harness.controller.run_job import execute  # noqa: E402
 from harness.scenario import load_scenario  # noqa: E402
 from tests.simhosts import SimHosts, unavailable  # noqa: E402
 

@@ -22,9 +22,9 @@ from pathlib import Path
 from tabulate import tabulate
 
 from harness import schema
-from harness.controller.session import execute
-from harness.controller.suite import train_job
+from harness.controller.run_job import execute
 from harness.scenario import load_scenario
+from harness.scenario.plan import job_for
 
 FAULTS = ("sigkill", "segfault", "exit", "exit0", "hang")
 SCENARIO = """
@@ -64,7 +64,7 @@ def detection(action: str, world_size: int, no_progress_s: float) -> tuple[float
         path.write_text(textwrap.dedent(SCENARIO.format(ws=world_size, action=action)))
         s = load_scenario(path)
         spec = s.runs[0]
-        out = execute(spec.name, train_job(s, spec), world_size, wall_s=300, no_progress_s=no_progress_s,
+        out = execute(spec.name, job_for(s, spec.name), world_size, wall_s=300, no_progress_s=no_progress_s,
                       keep_to=Path(d) / "kept")
         assert not out.ok, f"{action}: the run passed"
         faults = [e for e in schema.read_events(Path(d) / "kept" / "rank1.events.jsonl") if e["kind"] == "fault"]

@@ -26,9 +26,10 @@ from tabulate import tabulate
 
 from harness.controller.launch import find_launcher, mlx_launch
 from harness.controller.ports import lease_ports
-from harness.controller.session import execute
-from harness.controller.suite import train_job
+from harness.controller.run_job import execute
 from harness.scenario import load_scenario
+from harness.scenario.job import AllSumJob
+from harness.scenario.plan import job_for
 
 REPO = Path(__file__).resolve().parents[1]
 TRIVIAL = "import mlx.core as mx; g = mx.distributed.init(); mx.eval(mx.distributed.all_sum(mx.ones(1), group=g))"
@@ -53,7 +54,7 @@ def bare_launch(launcher: list[str], script: str = TRIVIAL) -> tuple[float, floa
 
 
 def harness_probe() -> float:
-    out = execute("bench", {"kind": "allsum", "value": 1.0, "rounds": 1, "pause_s": 0.0}, 2)
+    out = execute("bench", AllSumJob(value=1.0, rounds=1, pause_s=0.0), 2)
     assert out.ok, out.failure
     return out.watch.wall_s
 
@@ -61,7 +62,7 @@ def harness_probe() -> float:
 def text_ddp2() -> tuple[float, float]:
     s = load_scenario(REPO / "scenarios" / "text_parity.toml")
     spec = s.run("ddp2")
-    out = execute(spec.name, train_job(s, spec), spec.world_size)
+    out = execute(spec.name, job_for(s, spec.name), spec.world_size)
     assert out.ok, out.failure
     train = max(o.result["runtime_s"] for o in out.ranks)
     return out.watch.wall_s, train

@@ -41,9 +41,10 @@ from typing import Any
 
 from tabulate import tabulate
 
-from harness.controller.session import execute
-from harness.controller.suite import train_job
+from harness.controller.run_job import execute
 from harness.scenario import load_scenario
+from harness.scenario.job import AnchorJob
+from harness.scenario.plan import job_for
 
 # model config overrides (of the tiny qwen3), dtype, inputs per row (a multiple of 32), per-rank batch
 MODELS: dict[str, tuple[dict[str, Any], str, int, int]] = {
@@ -123,9 +124,9 @@ def compile_disabled(disabled: bool) -> Iterator[None]:
 
 def launch(spec: Any, job: dict[str, Any], backend: str | None) -> dict[str, Any]:
     """Rank 0's result of ``job`` on ``spec``'s world size; a failed run ends the benchmark."""
-    out = execute(f"{spec.name}_{job['kind']}", job, spec.world_size, backend=backend or spec.backend)
+    out = execute(f"{spec.name}_{job.kind}", job, spec.world_size, backend=backend or spec.backend)
     if not out.ok:
-        raise SystemExit(f"{spec.name} ({job['kind']}): {out.failure}")
+        raise SystemExit(f"{spec.name} ({job.kind}): {out.failure}")
     steps = [e for e in out.ranks[0].events if e.get("kind") == "step"][1:]
     phases = {k: statistics.median(e[k] for e in steps) for k in PHASES + ("step_time_s",)
               if steps and all(k in e for e in steps)}
@@ -156,7 +157,7 @@ def allreduce_rows(s: Any, steps: dict[tuple[int, str], float], backend: str | N
     for spec in s.runs:
         if spec.world_size == first or not spec.name.endswith("_eager"):
             continue
-        ar = launch(spec, {"kind": "grad_allreduce", "scenario": s.for_run(spec).to_dict(), "repeats": 10}, backend)
+        ar = launch(spec, AnchorJob(s.for_run(spec), 10, "grad_allreduce"), backend)
         step_n, step_1 = steps[(spec.world_size, "eager")], steps[(first, "eager")]
         rows.append([spec.world_size, f"{ar['bytes'] / 2**20:.1f}", f"{ar['allreduce_s'] * 1e3:.2f}",
                      f"{step_1 * 1e3:.2f}", f"{step_n * 1e3:.2f}", f"{(step_n - step_1) * 1e3:.2f}",
@@ -188,8 +189,8 @@ def main() -> None:
             continue
         mode = spec.name.split("_")[1]
         theirs = s.run(spec.name + MLX_LM)
-        runs = ((spec, train_job(s, spec)), (theirs, train_job(s, theirs)),
-                (spec, {"kind": "mlx_lm_step", "scenario": s.for_run(spec).to_dict()}))
+        runs = ((spec, job_for(s, spec.name)), (theirs, job_for(s, theirs.name)),
+                (spec, AnchorJob(s.for_run(spec))))
         best: list[tuple[float, dict[str, Any]]] = [(0.0, {})] * 3
         for _ in range(args.repeats):  # alternating, so that a slow phase of the machine hits all three
             for i, (run, job) in enumerate(runs):

@@ -28,9 +28,10 @@ from tabulate import tabulate
 REPO = Path(__file__).resolve().parents[1]
 WORKER = """
 import json, sys
-from harness.controller.session import execute
+from harness.scenario.job import AllSumJob
+from harness.controller.run_job import execute
 value, sums = float(sys.argv[1]), int(sys.argv[2])
-o = execute("stress", {"kind": "allsum", "value": value, "rounds": sums, "pause_s": 0.0}, 2,
+o = execute("stress", AllSumJob(value=value, rounds=sums, pause_s=0.0), 2,
             wall_s=240, no_progress_s=120)
 print(json.dumps({"ok": o.ok, "failure": o.failure, "sums": [r.result and r.result.get("sums") for r in o.ranks],
                   "pids": sorted(o.watch.rank_pids.values())}))

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from harness.scenario import RunSpec, Scenario
+    from harness.scenario.spec import RunSpec, Scenario
 
 MB = 1024 * 1024
 BUDGET_VAR = "MLX_DDP_HARNESS_MEMORY_BUDGET"
@@ -253,7 +253,7 @@ def launch_problem(s: Scenario, run: RunSpec) -> str | None:
 def check_launches(s: Scenario, on_cluster: bool = False) -> None:
     """Refuse (``ScenarioError``, one line) a scenario with a run whose ranks can never fit the
     memory budget; on a cluster its multi-rank runs are the hosts' to hold."""
-    from harness.scenario import ScenarioError
+    from harness.scenario.spec import ScenarioError
 
     try:
         problems = [launch_problem(s, r) for r in s.runs if not (on_cluster and r.world_size > 1)]
@@ -266,7 +266,7 @@ def check_launches(s: Scenario, on_cluster: bool = False) -> None:
 
 def size_arg(text: str, option: str) -> int:
     """A size given on a command line, in bytes; ``ScenarioError`` (exit 2) naming ``option``."""
-    from harness.scenario import ScenarioError
+    from harness.scenario.spec import ScenarioError
 
     try:
         return parse_size(text)

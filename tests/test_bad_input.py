@@ -220,7 +220,8 @@ def _toml(value: Any) -> str:
                   value=VALUES)
 def test_generated_scenarios_are_accepted_or_refused_with_one_line(tmp_path: Path, table: str, key: str,
                                                                     value: Any) -> None:
-    from harness.present.pipeline import preflight
+    from harness.controller.preflight import preflight
+    from harness.scenario.plan import plan_scenario
 
     path = _base(tmp_path)
     body = path.read_text()
@@ -242,7 +243,7 @@ def test_generated_scenarios_are_accepted_or_refused_with_one_line(tmp_path: Pat
         pass  # the loader must say so too
     try:
         s = load_scenario(path)
-        preflight(s, None)
+        preflight(plan_scenario(s), None)
         TRIED["accepted"] += 1
     except ScenarioError as e:
         TRIED["refused"] += 1

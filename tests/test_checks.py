@@ -21,10 +21,17 @@ from harness.judge.verdict import judge
 from harness.present.results import exit_code, median_after_first, per_rank_batch
 from harness.present.tables import runs_table
 from harness.scenario import CheckSpec, RunSpec, Scenario, TrainerSpec
+from harness.scenario.plan import plan_scenario
 from tests.conftest import train_result
 
 MB = 1024 * 1024
 
+
+
+def _side_effects(run, trainer):  # noqa: ANN001, ANN202
+    from harness.scenario.trainers import trainer_info
+
+    return rank0_side_effects(run, trainer, trainer_info(trainer.kind))
 
 def _run(name: str, ws: int, losses: list[float], digests: list[str], params: float = 0.0,
          rss_mb: float = 100, tokens: list[int] | None = None) -> RunOutcome:
@@ -64,7 +71,7 @@ def test_memory_ceiling_fails_and_names_the_metric() -> None:
     s = Scenario(name="m", runs=[RunSpec("single", 1), RunSpec("ddp2", 2)],
                  checks=CheckSpec(reference="single", max_rss_mb=150, max_total_rss_mb=250, probe_every=0,
                                   loss_tolerance=1e-5, param_tolerance=1e-4, eval_tolerance=1e-5))
-    checks = judge(s, [_run("single", 1, [1.0], ["a"]), _run("ddp2", 2, [1.0], ["a", "a"], rss_mb=200)])
+    checks = judge(plan_scenario(s), [_run("single", 1, [1.0], ["a"]), _run("ddp2", 2, [1.0], ["a", "a"], rss_mb=200)])
     failed = {(c.name, c.run) for c in checks if not c.passed}
     assert failed == {("memory_rss_per_rank_mb", "ddp2"), ("memory_rss_total_mb", "ddp2")}
 
@@ -147,16 +154,16 @@ def test_ranks_agree_fails_when_one_rank_saw_another_stop_or_eval() -> None:
 def test_side_effects_on_a_non_main_rank_fail() -> None:
     ref = TrainerSpec()
     run = _run("d", 2, [1.0], ["a", "a"])
-    assert rank0_side_effects(run, ref).passed
+    assert _side_effects(run, ref).passed
     run.ranks[1].result["side_effects"]["saves"] = 1
-    bad = rank0_side_effects(run, ref)
+    bad = _side_effects(run, ref)
     assert not bad.passed and "other ranks: rank 1: callbacks 0, log lines 0, saves 1" in bad.detail
     run = _run("d", 2, [1.0], ["a", "a"])
     run.ranks[0].result["side_effects"]["saves"] = 0  # the reference trainer must have saved
-    bad = rank0_side_effects(run, ref)
+    bad = _side_effects(run, ref)
     assert not bad.passed and "a save on rank 0 demanded: the reference trainer saves its final" in bad.detail
     del run.ranks[1].result["side_effects"]  # not reported: a failure, not zero
-    bad = rank0_side_effects(run, ref)
+    bad = _side_effects(run, ref)
     assert not bad.passed and bad.detail == "rank 1 reported no side-effect counts (side_effects)"
 
 
@@ -165,13 +172,13 @@ def test_a_save_on_rank_0_is_demanded_only_where_promised() -> None:
     for r in run.ranks:
         r.result["side_effects"] = {"saves": 0}
     script = TrainerSpec(kind="script", path="t.py")
-    ok = rank0_side_effects(run, script)
+    ok = _side_effects(run, script)
     assert ok.passed and ok.detail.endswith("not demanded: the script does not declare [trainer] saves")
-    assert rank0_side_effects(run, TrainerSpec(kind="script", path="t.py", saves=False)).passed
-    bad = rank0_side_effects(run, TrainerSpec(kind="script", path="t.py", saves=True))
+    assert _side_effects(run, TrainerSpec(kind="script", path="t.py", saves=False)).passed
+    bad = _side_effects(run, TrainerSpec(kind="script", path="t.py", saves=True))
     assert not bad.passed and bad.detail.endswith("demanded: the script declares [trainer] saves = true")
     for kind in ("mlx_lm", "mlx_vlm", "unsloth_zoo"):
-        assert not rank0_side_effects(run, TrainerSpec(kind=kind)).passed
+        assert not _side_effects(run, TrainerSpec(kind=kind)).passed
 
 
 def test_data_share_fails_when_a_rank_holds_the_whole_dataset() -> None:
@@ -276,7 +283,7 @@ def test_a_planned_check_the_results_cannot_measure_is_na_saying_why() -> None:
     s = Scenario(name="t", checks=CheckSpec(reference="single"), runs=[RunSpec("single", 1), RunSpec("ddp2", 2)])
     single, ddp2 = _run("single", 1, [3.0, 2.0], ["a"]), _run("ddp2", 2, [3.0, 2.0], ["a", "a"])
     single.ok = False  # the reference did not complete: ddp2's parity checks are planned, not measured
-    got = {c.name: c for c in judge(s, [single, ddp2]) if c.run == "ddp2"}
+    got = {c.name: c for c in judge(plan_scenario(s), [single, ddp2]) if c.run == "ddp2"}
     loss = got["loss_parity"]
     assert not loss.applicable and "the reference run single did not complete" in loss.detail
     assert got["token_accounting"].applicable

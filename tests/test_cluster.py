@@ -71,12 +71,13 @@ def test_job_paths_are_rewritten_to_the_hosts_mirror_only_at_path_boundaries() -
 @pytest.mark.ranks
 def test_a_run_on_a_cluster_of_this_machine_goes_through_the_agent_and_leaves_nothing(tmp_path: Path) -> None:
     """127.0.0.1 is the one host mlx.launch starts without SSH: the agent path runs anywhere."""
-    from harness.controller.session import execute
+    from harness.controller.run_job import execute
+    from harness.scenario.job import AllSumJob
 
     work = tmp_path / "hostwork"
     work.mkdir()
     c = Cluster([ClusterHost("127.0.0.1", ["127.0.0.1"])], workdir=str(work))
-    o = execute("c", {"kind": "allsum", "value": 2.0, "rounds": 3, "pause_s": 0.05}, 2, cluster=c,
+    o = execute("c", AllSumJob(value=2.0, rounds=3, pause_s=0.05), 2, cluster=c,
                 wall_s=120, no_progress_s=60)
     assert o.ok, o.failure
     assert o.hosts == ["127.0.0.1", "127.0.0.1"]
@@ -88,10 +89,11 @@ def test_a_run_on_a_cluster_of_this_machine_goes_through_the_agent_and_leaves_no
 def test_a_hosts_memory_share_is_judged_from_its_agents_figures(tmp_path: Path) -> None:
     """With a share no process fits in, the run on a cluster host is stopped, naming the host."""
     from harness.controller.memory_guard import MemoryLimits
-    from harness.controller.session import execute
+    from harness.controller.run_job import execute
+    from harness.scenario.job import AllSumJob
 
     c = Cluster([ClusterHost("127.0.0.1", ["127.0.0.1"])], workdir=str(tmp_path))
-    o = execute("c", {"kind": "allsum", "value": 1.0, "rounds": 200, "pause_s": 0.05}, 2, cluster=c,
+    o = execute("c", AllSumJob(value=1.0, rounds=200, pause_s=0.05), 2, cluster=c,
                 wall_s=120, no_progress_s=60, memory=MemoryLimits(machine_fraction=1e-6))
     assert not o.ok and o.watch.limit == "memory", o.failure
     assert "of host 127.0.0.1's memory" in (o.failure or "")
@@ -103,7 +105,7 @@ def test_a_host_with_other_harness_code_is_refused_naming_it(tmp_path: Path, mon
     the host and the mismatch; the unchanged copy passes."""
     import shutil
 
-    from harness.controller.remote import check_hosts
+    from harness.controller.host_checks import check_hosts
 
     copy = tmp_path / "other" / "harness"
     shutil.copytree(REPO / "harness", copy, ignore=shutil.ignore_patterns("__pycache__"))

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from harness.controller.session import execute
-from harness.controller.suite import train_job
+from harness.controller.run_job import execute
 from harness.scenario import load_scenario
+from harness.scenario.plan import job_for
 from tests.conftest import cli, write_scenario
 from tests.test_launch import assert_clean
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.ranks
 def train(path: Path, run: str, keep: Path | None = None, no_progress_s: float = 60):  # noqa: ANN201
     s = load_scenario(path)
     spec = s.run(run)
-    return execute(spec.name, train_job(s, spec), spec.world_size, wall_s=120, no_progress_s=no_progress_s,
+    return execute(spec.name, job_for(s, spec.name), spec.world_size, wall_s=120, no_progress_s=no_progress_s,
                    keep_to=keep)
 
 

@@ -64,7 +64,7 @@ def test_a_rank_loads_its_trainers_libraries_before_its_memory_baseline() -> Non
 
     code = ("import sys; from harness.rank.entry import load_libraries; "
             "load_libraries({'kind': 'allsum'}); before = 'mlx_lm.tuner.trainer' in sys.modules; "
-            "load_libraries({'kind': 'train', 'trainer': {'module': 'harness.trainers.mlx_lm', 'hides': []}, "
+            "load_libraries({'kind': 'train', 'trainer': {'module': 'harness.trainers.mlx_lm.rank', 'hides': []}, "
             "'scenario': {'trainer': {'kind': 'mlx_lm'}, "
             "'model': {'arch': 'qwen3'}}}); "
             "print(before, 'mlx_lm.tuner.trainer' in sys.modules, 'transformers' in sys.modules)")
@@ -78,12 +78,12 @@ def test_unsloth_zoos_mid_run_import_of_transformers_callbacks_is_in_the_memory_
     import subprocess
     import sys
 
-    from harness.trainers.unsloth_zoo import available
+    from harness.trainers.unsloth_zoo.rank import available
 
     if available() is not None:
         pytest.skip(available())
     code = ("import sys; from harness.rank.entry import load_libraries; "
-            "load_libraries({'kind': 'train', 'trainer': {'module': 'harness.trainers.unsloth_zoo', 'hides': []}, "
+            "load_libraries({'kind': 'train', 'trainer': {'module': 'harness.trainers.unsloth_zoo.rank', 'hides': []}, "
             "'scenario': {'trainer': {'kind': 'unsloth_zoo'}, "
             "'model': {'arch': 'qwen3'}}}); "
             "print('unsloth_zoo.mlx.trainer' in sys.modules, 'transformers.trainer_callback' in sys.modules)")

@@ -18,14 +18,15 @@ import psutil
 import pytest
 
 from harness.controller.launch import write_hostfile
-from harness.controller.session import execute
+from harness.controller.run_job import execute
+from harness.scenario.job import AllSumJob
 
 pytestmark = pytest.mark.ranks
 
 
 def probe(value: float, world_size: int, *, rounds: int = 4, faults: list[dict] | None = None,
           keep: Path | None = None, wall_s: float = 120, no_progress_s: float = 60, pause_s: float = 0.05):
-    job = {"kind": "allsum", "value": value, "rounds": rounds, "faults": faults or [], "pause_s": pause_s}
+    job = AllSumJob(value=value, rounds=rounds, faults=tuple(faults or ()), pause_s=pause_s)
     return execute(f"probe{value}", job, world_size, wall_s=wall_s, no_progress_s=no_progress_s, keep_to=keep)
 
 
@@ -53,9 +54,9 @@ def test_world_size_one_is_a_plain_process_without_mlx_env(tmp_path: Path) -> No
 
 _JOB = """
 import json, sys
-from harness.controller.session import execute
+from harness.controller.run_job import execute
 v, ws, rounds = float(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-o = execute("c", {"kind": "allsum", "value": v, "rounds": rounds, "pause_s": 0.1}, ws, wall_s=240, no_progress_s=120)
+o = execute("c", AllSumJob(value=v, rounds=rounds, pause_s=0.1), ws, wall_s=240, no_progress_s=120)
 print(json.dumps({"ok": o.ok, "failure": o.failure, "sums": [r.result and r.result.get("sums") for r in o.ranks]}))
 """
 

@@ -62,8 +62,17 @@ RANK_SIDE = {"rank": 1, "trainers": 2, "api": 2}  # harness.api: what a user's s
 CONTROLLER_SIDE = {"controller": 1, "judge": 2, "present": 3}
 
 
+def _records() -> set[str]:
+    """The trainer record modules: ``harness.trainers`` and each trainer package's ``__init__``
+    (``harness.trainers.<kind>``, its ``TRAINER``), which the registry imports by name."""
+    inits = (REPO / "harness" / "trainers").glob("*/__init__.py")
+    return {"harness.trainers", *(f"harness.trainers.{p.parent.name}" for p in inits)}
+
+
 def _room(module: str) -> tuple[str, int]:
     part = module.split(".")[1] if module.count(".") else ""
+    if module in _records():
+        return "base", 0  # a record: read by both sides
     if part in RANK_SIDE:
         return "rank side", RANK_SIDE[part]
     if part in CONTROLLER_SIDE:
@@ -82,6 +91,34 @@ def test_rooms_import_only_their_own_side_and_below() -> None:
             if n_side != "base" and (n_side != side or n_level > level):
                 wrong.append(f"{m} ({side}) -> {n} ({n_side})")
     assert not wrong, "\n".join(sorted(wrong))
+
+
+def test_trainer_records_import_only_base_modules() -> None:
+    """A trainer's record is read on both sides of the process boundary: its module imports, at
+    its top, only the standard library and base modules (no rank side, no trainer's rank code, no
+    MLX), and loading every record loads nothing else of the harness."""
+    records = _records()
+    assert {"harness.trainers.reference", "harness.trainers.mlx_lm"} <= records, records
+    wrong = []
+    for m in sorted(records):
+        path = REPO / Path(*m.split(".")) / "__init__.py"
+        for node in ast.parse(path.read_text()).body:
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            for n in names:
+                top = n.split(".")[0]
+                if top == "harness" and (_room(n) != ("base", 0) or n.startswith("harness.trainers.")):
+                    wrong.append(f"{m} -> {n}")
+                elif top not in ("harness", "__future__") and top not in sys.stdlib_module_names:
+                    wrong.append(f"{m} -> {n} (not the standard library)")
+    assert not wrong, "\n".join(wrong)
+    code = ("import sys; from harness.scenario.trainers import trainers; trainers(); "
+            "print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] in ('harness', 'mlx', 'numpy'))))")
+    loaded = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    beyond = [m for m in loaded.stdout.split() if _room(m) != ("base", 0) or m.startswith(("mlx", "numpy"))
+              or (m.startswith("harness.trainers.") and m not in records)]
+    assert not beyond, beyond
 
 
 def test_mutation_names_are_the_mutations() -> None:

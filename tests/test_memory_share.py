@@ -19,11 +19,11 @@ import pytest
 from harness import memory_plan
 from harness.controller import rank_budget
 from harness.controller.outcome import RankOutcome, RunOutcome, WatchReport
-from harness.controller.session import execute
-from harness.controller.suite import train_job
+from harness.controller.run_job import execute
 from harness.judge.wired_share import wired_share
 from harness.memory_plan import MB, parse_size, share_of
 from harness.scenario import load_scenario
+from harness.scenario.plan import job_for
 from tests.conftest import REPO, cli, train_result, write_scenario
 
 GB = 2**30
@@ -277,7 +277,7 @@ def test_mlx_lm_asks_each_rank_for_the_working_set_and_gets_its_share(tmp_path: 
         pytest.skip("mlx-lm is not installed")
     (tmp_path / "s.toml").write_text(MLX_LM)
     s = load_scenario(tmp_path / "s.toml")
-    out = execute("ddp2", train_job(s, s.run("ddp2")), 2, wall_s=240, no_progress_s=120)
+    out = execute("ddp2", job_for(s, "ddp2"), 2, wall_s=240, no_progress_s=120)
     assert out.ok, out.failure
     for o in out.ranks:
         share = o.result["memory_share"]
@@ -324,7 +324,7 @@ def test_mlx_vlm_trainer_sets_no_limit_and_each_rank_records_its_share(tmp_path:
         pytest.skip("mlx-vlm is not installed")
     (tmp_path / "s.toml").write_text(textwrap.dedent(MLX_VLM))
     s = load_scenario(tmp_path / "s.toml")
-    out = execute("ddp2", train_job(s, s.run("ddp2")), 2, wall_s=300, no_progress_s=150)
+    out = execute("ddp2", job_for(s, "ddp2"), 2, wall_s=300, no_progress_s=150)
     assert out.ok, out.failure
     for o in out.ranks:
         share = o.result["memory_share"]

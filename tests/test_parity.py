@@ -13,14 +13,15 @@ from harness.judge.checks import Check
 from harness.judge.parity import U_ACC, Floor, eval_parity, loss_parity, param_parity, rounding, step_local
 from harness.judge.verdict import judge, mutation_caught
 from harness.scenario import CheckSpec, RunSpec, Scenario
+from harness.scenario.plan import ScenarioPlan, plan_scenario
 from tests.conftest import train_result
 
 U32 = 2.0**-24
 
 
-def _scenario(**checks: object) -> Scenario:
-    return Scenario(name="p", runs=[RunSpec("single", 1), RunSpec("ddp2", 2)],
-                    checks=CheckSpec(reference="single", **checks))
+def _scenario(**checks: object) -> ScenarioPlan:
+    return plan_scenario(Scenario(name="p", runs=[RunSpec("single", 1), RunSpec("ddp2", 2)],
+                                  checks=CheckSpec(reference="single", **checks)))
 
 
 def _run(name: str, ws: int, losses: list[float], params: float = 0.0, evals: float | None = None,

@@ -225,11 +225,13 @@ def _throughput(ref_tok_s: float, lora_tok_s: float, lora_trainer: str = "refere
     their fine-tune figures as ``run_summary`` records them from ``scenarios/mlx_lm_lora.toml``'s trainer."""
     from harness.present.results import fine_tune
     from harness.scenario import load_scenario
+    from harness.scenario.trainers import trainer_info
 
     s = load_scenario(REPO / "scenarios" / "mlx_lm_lora.toml")
     lora_trainer_spec = s.for_run(s.runs[0]).trainer
+    info = trainer_info(lora_trainer_spec.kind)
     full = dict(_run("full", 1, ref_tok_s, [3.0, 2.5]), trainer="reference", fine_tune="full", lora=None)
-    lora = dict(_run("lora", 1, lora_tok_s, [3.0, 2.6]), trainer=lora_trainer, **fine_tune(lora_trainer_spec))
+    lora = dict(_run("lora", 1, lora_tok_s, [3.0, 2.6]), trainer=lora_trainer, **fine_tune(lora_trainer_spec, info))
     return {"name": "speed", "description": "", "kind": "throughput", "model": "llama 0.10M / 160",
             "reference": "full", "status": "passed", "passed": True, "checks": [], "runs": [full, lora]}
 

@@ -13,10 +13,10 @@ import psutil
 import pytest
 
 from harness.controller.memory_guard import MemoryLimits, RankMemory, over_limit
-from harness.controller.session import execute
-from harness.controller.suite import checkpoint_dir, train_job
+from harness.controller.run_job import execute
 from harness.rank.memory import JOB_START, device_baseline_kind
 from harness.scenario import CheckSpec, LimitSpec, load_scenario
+from harness.scenario.plan import job_for
 from harness.trainers.reference import checkpoint
 from tests.conftest import cli, write_scenario
 from tests.test_launch import assert_clean
@@ -52,17 +52,17 @@ def test_a_checkpoint_write_on_a_full_disk_fails_every_rank_and_the_previous_one
     body += '\n[[runs]]\nname = "resumed"\nworld_size = 2\nresume_from = "ddp2"\ntrain = { checkpoint_every = 0 }\n'
     path.write_text(body)
     s = load_scenario(path)
-    out = execute("ddp2", train_job(s, s.run("ddp2"), small_disk), 2, wall_s=120, no_progress_s=60)
+    out = execute("ddp2", job_for(s, "ddp2", small_disk), 2, wall_s=120, no_progress_s=60)
     assert not out.ok
     first, second = out.failure.splitlines()[:2]
     assert first.startswith("rank 0 failed while writing a checkpoint at step 4: CheckpointError: checkpoint "), first
     assert "could not be written" in first and "bytes free there" in first, first
     assert second.startswith("rank 1: a peer rank failed: rank 0 failed while writing a checkpoint at step 4")
     assert_clean(out)
-    root = checkpoint_dir(small_disk, "ddp2")
+    root = small_disk / "ddp2" / "checkpoints"
     assert checkpoint.complete_steps(root) == [2] and checkpoint.partials(root) == []  # the failed write is gone
     checkpoint.verify(checkpoint.resolve(root))
-    resumed = execute("resumed", train_job(s, s.run("resumed"), small_disk), 2, wall_s=120, no_progress_s=60)
+    resumed = execute("resumed", job_for(s, "resumed", small_disk), 2, wall_s=120, no_progress_s=60)
     assert resumed.ok, resumed.failure
     assert all(o.result["resume"]["step"] == 2 for o in resumed.ranks)
     assert all(o.result["steps"] == 6 for o in resumed.ranks)
@@ -78,7 +78,7 @@ def test_a_single_process_running_away_in_memory_is_stopped_at_its_hard_limit(tm
     s = load_scenario(path)
     limits = MemoryLimits(rss_mb=300, rss_source="a test's limit")
     t0 = time.monotonic()
-    out = execute("single", train_job(s, s.run("single")), 1, wall_s=120, no_progress_s=60, memory=limits)
+    out = execute("single", job_for(s, "single"), 1, wall_s=120, no_progress_s=60, memory=limits)
     assert not out.ok and out.watch.limit == "memory"
     line = out.failure.splitlines()[0]
     assert line.startswith("watchdog: rank 0 exceeded its hard memory limit after step 1: RSS "), line
@@ -114,7 +114,7 @@ def test_mlx_memory_running_away_inside_a_step_is_stopped_by_the_sampled_figure(
     limits = MemoryLimits.from_scenario(s.limits, s.checks)
     assert limits.rss_mb is None and limits.mlx_mb == 356
     t0 = time.monotonic()
-    out = execute("ddp2", train_job(s, s.run("ddp2")), 2, wall_s=120, no_progress_s=60, memory=limits)
+    out = execute("ddp2", job_for(s, "ddp2"), 2, wall_s=120, no_progress_s=60, memory=limits)
     assert not out.ok and out.watch.limit == "memory", out.failure
     line = out.failure.splitlines()[0]
     assert line.startswith("watchdog: rank 1 exceeded its hard memory limit after step 1: MLX memory "), line

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.controller.suite import train_job
 from harness.scenario import ScenarioError, load_scenario
+from harness.scenario.plan import job_for
 from harness.scenario.runs import floor_runs, launch_order
 from tests.conftest import REPO, write_scenario
 
@@ -52,8 +52,8 @@ def test_an_external_trainers_floor_is_three_split_draws_per_world_size() -> Non
     assert got == {"single_split2": ("split", "single", 2, 0), "single_split2_s2": ("split", "single", 2, 1),
                    "single_split2_s3": ("split", "single", 2, 2), "single_split4": ("split", "single", 4, 0),
                    "single_split4_s2": ("split", "single", 4, 1), "single_split4_s3": ("split", "single", 4, 2)}
-    jobs = {f.name: train_job(s, f.spec(s), None, f) for f in floor_runs(s)}
-    assert [(j["split_rows"], j["split_sample"]) for j in jobs.values()] == [(2, 0), (2, 1), (2, 2), (4, 0), (4, 1),
+    jobs = {f.name: job_for(s, f.name) for f in floor_runs(s)}
+    assert [(j.split_rows, j.split_sample) for j in jobs.values()] == [(2, 0), (2, 1), (2, 2), (4, 0), (4, 1),
                                                                             (4, 2)]
 
 
@@ -95,18 +95,17 @@ def test_turning_floors_off_needs_absolute_limits(tmp_path: Path) -> None:
 def test_a_twin_stops_where_its_base_stops_and_carries_no_other_fault(tmp_path: Path) -> None:
     """early_stop: the reference stops at step 4 of 8 by request; its twin must too, on its one
     rank, or its final parameters would be four steps further (no floor for them)."""
-    from harness.controller.suite import train_job
 
     s = load_scenario(REPO / "scenarios" / "early_stop.toml")
     floor = next(f for f in floor_runs(s) if f.name == "twin2")
-    job = train_job(s, floor.spec(s), None, floor)
-    assert [(f["rank"], f["step"], f["action"], f["phase"]) for f in job["faults"]] == [(0, 4, "stop", "step")]
+    job = job_for(s, floor.name)
+    assert [(f.rank, f.step, f.action, f.phase) for f in job.faults] == [(0, 4, "stop", "step")]
     faults = ('\n[[faults]]\nrank = 1\nstep = 3\nphase = "eval"\naction = "stop"\n'
               '\n[[faults]]\nrank = 0\nstep = 2\naction = "compile_error"\n')
     mixed = load_scenario(write_scenario(tmp_path, "mixed", extra=faults))
     floor = next(f for f in floor_runs(mixed) if f.kind == "twin")
-    got = train_job(mixed, floor.spec(mixed), None, floor)["faults"]
-    assert [(f["rank"], f["step"], f["action"], f["phase"]) for f in got] == [(0, 3, "stop", "eval")]
+    got = job_for(mixed, floor.name).faults
+    assert [(f.rank, f.step, f.action, f.phase) for f in got] == [(0, 3, "stop", "eval")]
 
 
 def test_a_floor_that_trained_other_steps_is_refused() -> None:

@@ -9,8 +9,9 @@ import sys
 
 import pytest
 
-from harness.controller.session import execute
+from harness.controller.run_job import execute
 from harness.scenario import load_scenario
+from harness.scenario.job import AnchorJob
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.ranks
@@ -26,7 +27,7 @@ def test_the_anchor_trains_mlx_lm_steps_on_every_rank(tmp_path) -> None:  # noqa
     path.write_text(scenario_text("tiny", [2], 4))
     s = load_scenario(path)
     spec = s.run("ws2_compiled")
-    out = execute(spec.name, {"kind": "mlx_lm_step", "scenario": s.for_run(spec).to_dict()}, 2)
+    out = execute(spec.name, AnchorJob(s.for_run(spec)), 2)
     assert out.ok, out.failure
     for o in out.ranks:
         r = o.result

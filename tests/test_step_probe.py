@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from harness.controller.suite import run_scenario
+from harness.controller.scenario_runs import run_plan
 from harness.scenario import load_scenario
+from harness.scenario.plan import plan_scenario
 from tests.conftest import write_scenario
 
 pytestmark = pytest.mark.ranks
@@ -18,7 +19,7 @@ def _runs(tmp: Path, name: str, every: int, mutation: str = "") -> dict:
     path = write_scenario(tmp, name, world_sizes=(1, 2), steps=4, checks=f"probe_every = {every}")
     if mutation:
         path.write_text(path.read_text().replace('name = "ddp2"', f'name = "ddp2"\nmutation = "{mutation}"'))
-    return {r.name: r for r in run_scenario(load_scenario(path))}
+    return {r.name: r for r in run_plan(plan_scenario(load_scenario(path)))}
 
 
 @pytest.mark.parametrize("mutation", ["", "stale_gradient"])

@@ -9,10 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harness.controller.suite import run_scenario
+from harness.controller.scenario_runs import run_plan
 from harness.data.sources import generated_text
 from harness.judge.verdict import judge
 from harness.scenario import load_scenario
+from harness.scenario.plan import plan_scenario
 from tests.conftest import cli, write_scenario
 
 pytestmark = pytest.mark.ranks
@@ -21,14 +22,14 @@ pytestmark = pytest.mark.ranks
 def run_all(path: Path):  # noqa: ANN201
     """Every run of the scenario (step-local probes and noise-floor runs included), all completed."""
     s = load_scenario(path)
-    runs = run_scenario(s)
+    runs = run_plan(plan_scenario(s))
     for r in runs:
         assert r.ok, r.failure
     return s, runs
 
 
 def assert_checks_pass(s, runs) -> None:  # noqa: ANN001
-    failed = [c for c in judge(s, runs) if not c.passed]
+    failed = [c for c in judge(plan_scenario(s), runs) if not c.passed]
     assert not failed, failed
 
 

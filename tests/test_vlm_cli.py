@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from harness.controller.session import execute
-from harness.controller.suite import train_job
+from harness.controller.run_job import execute
 from harness.scenario import ScenarioError, load_scenario
+from harness.scenario.plan import job_for
 from tests.conftest import REPO, cli, write_scenario
 
 VLM = """
@@ -186,7 +186,7 @@ def test_an_unreadable_image_on_one_rank_stops_every_rank(tmp_path: Path) -> Non
     # that meets the image stops every rank
     s = load_scenario(scenario)
     spec = s.run("ddp2")
-    out = execute(spec.name, train_job(s, spec), 2, wall_s=240, no_progress_s=120)
+    out = execute(spec.name, job_for(s, spec.name), 2, wall_s=240, no_progress_s=120)
     failure = out.failure.splitlines()
     assert failure[0].startswith("rank 1 failed while ") and "img5.png" in failure[0], failure
     assert failure[1].startswith("rank 0: a peer rank failed: rank 1 failed while"), failure

@@ -51,6 +51,7 @@ class Walk:
     stays: list[str]
     climbs: int
     returns: int
+    climbed: list[str]
 
     @property
     def rooms(self) -> int:
@@ -65,13 +66,21 @@ def measure(modules: list[str]) -> Walk:
     """The walk of a sequence of first calls' modules."""
     below = _below(import_graph())
     stays = [m for i, m in enumerate(modules) if i == 0 or modules[i - 1] != m]
-    climbs = sum(1 for a, b in zip(stays, stays[1:], strict=False) if a in below.get(b, ()))
+    climbed = [f"{a} -> {b}" for a, b in zip(stays, stays[1:], strict=False) if a in below.get(b, ())]
     returns = sum(1 for i, m in enumerate(stays) if m in stays[:i])
-    return Walk(stays, climbs, returns)
+    return Walk(stays, len(climbed), returns, climbed)
 
 
 def _harness(frame) -> bool:  # noqa: ANN001
-    return frame.f_globals.get("__name__", "").startswith("harness") and not frame.f_code.co_name.startswith("<")
+    """A frame of a function written in a harness module (not one a dataclass generated)."""
+    code = frame.f_code
+    return (frame.f_globals.get("__name__", "").startswith("harness") and not code.co_name.startswith("<")
+            and code.co_filename.startswith(str(REPO / "harness")))
+
+
+def _door(frame) -> bool:  # noqa: ANN001
+    """A module-level function: a room's door (a method or property belongs to the object it reads)."""
+    return frame.f_globals.get(frame.f_code.co_name) is not None and "." not in frame.f_code.co_qualname
 
 
 def first_calls(fn, *args, depth: int = 99, **kwargs) -> tuple[list[str], object]:
@@ -81,7 +90,7 @@ def first_calls(fn, *args, depth: int = 99, **kwargs) -> tuple[list[str], object
     order: list[str] = []
 
     def profile(frame, event, arg):  # noqa: ANN001 - sys.setprofile's signature
-        if event != "call" or frame.f_code in seen or not _harness(frame):
+        if event != "call" or frame.f_code in seen or not _harness(frame) or not _door(frame):
             return
         d, f = 0, frame
         while f is not None and d <= depth:
@@ -106,7 +115,8 @@ def walk_of(scenario: Path, out: Path, depth: int = 99) -> Walk:
     from harness.present.scenario_result import run_scenario_file
     from harness.scenario import load_scenario
 
-    modules, _ = first_calls(lambda: run_scenario_file(load_scenario(scenario), out), depth=depth)
+    loaded = load_scenario(scenario)
+    modules, _ = first_calls(run_scenario_file, loaded, out, depth=depth)
     return measure(modules)
 
 
@@ -115,3 +125,4 @@ if __name__ == "__main__":
         w = walk_of(Path(sys.argv[1]), Path(tmp), int(sys.argv[2]) if len(sys.argv) > 2 else 99)
     print(w.line())
     print(" -> ".join(w.stays))
+    print("climbs back up:", "; ".join(w.climbed))

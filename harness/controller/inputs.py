@@ -28,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from harness.scenario import DataSpec, Scenario, ScenarioError
+from harness.scenario.job import TrainJob
+from harness.scenario.plan import ScenarioPlan
 
 MIN_PARAGRAPH_CHARS = 40
 BPE_SPECIALS = ("<pad>", "<s>", "</s>")
@@ -145,3 +147,18 @@ def prepare(s: Scenario) -> Scenario:
         mine = prepare_data(eff.data, eff.seed, f"{s.path}: [[runs]][{i}].data") if r.data else {}
         runs.append(dataclasses.replace(r, data={**r.data, **mine}) if mine else r)
     return dataclasses.replace(s, data=dataclasses.replace(s.data, **base), runs=runs)
+
+
+def prepare_jobs(plan: ScenarioPlan) -> dict[str, TrainJob]:
+    """Each run's job with its generated inputs made (once for runs that share them) and named by
+    their cached paths, before any run starts."""
+    made: dict[tuple[str, int], dict[str, Any]] = {}
+    jobs = {}
+    for run in plan.runs:
+        src = run.inputs
+        key = (repr(src.data), src.seed)
+        if key not in made:
+            made[key] = prepare_data(src.data, src.seed, f"{plan.scenario.path}: {src.key}")
+        data = dataclasses.replace(run.job.scenario.data, **made[key])
+        jobs[run.name] = dataclasses.replace(run.job, scenario=dataclasses.replace(run.job.scenario, data=data))
+    return jobs

@@ -13,7 +13,7 @@ from typing import Any
 
 from harness.controller.outcome import RunOutcome
 from harness.scenario import RunSpec, Scenario, TrainerSpec
-from harness.scenario.trainers import trainer_info
+from harness.scenario.trainers import TrainerInfo
 
 MB = 1024 * 1024
 
@@ -259,7 +259,7 @@ def counted(counts: dict[str, int]) -> str:
     return ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in sorted(counts.items()))
 
 
-def rank0_side_effects(run: RunOutcome, trainer: TrainerSpec) -> Check:
+def rank0_side_effects(run: RunOutcome, trainer: TrainerSpec, info: TrainerInfo) -> Check:
     """Callbacks, log lines and saves happened on rank 0 only; and a save did happen there where
     the trainer promises one (``harness.scenario.trainers.TrainerInfo.saves``) or the script declares one
     (``[trainer] saves = true``). An external trainer reports its own saves only (the callbacks
@@ -273,7 +273,7 @@ def rank0_side_effects(run: RunOutcome, trainer: TrainerSpec) -> Check:
     main = counts[0]
     rest = [(o.rank, c) for o, c in zip(run.ranks[1:], counts[1:], strict=True) if any(c.values())]
     others = sum(sum(c.values()) for _, c in rest)
-    promise = trainer_info(trainer.kind).saves
+    promise = info.saves
     declared = {None: "does not declare [trainer] saves", True: "declares [trainer] saves = true",
                 False: "declares [trainer] saves = false"}[trainer.saves]
     demanded = promise is not None or trainer.saves is True

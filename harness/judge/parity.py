@@ -39,11 +39,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from harness.controller.outcome import RunOutcome
-from harness.controller.session import param_delta
+from harness.controller.run_job import param_delta
 from harness.judge.checks import Check, listed
-from harness.scenario import Scenario
 from harness.scenario.checks import STEP_LOCAL
-from harness.scenario.runs import spec_of
+from harness.scenario.plan import ScenarioPlan
 
 U_ACC = 2.0**-24  # float32 accumulators, on every MLX device
 
@@ -76,18 +75,18 @@ class Rounding:
                 f"= {self.relative(length):.3g} relative")
 
 
-def rounding(s: Scenario, *runs: RunOutcome) -> Rounding:
+def rounding(plan: ScenarioPlan, *runs: RunOutcome) -> Rounding:
     """The rounding model of comparing ``runs``: the coarsest unit roundoff any rank measured,
     and the most stored roundings (micro-steps plus all-reduce levels) of any of them."""
     u, u_dtype, stored = U_ACC, U_ACC, 1
     for run in runs:
         results = [o.result or {} for o in run.ranks]
-        accum = s.for_run(spec_of(s, run.name)).train.grad_accum
+        accum = plan.run(run.name).eff.train.grad_accum
         n = run.world_size * int(results[0].get("emulate") or 1)
         u = max([u, *(float((r.get("precision") or {}).get("u_in", U_ACC)) for r in results)])
         u_dtype = max([u_dtype, *(float((r.get("precision") or {}).get("u_dtype", U_ACC)) for r in results)])
         stored = max(stored, accum + math.ceil(math.log2(n)))
-    return Rounding(s.checks.rounding_ulps, u, stored, u_dtype)
+    return Rounding(plan.scenario.checks.rounding_ulps, u, stored, u_dtype)
 
 
 # -- step-local -----------------------------------------------------------------------------
@@ -99,7 +98,7 @@ def _probe_records(run: RunOutcome) -> list[list[dict[str, Any]]]:
 
 
 
-def step_local(run: RunOutcome, ref: RunOutcome, s: Scenario, floor: RunOutcome | None = None) -> list[Check]:
+def step_local(run: RunOutcome, ref: RunOutcome, plan: ScenarioPlan, floor: RunOutcome | None = None) -> list[Check]:
     """Token count, global loss and gradient at the reference's parameters, at every probe step
     the reference recorded within the steps this run executed (none there: not applicable).
 
@@ -122,7 +121,7 @@ def step_local(run: RunOutcome, ref: RunOutcome, s: Scenario, floor: RunOutcome 
     if got != expected:
         why = f"probed steps {listed(got)}, expected {listed(expected)}"
         return [Check(n, run.name, False, None, None, why) for n in STEP_LOCAL]
-    model = rounding(s, run, ref)
+    model = rounding(plan, run, ref)
     steps = [rec["step"] for rec in per_rank[0]]
     tokens = max(abs(rec["tokens"] - rec["tokens_ref"]) for recs in per_rank for rec in recs)
     token_check = Check("step_token_parity", run.name, tokens == 0, tokens, 0,
@@ -137,7 +136,7 @@ def step_local(run: RunOutcome, ref: RunOutcome, s: Scenario, floor: RunOutcome 
     out = [token_check]
     for key, name in (("loss", "step_loss_parity"), ("grad", "step_grad_parity")):
         noise = max((measured(rec, key) for rec in floor_recs), default=None)
-        scaled = s.checks.floor_ratio * noise if noise is not None else 0.0
+        scaled = plan.scenario.checks.floor_ratio * noise if noise is not None else 0.0
 
         def limit_at(rec: dict[str, Any], scaled: float = scaled) -> float:
             return max(model.relative(rec["tokens_ref"]), scaled)
@@ -151,7 +150,8 @@ def step_local(run: RunOutcome, ref: RunOutcome, s: Scenario, floor: RunOutcome 
         derivation = (f"rounding {model.formula(rec['tokens_ref'])} (T = {rec['tokens_ref']} tokens, "
                       f"{model.stored} stored roundings, u = {model.u:.3g})")
         if noise is not None:
-            derivation = (f"max({derivation}; {s.checks.floor_ratio:g} x {floor.name}'s largest error at the "
+            ratio = plan.scenario.checks.floor_ratio
+            derivation = (f"max({derivation}; {ratio:g} x {floor.name}'s largest error at the "
                           f"same parameters and steps ({noise:.3g}))")
         out.append(Check(name, run.name, value <= limit, value, limit, detail, derivation=derivation,
                          floor=noise))
@@ -230,7 +230,7 @@ def deterministic(*runs: RunOutcome) -> bool:
 
 
 def _judge_series(name: str, run: RunOutcome, base: RunOutcome, points: list[Any], deltas: list[float],
-                  floors: list[float] | None, absolute: list[float], floor: Floor, s: Scenario, what: str,
+                  floors: list[float] | None, absolute: list[float], floor: Floor, plan: ScenarioPlan, what: str,
                   deviation: str = "deviation") -> Check:
     """value / max(floor, absolute floor) <= floor_ratio at every point (or value <= tolerance)."""
     if floor.tolerance is not None:
@@ -243,7 +243,7 @@ def _judge_series(name: str, run: RunOutcome, base: RunOutcome, points: list[Any
         why = floor.missing or f"{floor.names} has fewer points than {run.name}"
         return Check(name, run.name, False, max(deltas, default=None), None, f"vs {base.name}: {why}",
                      derivation="no valid noise floor: the trajectory cannot be judged")
-    ratio_limit = s.checks.floor_ratio
+    ratio_limit = plan.scenario.checks.floor_ratio
     measured = max(floors[: len(deltas)], default=0.0)
     floors = [measured] * len(deltas)
     bitwise = floor.rerun and measured == 0 and deterministic(run, base)
@@ -267,7 +267,7 @@ def _judge_series(name: str, run: RunOutcome, base: RunOutcome, points: list[Any
                  noise=measured)
 
 
-def loss_parity(run: RunOutcome, base: RunOutcome, floor: Floor, s: Scenario, name: str = "loss_parity",
+def loss_parity(run: RunOutcome, base: RunOutcome, floor: Floor, plan: ScenarioPlan, name: str = "loss_parity",
                 prefix: bool = False) -> Check:
     """Per-step global loss vs ``base`` (over ``run``'s steps when it stopped early by design, and
     from the step its history starts when it resumed without a record of the steps before)."""
@@ -279,16 +279,17 @@ def loss_parity(run: RunOutcome, base: RunOutcome, floor: Floor, s: Scenario, na
         return Check(name, run.name, False, None, None, f"vs {base.name}: {len(a)} vs {len(b)} steps")
     deltas = [abs(x - y) for x, y in zip(a, b, strict=True)]
     floors = floor.largest(lambda r: [abs(x - y) for x, y in zip(_losses(r)[skip:], b, strict=False)])
-    model = rounding(s, run, base)
+    model = rounding(plan, run, base)
     tokens = (base.result().get("tokens_global_per_step") or [])[skip:]
     absolute = [model.accumulation(tokens[k] if k < len(tokens) else 2) * abs(y) for k, y in enumerate(b)]
     what = f"{len(a)} steps" if not skip else f"steps {skip + 1}-{skip + len(a)} (no record of steps 1-{skip})"
     what += "; bitwise identical" if max(deltas, default=0.0) == 0 else ""
     return _judge_series(name, run, base, [f"step {skip + k + 1}" for k in range(len(a))], deltas, floors, absolute,
-                         floor, s, what)
+                         floor, plan, what)
 
 
-def eval_parity(run: RunOutcome, base: RunOutcome, floor: Floor, s: Scenario, name: str = "eval_parity") -> Check:
+def eval_parity(run: RunOutcome, base: RunOutcome, floor: Floor, plan: ScenarioPlan,
+                name: str = "eval_parity") -> Check:
     """Eval losses at the same steps vs ``base``.
 
     The floor is the floor run's largest loss deviation, eval or training, up to the last eval
@@ -315,13 +316,14 @@ def eval_parity(run: RunOutcome, base: RunOutcome, floor: Floor, s: Scenario, na
         return [max([abs(f[k][0] - b[k][0]) for k in steps] + trained)] * len(steps)
 
     floors = floor.largest(worst)
-    model = rounding(s, run, base)
+    model = rounding(plan, run, base)
     absolute = [model.accumulation(b[k][1]) * abs(b[k][0]) for k in steps]
-    return _judge_series(name, run, base, [f"step {k}" for k in steps], deltas, floors, absolute, floor, s,
+    return _judge_series(name, run, base, [f"step {k}" for k in steps], deltas, floors, absolute, floor, plan,
                          f"at steps {listed(steps)}{elsewhere}", deviation="loss deviation (eval or training)")
 
 
-def param_parity(run: RunOutcome, base: RunOutcome, floor: Floor, s: Scenario, name: str = "param_parity") -> Check:
+def param_parity(run: RunOutcome, base: RunOutcome, floor: Floor, plan: ScenarioPlan,
+                 name: str = "param_parity") -> Check:
     """Final parameters (rank 0) vs ``base``: ||delta|| / ||base's parameters||, over every element
     (the largest single element is named; as an extreme value of a few sign flips it is too erratic
     to judge by)."""
@@ -330,7 +332,7 @@ def param_parity(run: RunOutcome, base: RunOutcome, floor: Floor, s: Scenario, n
         return Check(name, run.name, False, None, None, f"vs {base.name}: final parameters missing or differ in shape")
     value, biggest, where = got
     floors = floor.largest(lambda r: [d[0]] if (d := _param_delta(r, base)) is not None else None)
-    model = rounding(s, run, base)
+    model = rounding(plan, run, base)
     absolute = [model.storage]
     what = "bitwise identical" if value == 0 else f"relative L2; largest element |delta| {biggest:.3g} in {where}"
-    return _judge_series(name, run, base, ["the end"], [value], floors, absolute, floor, s, what)
+    return _judge_series(name, run, base, ["the end"], [value], floors, absolute, floor, plan, what)

@@ -8,21 +8,21 @@ from harness.controller.outcome import RunOutcome
 from harness.judge.checks import Check, fastest_after_first, with_power
 from harness.judge.floors import floors
 from harness.judge.parity import eval_parity, loss_parity, param_parity, unrecorded
-from harness.scenario import RunSpec, Scenario
-from harness.scenario.runs import same_execution
+from harness.scenario import RunSpec
+from harness.scenario.plan import ScenarioPlan
 
 
-def resume_parity(run: RunOutcome, target: RunOutcome, s: Scenario, by_name: dict[str, RunOutcome]) -> list[Check]:
+def resume_parity(run: RunOutcome, target: RunOutcome, plan: ScenarioPlan,
+                  by_name: dict[str, RunOutcome]) -> list[Check]:
     """Per-step losses, final parameters and eval losses vs ``target``. At the same world size and
     compile mode: against a rerun of ``target`` (bitwise when the rerun was bitwise), or the
     scenario's ``resume_tolerance``; across world sizes: the parity criterion (``target``
     reordered, or the parity tolerances)."""
-    same = same_execution(s, s.run(run.name), s.run(target.name))
-    f = floors(s, s.run(run.name), s.run(target.name), by_name, resume=same)
-    out = [loss_parity(run, target, f["loss"], s, "resume_loss_parity"),
-           param_parity(run, target, f["param"], s, "resume_param_parity")]
+    f = floors(plan, run.name, target.name, by_name, resume=plan.run(run.name).resumes_alike)
+    out = [loss_parity(run, target, f["loss"], plan, "resume_loss_parity"),
+           param_parity(run, target, f["param"], plan, "resume_param_parity")]
     if run.result().get("evals") or target.result().get("evals"):
-        out.append(eval_parity(run, target, f["eval"], s, "resume_eval_parity"))
+        out.append(eval_parity(run, target, f["eval"], plan, "resume_eval_parity"))
     return out
 
 
@@ -105,9 +105,9 @@ def resume_source(run: RunOutcome, spec: RunSpec) -> Check:
     return Check("resume_step", run.name, ok, steps[0], spec.expect_resume_step, detail)
 
 
-def judge_resume(s: Scenario, run: RunOutcome, by_name: dict[str, RunOutcome]) -> list[Check]:
+def judge_resume(plan: ScenarioPlan, run: RunOutcome, by_name: dict[str, RunOutcome]) -> list[Check]:
     """The resume checks of one run (none when it neither resumes nor names a run to reproduce)."""
-    spec = s.run(run.name)
+    spec = plan.run(run.name).spec
     out = []
     if spec.expect_resume_step is not None:
         out.append(resume_source(run, spec))
@@ -116,7 +116,7 @@ def judge_resume(s: Scenario, run: RunOutcome, by_name: dict[str, RunOutcome]) -
         if target is None or not target.ok:
             return [*out, Check("resume_loss_parity", run.name, False, None, None,
                                 f"{spec.compare_to} did not complete: nothing to compare with")]
-        out.extend(with_power(resume_parity(run, target, s, by_name), run, target))
+        out.extend(with_power(resume_parity(run, target, plan, by_name), run, target))
         source = by_name.get(spec.resume_from) if spec.resume_from else None
-        out.append(resume_accounting(run, target, source, s.checks.resume_tok_s_factor))
+        out.append(resume_accounting(run, target, source, plan.scenario.checks.resume_tok_s_factor))
     return out

@@ -29,24 +29,24 @@ from harness.judge.power import judge_power, start_parity
 from harness.judge.resume_checks import judge_resume
 from harness.judge.wired_share import wired_share
 from harness.scenario import RunSpec, Scenario
-from harness.scenario.checks import STEP_LOCAL, run_rules
+from harness.scenario.checks import STEP_LOCAL
+from harness.scenario.plan import PlannedRun, ScenarioPlan
 
 
-def parity_checks(s: Scenario, run: RunOutcome, ref: RunOutcome, by_name: dict[str, RunOutcome]) -> list[Check]:
+def parity_checks(plan: ScenarioPlan, run: RunOutcome, ref: RunOutcome, by_name: dict[str, RunOutcome]) -> list[Check]:
     """Step-local parity at the reference's parameters, and the trajectories against their floor."""
-    spec = s.run(run.name)
-    partial = spec.stop_after is not None  # stopped early by design: compare its steps
-    f = floors(s, spec, s.run(ref.name), by_name)
+    partial = plan.run(run.name).spec.stop_after is not None  # stopped early by design: compare its steps
+    f = floors(plan, run.name, ref.name, by_name)
     measured = f["loss"].run
     noise = measured if measured is not None and measured.ok and not f["loss"].refused else None
     start = start_parity(run, ref, f["loss"].runs)
-    out = [start, *(step_local(run, ref, s, noise) if s.checks.probe_every else [])]
+    out = [start, *(step_local(run, ref, plan, noise) if plan.scenario.checks.probe_every else [])]
     out.append(lr_schedule(run, ref))
-    out.append(loss_parity(run, ref, f["loss"], s, prefix=partial))
+    out.append(loss_parity(run, ref, f["loss"], plan, prefix=partial))
     if not partial:
-        out.append(param_parity(run, ref, f["param"], s))
+        out.append(param_parity(run, ref, f["param"], plan))
         if run.result()["evals"]:
-            out.append(eval_parity(run, ref, f["eval"], s))
+            out.append(eval_parity(run, ref, f["eval"], plan))
     return with_power(judge_power(out, run, ref, start), run, ref)
 
 
@@ -84,15 +84,23 @@ def not_applicable(run: RunOutcome, checks: list[Check]) -> list[Check]:
 
 @dataclass
 class Judged:
-    """What a rule judges one run with: the scenario, the run, the reference run where it
-    completed, every run by name, and the run's checks judged so far."""
+    """What a rule judges one run with: the plan, the run and its plan, the reference run where
+    it completed, every run by name, and the run's checks judged so far."""
 
-    s: Scenario
+    plan: ScenarioPlan
     run: RunOutcome
-    spec: RunSpec
+    planned: PlannedRun
     ref: RunOutcome | None
     by_name: dict[str, RunOutcome]
     so_far: list[Check]
+
+    @property
+    def s(self) -> Scenario:
+        return self.plan.scenario
+
+    @property
+    def spec(self) -> RunSpec:
+        return self.planned.spec
 
     @property
     def vs_ref(self) -> bool:
@@ -102,19 +110,20 @@ class Judged:
 def _data_share(j: Judged) -> list[Check]:
     if not j.vs_ref or j.run.result()["data"].get("streaming"):
         return []
-    train = j.s.for_run(j.spec).train
+    train = j.planned.eff.train
     return [data_share(j.run, j.ref, j.s.checks.data_share_slack, train.global_batch // train.grad_accum)]
 
 
 JUDGES: dict[str, Callable[[Judged], list[Check]]] = {
     "expected_failure": lambda j: [expected_failure(j.run, j.spec.expect_error, j.spec.expect_error_on_every_rank)],
-    "parity": lambda j: parity_checks(j.s, j.run, j.ref, j.by_name) if j.vs_ref else [],
+    "parity": lambda j: parity_checks(j.plan, j.run, j.ref, j.by_name) if j.vs_ref else [],
     "data_share": _data_share,
     "every_run": lambda j: [token_accounting(j.run, j.ref if j.s.kind == "parity" else None),
                             replica_consistency(j.run), ranks_agree(j.run),
-                            rank0_side_effects(j.run, j.s.for_run(j.spec).trainer), global_rng_untouched(j.run)],
+                            rank0_side_effects(j.run, j.planned.eff.trainer, j.planned.trainer),
+                            global_rng_untouched(j.run)],
     "expectations": lambda j: expectations(j.run, j.spec),
-    "resume": lambda j: judge_resume(j.s, j.run, j.by_name),
+    "resume": lambda j: judge_resume(j.plan, j.run, j.by_name),
     "memory": lambda j: memory_ceilings(j.run, j.s),
     "wired_share": lambda j: [wired_share(j.run)],
     "mutation": lambda j: [mutation_caught(j.run, j.spec.mutation, j.so_far, j.s.checks.mutation_margin)],
@@ -133,21 +142,22 @@ def _unmeasured(j: Judged, name: str) -> Check:
     return Check(name, j.run.name, True, None, None, f"not measured: {why}", applicable=False)
 
 
-def judge(s: Scenario, runs: list[RunOutcome]) -> list[Check]:
+def judge(plan: ScenarioPlan, runs: list[RunOutcome]) -> list[Check]:
     """All checks of a scenario, rule by rule (``harness.scenario.checks``): each judged run gets
     exactly its planned checks (a planned check its results cannot measure is "n/a", saying why);
     runs that did not complete get none, and floor runs are measurements, not judged."""
+    s = plan.scenario
     by_name = {r.name: r for r in runs}
     ref = by_name.get(s.checks.reference) if s.checks.reference else None
     checks: list[Check] = []
     for run in runs:
         if run.floor is not None:
             continue
-        spec = s.run(run.name)
-        if spec.expect_error is None and not run.ok:
+        planned = plan.run(run.name)
+        if planned.spec.expect_error is None and not run.ok:
             continue
-        j = Judged(s, run, spec, ref if ref is not None and ref.ok else None, by_name, [])
-        for rule, names in run_rules(s, spec):
+        j = Judged(plan, run, planned, ref if ref is not None and ref.ok else None, by_name, [])
+        for rule, names in planned.checks:
             got = [c for c in JUDGES[rule.name](j) if c.name in names]
             done = {c.name for c in got}
             j.so_far += got + [_unmeasured(j, n) for n in names if n not in done]

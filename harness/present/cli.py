@@ -14,16 +14,18 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from harness.controller.preflight import preflight
 from harness.judge.baselines import BaselineError
 from harness.memory_plan import BUDGET_VAR, size_arg
 from harness.present import starter
 from harness.present.baseline_cli import add_parsers
 from harness.present.live import MODES, PLAIN_EVERY_S, PlainProgress, progress_display
-from harness.present.pipeline import available, preflight, run_and_judge
+from harness.present.pipeline import available, run_and_judge
 from harness.present.results import EXIT_BAD_INPUT, EXIT_INFRA, load_results
 from harness.scenario import Scenario, ScenarioError, discover, load_scenario, with_device
 from harness.scenario.availability import runnable
 from harness.scenario.names import DEVICES
+from harness.scenario.plan import plan_scenario
 
 if TYPE_CHECKING:
     from harness.cluster_spec import Cluster
@@ -76,7 +78,7 @@ def cluster_of(args: argparse.Namespace, scenarios: list[Scenario]) -> Cluster |
     """The hosts of ``--hostfile``, else of the scenarios' ``[cluster]`` sections (one cluster per
     invocation), checked: every host reachable, with this controller's harness and MLX."""
     from harness.cluster_spec import ClusterError, from_mapping, load_hostfile
-    from harness.controller.remote import check_hosts
+    from harness.controller.host_checks import check_hosts
 
     try:
         if args.hostfile:
@@ -124,9 +126,8 @@ def slow_blas_notes() -> list[str]:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from harness.controller.environment import environment
     from harness.controller.ports import PortError
-    from harness.controller.session import LaunchError
+    from harness.controller.run_job import LaunchError
     from harness.present.report import write_outputs
     from harness.present.results import document, merge_repeats, summary_lines
     from harness.present.tables import scenario_text
@@ -138,8 +139,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     scenarios, skipped = available(resolve_scenarios(args.scenarios, notes, args.all, left_out))
     scenarios = [with_device(s, args.device) for s in scenarios]
     cluster = cluster_of(args, scenarios)
-    for s in scenarios:
-        notes += preflight(s, args.backend, cluster)
+    plans = [plan_scenario(s) for s in scenarios]
+    for plan in plans:
+        notes += preflight(plan, args.backend, cluster)
     for line in notes:
         print(line, file=sys.stderr)
     out = Path(args.out) if args.out else None
@@ -162,13 +164,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     summaries = []
     try:
         with display or contextlib.nullcontext():
-            for s in scenarios:
-                reps = []
+            for plan in plans:
+                s, reps = plan.scenario, []
                 for k in range(1, args.repeat + 1):
                     of = f", repeat {k} of {args.repeat}" if args.repeat > 1 else ""
                     print(f"scenario {s.name} ({s.path}{of})", file=sys.stderr, flush=True)
                     logs = out / ("runs" if k == 1 else f"runs-repeat{k}") / s.name if out else None
-                    _, _, judged = run_and_judge(s, artifacts=logs, on_run=finished, backend=args.backend,
+                    _, _, judged = run_and_judge(plan, artifacts=logs, on_run=finished, backend=args.backend,
                                                  progress=display, keep_checkpoints=args.keep_checkpoints,
                                                  cluster=cluster)
                     reps.append(judged)
@@ -180,7 +182,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return EXIT_INFRA
     for s in skipped:
         print(s.line(), flush=True)
-    doc = document(summaries, environment(), [s.to_json() for s in skipped])
+    doc = document(summaries, [s.to_json() for s in skipped])
     if out is not None:
         for f in write_outputs(out, doc):
             print(f"wrote {f}", file=sys.stderr)
@@ -310,7 +312,7 @@ def parser() -> argparse.ArgumentParser:
                      help="check these hosts instead: SSH, versions, backends, all-reduce bandwidth between them")
     doc.set_defaults(func=cmd_doctor)
     add_parsers(sub)
-    starter.add_parser(sub, preflight)
+    starter.add_parser(sub, lambda s, backend: preflight(plan_scenario(s), backend))
     return p
 
 

@@ -102,10 +102,11 @@ def measure_allsum(cluster: Any, mb: int = ALLSUM_MB, rounds: int = ALLSUM_ROUND
     link carries in a ring all-reduce)."""
     import statistics
 
-    from harness.controller.session import LaunchError, execute
+    from harness.controller.run_job import LaunchError, execute
+    from harness.scenario.job import AllSumJob
 
     n = len(cluster.hosts)
-    job = {"kind": "allsum", "value": 1.0, "rounds": rounds, "pause_s": 0.0, "elems": mb * 1024 * 1024 // 4}
+    job = AllSumJob(value=1.0, rounds=rounds, pause_s=0.0, elems=mb * 1024 * 1024 // 4)
     out = execute("doctor-allsum", job, n, backend="ring", cluster=cluster, wall_s=300, no_progress_s=60)
     if not out.ok:
         raise LaunchError(f"all_sum across the hosts failed: {(out.failure or '').splitlines()[0]}")
@@ -116,7 +117,7 @@ def measure_allsum(cluster: Any, mb: int = ALLSUM_MB, rounds: int = ALLSUM_ROUND
 
 def cluster_checks(cluster: Any) -> list[tuple[str, str, bool]]:
     """(what, finding, ok) rows for each host of ``cluster`` and the links between them."""
-    from harness.controller.remote import check_hosts
+    from harness.controller.host_checks import check_hosts
 
     rows: list[tuple[str, str, bool]] = []
     for i, c in enumerate(check_hosts(cluster, backends=True)):
@@ -138,7 +139,7 @@ def cluster_checks(cluster: Any) -> list[tuple[str, str, bool]]:
         else:
             rows.append((f"{c.host}: backends", str(b.get("error")), False))
     if len(cluster.hosts) > 1 and all(ok for _, _, ok in rows):
-        from harness.controller.session import LaunchError
+        from harness.controller.run_job import LaunchError
 
         try:
             t, bw = measure_allsum(cluster)

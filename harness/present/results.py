@@ -10,8 +10,8 @@ from harness import schema
 from harness.controller.outcome import RunOutcome
 from harness.judge.checks import Check, median_after_first
 from harness.scenario import Scenario, ScenarioError, TrainerSpec
-from harness.scenario.runs import spec_of
-from harness.scenario.trainers import trainer_info
+from harness.scenario.plan import PlannedRun, ScenarioPlan
+from harness.scenario.trainers import TrainerInfo, trainer_info
 
 EXIT_PASS, EXIT_CHECK_FAILED, EXIT_BAD_INPUT, EXIT_INFRA = 0, 1, 2, 3
 EXIT_INCONCLUSIVE = 4  # gate: no gate failed, but a paired speed test ran out of pairs undecided
@@ -57,24 +57,22 @@ def startup_summary(run: RunOutcome) -> dict[str, Any] | None:
             "first_step_extra_s": None if extra is None else round(extra, 4)}
 
 
-def fine_tune(trainer: TrainerSpec) -> dict[str, Any]:
+def fine_tune(trainer: TrainerSpec, info: TrainerInfo) -> dict[str, Any]:
     """How a run fine-tunes: ``fine_tune`` "full" or "lora" (then ``lora``: its rank, scale and
     adapted layers, -1: all), or None for a script or command, whose own code decides."""
-    info = trainer_info(trainer.kind)
     if info.script or info.command:
         return {"fine_tune": None, "lora": None}
     lora = {"rank": trainer.lora_rank, "scale": trainer.lora_scale, "layers": trainer.lora_layers}
     return {"fine_tune": trainer.fine_tune, "lora": lora if trainer.fine_tune == "lora" else None}
 
 
-def run_summary(run: RunOutcome, s: Scenario, ref: RunOutcome | None) -> dict[str, Any]:
-    spec = spec_of(s, run.name)
-    train = s.for_run(spec).train
+def run_summary(run: RunOutcome, planned: PlannedRun, ref: RunOutcome | None) -> dict[str, Any]:
+    spec, train = planned.spec, planned.eff.train
     micro = per_rank_batch(train.global_batch // train.grad_accum, run.world_size)
     out: dict[str, Any] = {
         "name": run.name,
-        "trainer": s.for_run(spec).trainer.kind,
-        **fine_tune(s.for_run(spec).trainer),
+        "trainer": planned.eff.trainer.kind,
+        **fine_tune(planned.eff.trainer, planned.trainer),
         "world_size": run.world_size,
         "backend": run.backend or "none",
         "backend_reason": run.backend_reason,
@@ -160,9 +158,10 @@ def model_label(s: Scenario, runs: list[RunOutcome]) -> str:
     return f"{s.model.arch}{size} / {s.data.max_seq_len}"
 
 
-def scenario_summary(s: Scenario, runs: list[RunOutcome], checks: list[Check]) -> dict[str, Any]:
+def scenario_summary(plan: ScenarioPlan, runs: list[RunOutcome], checks: list[Check]) -> dict[str, Any]:
+    s = plan.scenario
     ref = next((r for r in runs if r.name == s.checks.reference), None)
-    infra = [r for r in runs if not r.ok and spec_of(s, r.name).expect_error is None]
+    infra = [r for r in runs if not r.ok and plan.run(r.name).spec.expect_error is None]
     status = "error" if infra else ("passed" if all(c.passed for c in checks) else "failed")
     return {
         "name": s.name,
@@ -175,7 +174,7 @@ def scenario_summary(s: Scenario, runs: list[RunOutcome], checks: list[Check]) -
         "passed": status == "passed",
         "inconclusive": [f"{c.name} ({c.run})" for c in checks if c.result == "inconclusive"],
         "checks": [c.to_dict() for c in checks],
-        "runs": [run_summary(r, s, ref) for r in runs],
+        "runs": [run_summary(r, plan.run(r.name), ref) for r in runs],
     }
 
 
@@ -236,11 +235,13 @@ def exit_code(scenarios: list[dict[str, Any]]) -> int:
     return EXIT_CHECK_FAILED if "failed" in statuses else EXIT_PASS
 
 
-def document(scenarios: list[dict[str, Any]], env: dict[str, Any],
-             skipped: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """The result document; ``skipped``: what this machine could not run (``harness.scenario.availability``)."""
+def document(scenarios: list[dict[str, Any]], skipped: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The result document: the scenarios, this machine's environment, and what it could not run
+    (``skipped``: ``harness.scenario.availability``)."""
+    from harness.controller.environment import environment
+
     code = exit_code(scenarios)
-    return schema.stamp({"passed": code == EXIT_PASS, "exit_code": code, "environment": env,
+    return schema.stamp({"passed": code == EXIT_PASS, "exit_code": code, "environment": environment(),
                          "scenarios": scenarios, "skipped": skipped or []})
 
 

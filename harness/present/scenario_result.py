@@ -94,16 +94,11 @@ def run_scenario_file(s: Scenario, artifacts_root: Path, backend: str | None = N
     """Check the scenario's inputs as the CLI does, run it, judge it and write its artifacts
     (``result.json``, ``report.md``, plots and rank logs) to ``artifacts_root/<scenario name>``;
     ``progress`` (a ``harness.controller.progress.Observer``) is shown each run as it goes."""
-    from harness.controller.environment import environment
-    from harness.present.pipeline import preflight, run_and_judge
-    from harness.present.report import write_outputs
-    from harness.present.results import document
+    from harness.present.pipeline import run_scenario
     from harness.present.tables import scenario_text
 
-    preflight(s, backend)
     out = artifacts_root / s.name
-    outcomes, checks, summary = run_and_judge(s, artifacts=out / "runs", backend=backend, progress=progress)
-    write_outputs(out, document([summary], environment()))
+    outcomes, checks, summary = run_scenario(s, out, backend, progress)
     runs = {}
     for o in outcomes:
         ranks = [r.result or {} for r in o.ranks]

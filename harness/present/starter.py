@@ -22,7 +22,8 @@ from pathlib import Path
 
 from harness.present.starter_blocks import PER_RANK_BATCH, lora_lines, mean_of_means, throughput_runs, uses_harness_api
 from harness.scenario import Scenario, ScenarioError, load_scenario
-from harness.scenario.trainers import trainer_info, trainers
+from harness.scenario.spec import TrainerSpec
+from harness.scenario.trainers import TrainerInfo, trainer_info, trainers, with_kind
 
 Check = Callable[[Scenario, str | None], list[str]]
 
@@ -36,8 +37,8 @@ def add_parser(sub: argparse._SubParsersAction, check: Check) -> None:
                                    "(--throughput: a throughput scenario).")
     n.add_argument("file", metavar="FILE.toml", help="the scenario file to write (an existing file is kept)")
     who = n.add_mutually_exclusive_group()
-    who.add_argument("--trainer", default="reference", metavar="KIND",
-                     help="the trainer under test: a kind `mlx-ddp-harness list` shows (default: reference)")
+    who.add_argument("--trainer", default=TrainerSpec.kind, metavar="KIND",
+                     help=f"the trainer under test: a kind `mlx-ddp-harness list` shows (default: {TrainerSpec.kind})")
     who.add_argument("--script", metavar="PATH", help="your own training script (reports through harness.api)")
     who.add_argument("--command", metavar="PATH",
                      help="an executable of any language as the ranks (reports through docs/rank-protocol.md)")
@@ -48,13 +49,22 @@ def add_parser(sub: argparse._SubParsersAction, check: Check) -> None:
                    help="the runs' rank counts; the first is the reference (default: 1,2)")
     n.add_argument("--steps", type=int, default=20, help="optimizer steps per run (default: 20)")
     n.add_argument("--lora", action="store_true",
-                   help="fine-tune LoRA adapters (a trainer kind with LoRA: mlx_lm, mlx_vlm, unsloth_zoo)")
+                   help=f"fine-tune LoRA adapters (a trainer kind with LoRA{_lora_kinds()})")
     n.add_argument("--throughput", action="store_true",
                    help=f"a throughput scenario: every rank trains {PER_RANK_BATCH} rows a step, tok/s vs the "
                         "first run, no parity")
     n.add_argument("--force", action="store_true",
                    help="write it even for a --script that never imports harness.api (it would report no steps)")
     n.set_defaults(func=functools.partial(cmd_new, check=check))
+
+
+def _lora_kinds() -> str:
+    """``: kind, kind`` for the help, from the records (nothing where an entry point is bad: the
+    command then says why)."""
+    try:
+        return f": {', '.join(with_kind('lora'))}"
+    except ScenarioError:
+        return ""
 
 
 def world_sizes(text: str) -> list[int]:
@@ -74,11 +84,18 @@ def _rel(path: str, base: Path, flag: str) -> str:
     return Path(os.path.relpath(p, base)).as_posix()
 
 
+def _info(kind: str, script: str | None, command: str | None) -> TrainerInfo:
+    """The record of the trainer the flags name: the script kind, the command kind, or ``kind``."""
+    if script or command:
+        return trainer_info(with_kind("script" if script else "command")[0])
+    return trainer_info(kind)
+
+
 def starter_text(name: str, base: Path, kind: str, script: str | None, data: str | None, eval_data: str | None,
                  tokenizer: str | None, sizes: list[int], steps: int, command: str | None = None,
                  lora: bool = False, throughput: bool = False) -> str:
     """The scenario file's text; paths are written relative to ``base``, the file's directory."""
-    info = trainer_info("script" if script else "command" if command else kind)
+    info = _info(kind, script, command)
     vision = info.models == "vision"
     batch = PER_RANK_BATCH * sizes[0] if throughput else math.lcm(*sizes) * max(1, math.ceil(8 / math.lcm(*sizes)))
     runs = [("single" if n == 1 else f"ddp{n}", n) for n in sizes]
@@ -102,7 +119,7 @@ def starter_text(name: str, base: Path, kind: str, script: str | None, data: str
     if throughput:
         lines.append('kind = "throughput"   # runs at other global batches, judged by speed against the first')
     lines.append("")
-    if script or command or kind != "reference":
+    if script or command or kind != TrainerSpec.kind:
         lines += ["[trainer]", f'kind = "{info.kind}"']
         if script:
             lines += [f'path = "{_rel(script, base, "--script")}"',
@@ -110,7 +127,7 @@ def starter_text(name: str, base: Path, kind: str, script: str | None, data: str
         if command:
             lines += [f'path = "{_rel(command, base, "--command")}"', "args = []          # its command line"]
         if lora:
-            lines += lora_lines(info.kind)
+            lines += lora_lines(info)
         lines.append("")
     lines += ["[model]", f'arch = "{ARCH[info.models]}"   # a tiny model with seeded random weights; '
                          'path = "DIR" loads a local one', ""]
@@ -136,8 +153,8 @@ def starter_text(name: str, base: Path, kind: str, script: str | None, data: str
         lines.append('optimizer = "sgd"   # given in MLX_DDP_HARNESS_OPTIMIZER: "sgd" or "adamw", as it supports')
     if evals:
         lines.append(f"eval_every = {max(1, steps // 2)}")
-    if info.kind == "mlx_vlm" and evals:
-        lines.append(f"eval_batch = {batch}   # mlx-vlm evaluates in batches of the training batch size")
+    if info.eval_batch_note and evals:
+        lines.append(f"eval_batch = {batch}   # {info.eval_batch_note}")
     lines.append("")
     if throughput:
         lines += throughput_runs(runs)
@@ -179,7 +196,7 @@ def _refuse(args: argparse.Namespace, path: Path) -> None:
                             f"--command PATH)")
     if args.throughput and args.eval_data:
         raise ScenarioError("--eval-data: a throughput scenario times training only; leave --eval-data out")
-    info = trainer_info("script" if args.script else "command" if args.command else args.trainer)
+    info = _info(args.trainer, args.script, args.command)
     if args.lora and not info.lora:
         with_lora = ", ".join(t.kind for t in trainers().values() if t.lora)
         raise ScenarioError(f"--lora: {info.title} has no LoRA; the trainer kinds with LoRA: {with_lora} "
@@ -201,7 +218,7 @@ def cmd_new(args: argparse.Namespace, check: Check) -> int:
     s, notes, tmp = _load_checked(path, text, check)
     try:
         try:
-            known = mean_of_means(s, s.trainer.kind)
+            known = mean_of_means(s, trainer_info(s.trainer.kind))
         except ScenarioError as e:
             raise ScenarioError(str(e).replace(str(tmp), str(path))) from e
         if known is not None:  # the block is validated as the file is loaded again

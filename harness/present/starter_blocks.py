@@ -10,18 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness.scenario import Scenario, ScenarioError
+from harness.scenario.trainer_info import TrainerInfo
 
-# The documented behaviour (docs/trainers.md) as scenarios/<kind>_mean_of_means.toml records it:
-# its reason and the deviation each check measured there.
-MEAN_OF_MEANS: dict[str, tuple[str, dict[str, float]]] = {
-    "mlx_lm": ("mlx-lm's loss and gradient are the mean of the ranks' mean losses, not weighted by tokens "
-               "(mlx-lm 0.32.2)",
-               {"step_loss_parity": 1.2e-4, "step_grad_parity": 5.7e-3, "loss_parity": 9.5e-3, "param_parity": 0.155,
-                "eval_parity": 2.6e-3}),
-    "mlx_vlm": ("mlx-vlm's gradient is the mean of the ranks' mean-loss gradients, not weighted by tokens "
-                "(mlx-vlm 0.7.10)",
-                {"step_grad_parity": 0.142, "loss_parity": 6.0e-3, "param_parity": 2.7e-2, "eval_parity": 9.5e-4}),
-}
 BEHAVIOUR = "mean_of_means"
 PER_RANK_BATCH = 4  # rows each rank trains per step in a throughput scenario
 
@@ -75,24 +65,25 @@ class ExpectedBlock:
     line: str
 
 
-def mean_of_means(s: Scenario, kind: str) -> ExpectedBlock | None:
-    """The documented expected-failure block, where ``kind`` averages the ranks' mean losses and
-    the rows' supervised tokens differ (each rank's mean is then over another number of tokens,
-    so N ranks optimize another objective than one process); ``None`` where they cannot."""
+def mean_of_means(s: Scenario, info: TrainerInfo) -> ExpectedBlock | None:
+    """The documented expected-failure block (``TrainerInfo.known_behaviour``), where the trainer
+    averages the ranks' mean losses and the rows' supervised tokens differ (each rank's mean is
+    then over another number of tokens, so N ranks optimize another objective than one process);
+    ``None`` where they cannot."""
     judged = [r.name for r in s.runs if r.name != s.checks.reference]
-    if kind not in MEAN_OF_MEANS or s.kind != "parity" or not judged or max(r.world_size for r in s.runs) == 1:
+    if info.known_behaviour is None or s.kind != "parity" or not judged or max(r.world_size for r in s.runs) == 1:
         return None
     counts = supervised_tokens(s)
     if len(set(counts)) < 2:
         return None
-    reason, checks = MEAN_OF_MEANS[kind]
+    reason, checks = info.known_behaviour
     lo, hi = min(counts), max(counts)
     shown = ", ".join(f"{k} = {v!r}" for k, v in checks.items())
     why = (f"A known behaviour (docs/trainers.md): {reason}. These rows hold {lo} to {hi} supervised tokens each, so "
            "each rank's mean is over another number of tokens and runs of other rank counts optimize other "
            "objectives: the parity checks below are expected to fail and report their measured values (\"xfail\"). "
-           f"The values are those scenarios/{kind}_mean_of_means.toml measured. Should they all pass (\"XPASS\", a "
-           "failure), the behaviour did not show on these rows: remove this block.")
+           f"The values are those scenarios/{info.kind}_mean_of_means.toml measured. Should they all pass (\"XPASS\", "
+           "a failure), the behaviour did not show on these rows: remove this block.")
     text = "\n".join([*(f"# {line}" for line in textwrap.wrap(why, 96)), f"[checks.expected_failures.{BEHAVIOUR}]",
                       f'reason = "{reason}"', f"checks = {{ {shown} }}", ""])
     line = (f"added the expected failures [checks.expected_failures.{BEHAVIOUR}]: {reason}, and these rows hold "
@@ -101,10 +92,10 @@ def mean_of_means(s: Scenario, kind: str) -> ExpectedBlock | None:
     return ExpectedBlock(text, line)
 
 
-def lora_lines(kind: str) -> list[str]:
+def lora_lines(info: TrainerInfo) -> list[str]:
     """The ``[trainer]`` keys of a LoRA fine-tune (scenarios/mlx_lm_lora.toml's values)."""
-    layers = ("lora_layers = -1    # mlx-vlm adapts every layer it finds: keep -1" if kind == "mlx_vlm" else
-              "lora_layers = -1    # the last N transformer layers get adapters (-1: every layer)")
+    note = info.lora_layers_note or "the last N transformer layers get adapters (-1: every layer)"
+    layers = f"lora_layers = -1    # {note}"
     return ['fine_tune = "lora"  # only the adapters train (and parity compares them)',
             "lora_rank = 8", "lora_scale = 20.0", layers]
 

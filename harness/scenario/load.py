@@ -1,5 +1,6 @@
 """Scenario files: TOML that reads like a test description, parsed into the specs of
-``harness.scenario.spec`` (re-exported here) and checked by ``harness.scenario.rules``.
+``harness.scenario.spec`` (its sections, keys and value types, its paths resolved) and checked
+by ``harness.scenario.rules`` (its values).
 
 Every error names the file and the key (``ScenarioError``), so the CLI can print one line.
 """
@@ -12,7 +13,6 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from harness.scenario.names import KINDS
 from harness.scenario.rules import validate
 from harness.scenario.spec import (
     CheckSpec,
@@ -25,13 +25,10 @@ from harness.scenario.spec import (
     ScenarioError,
     TrainerSpec,
     TrainSpec,
-    is_named_tokenizer,
-    require,
-    writes_checkpoints,
 )
 
-__all__ = ["CheckSpec", "DataSpec", "FaultSpec", "LimitSpec", "ModelSpec", "RunSpec", "Scenario", "ScenarioError",
-           "TrainSpec", "TrainerSpec", "discover", "load_scenario", "parse_scenario", "writes_checkpoints"]
+HEAD_KEYS = ("name", "description", "seed", "default", "full", "kind")  # [scenario]
+
 
 
 def _type_ok(value: Any, annotation: str) -> bool:
@@ -86,11 +83,18 @@ def _build(cls: type, table: Any, where: str, src: str) -> Any:
 def _resolve(path: str | None, base: Path, src: str, key: str) -> str | None:
     if path is None:
         return None
-    require("{rank}" not in path, src, key,
-             f"{path!r} is sharded per rank by the caller; give the whole dataset (each rank takes its own share)")
+    if "{rank}" in path:
+        raise ScenarioError(f"{src}: {key}: {path!r} is sharded per rank by the caller; give the whole dataset "
+                            f"(each rank takes its own share)")
     p = (base / path).resolve() if not Path(path).is_absolute() else Path(path)
-    require(p.exists(), src, key, f"path does not exist: {p}")
+    if not p.exists():
+        raise ScenarioError(f"{src}: {key}: path does not exist: {p}")
     return str(p)
+
+
+def is_named_tokenizer(value: Any) -> bool:
+    """``byte``, or ``bpe:N`` (trained at run time): a tokenizer named, not a file."""
+    return isinstance(value, str) and (value == "byte" or value.startswith("bpe:"))
 
 
 def _cluster(table: Any, src: str, base: Path) -> dict[str, Any] | None:
@@ -99,7 +103,8 @@ def _cluster(table: Any, src: str, base: Path) -> dict[str, Any] | None:
         return None
     from harness.cluster_spec import ClusterError, from_mapping
 
-    require(isinstance(table, dict), src, "[cluster]", "must be a table")
+    if not isinstance(table, dict):
+        raise ScenarioError(f"{src}: [cluster]: must be a table")
     try:
         from_mapping(table, f"{src}: [cluster]", base)
     except ClusterError as e:
@@ -114,37 +119,26 @@ def parse_scenario(data: dict[str, Any], src: str, base: Path) -> Scenario:
         if key not in top:
             raise ScenarioError(f"{src}: [{key}]: unknown section (known: {', '.join(sorted(top))})")
     head = data.get("scenario")
-    require(isinstance(head, dict), src, "[scenario]", "section is missing")
-    allowed = {"name", "description", "seed", "default", "full", "kind"}
+    if not isinstance(head, dict):
+        raise ScenarioError(f"{src}: [scenario]: section is missing")
     for key in head:
-        require(key in allowed, src, f"[scenario].{key}", f"unknown key (known: {', '.join(sorted(allowed))})")
-    name = head.get("name")
-    require(isinstance(name, str) and name != "", src, "[scenario].name", "must be a non-empty string")
-    seed = head.get("seed", 0)
-    require(isinstance(seed, int) and not isinstance(seed, bool) and seed >= 0, src,
-             "[scenario].seed", f"must be a non-negative integer, got {seed!r}")
-    desc = head.get("description", "")
-    require(isinstance(desc, str), src, "[scenario].description", "must be a string")
+        if key not in HEAD_KEYS:
+            raise ScenarioError(f"{src}: [scenario].{key}: unknown key (known: {', '.join(sorted(HEAD_KEYS))})")
     default = head.get("default", False)
-    require(isinstance(default, bool), src, "[scenario].default", "must be true or false")
-    full = head.get("full", default)
-    require(isinstance(full, bool), src, "[scenario].full", "must be true or false")
-    require(full or not default, src, "[scenario].full", "a scenario of the default set is in the full set too")
-    kind = head.get("kind", "parity")
-    require(kind in KINDS, src, "[scenario].kind", f"must be one of {', '.join(KINDS)}, got {kind!r}")
 
     def many(key: str, cls: type) -> list[Any]:
         items = data.get(key, [])
-        require(isinstance(items, list), src, f"[[{key}]]", "must be an array of tables")
+        if not isinstance(items, list):
+            raise ScenarioError(f"{src}: [[{key}]]: must be an array of tables")
         return [_build(cls, t, f"[[{key}]][{i}]", src) for i, t in enumerate(items)]
 
     s = Scenario(
-        name=name,
-        description=desc,
-        seed=seed,
+        name=head.get("name"),
+        description=head.get("description", ""),
+        seed=head.get("seed", 0),
         default=default,
-        full=full,
-        kind=kind,
+        full=head.get("full", default),
+        kind=head.get("kind", "parity"),
         trainer=_build(TrainerSpec, data.get("trainer", {}), "[trainer]", src),
         model=_build(ModelSpec, data.get("model", {}), "[model]", src),
         data=_build(DataSpec, data.get("data", {}), "[data]", src),

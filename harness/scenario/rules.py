@@ -21,6 +21,7 @@ from harness.scenario.names import (
     FAULT_ACTIONS,
     FAULT_PHASES,
     FINE_TUNES,
+    KINDS,
     LR_SCHEDULES,
     MUTATION_NAMES,
     OPTIMIZERS,
@@ -232,8 +233,21 @@ def _validate_trainer(s: Scenario, src: str) -> None:
         _validate_run_trainer(s, i, r, src)
 
 
+def _validate_head(s: Scenario, src: str) -> None:
+    """``[scenario]``: its name, seed, description, sets and kind."""
+    require(isinstance(s.name, str) and s.name != "", src, "[scenario].name", "must be a non-empty string")
+    require(isinstance(s.seed, int) and not isinstance(s.seed, bool) and s.seed >= 0, src,
+            "[scenario].seed", f"must be a non-negative integer, got {s.seed!r}")
+    require(isinstance(s.description, str), src, "[scenario].description", "must be a string")
+    require(isinstance(s.default, bool), src, "[scenario].default", "must be true or false")
+    require(isinstance(s.full, bool), src, "[scenario].full", "must be true or false")
+    require(s.full or not s.default, src, "[scenario].full", "a scenario of the default set is in the full set too")
+    require(s.kind in KINDS, src, "[scenario].kind", f"must be one of {', '.join(KINDS)}, got {s.kind!r}")
+
+
 def validate(s: Scenario, src: str) -> None:
     """Check every rule; the first violation raises ``ScenarioError``."""
+    _validate_head(s, src)
     _validate_trainer(s, src)
     _one_of(s.model.arch, ARCHS, src, "[model].arch")
     _one_of(s.model.dtype, DTYPES, src, "[model].dtype")

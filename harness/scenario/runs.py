@@ -35,8 +35,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from harness.scenario.spec import RunSpec, Scenario
-from harness.scenario.trainers import trainer_info
+from harness.memory_plan import job_memory
+from harness.scenario.job import ProbeJob, ResumeJob, TrainerRef, TrainJob
+from harness.scenario.spec import DataSpec, RunSpec, Scenario, writes_checkpoints
+from harness.scenario.trainers import TrainerInfo, trainer_info
 
 SPLIT_SAMPLES = 3  # a split floor's draws of the rounding (``FloorRun.samples``)
 
@@ -164,3 +166,89 @@ def probe_steps(steps: int, every: int) -> list[int]:
     if every <= 0:
         return []
     return sorted({1, *range(every, steps + 1, every)})
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """What a run's generated inputs (prose rows, a trained tokenizer) are made from: the
+    scenario's ``[data]`` and seed, or the run's own where it overrides ``data``; ``key`` names
+    that table in errors."""
+
+    data: DataSpec
+    seed: int
+    key: str
+
+
+def inputs_of(s: Scenario, run: RunSpec) -> Inputs:
+    """What ``run``'s generated inputs are made from."""
+    if not run.data:
+        return Inputs(s.data, s.seed, "[data]")
+    eff = s.for_run(run)
+    return Inputs(eff.data, eff.seed, f"[[runs]][{s.runs.index(run)}].data")
+
+
+def _probe(s: Scenario, run: RunSpec, floor: FloorRun | None, info: TrainerInfo) -> ProbeJob | None:
+    """The reference records step-local probes; each compared run, and each twin or split floor
+    run of the reference (the step-local noise floor), probes the steps it records."""
+    every, ref = s.checks.probe_every, s.checks.reference
+    if not every or s.kind != "parity" or ref is None or not info.probes:
+        return None
+    steps = tuple(probe_steps(s.for_run(run).train.steps, every))
+    directory = f"{ref}/probes"
+    if run.name == ref:
+        return ProbeJob("record", directory, steps)
+    floor_of_ref = floor is not None and floor.kind in ("twin", "split") and floor.base == ref
+    if not (compared(s, run) if floor is None else floor_of_ref):
+        return None
+    return ProbeJob("compare", directory, steps)
+
+
+def train_job(s: Scenario, run: RunSpec, floor: FloorRun | None = None) -> TrainJob:
+    """The job every rank of one run reads: the scenario as this run sees it. A rerun gets
+    its base run's faults; a twin only its base's stop requests (part of the base's plan: the
+    twin must train the steps the base trained), on its one rank; a twin of the reference is
+    probed like a compared run."""
+    eff = s.for_run(s.run(floor.base) if floor and floor.kind == "rerun" else run)
+    faults = eff.faults
+    if floor and floor.kind != "rerun":
+        faults = [dataclasses.replace(f, rank=0, runs=[run.name])
+                  for f in s.for_run(s.run(floor.base)).faults if f.action == "stop"]
+    info = trainer_info(eff.trainer.kind)
+    names = [r.name for r in s.runs]
+    resume = None if run.resume_from is None else ResumeJob(
+        f"{run.resume_from}/checkpoints" if run.resume_from in names else run.resume_from, run.resume_step)
+    return TrainJob(
+        run=run.name,
+        trainer=TrainerRef(info.module, info.hides, info.command, info.cpu_collectives),
+        scenario=dataclasses.replace(eff, faults=faults),
+        faults=tuple(faults),
+        backend=run.backend,
+        stop_after=run.stop_after,
+        mutation=run.mutation,
+        emulate=floor.emulate if floor and floor.kind == "twin" else None,
+        split_rows=floor.emulate if floor is not None and floor.kind == "split" else 0,
+        split_sample=floor.sample if floor is not None else 0,
+        # rank 0 keeps the parameters the run starts from: the reference's, to measure how far training moved them
+        keep_start=floor is None and run.name == s.checks.reference,
+        probe=_probe(s, run, floor, info),
+        device={"asked": eff.train.device},  # planned at launch (``harness.controller.run_job``)
+        memory=job_memory(s, run),  # the budget and expected peak; ranks per host added at launch
+        checkpoint_dir=f"{run.name}/checkpoints" if writes_checkpoints(s, run) else None,
+        resume=resume,
+        resume_in_workspace=run.resume_from in names,
+    )
+
+
+def comparisons(s: Scenario, run: RunSpec) -> tuple[tuple[str, FloorRun | None], ...]:
+    """The runs ``run`` is compared with (the reference, in a parity scenario; the run it must
+    reproduce), each with the floor run that comparison is judged against."""
+    if run.expect_error is not None:
+        return ()
+    bases = [s.run(s.checks.reference)] if compared(s, run) else []
+    bases += [s.run(run.compare_to)] if run.compare_to is not None else []
+    return tuple((b.name, floor_for(s, run, b)) for b in bases)
+
+
+def resumes_alike(s: Scenario, run: RunSpec) -> bool:
+    """A resumed run computes as the run it must reproduce does (``same_execution``)."""
+    return run.compare_to is not None and same_execution(s, run, s.run(run.compare_to))

@@ -363,10 +363,5 @@ def require(cond: bool, src: str, key: str, msg: str) -> None:
         raise ScenarioError(f"{src}: {key}: {msg}")
 
 
-def is_named_tokenizer(value: Any) -> bool:
-    """``byte``, or ``bpe:N`` (trained at run time): a tokenizer named, not a file."""
-    return isinstance(value, str) and (value == "byte" or value.startswith("bpe:"))
-
-
 def writes_checkpoints(s: Scenario, run: RunSpec) -> bool:
     return run.stop_after is not None or s.for_run(run).train.checkpoint_every > 0

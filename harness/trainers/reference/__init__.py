@@ -1,7 +1,8 @@
-"""The harness's reference DDP trainer: ``trainer`` is its loop (start there); ``batching``
-shards each global batch across ranks; ``step`` is the local step (compiled or eager);
-``semantics`` holds the DDP arithmetic a mutation can break; ``evaluate`` is sharded evaluation;
-``checkpoint`` and ``resume`` write, verify and restore its checkpoints.
+"""The harness's reference DDP trainer: its record (``TRAINER``) is here; ``rank`` is what the
+ranks run (``run``); ``trainer`` is its loop (start there); ``batching`` shards each global batch
+across ranks; ``step`` is the local step (compiled or eager); ``semantics`` holds the DDP
+arithmetic a mutation can break; ``evaluate`` is sharded evaluation; ``checkpoint`` and ``resume``
+write, verify and restore its checkpoints.
 
 It runs on the rank runtime every trainer shares (``harness.rank``: entry, protocol, consensus,
 digests, memory, faults) and reads the same models and data as the adapters do.
@@ -9,33 +10,8 @@ digests, memory, faults) and reads the same models and data as the adapters do.
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
+from harness.scenario.trainer_info import NO_TORCH, TrainerInfo
 
-
-def load_libraries(scenario: dict[str, Any]) -> None:
-    """What every run imports beyond MLX: a vision-language model's mlx-vlm architecture (which
-    imports transformers, and with it torch where that is installed)."""
-    from harness.scenario.names import VLM_ARCHS
-
-    arch = scenario["model"].get("arch")
-    if arch in VLM_ARCHS:
-        from harness.rank.weights import import_model_module
-
-        import_model_module("mlx_vlm", arch)
-
-
-def run(ctx: Any) -> dict[str, Any]:
-    """Train the job's scenario on this rank (``harness.rank.entry`` calls it)."""
-    from harness.trainers.reference.trainer import run as train
-
-    return train(ctx)
-
-
-def check_resume_source(source: Path, step: int | None, s: Any) -> None:
-    """Before anything starts: the checkpoint in ``source`` to resume from (``step``'s, or the
-    newest complete one) is complete and intact (``CheckpointError``, a ValueError, naming the
-    file and what is wrong)."""
-    from harness.trainers.reference.checkpoint import resolve, verify
-
-    verify(resolve(source, step))
+TRAINER = TrainerInfo("reference", "the harness's reference DDP trainer", "harness.trainers.reference.rank",
+                      models="any", external=False, resumes=True, streams=True, probes=True, twin=True,
+                      saves="the reference trainer saves its final parameters on rank 0", hides=NO_TORCH)

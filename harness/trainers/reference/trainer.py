@@ -42,7 +42,7 @@ from harness.rank.optimizer import build_optimizer
 from harness.rank.precision import measure_precision
 from harness.rank.reporter import global_rng_states, rng_changes
 from harness.scenario import Scenario
-from harness.trainers.reference import resume
+from harness.trainers.reference import TRAINER, resume
 from harness.trainers.reference.batching import LocalBatch, collate, uneven_last
 from harness.trainers.reference.evaluate import evaluate
 from harness.trainers.reference.progress import Progress
@@ -368,7 +368,7 @@ class Trainer:
         for r in per_rank:
             hosts.setdefault(r["host"], []).append(r["rank"])
         return schema.train_result(**{
-            "trainer": {"kind": "reference", "title": "the harness's reference DDP trainer"},
+            "trainer": {"kind": TRAINER.kind, "title": TRAINER.title},
             **rng,
             "steps": last,
             "steps_planned": self.spec.steps,

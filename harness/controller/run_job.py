@@ -20,7 +20,7 @@ from harness.controller.memory_guard import MemoryLimits
 from harness.controller.outcome import RunOutcome, WatchReport
 from harness.controller.progress import Observer, ProgressFeed, RunProgress
 from harness.controller.watch import kill_group, watch
-from harness.scenario.trainers import cpu_collectives
+from harness.scenario.job import Job, TrainJob
 
 INTERRUPTED = "INTERRUPTED"  # marks a kept run directory whose run was interrupted
 KEEP_SUFFIXES = (".events.jsonl", ".result.json", ".callbacks.jsonl", ".stdout", ".stderr", ".log")
@@ -90,7 +90,7 @@ def _keep(run_dir: Path, dest: Path) -> None:
 
 def execute(
     name: str,
-    job: dict[str, Any],
+    job: Job,
     world_size: int,
     *,
     backend: str | None = None,
@@ -112,18 +112,18 @@ def execute(
     directories its job names that the hosts read from and write to (the scenario's workspace).
     """
     on_cluster = cluster is not None and world_size > 1
-    scenario = job.get("scenario") or {}
-    steps = int(job.get("stop_after") or (scenario.get("train") or {}).get("steps") or 0)
-    feed = ProgressFeed(RunProgress(str(scenario.get("name", "")), name, world_size, steps), progress)
+    scenario_name = job.scenario.name if job.scenario is not None else ""
+    feed = ProgressFeed(RunProgress(scenario_name, name, world_size, job.steps), progress)
     device = _device(name, job, on_cluster)
-    backend, backend_reason = _backend(name, world_size, backend, scenario, on_cluster,
+    cpu = job.trainer.cpu_collectives if isinstance(job, TrainJob) else None
+    backend, backend_reason = _backend(name, world_size, backend, cpu, on_cluster,
                                        (device or {}).get("planned") or "gpu")
     if device is not None:
-        job = {**job, "device": device}
+        job = job.launched(device=device)
     try:
         feed.poll(False)  # queued
         # the watchdog starts once the ranks do; ranks on cluster hosts take no slots here
-        expected = 0 if on_cluster else world_size * int((job.get("memory") or {}).get("expected_rank_bytes") or 0)
+        expected = 0 if on_cluster else world_size * int(job.memory.get("expected_rank_bytes") or 0)
         slots = rank_budget.hold(0 if on_cluster else world_size, f"run {name!r}", memory_bytes=expected)
     except ValueError as e:
         raise LaunchError(str(e)) from e
@@ -162,10 +162,10 @@ def execute(
             shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def _device(name: str, job: dict[str, Any], on_cluster: bool) -> dict[str, Any] | None:
+def _device(name: str, job: Job, on_cluster: bool) -> dict[str, Any] | None:
     """The device a training job asks for, the one planned for it here and why (``plan_device``);
     on a cluster's hosts ``auto`` is each rank's default device."""
-    asked = (job.get("device") or {}).get("asked")
+    asked = job.device.get("asked")
     if asked is None:
         return None
     if on_cluster:
@@ -188,28 +188,27 @@ def device_used(outcome: RunOutcome, plan: dict[str, Any]) -> tuple[str | None, 
     return plan["planned"], plan["reason"]
 
 
-def _backend(name: str, world_size: int, backend: str | None, scenario: dict[str, Any],
+def _backend(name: str, world_size: int, backend: str | None, cpu_collectives: str | None,
              on_cluster: bool, device: str = "gpu") -> tuple[str | None, str | None]:
     """The run's backend and why, when the harness chose another than the usual one."""
     if on_cluster:  # the hosts' devices are theirs: ring unless the scenario or hostfile says
         return backend or "ring", None
     try:
-        kind = scenario.get("trainer", {}).get("kind")
-        return plan_backend(world_size, backend, cpu_collectives=cpu_collectives(kind), device=device)
+        return plan_backend(world_size, backend, cpu_collectives=cpu_collectives, device=device)
     except BackendRefused as e:
         raise LaunchError(f"run {name!r}: {e}") from e
 
 
-def _launch(name: str, job: dict[str, Any], world_size: int, backend: str | None, run_dir: Path,
+def _launch(name: str, job: Job, world_size: int, backend: str | None, run_dir: Path,
             cluster: Cluster | None, sync_dirs: tuple[Path, ...]) -> launcher.Launch:
     """Write the job into ``run_dir`` and start its ranks (here, or on ``cluster``'s hosts)."""
     # launched_at lets each rank measure its startup (launch to joined group) on one clock.
-    job = {**job, "world_size": world_size, "backend": backend, "launched_at": time.time()}
     placement = cluster.place(world_size) if cluster is not None else [0] * world_size  # rank -> its host
     acc = accelerators() if cluster is None else None  # a cluster host's GPUs are its own to count
-    job["memory"] = {**(job.get("memory") or {}), "ranks_on_host": [placement.count(h) for h in placement],
-                     "gpus_on_host": acc.count if acc is not None and acc.kind == "cuda" else None}
-    schema.write_json_atomic(run_dir / schema.JOB_FILE, schema.stamp(job))
+    memory = {**job.memory, "ranks_on_host": [placement.count(h) for h in placement],
+              "gpus_on_host": acc.count if acc is not None and acc.kind == "cuda" else None}
+    job = job.launched(world_size=world_size, backend=backend, launched_at=time.time(), memory=memory)
+    schema.write_json_atomic(run_dir / schema.JOB_FILE, schema.stamp(job.to_json()))
     try:
         if cluster is not None:
             assert backend is not None

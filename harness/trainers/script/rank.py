@@ -20,6 +20,7 @@ from harness.rank.protocol import FILES, Writer, open_protocol, read_outcome
 from harness.rank.reporter import StepReporter
 from harness.scenario import Scenario
 from harness.scenario.checks import STEP_LOCAL
+from harness.trainers.script import TRAINER
 
 NOT_PROBED = ("the script hands over no loss-and-gradient function (harness.api: run.probe(step, model, fn, "
               "batch) before each update)")
@@ -72,4 +73,4 @@ def run(ctx: RankContext) -> dict[str, Any]:
     if not session.started:
         finished["not_applicable"].update(UNSTARTED)
     return {**finished, "model_config": session.model_config,  # None: the script's own model
-            "trainer": {"kind": "script", "title": label, "path": path}}
+            "trainer": {"kind": TRAINER.kind, "title": label, "path": path}}

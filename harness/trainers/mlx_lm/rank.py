@@ -40,8 +40,9 @@ from harness.rank.reporter import StepReporter
 from harness.rank.split_floor import split_floor, split_text_model
 from harness.scenario import Scenario
 from harness.trainers.common import apply_lora
+from harness.trainers.mlx_lm import TRAINER
 
-TITLE = "mlx_lm.tuner.trainer.train"
+TITLE = TRAINER.entry
 NOT_APPLICABLE = {
     "data_share_bytes": "mlx-lm's train() takes the whole dataset on every rank and indexes each rank's rows",
     "global_rng_untouched": "mlx-lm draws its batch order from numpy's global RNG: the adapter seeds it (and MLX's) "
@@ -255,13 +256,13 @@ def load_adapters(model: Any, path: Path) -> str:
     try:
         weights = mx.load(str(path))
     except Exception as e:
-        raise ReportedFailure(f"trainer mlx_lm: cannot read adapter file {path}: {e}") from e
+        raise ReportedFailure(f"trainer {TRAINER.kind}: cannot read adapter file {path}: {e}") from e
     wanted = {k: v.shape for k, v in tree_flatten(model.trainable_parameters())}
     got = {k: v.shape for k, v in weights.items()}
     if got != wanted:
         missing, extra = sorted(wanted.keys() - got.keys()), sorted(got.keys() - wanted.keys())
         shapes = sorted(k for k in wanted.keys() & got.keys() if wanted[k] != got[k])
-        raise ReportedFailure(f"trainer mlx_lm: adapter file {path} does not fit the model's trainable "
+        raise ReportedFailure(f"trainer {TRAINER.kind}: adapter file {path} does not fit the model's trainable "
                               f"parameters (missing {missing[:3]}, unexpected {extra[:3]}, other shapes {shapes[:3]})")
     model.load_weights(list(weights.items()), strict=False)
     return f"{path.name} ({hashlib.sha256(path.read_bytes()).hexdigest()[:12]})"
@@ -300,14 +301,14 @@ def run(ctx: RankContext) -> dict[str, Any]:
         try:
             done, path = pick_adapters(Path(ctx.job["resume"]["from"]), ctx.job["resume"].get("step"), accum)
         except ValueError as e:
-            raise ReportedFailure(f"trainer mlx_lm: {e}") from e
+            raise ReportedFailure(f"trainer {TRAINER.kind}: {e}") from e
         rep.resumed(done, {"identity": load_adapters(model, path), "file": str(path), "seed_scenario": s.seed,
                            "restored": "adapter weights only (mlx-lm saves no optimizer state, step or data "
                                        "position)"})
     saves = saves_dir(ctx)
     iters = (end - rep.done) * accum
     if iters <= 0:
-        raise ReportedFailure(f"trainer mlx_lm: resumed after step {rep.done}, nothing left of {end} steps")
+        raise ReportedFailure(f"trainer {TRAINER.kind}: resumed after step {rep.done}, nothing left of {end} steps")
     args = TrainingArgs(batch_size=t.global_batch // accum, iters=iters, val_batches=-1, steps_per_report=accum,
                         steps_per_eval=t.eval_every * accum if t.eval_every else iters + 1,
                         steps_per_save=t.checkpoint_every * accum if t.checkpoint_every else iters + 1,
@@ -328,7 +329,7 @@ def run(ctx: RankContext) -> dict[str, Any]:
     except ReportedFailure:
         raise
     except Exception as e:
-        raise ReportedFailure(f"trainer mlx_lm ({TITLE}) raised {type(e).__name__}: {e}") from e
+        raise ReportedFailure(f"trainer {TRAINER.kind} ({TITLE}) raised {type(e).__name__}: {e}") from e
     if (saves / ADAPTERS).exists():
         import json
 
@@ -338,4 +339,4 @@ def run(ctx: RankContext) -> dict[str, Any]:
     from importlib.metadata import version
 
     return rep.finish(trained, {"model_config": config, "trainer": {
-        "kind": "mlx_lm", "title": TITLE, "version": version("mlx-lm"), "fine_tune": s.trainer.fine_tune}})
+        "kind": TRAINER.kind, "title": TITLE, "version": version(TRAINER.package), "fine_tune": s.trainer.fine_tune}})

@@ -43,8 +43,9 @@ from typing import Any
 from harness.rank.context import RankContext, ReportedFailure
 from harness.rank.reporter import StepReporter
 from harness.scenario import Scenario
+from harness.trainers.mlx_vlm import TRAINER
 
-TITLE = "mlx_vlm.trainer.Trainer"
+TITLE = TRAINER.entry
 NOT_APPLICABLE = {
     "data_share_bytes": "mlx-vlm's Trainer takes the whole dataset on every rank and indexes each rank's rows",
     "global_rng_untouched": "mlx-vlm's train() seeds MLX's global RNG with the seed it is given (the scenario's)",
@@ -248,10 +249,10 @@ def run(ctx: RankContext) -> dict[str, Any]:
     except ReportedFailure:
         raise
     except Exception as e:
-        raise ReportedFailure(f"trainer mlx_vlm ({TITLE}) raised {type(e).__name__}: {e}") from e
+        raise ReportedFailure(f"trainer {TRAINER.kind} ({TITLE}) raised {type(e).__name__}: {e}") from e
     rep.adopt_rank0(RANK0_ONLY)
     rep.saved(sum(1 for f in saves.iterdir() if f.suffix == ".safetensors"))
     trained = model.trainable_parameters() if lora else model.parameters()
     return rep.finish(trained, {"model_config": config, "trainer": {
-        "kind": "mlx_vlm", "title": TITLE, "version": version("mlx-vlm"), "fine_tune": s.trainer.fine_tune}})
+        "kind": TRAINER.kind, "title": TITLE, "version": version(TRAINER.package), "fine_tune": s.trainer.fine_tune}})
 

@@ -26,6 +26,7 @@ from harness.rank.protocol import open_protocol, problem, read_outcome
 from harness.rank.reporter import StepReporter
 from harness.scenario import Scenario
 from harness.scenario.checks import STEP_LOCAL
+from harness.trainers.command import TRAINER
 
 POLL_S = 0.02
 MLX_MEMORY = ("memory_mlx_per_rank_mb", "memory_mlx_total_mb")
@@ -86,4 +87,4 @@ def run(ctx: RankContext) -> dict[str, Any]:
     if not feed.mlx_reported:
         finished["not_applicable"].update(dict.fromkeys(MLX_MEMORY, f"{label.split(' (rank')[0]} reports no "
                                                                      f"mlx_peak_bytes in its step events"))
-    return {**finished, "trainer": {"kind": "command", "title": label.split(" (rank")[0], "path": exe}}
+    return {**finished, "trainer": {"kind": TRAINER.kind, "title": label.split(" (rank")[0], "path": exe}}

@@ -59,9 +59,10 @@ from harness.rank.context import RankContext, ReportedFailure
 from harness.rank.reporter import StepReporter
 from harness.scenario import Scenario
 from harness.scenario.checks import STEP_LOCAL
+from harness.trainers.unsloth_zoo import TRAINER
 
-TITLE = "unsloth_zoo.mlx.trainer.MLXTrainer"
-INSTALL = "pip install --no-deps 'unsloth_zoo>=2026.10.9'"
+TITLE = TRAINER.entry
+INSTALL = TRAINER.install
 NO_PROBE = ("unsloth-zoo draws a streamed run's micro-batches from its own iterator as it trains: a step's "
             "batches cannot be read before it without consuming its stream")
 STREAMED = dict.fromkeys(STEP_LOCAL, NO_PROBE)
@@ -286,7 +287,7 @@ def make_callback(rep: StepReporter, trainer: Any, eval_tokens: int, probes: boo
 def run(ctx: RankContext) -> dict[str, Any]:
     why = available()
     if why is not None:
-        raise ReportedFailure(f"trainer unsloth_zoo: {why}")
+        raise ReportedFailure(f"trainer {TRAINER.kind}: {why}")
     from importlib.metadata import version
 
     from unsloth_zoo.mlx.trainer import MLXTrainer
@@ -331,12 +332,12 @@ def run(ctx: RankContext) -> dict[str, Any]:
     except ReportedFailure:
         raise
     except Exception as e:
-        raise ReportedFailure(f"trainer unsloth_zoo ({TITLE}) raised {type(e).__name__}: {e}") from e
+        raise ReportedFailure(f"trainer {TRAINER.kind} ({TITLE}) raised {type(e).__name__}: {e}") from e
     rep.saved(sum(1 for f in out.rglob("*") if f.is_file()))
     scope = "fallback-eager" if result.get("compile_fallback") else SCOPES.get(result.get("compile_scope"), "none")
     rep.compile_scope = scope if args.compile else "none"
     rep.fallback_reason = result.get("compile_fallback_reason") or None
     trained = model.trainable_parameters() if lora else model.parameters()
     return rep.finish(trained, {"model_config": config, "trainer": {
-        "kind": "unsloth_zoo", "title": TITLE, "version": version("unsloth_zoo"),
+        "kind": TRAINER.kind, "title": TITLE, "version": version(TRAINER.package),
         "compile_scope": result.get("compile_scope")}})

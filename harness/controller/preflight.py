@@ -1,0 +1,66 @@
+"""What the controller refuses before any rank of a scenario starts: the rank budget, resume
+sources, each run's expected memory against the budget, data files, each run's device and backend;
+it returns lines a user should read before the run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from harness.memory_plan import check_launches
+from harness.scenario import ScenarioError
+
+if TYPE_CHECKING:
+    from harness.cluster_spec import Cluster
+    from harness.scenario.plan import ScenarioPlan
+
+
+def check_resume_sources(plan: ScenarioPlan) -> None:
+    """A checkpoint directory a run resumes from must be complete and intact before anything starts
+    (checkpoints made by earlier runs of the scenario are verified by the ranks); each trainer's
+    module checks its own saves (``check_resume_source``)."""
+    import importlib
+
+    s = plan.scenario
+    names = {r.name for r in s.runs}
+    for i, run in enumerate(plan.declared):
+        r = run.spec
+        if r.resume_from is None or r.resume_from in names or r.expect_error is not None:
+            continue
+        trainer = importlib.import_module(run.trainer.module)  # a resuming trainer's own check
+        try:
+            trainer.check_resume_source(Path(r.resume_from), r.resume_step, run.eff)
+        except ValueError as e:  # CheckpointError included
+            raise ScenarioError(f"{s.path}: [[runs]][{i}].resume_from: {e}") from e
+
+
+def check_backends(plan: ScenarioPlan, backend: str | None) -> None:
+    """Refuse, before anything runs, a run whose device or backend cannot run here."""
+    from harness.controller.devices import BackendRefused, DeviceRefused, plan_backend, plan_device
+
+    for run in plan.declared:
+        try:
+            device, _ = plan_device(run.eff.train.device)
+            plan_backend(run.spec.world_size, run.spec.backend or backend, cpu_collectives=run.trainer.cpu_collectives,
+                         device=device)
+        except (BackendRefused, DeviceRefused) as e:
+            raise ScenarioError(f"{plan.scenario.path}: run {run.name}: {e}") from e
+
+
+def preflight(plan: ScenarioPlan, backend: str | None, cluster: Cluster | None = None) -> list[str]:
+    """Everything about a planned scenario that can be refused before any rank starts (on a
+    cluster, its multi-rank runs' backends are the hosts' to say); returns lines a user should
+    read before the run (``check_data_files``)."""
+    from harness.controller.input_checks import check_data_files
+    from harness.controller.rank_budget import budget
+
+    check_resume_sources(plan)
+    if cluster is None:
+        check_backends(plan, backend)
+    try:
+        budget()
+    except ValueError as e:
+        raise ScenarioError(str(e)) from e
+    notes = check_data_files(plan.scenario)
+    check_launches(plan.scenario, cluster is not None)  # each run's expected memory fits the memory budget
+    return notes

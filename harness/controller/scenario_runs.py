@@ -1,0 +1,99 @@
+"""Launch every run of a scenario's plan (``harness.scenario.plan``) one after another, in the
+plan's order: the reference first (at its step-local probe steps it records its parameters and
+gradient into the workspace, and the runs compared with it read them there), then the other
+runs in file order, then the floor runs.
+
+Runs of one scenario share a checkpoint workspace: each run that writes checkpoints gets its
+own directory there, and a run that resumes from an earlier run reads that run's directory.
+The workspace lives in the system temp dir and is removed when the scenario ends; with an
+artifacts directory, each checkpoint's manifest and trainer state are kept beside the rank logs
+(whole checkpoints, unfinished ones included, with ``keep_checkpoints``).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from harness.cluster_spec import Cluster
+from harness.controller.inputs import prepare_jobs
+from harness.controller.memory_guard import MemoryLimits
+from harness.controller.outcome import RankOutcome, RunOutcome, WatchReport
+from harness.controller.progress import Observer
+from harness.controller.run_job import execute
+from harness.scenario.plan import ScenarioPlan
+from harness.schema import NO_STEPS
+
+KEEP_FROM_CHECKPOINTS = ("manifest.json", "trainer.json")
+
+
+def not_run(name: str, world_size: int, why: str) -> RunOutcome:
+    """A run left out because an earlier one showed it could not train (``why``)."""
+    ranks = [RankOutcome(r, None, False, None, [], "") for r in range(world_size)]
+    return RunOutcome(name, world_size, None, False, f"not run: {why}", ranks, WatchReport(0.0, None))
+
+
+def _keep_checkpoints(workspace: Path, dest: Path, whole: bool) -> None:
+    for f in workspace.glob("*/checkpoints/*/*"):
+        if whole or f.name in KEEP_FROM_CHECKPOINTS:
+            target = dest / f.relative_to(workspace)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(f, target)
+
+
+def run_plan(
+    plan: ScenarioPlan,
+    *,
+    artifacts: Path | None = None,
+    on_run: Callable[[RunOutcome], None] | None = None,
+    keep_checkpoints: bool = False,
+    backend: str | None = None,
+    progress: Observer | None = None,
+    cluster: Cluster | None = None,
+) -> list[RunOutcome]:
+    """Launch each run of ``plan``; rank logs go under ``artifacts/<run>`` (this scenario's
+    directory) when given; ``progress`` is shown each run as it goes; runs of more than one rank
+    run on ``cluster``'s hosts when given. Outcomes come back in file order, the floor runs last."""
+    s = plan.scenario
+    jobs = prepare_jobs(plan)
+    outcomes: dict[str, RunOutcome] = {}
+    workspace = Path(tempfile.mkdtemp(prefix=f"mlx-ddp-harness-{s.name}-"))
+    try:
+        for k, run in enumerate(plan.runs):
+            outcome = execute(
+                run.name,
+                jobs[run.name].in_workspace(workspace),
+                run.spec.world_size,
+                backend=run.spec.backend or backend,
+                wall_s=s.limits.wall_s,
+                no_progress_s=s.limits.no_progress_s,
+                keep_to=artifacts / run.name if artifacts else None,
+                progress=progress,
+                memory=MemoryLimits.from_scenario(s.limits, s.checks),
+                cluster=cluster,
+                sync_dirs=(workspace,),
+            )
+            if run.floor is not None:
+                outcome.floor = run.floor.description
+            kind = run.trainer.kind
+            if run.trainer.external and outcome.failure and f"trainer {kind}" not in outcome.failure:
+                outcome.failure = f"trainer {kind}: {outcome.failure}"  # name the trainer under test
+            outcomes[run.name] = outcome
+            if on_run:
+                on_run(outcome)
+            if k == 0 and run.spec.expect_error is None and NO_STEPS in (outcome.failure or "\n").splitlines()[0]:
+                why = f"run {run.name!r}: {outcome.failure.splitlines()[0]}"  # every run of its trainer would say it
+                for rest in plan.runs[k + 1:]:
+                    outcomes[rest.name] = not_run(rest.name, rest.spec.world_size, why)
+                    if rest.floor is not None:
+                        outcomes[rest.name].floor = rest.floor.description
+                    if on_run:
+                        on_run(outcomes[rest.name])
+                break
+        if artifacts:
+            _keep_checkpoints(workspace, artifacts, keep_checkpoints)
+    finally:
+        shutil.rmtree(workspace, ignore_errors=True)
+    return [outcomes[r.name] for r in plan.declared] + [outcomes[r.name] for r in plan.floor_runs]

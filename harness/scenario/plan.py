@@ -1,0 +1,105 @@
+"""A scenario planned once, before anything runs: every run it launches (its own in launch
+order, then the floor runs its comparisons need), each run's typed job, the steps it is probed
+at, the checks it is judged by (``harness.scenario.checks``) and the floor run each comparison is
+judged against (``harness.scenario.runs``). The controller launches the plan's runs, the judge
+judges its checks and the report reads its runs; none works any of it out again."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from harness.scenario.checks import CheckRule, run_rules
+from harness.scenario.job import TrainJob
+from harness.scenario.runs import (
+    FloorRun,
+    Inputs,
+    comparisons,
+    floor_runs,
+    inputs_of,
+    launch_order,
+    resumes_alike,
+    train_job,
+)
+from harness.scenario.spec import RunSpec, Scenario
+from harness.scenario.trainers import TrainerInfo, trainer_info
+
+
+@dataclass(frozen=True)
+class PlannedRun:
+    """One run: its spec (a floor run's made from its base's), the scenario as it sees it, its
+    trainer's record and typed job; for a run of the scenario, the checks each rule gives it and
+    the floor run each comparison needs (by the compared-with run's name); for a floor run, what
+    it is (``floor``)."""
+
+    spec: RunSpec
+    eff: Scenario
+    trainer: TrainerInfo
+    job: TrainJob
+    floor: FloorRun | None = None
+    checks: tuple[tuple[CheckRule, tuple[str, ...]], ...] = ()
+    floors: tuple[tuple[str, FloorRun | None], ...] = ()
+    resumes_alike: bool = False  # resumed at its target's world size and compile mode
+    inputs: Inputs | None = None
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def check_names(self) -> list[str]:
+        return [n for _, names in self.checks for n in names]
+
+    def floor_for(self, base: str) -> FloorRun | None:
+        """The floor run this run's comparison with run ``base`` is judged against."""
+        return dict(self.floors).get(base)
+
+
+@dataclass(frozen=True)
+class ScenarioPlan:
+    """A scenario's runs in launch order (floor runs last) and the scenario they came from."""
+
+    scenario: Scenario
+    runs: tuple[PlannedRun, ...]
+
+    def run(self, name: str) -> PlannedRun:
+        for r in self.runs:
+            if r.name == name:
+                return r
+        raise KeyError(name)
+
+    @property
+    def declared(self) -> list[PlannedRun]:
+        """The scenario's own runs, in file order."""
+        return [self.run(r.name) for r in self.scenario.runs]
+
+    @property
+    def floor_runs(self) -> list[PlannedRun]:
+        return [r for r in self.runs if r.floor is not None]
+
+    def checks(self) -> dict[str, list[str]]:
+        """Each judged run's checks by name, in file order (what a test collector lists)."""
+        return {r.name: r.check_names for r in self.declared}
+
+
+def plan_scenario(s: Scenario) -> ScenarioPlan:
+    """The plan of a loaded scenario (pure: it reads no file and starts nothing): its runs and
+    their jobs (``harness.scenario.runs``), their checks (``harness.scenario.checks``) and their
+    trainers' records."""
+    rules = {spec.name: tuple((rule, tuple(names)) for rule, names in run_rules(s, spec)) for spec in s.runs}
+    declared = launch_order(s)
+    runs = [(spec, None) for spec in declared] + [(f.spec(s), f) for f in floor_runs(s)]
+    jobs = {spec.name: train_job(s, spec, floor) for spec, floor in runs}
+    inputs = {spec.name: inputs_of(s, s.run(floor.base) if floor else spec) for spec, floor in runs}
+    compared_with = {spec.name: comparisons(s, spec) for spec in declared}
+    alike = {spec.name: resumes_alike(s, spec) for spec in declared}
+    records = {spec.name: trainer_info(s.for_run(spec).trainer.kind) for spec, _ in runs}
+    return ScenarioPlan(s, tuple(
+        PlannedRun(spec, s.for_run(spec), records[spec.name], jobs[spec.name], floor, rules.get(spec.name, ()),
+                   compared_with.get(spec.name, ()), alike.get(spec.name, False), inputs[spec.name])
+        for spec, floor in runs))
+
+
+def job_for(s: Scenario, run: str, workspace: Path | None = None) -> TrainJob:
+    """The job of one run of ``s`` (a declared run or a floor run), placed in ``workspace``."""
+    return plan_scenario(s).run(run).job.in_workspace(workspace)
