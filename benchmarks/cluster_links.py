@@ -30,11 +30,11 @@ from tabulate import tabulate
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from harness.controller.suite import train_job  # noqa: E402
 
 from harness.cluster_spec import load_hostfile  # noqa: E402
 from harness.controller.run_job import execute  # noqa: E402
 from harness.scenario import load_scenario  # noqa: E402
+from harness.scenario.plan import job_for  # noqa: E402
 from tests.simhosts import SimHosts, unavailable  # noqa: E402
 
 TEXT_PARITY = REPO / "scenarios" / "text_parity.toml"
@@ -75,7 +75,7 @@ def link_down(sim: SimHosts, hostfile: Path, no_progress_s: float) -> tuple[floa
         keep = Path(d) / "kept"
         box: dict = {}
         t = threading.Thread(target=lambda: box.update(out=execute(
-            "ddp2", train_job(s, s.runs[0]), 2, wall_s=300, no_progress_s=no_progress_s,
+            "ddp2", job_for(s, s.runs[0].name), 2, wall_s=300, no_progress_s=no_progress_s,
             cluster=load_hostfile(hostfile), keep_to=keep)))
         t.start()
         tmp = Path(tempfile.gettempdir())

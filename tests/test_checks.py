@@ -269,14 +269,19 @@ def test_resume_checks_fail_on_doctored_accounting_and_disagreeing_ranks() -> No
     assert not bad.passed and "ranks resumed from different checkpoints" in bad.detail
 
 
-def test_every_check_rule_has_a_judge_and_a_rule_registers_once() -> None:
-    from harness.judge.verdict import JUDGES
+def test_every_check_family_has_a_judge_and_a_family_registers_once() -> None:
+    from harness.judge.verdict import judge_of
     from harness.scenario import checks as check_plan
 
-    assert set(JUDGES) == set(check_plan.RULES)
-    assert len(set(check_plan.CHECK_NAMES)) == len(check_plan.CHECK_NAMES)
+    assert all(callable(judge_of(f)) for f in check_plan.families())
+    names = check_plan.check_names()
+    assert len(set(names)) == len(names) and set(check_plan.CheckName) <= set(names)
+    assert check_plan.families()[-1].name == "mutation"  # judged last: it reads the others' checks
     with pytest.raises(ValueError, match="registered twice"):
-        check_plan.rule("memory", ("x",))(lambda s, spec: [])
+        check_plan.register(check_plan.CheckFamily("memory", ("x",), lambda s, spec: [], "m:f", "doc"))
+    with pytest.raises(ValueError, match="loss_parity already registered"):
+        check_plan.register(check_plan.CheckFamily("again", ("loss_parity",), lambda s, spec: [], "m:f", "doc"))
+    assert "again" not in {f.name for f in check_plan.families()}
 
 
 def test_a_planned_check_the_results_cannot_measure_is_na_saying_why() -> None:

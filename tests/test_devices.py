@@ -63,10 +63,11 @@ def test_a_rank_loads_its_trainers_libraries_before_its_memory_baseline() -> Non
     import sys
 
     code = ("import sys; from harness.rank.entry import load_libraries; "
-            "load_libraries({'kind': 'allsum'}); before = 'mlx_lm.tuner.trainer' in sys.modules; "
-            "load_libraries({'kind': 'train', 'trainer': {'module': 'harness.trainers.mlx_lm.rank', 'hides': []}, "
-            "'scenario': {'trainer': {'kind': 'mlx_lm'}, "
-            "'model': {'arch': 'qwen3'}}}); "
+            "from harness.scenario import Scenario, TrainerSpec; "
+            "from harness.scenario.job import AllSumJob, TrainerRef, TrainJob; "
+            "load_libraries(AllSumJob()); before = 'mlx_lm.tuner.trainer' in sys.modules; "
+            "load_libraries(TrainJob('r', TrainerRef('harness.trainers.mlx_lm.rank'), "
+            "Scenario('s', trainer=TrainerSpec(kind='mlx_lm')))); "
             "print(before, 'mlx_lm.tuner.trainer' in sys.modules, 'transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["False", "True", "True"]

@@ -19,6 +19,7 @@ import pytest
 
 from harness.controller.launch import write_hostfile
 from harness.controller.run_job import execute
+from harness.scenario import FaultSpec
 from harness.scenario.job import AllSumJob
 
 pytestmark = pytest.mark.ranks
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.ranks
 
 def probe(value: float, world_size: int, *, rounds: int = 4, faults: list[dict] | None = None,
           keep: Path | None = None, wall_s: float = 120, no_progress_s: float = 60, pause_s: float = 0.05):
-    job = AllSumJob(value=value, rounds=rounds, faults=tuple(faults or ()), pause_s=pause_s)
+    job = AllSumJob(value=value, rounds=rounds, faults=tuple(FaultSpec(**f) for f in faults or ()), pause_s=pause_s)
     return execute(f"probe{value}", job, world_size, wall_s=wall_s, no_progress_s=no_progress_s, keep_to=keep)
 
 
@@ -55,6 +56,7 @@ def test_world_size_one_is_a_plain_process_without_mlx_env(tmp_path: Path) -> No
 _JOB = """
 import json, sys
 from harness.controller.run_job import execute
+from harness.scenario.job import AllSumJob
 v, ws, rounds = float(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 o = execute("c", AllSumJob(value=v, rounds=rounds, pause_s=0.1), ws, wall_s=240, no_progress_s=120)
 print(json.dumps({"ok": o.ok, "failure": o.failure, "sums": [r.result and r.result.get("sums") for r in o.ranks]}))

@@ -10,8 +10,9 @@ import pytest
 
 from harness.controller.outcome import RankOutcome, RunOutcome, WatchReport
 from harness.judge.checks import Check
+from harness.judge.families import mutation_caught
 from harness.judge.parity import U_ACC, Floor, eval_parity, loss_parity, param_parity, rounding, step_local
-from harness.judge.verdict import judge, mutation_caught
+from harness.judge.verdict import judge
 from harness.scenario import CheckSpec, RunSpec, Scenario
 from harness.scenario.plan import ScenarioPlan, plan_scenario
 from tests.conftest import train_result

@@ -14,6 +14,7 @@ from harness.judge.behaviours import mark_expected_failures, reason_for
 from harness.judge.checks import Check
 from harness.rank.entry import set_precision
 from harness.scenario import ScenarioError, load_scenario
+from harness.scenario.plan import job_for
 from tests.conftest import EXAMPLE, cli, script_scenario, write_scenario
 
 BEHAVIOUR = {"batch_split": {"reason": "depends on the split", "checks": {"step_loss_parity": 1e-4,
@@ -96,9 +97,11 @@ def test_parity_runs_compute_at_full_float32_unless_asked(tmp_path: Path) -> Non
     assert throughput.for_run(throughput.runs[0]).train.precision == "device"
     saved = os.environ.pop("MLX_ENABLE_TF32", None)
     try:
-        set_precision({"kind": "train", "scenario": {"train": {"precision": "device"}}})
+        job = job_for(throughput, throughput.runs[0].name)
+        set_precision(dataclasses.replace(job, scenario=throughput.for_run(throughput.runs[0])))
         assert "MLX_ENABLE_TF32" not in os.environ
-        set_precision({"kind": "train", "scenario": {"train": {"precision": "full"}}})
+        full = dataclasses.replace(throughput.train, precision="full")
+        set_precision(dataclasses.replace(job, scenario=dataclasses.replace(job.scenario, train=full)))
         assert os.environ["MLX_ENABLE_TF32"] == "0"
     finally:
         os.environ.pop("MLX_ENABLE_TF32", None)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from harness.scenario import load_scenario
-from harness.scenario.checks import planned_checks
+from harness.scenario.plan import plan_scenario
 from tests.conftest import write_scenario
 
 
@@ -130,7 +130,7 @@ def test_every_check_is_a_test_case_and_failures_name_value_limit_and_cause(tmp_
         judged: dict[str, list[str]] = {}
         for c in s["checks"]:
             judged.setdefault(c["run"], []).append(c["name"])
-        plan = planned_checks(load_scenario(suite / f"{name}.toml"))
+        plan = plan_scenario(load_scenario(suite / f"{name}.toml")).checks()
         assert {k: sorted(v) for k, v in judged.items()} == {k: sorted(v) for k, v in plan.items()}
 
 

@@ -5,6 +5,7 @@ written once in ``harness/`` (docs/development.md)."""
 from __future__ import annotations
 
 import ast
+import importlib
 from pathlib import Path
 
 import pytest
@@ -53,3 +54,32 @@ def string_literals(root: Path) -> dict[str, list[str]]:
             if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs:
                 found.setdefault(n.value, []).append(f"{p.relative_to(REPO)}:{n.lineno}")
     return found
+
+
+# The same strings written with another meaning than a trainer kind, by file: the summary's key
+# naming the reference run, the Python packages MLX's architectures come from, TrainerInfo's flag
+# fields (``with_kind("script")``) and argparse's destination of the sub-command.
+OTHER_MEANINGS = {
+    "reference": {"harness/present/plots.py", "harness/present/tables.py", "harness/present/results.py"},
+    "mlx_lm": {"harness/rank/models.py"},
+    "mlx_vlm": {"harness/rank/weights.py", "harness/rank/vision.py", "harness/trainers/reference/rank.py"},
+    "script": {"harness/present/starter.py"},
+    "command": {"harness/present/starter.py", "harness/present/cli.py"},
+}
+
+
+def test_a_trainer_kind_is_written_in_its_record_alone() -> None:
+    """Each built-in kind is written in its own record (and ``reference`` as the default of
+    ``[trainer] kind``); everything else reads the records."""
+    from harness.scenario.trainers import BUILTIN, trainers
+
+    literals = string_literals(REPO / "harness")
+    for module in BUILTIN:
+        kind = importlib.import_module(module).TRAINER.kind
+        record = str(Path(*module.split(".")) / "__init__.py")
+        places = {p.split(":")[0] for p in literals.get(kind, [])}
+        assert record in places, f"{kind} is not written in its record {record}"
+        allowed = {record} | OTHER_MEANINGS.get(kind, set()) | ({"harness/scenario/spec.py"} if kind == "reference"
+                                                                 else set())
+        assert places <= allowed, f"{kind} is written outside its record: {sorted(places - allowed)}"
+    assert set(trainers()) >= {importlib.import_module(m).TRAINER.kind for m in BUILTIN}

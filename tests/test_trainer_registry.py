@@ -17,31 +17,18 @@ from harness.scenario import trainers as trainer_registry
 from harness.scenario.trainers import TrainerInfo
 from tests.conftest import REPO, cli, write_scenario
 
-PLUGIN = '''
-from harness.scenario.spec import require
-from harness.scenario.trainers import TrainerInfo
-
-
-def rules(eff, run, src, where):
-    require(eff.train.global_batch % run.world_size == 0, src, f"{where}.world_size",
-            "the toy trainer gives every rank the same number of rows")
-
-
-INFO = TrainerInfo("toy", "a toy trainer of the tests", "tests.toy_trainer", probes=True, rules=rules,
-                   saves="the toy trainer saves its final parameters on rank 0")
-'''
 TOY = '\n[trainer]\nkind = "toy"\n'
 
 
-def _plugin(tmp: Path) -> dict[str, str]:
-    """A package declaring the toy trainer's record under the ``mlx_ddp_harness.trainers`` entry
-    points, on the PYTHONPATH of every process started with the returned variables."""
+def _plugin(tmp: Path, target: str = "tests.toy_trainer:TRAINER") -> dict[str, str]:
+    """A package whose one entry point line (``mlx_ddp_harness.trainers``: ``toy = target``)
+    registers the toy trainer (``tests/toy_trainer.py``: its record and rank side in one module),
+    on the PYTHONPATH of every process started with the returned variables."""
     site = tmp / "site"
     info = site / "toy_harness_plugin-0.1.dist-info"
     info.mkdir(parents=True)
-    (site / "toy_harness_plugin.py").write_text(PLUGIN)
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-harness-plugin\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text(f"[{trainer_registry.ENTRY_POINTS}]\ntoy = toy_harness_plugin:INFO\n")
+    (info / "entry_points.txt").write_text(f"[{trainer_registry.ENTRY_POINTS}]\ntoy = {target}\n")
     return {"PYTHONPATH": os.pathsep.join([str(site), str(REPO), os.environ.get("PYTHONPATH", "")])}
 
 
@@ -64,7 +51,7 @@ def test_a_kind_is_registered_once_and_a_bad_entry_point_is_one_line(tmp_path: P
     with pytest.raises(ValueError, match="models must be one of"):
         TrainerInfo("bad", "bad", "x", models="audio")
 
-    env = _plugin(tmp_path)
+    env = _plugin(tmp_path, "toy_harness_plugin:INFO")
     (tmp_path / "site" / "toy_harness_plugin.py").write_text("INFO = 42\n")
     p = cli("list", str(tmp_path), env=env)
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stdout + p.stderr

@@ -13,6 +13,7 @@ from typing import Any
 
 from harness.controller.outcome import RunOutcome
 from harness.scenario import RunSpec, Scenario, TrainerSpec
+from harness.scenario.checks import MEMORY, CheckName, families
 from harness.scenario.trainers import TrainerInfo
 
 MB = 1024 * 1024
@@ -58,6 +59,9 @@ class Check:
     no_power: bool = False  # failed because it could not have seen a defect (``harness.judge.power``)
     noise: float | None = None  # a trajectory's floor runs' own largest deviation (``floor`` adds the absolute floor)
 
+    def __post_init__(self) -> None:
+        self.name = str(self.name)  # a CheckName member as the plain string result.json holds
+
     @property
     def result(self) -> str:
         if not self.applicable:
@@ -91,10 +95,6 @@ class Check:
         return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in d.items()}
 
 
-POWERED = ("step_loss_parity", "step_grad_parity", "loss_parity", "param_parity", "eval_parity",
-           "resume_loss_parity", "resume_param_parity", "resume_eval_parity")
-
-
 def precision_label(*runs: RunOutcome) -> str:
     """What the ranks of ``runs`` computed at (``harness.rank.precision``), e.g. "float32" or
     "float32, TF32 matmuls"; several labels joined when the runs differ."""
@@ -104,11 +104,13 @@ def precision_label(*runs: RunOutcome) -> str:
 
 
 def with_power(checks: list[Check], run: RunOutcome, base: RunOutcome) -> list[Check]:
-    """Each step-local and trajectory check carries its power (the smallest deviation it could
-    detect: its limit, in its value's units) and the precision the compared runs used."""
+    """Each check that carries power (its family's ``powered``: the step-local and trajectory
+    checks) carries it (the smallest deviation it could detect: its limit, in its value's units)
+    and the precision the compared runs used."""
     label = precision_label(run, base)
+    powered = {n for f in families() for n in f.powered}
     for c in checks:
-        if c.name in POWERED:
+        if c.name in powered:
             c.precision = label
             c.power = float(c.limit) if isinstance(c.limit, int | float) else None
     return checks
@@ -127,15 +129,16 @@ def lr_schedule(run: RunOutcome, ref: RunOutcome) -> Check:
     b = b[: len(a)]
     limit = LR_ULPS * 2.0**-24
     if not a and not b:
-        return Check("lr_schedule", run.name, True, None, None, "not applicable: neither run reported its learning "
-                     "rates (a script: run.step(..., lr=...))", applicable=False)
+        return Check(CheckName.lr_schedule, run.name, True, None, None, "not applicable: neither run reported its "
+                     "learning rates (a script: run.step(..., lr=...))", applicable=False)
     if not a or len(a) != len(b):
-        return Check("lr_schedule", run.name, False, None, limit, f"{len(a)} vs {len(b)} learning rates recorded")
+        return Check(CheckName.lr_schedule, run.name, False, None, limit,
+                     f"{len(a)} vs {len(b)} learning rates recorded")
     rel = [abs(x - y) / abs(y) if y else abs(x) for x, y in zip(a, b, strict=True)]
     worst = max(range(len(rel)), key=rel.__getitem__)
     where = f"worst at step {worst + 1} ({a[worst]:.6g} vs {b[worst]:.6g})"
     detail = f"vs {ref.name}: {len(a)} steps; " + ("identical at every step" if rel[worst] == 0 else where)
-    return Check("lr_schedule", run.name, rel[worst] <= limit, rel[worst], limit, detail,
+    return Check(CheckName.lr_schedule, run.name, rel[worst] <= limit, rel[worst], limit, detail,
                  derivation=f"relative, {LR_ULPS} float32 ulps: the same schedule evaluated at the same step")
 
 
@@ -149,11 +152,11 @@ def replica_consistency(run: RunOutcome) -> Check:
     steps = sorted(set().union(*per_rank), key=int)
     bad = [s for s in steps if len({d.get(s) for d in per_rank}) != 1]
     if not steps:
-        return Check("replica_consistency", run.name, False, None, 0, "no digests recorded")
+        return Check(CheckName.replica_consistency, run.name, False, None, 0, "no digests recorded")
     detail = f"{ranks(run.world_size)} at steps {', '.join(steps)}"
     if bad:
         detail += f"; differ at steps {', '.join(bad)}"
-    return Check("replica_consistency", run.name, not bad, len(bad), 0, detail)
+    return Check(CheckName.replica_consistency, run.name, not bad, len(bad), 0, detail)
 
 
 def token_accounting(run: RunOutcome, ref: RunOutcome | None) -> Check:
@@ -161,7 +164,7 @@ def token_accounting(run: RunOutcome, ref: RunOutcome | None) -> Check:
     same steps. Tokens a resumed run restored at another world size belong to no current rank."""
     results = [o.result for o in run.ranks if o.result]
     if len(results) < run.world_size:
-        return Check("token_accounting", run.name, False, None, None, "a rank wrote no result")
+        return Check(CheckName.token_accounting, run.name, False, None, None, "a rank wrote no result")
     local = sum(r["tokens_local"] for r in results) + int(results[0].get("tokens_local_unattributed", 0))
     glob = {r["tokens_global"] for r in results}
     ok = len(glob) == 1 and local == next(iter(glob))
@@ -172,7 +175,7 @@ def token_accounting(run: RunOutcome, ref: RunOutcome | None) -> Check:
         ref_tokens = sum(per_step[:steps]) if early else int(ref.result().get("tokens_global", -1))
         ok = ok and ref_tokens in glob
         detail += f", {ref.name} {ref_tokens}"
-    return Check("token_accounting", run.name, ok, local, next(iter(glob)) if len(glob) == 1 else None, detail)
+    return Check(CheckName.token_accounting, run.name, ok, local, next(iter(glob)) if len(glob) == 1 else None, detail)
 
 
 RSS_FIELDS = ("rss_baseline", "rss_baseline_bytes", "rss_peak_after_baseline_bytes")
@@ -194,12 +197,11 @@ def memory_ceilings(run: RunOutcome, s: Scenario) -> list[Check]:
     (0.25 to 0.55 GB per rank on an H100). A rank that lacks a figure fails the check, naming it."""
     c = s.checks
     out = []
-    for label, keys, per_rank, total in (
-        ("rss", RSS_FIELDS, c.max_rss_mb, c.max_total_rss_mb),
-        ("mlx", ("mlx_peak_bytes",), c.max_mlx_mb, c.max_total_mlx_mb),
+    for label, keys, names, limits in (
+        ("rss", RSS_FIELDS, MEMORY[:2], (c.max_rss_mb, c.max_total_rss_mb)),
+        ("mlx", ("mlx_peak_bytes",), MEMORY[2:], (c.max_mlx_mb, c.max_total_mlx_mb)),
     ):
-        wanted = [(name, limit) for name, limit in ((f"memory_{label}_per_rank_mb", per_rank),
-                                                    (f"memory_{label}_total_mb", total)) if limit is not None]
+        wanted = [(name, limit) for name, limit in zip(names, limits, strict=True) if limit is not None]
         if not wanted:
             continue
         results, missing = _rank_figures(run, keys)
@@ -218,7 +220,7 @@ def memory_ceilings(run: RunOutcome, s: Scenario) -> list[Check]:
         else:
             peaks = [int(r["mlx_peak_bytes"]) for r in results]
         for name, limit in wanted:
-            per = name.endswith("_per_rank_mb")
+            per = name == names[0]  # the largest rank's; the other, the sum over ranks
             v = (max(peaks) if per else sum(peaks)) / MB
             detail = (f"per rank: {', '.join(f'{p / MB:.1f}' for p in peaks)}" if per else
                       f"sum of {ranks(run.world_size)}") + where
@@ -246,7 +248,7 @@ def ranks_agree(run: RunOutcome) -> Check:
                                             f"same {', '.join(fields)}")
     if sent and run.world_size > 1:
         detail += f"; {', '.join(sent['fields'])} are rank 0's ({sent['why']})"
-    return Check("ranks_agree", run.name, not differ, len(differ), 0, detail)
+    return Check(CheckName.ranks_agree, run.name, not differ, len(differ), 0, detail)
 
 
 def listed(values: Any) -> str:
@@ -268,7 +270,7 @@ def rank0_side_effects(run: RunOutcome, trainer: TrainerSpec, info: TrainerInfo)
     unreported = [str(o.rank) for o, c in zip(run.ranks, counts, strict=True)
                   if not isinstance(c, dict) or not all(isinstance(v, int) for v in c.values())]
     if unreported:
-        return Check("rank0_side_effects", run.name, False, None, 0,
+        return Check(CheckName.rank0_side_effects, run.name, False, None, 0,
                      f"rank {', '.join(unreported)} reported no side-effect counts (side_effects)")
     main = counts[0]
     rest = [(o.rank, c) for o, c in zip(run.ranks[1:], counts[1:], strict=True) if any(c.values())]
@@ -281,7 +283,7 @@ def rank0_side_effects(run: RunOutcome, trainer: TrainerSpec, info: TrainerInfo)
     detail = f"rank 0: {counted(main)}; other ranks: " + (
         "; ".join(f"rank {r}: {counted(c)}" for r, c in rest) if rest else "none")
     detail += f"; a save on rank 0 {'' if demanded else 'not '}demanded: {promise or f'the script {declared}'}"
-    return Check("rank0_side_effects", run.name, ok, others, 0, detail)
+    return Check(CheckName.rank0_side_effects, run.name, ok, others, 0, detail)
 
 
 RNG_REMEDY = {"numpy": "numpy's (np.random.*): draw from np.random.default_rng(seed) instead",
@@ -294,11 +296,12 @@ def global_rng_untouched(run: RunOutcome) -> Check:
     changed = {o.rank: (o.result or {}).get("global_rng_changed") or ["numpy or MLX"] for o in run.ranks
                if (o.result or {}).get("global_rng_untouched") is not True}
     if not changed:
-        return Check("global_rng_untouched", run.name, True, 0, 0, "numpy and MLX global RNG unchanged on every rank")
+        return Check(CheckName.global_rng_untouched, run.name, True, 0, 0,
+                     "numpy and MLX global RNG unchanged on every rank")
     names = sorted({n for rngs in changed.values() for n in rngs})
     per_rank = "; ".join(f"rank {r}: {', '.join(rngs)}" for r, rngs in changed.items())
     detail = f"training changed the global RNG: {per_rank}; " + "; ".join(RNG_REMEDY.get(n, n) for n in names)
-    return Check("global_rng_untouched", run.name, False, len(changed), 0, detail)
+    return Check(CheckName.global_rng_untouched, run.name, False, len(changed), 0, detail)
 
 
 def data_share(run: RunOutcome, ref: RunOutcome, slack: float, micro_rows: int | None = None) -> Check:
@@ -311,7 +314,7 @@ def data_share(run: RunOutcome, ref: RunOutcome, slack: float, micro_rows: int |
     m = micro_rows or run.world_size
     limit = whole * (1 + slack) * -(-m // run.world_size) / m
     worst = max(held)
-    return Check("data_share_bytes", run.name, 0 <= worst <= limit, worst, round(limit),
+    return Check(CheckName.data_share_bytes, run.name, 0 <= worst <= limit, worst, round(limit),
                  f"per rank: {', '.join(map(str, held))}; {ref.name} holds {whole}")
 
 
@@ -319,7 +322,8 @@ def expected_failure(run: RunOutcome, expect: str, every_rank: bool = False) -> 
     """A run that must fail: it did, with ``expect`` in its message (``every_rank``: in every
     rank's own error), and left no process behind."""
     if run.ok:
-        return Check("expected_failure", run.name, False, None, None, f"run passed; expected an error with {expect!r}")
+        return Check(CheckName.expected_failure, run.name, False, None, None,
+                     f"run passed; expected an error with {expect!r}")
     failure = run.failure or ""
     ok = expect in failure and not run.watch.survivors
     first = failure.splitlines()[0] if failure else ""
@@ -328,7 +332,7 @@ def expected_failure(run: RunOutcome, expect: str, every_rank: bool = False) -> 
         hits = sum(expect in str((o.result or {}).get("error", "")) for o in run.ranks)
         ok = ok and hits == run.world_size
         detail += f"; on {hits} of {run.world_size} ranks"
-    return Check("expected_failure", run.name, ok, None, None, detail)
+    return Check(CheckName.expected_failure, run.name, ok, None, None, detail)
 
 
 def expectations(run: RunOutcome, spec: RunSpec) -> list[Check]:
@@ -340,11 +344,11 @@ def expectations(run: RunOutcome, spec: RunSpec) -> list[Check]:
         reasons = {r.get("compile", {}).get("fallback_reason") for r in results}
         ok = all(sc == spec.expect_compile_scope for sc in scopes) and len(reasons) == 1
         detail = f"per rank: {', '.join(map(str, scopes))}; fallback reason: {sorted(map(str, reasons))[0]}"
-        out.append(Check("compile_scope", run.name, ok, scopes[0], spec.expect_compile_scope, detail))
+        out.append(Check(CheckName.compile_scope, run.name, ok, scopes[0], spec.expect_compile_scope, detail))
     if spec.expect_stop_step is not None:
         stops = [(r.get("stop") or {}).get("step") for r in results]
         ok = all(st == spec.expect_stop_step for st in stops)
         who = (results[0].get("stop") or {}).get("requested_by")
-        out.append(Check("stop_step", run.name, ok, stops[0], spec.expect_stop_step,
+        out.append(Check(CheckName.stop_step, run.name, ok, stops[0], spec.expect_stop_step,
                          f"per rank: {', '.join(map(str, stops))}; requested by ranks {who}"))
     return out

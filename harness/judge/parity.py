@@ -41,7 +41,7 @@ from typing import Any
 from harness.controller.outcome import RunOutcome
 from harness.controller.run_job import param_delta
 from harness.judge.checks import Check, listed
-from harness.scenario.checks import STEP_LOCAL
+from harness.scenario.checks import STEP_LOCAL, CheckName
 from harness.scenario.plan import ScenarioPlan
 
 U_ACC = 2.0**-24  # float32 accumulators, on every MLX device
@@ -124,7 +124,7 @@ def step_local(run: RunOutcome, ref: RunOutcome, plan: ScenarioPlan, floor: RunO
     model = rounding(plan, run, ref)
     steps = [rec["step"] for rec in per_rank[0]]
     tokens = max(abs(rec["tokens"] - rec["tokens_ref"]) for recs in per_rank for rec in recs)
-    token_check = Check("step_token_parity", run.name, tokens == 0, tokens, 0,
+    token_check = Check(CheckName.step_token_parity, run.name, tokens == 0, tokens, 0,
                         f"global supervised tokens vs {ref.name} at steps {listed(steps)}",
                         derivation="exact: both runs must count the same supervised tokens")
 
@@ -134,7 +134,7 @@ def step_local(run: RunOutcome, ref: RunOutcome, plan: ScenarioPlan, floor: RunO
     floor_recs = [rec for recs in (_probe_records(floor) if floor is not None else []) for rec in recs
                   if rec.get("step") in steps]
     out = [token_check]
-    for key, name in (("loss", "step_loss_parity"), ("grad", "step_grad_parity")):
+    for key, name in (("loss", CheckName.step_loss_parity), ("grad", CheckName.step_grad_parity)):
         noise = max((measured(rec, key) for rec in floor_recs), default=None)
         scaled = plan.scenario.checks.floor_ratio * noise if noise is not None else 0.0
 
@@ -267,7 +267,7 @@ def _judge_series(name: str, run: RunOutcome, base: RunOutcome, points: list[Any
                  noise=measured)
 
 
-def loss_parity(run: RunOutcome, base: RunOutcome, floor: Floor, plan: ScenarioPlan, name: str = "loss_parity",
+def loss_parity(run: RunOutcome, base: RunOutcome, floor: Floor, plan: ScenarioPlan, name: str = CheckName.loss_parity,
                 prefix: bool = False) -> Check:
     """Per-step global loss vs ``base`` (over ``run``'s steps when it stopped early by design, and
     from the step its history starts when it resumed without a record of the steps before)."""
@@ -289,7 +289,7 @@ def loss_parity(run: RunOutcome, base: RunOutcome, floor: Floor, plan: ScenarioP
 
 
 def eval_parity(run: RunOutcome, base: RunOutcome, floor: Floor, plan: ScenarioPlan,
-                name: str = "eval_parity") -> Check:
+                name: str = CheckName.eval_parity) -> Check:
     """Eval losses at the same steps vs ``base``.
 
     The floor is the floor run's largest loss deviation, eval or training, up to the last eval
@@ -323,7 +323,7 @@ def eval_parity(run: RunOutcome, base: RunOutcome, floor: Floor, plan: ScenarioP
 
 
 def param_parity(run: RunOutcome, base: RunOutcome, floor: Floor, plan: ScenarioPlan,
-                 name: str = "param_parity") -> Check:
+                 name: str = CheckName.param_parity) -> Check:
     """Final parameters (rank 0) vs ``base``: ||delta|| / ||base's parameters||, over every element
     (the largest single element is named; as an extreme value of a few sign flips it is too erratic
     to judge by)."""

@@ -22,9 +22,10 @@ from collections.abc import Iterable
 
 from harness.controller.outcome import RunOutcome
 from harness.judge.checks import Check
+from harness.scenario.checks import CheckName
 
 NO_POWER = "no power"
-TRAJECTORIES = ("loss_parity", "param_parity", "eval_parity")
+TRAJECTORIES = (CheckName.loss_parity, CheckName.param_parity, CheckName.eval_parity)
 SEED_IT = ("runs start from different weights: seed the model (the same seed on every rank and in every run, "
            "e.g. mx.random.seed(run.seed) before building it, or build it with run.model())")
 
@@ -40,25 +41,25 @@ def start_parity(run: RunOutcome, ref: RunOutcome, floors: Iterable[RunOutcome |
     """Every rank of ``run`` and every floor run start from ``ref``'s parameters (equal digests)."""
     step, want = start_of(ref)
     if want is None:
-        return Check("start_parity", run.name, True, None, None,
+        return Check(CheckName.start_parity, run.name, True, None, None,
                      f"not applicable: {ref.name} reported no parameters before its first step", applicable=False)
     sides = [(f"{run.name} rank {o.rank}", run, o.rank) for o in run.ranks]
     sides += [(f.name, f, 0) for f in floors if f is not None and f.ok]
     seen = {who: start_of(r, rank) for who, r, rank in sides}
     unreported = [who for who, (_, digest) in seen.items() if digest is None]
     if unreported:
-        return Check("start_parity", run.name, True, None, None,
+        return Check(CheckName.start_parity, run.name, True, None, None,
                      f"not applicable: {', '.join(unreported)} reported no parameters before its first step",
                      applicable=False)
     other_step = [who for who, (at, _) in seen.items() if at != step]
     if other_step:
-        return Check("start_parity", run.name, True, None, None,
+        return Check(CheckName.start_parity, run.name, True, None, None,
                      f"not applicable: {', '.join(other_step)} started at another step than {ref.name}",
                      applicable=False)
     differ = [who for who, (_, digest) in seen.items() if digest != want]
     detail = (f"{SEED_IT}; differ from {ref.name}'s: {', '.join(differ)}" if differ else
               f"{len(seen)} starts ({', '.join(seen)}) equal to {ref.name}'s, bitwise")
-    return Check("start_parity", run.name, not differ, len(differ), 0, detail,
+    return Check(CheckName.start_parity, run.name, not differ, len(differ), 0, detail,
                  derivation="exact: the parameter digest before step 1 of every rank and floor run equals the "
                             "reference's")
 
@@ -73,11 +74,12 @@ def judge_power(checks: list[Check], run: RunOutcome, base: RunOutcome, start: C
     """The trajectory checks that passed without power turned into failures saying why: runs
     that start apart (``start``), or a limit as large as what ``base``'s training moved."""
     compared = len(run.result().get("losses") or [])
-    signals = {"loss_parity": (loss_signal(base, compared), f"{base.name}'s loss moved in training"),
-               "param_parity": (base.moved, f"{base.name}'s training moved its parameters (relative L2)")}
-    signals["eval_parity"] = (loss_signal(base, len(base.result().get("losses") or [])), signals["loss_parity"][1])
+    loss, param, evals = TRAJECTORIES
+    signals = {loss: (loss_signal(base, compared), f"{base.name}'s loss moved in training"),
+               param: (base.moved, f"{base.name}'s training moved its parameters (relative L2)")}
+    signals[evals] = (loss_signal(base, len(base.result().get("losses") or [])), signals[loss][1])
     if base.moved is None:  # where the start is unknown: a relative L2 of 1 admits parameters of zero
-        signals["param_parity"] = (1.0, f"{base.name}'s own norm (relative L2 1: the limit admits zero parameters)")
+        signals[param] = (1.0, f"{base.name}'s own norm (relative L2 1: the limit admits zero parameters)")
     for c in checks:
         if c.name not in TRAJECTORIES or not c.passed:
             continue

@@ -9,6 +9,7 @@ from harness.judge.checks import Check, fastest_after_first, with_power
 from harness.judge.floors import floors
 from harness.judge.parity import eval_parity, loss_parity, param_parity, unrecorded
 from harness.scenario import RunSpec
+from harness.scenario.checks import CheckName
 from harness.scenario.plan import ScenarioPlan
 
 
@@ -19,10 +20,10 @@ def resume_parity(run: RunOutcome, target: RunOutcome, plan: ScenarioPlan,
     scenario's ``resume_tolerance``; across world sizes: the parity criterion (``target``
     reordered, or the parity tolerances)."""
     f = floors(plan, run.name, target.name, by_name, resume=plan.run(run.name).resumes_alike)
-    out = [loss_parity(run, target, f["loss"], plan, "resume_loss_parity"),
-           param_parity(run, target, f["param"], plan, "resume_param_parity")]
+    out = [loss_parity(run, target, f["loss"], plan, CheckName.resume_loss_parity),
+           param_parity(run, target, f["param"], plan, CheckName.resume_param_parity)]
     if run.result().get("evals") or target.result().get("evals"):
-        out.append(eval_parity(run, target, f["eval"], plan, "resume_eval_parity"))
+        out.append(eval_parity(run, target, f["eval"], plan, CheckName.resume_eval_parity))
     return out
 
 
@@ -69,8 +70,8 @@ def resume_accounting(run: RunOutcome, target: RunOutcome, source: RunOutcome | 
                  f" (not compared: {busy})" if busy else ""))
     if problems:
         detail += "; " + "; ".join(problems)
-    return Check("resume_accounting", run.name, not problems, None if ratio is None else round(ratio, 3), factor,
-                 detail)
+    return Check(CheckName.resume_accounting, run.name, not problems, None if ratio is None else round(ratio, 3),
+                 factor, detail)
 
 
 def busy_during(*runs: RunOutcome) -> str | None:
@@ -102,7 +103,7 @@ def resume_source(run: RunOutcome, spec: RunSpec) -> Check:
             detail += f"; made with {first['made_with']['world_size']} ranks"
     if not same:
         detail += "; ranks resumed from different checkpoints"
-    return Check("resume_step", run.name, ok, steps[0], spec.expect_resume_step, detail)
+    return Check(CheckName.resume_step, run.name, ok, steps[0], spec.expect_resume_step, detail)
 
 
 def judge_resume(plan: ScenarioPlan, run: RunOutcome, by_name: dict[str, RunOutcome]) -> list[Check]:
@@ -114,7 +115,7 @@ def judge_resume(plan: ScenarioPlan, run: RunOutcome, by_name: dict[str, RunOutc
     target = by_name.get(spec.compare_to) if spec.compare_to else None
     if spec.compare_to is not None:
         if target is None or not target.ok:
-            return [*out, Check("resume_loss_parity", run.name, False, None, None,
+            return [*out, Check(CheckName.resume_loss_parity, run.name, False, None, None,
                                 f"{spec.compare_to} did not complete: nothing to compare with")]
         out.extend(with_power(resume_parity(run, target, plan, by_name), run, target))
         source = by_name.get(spec.resume_from) if spec.resume_from else None

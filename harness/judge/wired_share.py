@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from harness.controller.outcome import RunOutcome
 from harness.judge.checks import MB, Check
+from harness.scenario.checks import CheckName
 
 NO_SHARE = ("the ranks recorded no memory share (an executable under [trainer] kind = \"command\" is its own "
             "process, whose memory limits the harness cannot see)")
@@ -23,10 +24,11 @@ def wired_share(run: RunOutcome) -> Check:
     """The worst rank's held figure against its share (value and limit in MB)."""
     rows = [(o.rank, (o.result or {}).get("memory_share"), (o.result or {}).get("mlx_peak_bytes")) for o in run.ranks]
     if not any(isinstance(share, dict) for _, share, _ in rows):
-        return Check("wired_share", run.name, True, None, None, f"not applicable: {NO_SHARE}", applicable=False)
+        return Check(CheckName.wired_share, run.name, True, None, None, f"not applicable: {NO_SHARE}", applicable=False)
     missing = [str(r) for r, share, _ in rows if not isinstance(share, dict)]
     if missing:
-        return Check("wired_share", run.name, False, None, None, f"rank {', '.join(missing)} recorded no memory share")
+        return Check(CheckName.wired_share, run.name, False, None, None,
+                     f"rank {', '.join(missing)} recorded no memory share")
     over: list[str] = []
     worst: tuple[float, int, int, int] | None = None  # (ratio, rank, bytes, share)
     calls = 0
@@ -50,7 +52,8 @@ def wired_share(run: RunOutcome) -> Check:
     detail = (f"{basis} / {first['ranks_on_host']} ranks on the host; {calls} limit call(s) recorded"
               + (f" (first: {asked})" if asked else ""))
     if worst is None:
-        return Check("wired_share", run.name, False, None, None, "no rank reported its MLX peak memory; " + detail)
+        return Check(CheckName.wired_share, run.name, False, None, None,
+                     "no rank reported its MLX peak memory; " + detail)
     _, rank, n, limit = worst
     head = "; ".join(over) if over else f"largest: rank {rank} {_mb(n)} of its share {_mb(limit)}"
-    return Check("wired_share", run.name, not over, round(n / MB, 2), round(limit / MB, 2), f"{head}; {detail}")
+    return Check(CheckName.wired_share, run.name, not over, round(n / MB, 2), round(limit / MB, 2), f"{head}; {detail}")

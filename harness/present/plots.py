@@ -10,6 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from harness.scenario.names import CheckName  # the lowest layer: plots imports nothing else of the harness
+
 MB = 1024 * 1024
 
 
@@ -57,7 +59,7 @@ def delta_plot(plt: Any, scenario: dict[str, Any]) -> Any:
     if ref is None or not others:
         return None
     base = _by_step(ref)
-    judged = {c["run"]: c for c in scenario.get("checks", []) if c["name"] == "loss_parity"}
+    judged = {c["run"]: c for c in scenario.get("checks", []) if c["name"] == CheckName.loss_parity}
     fig, ax = plt.subplots(figsize=(7, 4))
     smallest = []
     for i, r in enumerate(others):

@@ -162,12 +162,12 @@ class ScenarioFile(pytest.File):
 
     def collect(self) -> Any:
         from harness.judge.behaviours import reason_for
-        from harness.scenario.checks import planned_checks
+        from harness.scenario.plan import plan_scenario
 
         full = load_scenario(self.path)
         kept, skipped = runnable(full)  # runs whose trainer is not installed here are skipped
         self.scenario = kept if kept is not None else full
-        plan = planned_checks(kept) if kept is not None else {}
+        plan = plan_scenario(kept).checks() if kept is not None else {}
         for spec in full.runs:
             run = RunNode.from_parent(self, name=spec.name)
             run.skip = skipped.line() if skipped and (skipped.whole or spec.name in skipped.runs) else None

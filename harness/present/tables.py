@@ -8,6 +8,7 @@ from tabulate import tabulate
 
 from harness.present.conditions import MARK, condition_notes, disturbed
 from harness.present.shapes import width_cell, width_warnings
+from harness.scenario.checks import CheckName
 from harness.scenario.names import MUTATIONS_DESCRIBED
 
 FORMATS = {"plain": "simple", "github": "github"}
@@ -244,7 +245,7 @@ def mutation_rows(scenario: dict[str, Any]) -> list[list[Any]]:
         if not r.get("mutation"):
             continue
         mine = [c for c in scenario["checks"] if c["run"] == r["name"]]
-        summary = next((c for c in mine if c["name"] == "mutation_caught"), {})
+        summary = next((c for c in mine if c["name"] == CheckName.mutation_caught), {})
         required = summary.get("limit") or 0
         caught = [c for c in mine if c.get("result") == "caught"]
         finite = sorted((c for c in caught if c.get("margin") is not None), key=lambda c: c["margin"], reverse=True)
@@ -289,8 +290,8 @@ def resume_rows(scenario: dict[str, Any]) -> list[list[Any]]:
         rows.append([
             r["name"], r["world_size"], f"{r.get('resume_from')} @ step {restored}",
             f"{info.get('seed_scenario')} -> {r.get('seed_used')}", f"{restored} + {r['steps'] - restored}",
-            r["tokens_global"], value("resume_loss_parity"), value("resume_param_parity"),
-            value("resume_accounting"), r.get("compare_to") or "-",
+            r["tokens_global"], value(CheckName.resume_loss_parity), value(CheckName.resume_param_parity),
+            value(CheckName.resume_accounting), r.get("compare_to") or "-",
         ])
     return rows
 

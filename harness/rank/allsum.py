@@ -17,16 +17,14 @@ from harness.rank.context import RankContext
 def run(ctx: RankContext) -> dict[str, Any]:
     import mlx.core as mx
 
-    value = float(ctx.job["value"])
-    rounds = int(ctx.job.get("rounds", 5))
-    pause = float(ctx.job.get("pause_s", 0.05))
+    value, rounds, pause = ctx.job.value, ctx.job.rounds, ctx.job.pause_s
     sums = []
     for step in range(1, rounds + 1):
         fault = ctx.maybe_fault("step", step)
         if fault is not None and fault.action == "raise":
             raise RuntimeError(f"injected fault at step {step}")
         t0 = time.perf_counter()
-        x = mx.full((int(ctx.job.get("elems", 4096)),), value * step + ctx.rank, dtype=mx.float32)
+        x = mx.full((ctx.job.elems or 4096,), value * step + ctx.rank, dtype=mx.float32)
         s = mx.distributed.all_sum(x, group=ctx.group)
         mx.eval(s)
         lo, hi = float(s.min()), float(s.max())

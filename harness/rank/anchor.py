@@ -20,7 +20,6 @@ import time
 from typing import Any
 
 from harness.rank.context import RankContext
-from harness.scenario import Scenario
 
 
 def _model(ctx: RankContext) -> tuple[Any, Any, int]:
@@ -28,7 +27,7 @@ def _model(ctx: RankContext) -> tuple[Any, Any, int]:
     from harness.data.tokenizers import load_tokenizer
     from harness.rank.models import build_model
 
-    s = Scenario.from_dict(ctx.job["scenario"])
+    s = ctx.job.scenario
     ctx.phase("model")
     vocab = load_tokenizer(s.data).vocab_size
     model, _ = build_model(s.model, vocab, s.seed)
@@ -47,7 +46,7 @@ def allreduce(ctx: RankContext) -> dict[str, Any]:
     mx.eval(grads)
     ctx.phase("train")
     times = []
-    for k in range(2 + int(ctx.job.get("repeats", 10))):
+    for k in range(2 + (ctx.job.repeats or 10)):
         t0 = time.perf_counter()
         mx.eval(nn.average_gradients(grads))
         if k >= 2:

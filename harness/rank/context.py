@@ -17,6 +17,7 @@ from harness import schema
 from harness.rank.memory import MemorySampler
 from harness.rank.startup import StartupClock
 from harness.scenario import FaultSpec
+from harness.scenario.job import Job
 
 
 class ReportedFailure(RuntimeError):
@@ -28,7 +29,7 @@ class RankContext:
     """What a job needs to know about the process it runs in."""
 
     run_dir: Path
-    job: dict[str, Any]
+    job: Job
     rank: int
     world_size: int
     group: Any

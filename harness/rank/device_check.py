@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from harness.rank.context import ReportedFailure
+from harness.scenario.job import Job, TrainJob
 
 SIZE = 64
 ENTRY = 8  # matmul entries in [-ENTRY, ENTRY]: every product and partial sum is an exact float32 integer
@@ -150,11 +151,11 @@ def failure_line(device: str, failed: dict[int, str], rank: int) -> str:
     return f"a peer rank failed: device {device} computes wrong on rank {first}: {failed[first]}"
 
 
-def set_device(job: dict[str, Any]) -> None:
+def set_device(job: Job) -> None:
     """Put this rank's work on the device its job planned (none planned: MLX's default)."""
     import mlx.core as mx
 
-    planned = (job.get("device") or {}).get("planned")
+    planned = job.device.get("planned")
     if planned in ("gpu", "cpu"):
         mx.set_default_device(mx.gpu if planned == "gpu" else mx.cpu)
 
@@ -174,13 +175,13 @@ def _problems(rank: int, world_size: int, group: Any, collective: bool, wrong: b
         return [f"{type(e).__name__}: {e}"]
 
 
-def check(job: dict[str, Any], rank: int, world_size: int, group: Any, backend: str,
+def check(job: Job, rank: int, world_size: int, group: Any, backend: str,
           wrong: bool = False) -> tuple[dict[str, Any], str | None]:
     """Run the check on every rank: (the result's ``device_check`` record, why the rank moved to
     the CPU, or None); ``ReportedFailure`` where the device computes wrong and cannot be left."""
     import mlx.core as mx
 
-    asked = (job.get("device") or {}).get("asked", "auto")
+    asked = job.device.get("asked", "auto")
     device = current()
     collective = world_size > 1
     record: dict[str, Any] = {"device": device, "checks": list(CHECKS if collective else CHECKS[:2])}
@@ -207,17 +208,17 @@ def check(job: dict[str, Any], rank: int, world_size: int, group: Any, backend: 
     raise DeviceCheckFailed(line + ('; run with device = "cpu"' if device == "gpu" else ""), fields)
 
 
-def for_job(job: dict[str, Any], rank: int, world_size: int, group: Any, backend: str,
+def for_job(job: TrainJob, rank: int, world_size: int, group: Any, backend: str,
             events: Any) -> dict[str, Any]:
     """A training job's device fields of the rank's result (``device_asked``, ``device_reason``,
     ``device_check``), after checking its device; a command trainer's executable computes in a
     process of its own, so its check is skipped, saying so."""
-    plan = job.get("device") or {}
+    plan = job.device
     fields = {"device_asked": plan.get("asked", "auto"), "device_reason": plan.get("reason")}
-    if (job.get("trainer") or {}).get("own_group"):
+    if job.trainer.own_group:
         why = "a command trainer computes in its own process (given the device in MLX_DDP_HARNESS_DEVICE)"
         return {**fields, "device_check": {"device": current(), "checks": [], "status": "skipped", "detail": why}}
-    wrong = [f for f in job.get("faults") or [] if f["rank"] == rank and f["phase"] == "device_check"]
+    wrong = [f for f in job.faults if f.rank == rank and f.phase == "device_check"]
     if wrong:
         events.emit("fault", rank=rank, step=wrong[0]["step"], phase="device_check", action=wrong[0]["action"])
     try:

@@ -25,19 +25,19 @@ from harness.rank import device_check, memory_share
 from harness.rank.context import RankContext, ReportedFailure
 from harness.rank.memory import MemorySampler, accelerator, device_baseline_kind, peak_rss_bytes
 from harness.rank.startup import StartupClock
-from harness.scenario import FaultSpec
+from harness.scenario.job import Job, TrainJob, job_from_json
 
 TMPDIR_VAR = "MLX_DDP_HARNESS_TMPDIR"
 
 
-def set_precision(job: dict[str, Any]) -> None:
+def set_precision(job: Job) -> None:
     """A training job at ``[train] precision = "full"`` computes float32 matmuls at float32: MLX's
     CUDA backend otherwise rounds their operands to TF32 (read at the first matmul)."""
-    if job.get("kind") == "train" and job["scenario"]["train"]["precision"] == "full":
+    if isinstance(job, TrainJob) and job.scenario.train.precision == "full":
         os.environ["MLX_ENABLE_TF32"] = "0"
 
 
-def warm_up(job: dict[str, Any]) -> None:
+def warm_up(job: Job) -> None:
     """Bring MLX's device runtime up before the job, so that the rank's RSS baseline holds it.
 
     Everywhere: the device and its BLAS (a matmul). On a GPU, a training job also loads what
@@ -49,12 +49,12 @@ def warm_up(job: dict[str, Any]) -> None:
 
     warm = mx.ones((8, 8))
     mx.eval((warm @ warm).sum())
-    if job.get("kind") != "train" or mx.default_device() != mx.gpu:
+    if not isinstance(job, TrainJob) or mx.default_device() != mx.gpu:
         return
     from harness.scenario.names import VLM_ARCHS
 
-    model = job["scenario"]["model"]
-    dtype = getattr(mx, model.get("dtype") or "float32", mx.float32)
+    model = job.scenario.model
+    dtype = getattr(mx, model.dtype or "float32", mx.float32)
     w = mx.ones((8, 8), dtype=dtype)
 
     def loss(w: Any) -> Any:
@@ -62,7 +62,7 @@ def warm_up(job: dict[str, Any]) -> None:
         return mx.softmax(x.astype(mx.float32), axis=-1).sum()
 
     mx.eval(mx.compile(mx.grad(loss))(w))
-    if model.get("arch") in VLM_ARCHS:  # patch embeddings: 2-D (SigLIP) and 3-D (Qwen2-VL) convolutions
+    if model.arch in VLM_ARCHS:  # patch embeddings: 2-D (SigLIP) and 3-D (Qwen2-VL) convolutions
         for conv, x, k in ((mx.conv2d, (1, 4, 4, 3), (4, 2, 2, 3)), (mx.conv3d, (1, 2, 4, 4, 3), (4, 2, 2, 2, 3))):
             inputs = mx.ones(x, dtype=dtype)
             mx.eval(mx.grad(lambda k, conv=conv, inputs=inputs: conv(inputs, k).astype(mx.float32).sum())(
@@ -78,7 +78,7 @@ def hide(names: tuple[str, ...]) -> None:
         sys.modules.setdefault(name, None)
 
 
-def load_libraries(job: dict[str, Any]) -> None:
+def load_libraries(job: Job) -> None:
     """Import what a training job's trainer imports on every run (the job's trainer module's
     ``load_libraries(scenario)``), so that the rank's memory baseline holds the libraries (with
     torch installed, transformers imports it, 0.6 GB of RSS per rank that no MLX trainer uses,
@@ -86,34 +86,32 @@ def load_libraries(job: dict[str, Any]) -> None:
     which reports it in its own words."""
     import importlib
 
-    if job.get("kind") != "train":
+    if not isinstance(job, TrainJob):
         return
-    hide(tuple(job["trainer"]["hides"]))
-    module = importlib.import_module(job["trainer"]["module"])
+    hide(job.trainer.hides)
+    module = importlib.import_module(job.trainer.module)
     load = getattr(module, "load_libraries", None)
     if load is not None:
         try:
-            load(job["scenario"])
+            load(job.scenario)
         except Exception:  # noqa: BLE001,S110 - reported by the trainer when it imports them itself
             pass
 
 
-def _job_runner(job: dict[str, Any]) -> Callable[[RankContext], dict[str, Any]]:
+def _job_runner(job: Job) -> Callable[[RankContext], dict[str, Any]]:
     """A ``train`` job runs the module of the trainer under test its job names; ``allsum``
     is the all-sum job (``harness.rank.allsum``), ``mlx_lm_step`` the speed anchor and ``grad_allreduce`` its all-reduce
     alone (``harness.rank.anchor``)."""
     import importlib
 
-    kind = job["kind"]
+    kind = job.kind
     if kind == "allsum":
         return importlib.import_module("harness.rank.allsum").run
     if kind == "mlx_lm_step":
         return importlib.import_module("harness.rank.anchor").run
     if kind == "grad_allreduce":
         return importlib.import_module("harness.rank.anchor").allreduce
-    if kind != "train":
-        raise ValueError(f"unknown job kind {kind!r}")
-    return importlib.import_module(job["trainer"]["module"]).run
+    return importlib.import_module(job.trainer.module).run
 
 
 def _init_group(world_size: int, backend: str | None) -> tuple[Any, str]:
@@ -148,15 +146,14 @@ def main(argv: list[str]) -> int:
     share: memory_share.MemoryShare | None = None
     code = 0
     try:
-        job = schema.read_json(run_dir / schema.JOB_FILE)
-        result["job"] = job["kind"]
-        clock = StartupClock(job.get("launched_at"))
+        job = job_from_json(schema.read_json(run_dir / schema.JOB_FILE))
+        result["job"] = job.kind
+        clock = StartupClock(job.launched_at)
         set_precision(job)
         device_check.set_device(job)  # before the group and warm-up: every array of the rank lives there
-        world_size = int(job["world_size"])
-        own_group = bool((job.get("trainer") or {}).get("own_group"))  # a command's processes join it
-        group, backend = ((None, job.get("backend") or "none") if own_group
-                          else _init_group(world_size, job.get("backend")))
+        world_size = int(job.world_size or 1)
+        own_group = isinstance(job, TrainJob) and job.trainer.own_group  # a command's processes join it
+        group, backend = ((None, job.backend or "none") if own_group else _init_group(world_size, job.backend))
         if group is not None and (group.size() != world_size or group.rank() != rank):
             raise RuntimeError(
                 f"distributed group is rank {group.rank()} of {group.size()}, "
@@ -165,13 +162,13 @@ def main(argv: list[str]) -> int:
         import mlx.core as mx
 
         clock.done("device")
-        if job["kind"] == "train":  # a device that computes wrong is refused (or, under auto, left for the CPU)
+        if isinstance(job, TrainJob):  # a device that computes wrong is refused (or, under auto, left for the CPU)
             result.update(device_check.for_job(job, rank, world_size, group, backend, events))
         if not own_group:  # every memory limit set in the rank is capped at its share (before any trainer import)
             share = memory_share.install(job, rank)
             warm_up(job)
         clock.done("warm_up")
-        startup_s = time.time() - float(job.get("launched_at", time.time()))
+        startup_s = time.time() - float(job.launched_at or time.time())
         load_libraries(job)
         clock.done("libraries")
         rss_runtime = peak_rss_bytes()  # what a rank holds before its job
@@ -181,8 +178,8 @@ def main(argv: list[str]) -> int:
                     device=device, backend=backend, startup_s=startup_s, rss_runtime_bytes=rss_runtime,
                     **sampler.start_fields())
         sampler.start()
-        ctx = RankContext(run_dir, job, rank, world_size, group, backend, events,
-                          [FaultSpec(**f) for f in job.get("faults", [])], memory=sampler, startup=clock)
+        ctx = RankContext(run_dir, job, rank, world_size, group, backend, events, list(job.faults), memory=sampler,
+                          startup=clock)
         payload = _job_runner(job)(ctx)
         sampler.stop()
         result.update(status="ok", world_size=world_size, backend=backend, device=device,

@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from harness.memory_plan import WORKING_SET_KEY, device_info_of_machine, share_of, working_set_of
+from harness.scenario.job import Job
 
 LIMITS = ("wired", "memory", "cache")
 
@@ -110,7 +111,7 @@ def _replace(namespace: Any, name: str, make: Callable[[Any], Callable[..., Any]
     setattr(namespace, name, make(real))
 
 
-def install(job: dict[str, Any], rank: int) -> MemoryShare:
+def install(job: Job, rank: int) -> MemoryShare:
     """Take this rank's share from ``job`` (its ``memory`` block and world size) and wrap MLX's
     limit functions and ``device_info`` (the module's docstring). Installing again first undoes
     the last install."""
@@ -119,9 +120,9 @@ def install(job: dict[str, Any], rank: int) -> MemoryShare:
 
     uninstall()
     info = device_info_of_machine(mx)
-    memory = job.get("memory") or {}
+    memory = job.memory
     ws = working_set_of(info, bool(mx.cuda.is_available()), int(memory.get("gpus_on_host") or 1))
-    world = int(job.get("world_size") or 1)
+    world = int(job.world_size or 1)
     hosts = memory.get("ranks_on_host")
     on_host = int(hosts[rank]) if isinstance(hosts, list) and rank < len(hosts) else world
     budget = memory.get("budget_bytes")

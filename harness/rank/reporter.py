@@ -76,7 +76,7 @@ class StepReporter:
         self.not_applicable = dict(not_applicable or {})
         self.compile_scope = compile_scope
         self.fallback_reason: str | None = None  # why a compiled trainer fell back to eager
-        self.effects = MainRankEffects(ctx.run_dir, ctx.rank, bool(ctx.job.get("keep_start")))
+        self.effects = MainRankEffects(ctx.run_dir, ctx.rank, ctx.job.keep_start)
         self.proc = psutil.Process()
         self.history: dict[str, list[Any]] = {k: [] for k in HISTORY}
         self.evals: list[dict[str, Any]] = []
@@ -92,7 +92,7 @@ class StepReporter:
         self.finished: dict[str, Any] | None = None
         self.done = 0  # steps trained before this run: it resumed after them
         self.resume: dict[str, Any] | None = None
-        self.probes = Probes(ctx.job.get("probe"))
+        self.probes = Probes(ctx.job.probe)
         self.probe_s = 0.0  # probe time since the last step, not counted in the step's time
         self.probe_offered = False  # the trainer called ``probe`` (at any step)
         self.widths: list[int | None] = []  # per step: the widest batch's input width (``width``)

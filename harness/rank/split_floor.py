@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from harness.scenario.job import TrainJob
+
 
 def chunk_rows(rows: int, n: int) -> list[list[int]]:
     """``n`` contiguous chunks of ``rows`` rows (sizes differ by at most one; none empty), each
@@ -41,10 +43,10 @@ class SplitFloor:
     seed: int = 0
 
 
-def split_floor(job: dict[str, Any], seed: int) -> SplitFloor | None:
+def split_floor(job: TrainJob, seed: int) -> SplitFloor | None:
     """The job's split floor plan; None outside a split floor run."""
-    rows = int(job.get("split_rows") or 0)
-    return SplitFloor(rows, int(job.get("split_sample") or 0), seed) if rows > 1 else None
+    rows = job.split_rows
+    return SplitFloor(rows, job.split_sample, seed) if rows > 1 else None
 
 
 def rounded_gradient(x: Any, key: Any) -> Any:

@@ -25,16 +25,17 @@ from pathlib import Path
 from typing import Any
 
 from harness import schema
+from harness.scenario.job import ProbeJob
 from harness.schema import probe_path
 
 
 class Probes:
-    """The job's probe plan (``{"mode": "record"|"compare", "dir", "steps"}``) and what it measured."""
+    """The job's probe plan (``harness.scenario.job.ProbeJob``) and what it measured."""
 
-    def __init__(self, spec: dict[str, Any] | None):
-        self.mode = spec["mode"] if spec else None
-        self.dir = Path(spec["dir"]) if spec else None
-        self.steps = set(spec["steps"]) if spec else set()
+    def __init__(self, spec: ProbeJob | None):
+        self.mode = spec.mode if spec else None
+        self.dir = Path(spec.dir) if spec else None
+        self.steps = set(spec.steps) if spec else set()
         self.records: list[dict[str, Any]] = []
 
     def run(self, t: Any, step: int, micros: list[Any], counts: tuple[int, int]) -> float:

@@ -177,7 +177,7 @@ class AllSumJob:
     rounds: int = 1
     pause_s: float = 0.0
     elems: int | None = None
-    faults: tuple[dict[str, Any], ...] = ()  # ``FaultSpec`` tables: a rank misbehaving between all-sums
+    faults: tuple[FaultSpec, ...] = ()  # a rank misbehaving between all-sums
     world_size: int | None = None
     backend: str | None = None
     launched_at: float | None = None
@@ -193,7 +193,7 @@ class AllSumJob:
 
     def to_json(self) -> dict[str, Any]:
         out = {"kind": self.kind, **{k: v for k, v in dataclasses.asdict(self).items() if v is not None}}
-        out["faults"] = [dict(f) for f in self.faults]
+        out["faults"] = [dataclasses.asdict(f) for f in self.faults]
         return {k: v for k, v in out.items() if v != {}}
 
     @classmethod
@@ -202,7 +202,7 @@ class AllSumJob:
         unknown = set(d) - known - {"kind", "schema_version"}
         if unknown:
             raise JobError(f"all-sum job: unknown key(s) {', '.join(sorted(unknown))}")
-        return cls(**{k: tuple(v) if k == "faults" else v for k, v in d.items() if k in known})
+        return cls(**{k: tuple(FaultSpec(**f) for f in v) if k == "faults" else v for k, v in d.items() if k in known})
 
 
 @dataclass(frozen=True)
@@ -214,6 +214,7 @@ class AnchorJob:
     scenario: Scenario
     repeats: int | None = None
     kind: str = "mlx_lm_step"
+    faults = ()
     world_size: int | None = None
     backend: str | None = None
     launched_at: float | None = None

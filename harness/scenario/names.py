@@ -1,7 +1,9 @@
-"""The values a scenario's keys may take: the lowest layer of the tree, importing nothing of the
-harness."""
+"""The values a scenario's keys may take, and every built-in check's name (``CheckName``): the
+lowest layer of the tree, importing nothing of the harness."""
 
 from __future__ import annotations
+
+from enum import StrEnum, auto
 
 TEXT_ARCHS = ("qwen3", "llama")
 VLM_ARCHS = ("qwen2_vl", "paligemma")
@@ -35,3 +37,37 @@ MUTATIONS_DESCRIBED = {  # the DDP bugs a run can inject into the reference trai
     "stale_gradient": "the previous step's gradient is all-reduced (zeros at the first step)",
 }
 MUTATION_NAMES = tuple(MUTATIONS_DESCRIBED)
+
+
+class CheckName(StrEnum):
+    """Every built-in check (its family: ``harness.scenario.checks``): a member's identifier is the
+    check's name, and its value (``loss_parity = auto()`` is "loss_parity")."""
+
+    expected_failure = auto()
+    start_parity = auto()
+    step_token_parity = auto()
+    step_loss_parity = auto()
+    step_grad_parity = auto()
+    lr_schedule = auto()
+    loss_parity = auto()
+    param_parity = auto()
+    eval_parity = auto()
+    data_share_bytes = auto()
+    token_accounting = auto()
+    replica_consistency = auto()
+    ranks_agree = auto()
+    rank0_side_effects = auto()
+    global_rng_untouched = auto()
+    compile_scope = auto()
+    stop_step = auto()
+    resume_step = auto()
+    resume_loss_parity = auto()
+    resume_param_parity = auto()
+    resume_eval_parity = auto()
+    resume_accounting = auto()
+    memory_rss_per_rank_mb = auto()
+    memory_rss_total_mb = auto()
+    memory_mlx_per_rank_mb = auto()
+    memory_mlx_total_mb = auto()
+    wired_share = auto()
+    mutation_caught = auto()

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.scenario.checks import CheckRule, run_rules
+from harness.scenario.checks import CheckFamily, run_rules
 from harness.scenario.job import TrainJob
 from harness.scenario.runs import (
     FloorRun,
@@ -37,7 +37,7 @@ class PlannedRun:
     trainer: TrainerInfo
     job: TrainJob
     floor: FloorRun | None = None
-    checks: tuple[tuple[CheckRule, tuple[str, ...]], ...] = ()
+    checks: tuple[tuple[CheckFamily, tuple[str, ...]], ...] = ()
     floors: tuple[tuple[str, FloorRun | None], ...] = ()
     resumes_alike: bool = False  # resumed at its target's world size and compile mode
     inputs: Inputs | None = None

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from harness.scenario.checks import CHECK_NAMES
+from harness.scenario.checks import check_names
 from harness.scenario.names import (
     ARCHS,
     BACKENDS,
@@ -303,8 +303,8 @@ def validate(s: Scenario, src: str) -> None:
         if is_behaviour_table(reason):
             _validate_behaviour(s, key, reason, src)
             continue
-        require(key in CHECK_NAMES, src, f"[checks].expected_failures.{key}",
-                 f"unknown check (known: {', '.join(CHECK_NAMES)}), or a behaviour table without checks")
+        require(key in check_names(), src, f"[checks].expected_failures.{key}",
+                 f"unknown check (known: {', '.join(check_names())}), or a behaviour table without checks")
         per_run = reason if isinstance(reason, dict) else {"": reason}
         for run, why in per_run.items():
             where = f"[checks].expected_failures.{key}" + (f".{run}" if run else "")
@@ -348,7 +348,8 @@ def _validate_behaviour(s: Scenario, key: str, table: dict[str, Any], src: str) 
     require(isinstance(checks, dict) and len(checks) > 0, src, f"{where}.checks",
             "a table of check name -> the deviation it measured (its Value), e.g. { loss_parity = 9.5e-3 }")
     for name, delta in checks.items():
-        require(name in CHECK_NAMES, src, f"{where}.checks.{name}", f"unknown check (known: {', '.join(CHECK_NAMES)})")
+        require(name in check_names(), src, f"{where}.checks.{name}",
+                f"unknown check (known: {', '.join(check_names())})")
         require(isinstance(delta, int | float) and not isinstance(delta, bool) and delta > 0, src,
                 f"{where}.checks.{name}", "must be the positive deviation the check measured")
     runs = table.get("runs")

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 from harness.memory_plan import job_memory
 from harness.scenario.job import ProbeJob, ResumeJob, TrainerRef, TrainJob
-from harness.scenario.spec import DataSpec, RunSpec, Scenario, writes_checkpoints
+from harness.scenario.spec import DataSpec, RunSpec, Scenario, compared, writes_checkpoints
 from harness.scenario.trainers import TrainerInfo, trainer_info
 
 SPLIT_SAMPLES = 3  # a split floor's draws of the rounding (``FloorRun.samples``)
@@ -100,12 +100,6 @@ def _twin(s: Scenario, base: RunSpec, run: RunSpec) -> FloorRun:
     if base.name != s.checks.reference:
         name += f"_of_{base.name}"
     return FloorRun(name, "twin", base.name, n, accum, mode)
-
-
-def compared(s: Scenario, run: RunSpec) -> bool:
-    """Whether ``run`` is judged for parity with the reference."""
-    ref = s.checks.reference
-    return s.kind == "parity" and ref is not None and run.name != ref and run.expect_error is None
 
 
 def same_execution(s: Scenario, run: RunSpec, target: RunSpec) -> bool:

@@ -365,3 +365,9 @@ def require(cond: bool, src: str, key: str, msg: str) -> None:
 
 def writes_checkpoints(s: Scenario, run: RunSpec) -> bool:
     return run.stop_after is not None or s.for_run(run).train.checkpoint_every > 0
+
+
+def compared(s: Scenario, run: RunSpec) -> bool:
+    """Whether ``run`` is judged for parity with the reference."""
+    ref = s.checks.reference
+    return s.kind == "parity" and ref is not None and run.name != ref and run.expect_error is None

@@ -25,14 +25,14 @@ from harness.rank.device_check import current
 from harness.rank.protocol import open_protocol, problem, read_outcome
 from harness.rank.reporter import StepReporter
 from harness.scenario import Scenario
-from harness.scenario.checks import STEP_LOCAL
+from harness.scenario.checks import STEP_LOCAL, CheckName
 from harness.trainers.command import TRAINER
 
 POLL_S = 0.02
-MLX_MEMORY = ("memory_mlx_per_rank_mb", "memory_mlx_total_mb")
+MLX_MEMORY = (CheckName.memory_mlx_per_rank_mb, CheckName.memory_mlx_total_mb)
 NOT_APPLICABLE = {
-    "data_share_bytes": "the harness cannot see which rows an executable keeps",
-    "global_rng_untouched": "the harness cannot see an executable's random number generators",
+    CheckName.data_share_bytes: "the harness cannot see which rows an executable keeps",
+    CheckName.global_rng_untouched: "the harness cannot see an executable's random number generators",
     **dict.fromkeys(STEP_LOCAL, "the rank protocol has no step-local probe"),
 }
 
@@ -41,7 +41,7 @@ def write_job(ctx: RankContext, s: Scenario, out: Path) -> dict[str, str]:
     """This rank's rows of every step and the job; returns the job as environment variables."""
     from harness.trainers.reference.rank_data import load_data
 
-    split = int(ctx.job.get("split_rows") or 1)
+    split = ctx.job.split_rows or 1
     data = load_data(s, ctx.rank, ctx.world_size)
     rows_path = out / schema.COMMAND_FILES["rows"]
     with open(rows_path, "w") as f:
@@ -60,7 +60,7 @@ def write_job(ctx: RankContext, s: Scenario, out: Path) -> dict[str, str]:
 
 
 def run(ctx: RankContext) -> dict[str, Any]:
-    s = Scenario.from_dict(ctx.job["scenario"])
+    s = ctx.job.scenario
     exe = str(s.trainer.path)
     label = f"command {Path(exe).name} (rank {ctx.rank})"
     rep = StepReporter(ctx, s, NOT_APPLICABLE)

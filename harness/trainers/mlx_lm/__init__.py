@@ -3,6 +3,7 @@ adapter the ranks run."""
 
 from __future__ import annotations
 
+from harness.scenario.checks import CheckName
 from harness.scenario.spec import RunSpec, Scenario, require
 from harness.scenario.trainer_info import NO_TORCH, TrainerInfo
 
@@ -30,5 +31,5 @@ TRAINER = TrainerInfo(
     # as scenarios/mlx_lm_mean_of_means.toml records it
     known_behaviour=("mlx-lm's loss and gradient are the mean of the ranks' mean losses, not weighted by tokens "
                      "(mlx-lm 0.32.2)",
-                     {"step_loss_parity": 1.2e-4, "step_grad_parity": 5.7e-3, "loss_parity": 9.5e-3,
-                      "param_parity": 0.155, "eval_parity": 2.6e-3}))
+                     {CheckName.step_loss_parity: 1.2e-4, CheckName.step_grad_parity: 5.7e-3,
+                      CheckName.loss_parity: 9.5e-3, CheckName.param_parity: 0.155, CheckName.eval_parity: 2.6e-3}))

@@ -39,14 +39,15 @@ from harness.rank.context import RankContext, ReportedFailure
 from harness.rank.reporter import StepReporter
 from harness.rank.split_floor import split_floor, split_text_model
 from harness.scenario import Scenario
+from harness.scenario.checks import CheckName
 from harness.trainers.common import apply_lora
 from harness.trainers.mlx_lm import TRAINER
 
 TITLE = TRAINER.entry
 NOT_APPLICABLE = {
-    "data_share_bytes": "mlx-lm's train() takes the whole dataset on every rank and indexes each rank's rows",
-    "global_rng_untouched": "mlx-lm draws its batch order from numpy's global RNG: the adapter seeds it (and MLX's) "
-                            "with the scenario seed on every rank",
+    CheckName.data_share_bytes: "mlx-lm's train() takes the whole dataset on every rank and indexes each rank's rows",
+    CheckName.global_rng_untouched: "mlx-lm draws its batch order from numpy's global RNG: the adapter seeds it "
+                                    "(and MLX's) with the scenario seed on every rank",
 }
 
 
@@ -197,7 +198,7 @@ FINAL_STEP = "adapters_step.json"  # which optimizer step the final adapters.saf
 def saves_dir(ctx: RankContext) -> Path:
     """Where this rank's mlx-lm saves go: the run's checkpoint directory (a folder per rank), or
     the run directory when the scenario keeps no checkpoints of this run."""
-    root = Path(ctx.job["checkpoint_dir"]) if ctx.job.get("checkpoint_dir") else Path(ctx.run_dir)
+    root = Path(ctx.job.checkpoint_dir or ctx.run_dir)
     path = root / f"rank{ctx.rank}.mlx_lm"
     path.mkdir(parents=True, exist_ok=True)
     return path
@@ -268,7 +269,7 @@ def load_adapters(model: Any, path: Path) -> str:
     return f"{path.name} ({hashlib.sha256(path.read_bytes()).hexdigest()[:12]})"
 
 
-def load_libraries(scenario: dict[str, Any]) -> None:
+def load_libraries(scenario: Scenario) -> None:
     """What every run imports: mlx-lm's trainer and, through it, transformers."""
     import mlx_lm.tuner.trainer  # noqa: F401
 
@@ -280,7 +281,7 @@ def run(ctx: RankContext) -> dict[str, Any]:
     from harness.rank.models import build_model
     from harness.rank.optimizer import build_optimizer
 
-    s = Scenario.from_dict(ctx.job["scenario"])
+    s = ctx.job.scenario
     t, lora = s.train, s.trainer.fine_tune == "lora"
     rep = StepReporter(ctx, s, NOT_APPLICABLE, compile_scope="full-step")
     ctx.phase("data")
@@ -295,11 +296,11 @@ def run(ctx: RankContext) -> dict[str, Any]:
     if lora:
         apply_lora(model, s)
     accum = t.grad_accum
-    end = ctx.job.get("stop_after") or t.steps
-    if ctx.job.get("resume"):
+    end = ctx.job.stop_after or t.steps
+    if ctx.job.resume is not None:
         ctx.phase("resume")
         try:
-            done, path = pick_adapters(Path(ctx.job["resume"]["from"]), ctx.job["resume"].get("step"), accum)
+            done, path = pick_adapters(Path(ctx.job.resume.source), ctx.job.resume.step, accum)
         except ValueError as e:
             raise ReportedFailure(f"trainer {TRAINER.kind}: {e}") from e
         rep.resumed(done, {"identity": load_adapters(model, path), "file": str(path), "seed_scenario": s.seed,

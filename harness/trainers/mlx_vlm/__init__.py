@@ -3,6 +3,7 @@ adapter the ranks run."""
 
 from __future__ import annotations
 
+from harness.scenario.checks import CheckName
 from harness.scenario.spec import RunSpec, Scenario, require
 from harness.scenario.trainer_info import NO_TORCH, TrainerInfo, even_slices
 
@@ -40,5 +41,5 @@ TRAINER = TrainerInfo(
     # as scenarios/mlx_vlm_mean_of_means.toml records it
     known_behaviour=("mlx-vlm's gradient is the mean of the ranks' mean-loss gradients, not weighted by tokens "
                      "(mlx-vlm 0.7.10)",
-                     {"step_grad_parity": 0.142, "loss_parity": 6.0e-3, "param_parity": 2.7e-2,
-                      "eval_parity": 9.5e-4}))
+                     {CheckName.step_grad_parity: 0.142, CheckName.loss_parity: 6.0e-3,
+                      CheckName.param_parity: 2.7e-2, CheckName.eval_parity: 9.5e-4}))

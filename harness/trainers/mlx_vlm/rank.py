@@ -43,12 +43,14 @@ from typing import Any
 from harness.rank.context import RankContext, ReportedFailure
 from harness.rank.reporter import StepReporter
 from harness.scenario import Scenario
+from harness.scenario.checks import CheckName
 from harness.trainers.mlx_vlm import TRAINER
 
 TITLE = TRAINER.entry
 NOT_APPLICABLE = {
-    "data_share_bytes": "mlx-vlm's Trainer takes the whole dataset on every rank and indexes each rank's rows",
-    "global_rng_untouched": "mlx-vlm's train() seeds MLX's global RNG with the seed it is given (the scenario's)",
+    CheckName.data_share_bytes: "mlx-vlm's Trainer takes the whole dataset on every rank and indexes each rank's rows",
+    CheckName.global_rng_untouched: "mlx-vlm's train() seeds MLX's global RNG with the seed it is given "
+                                    "(the scenario's)",
 }
 RANK0_ONLY = "mlx-vlm calls its training callback on rank 0 only"
 
@@ -196,7 +198,7 @@ def add_lora(model: Any, s: Scenario) -> None:
     get_peft_model(model, rank=t.lora_rank, alpha=t.lora_scale * t.lora_rank, dropout=0.0, verbose=False)
 
 
-def load_libraries(scenario: dict[str, Any]) -> None:
+def load_libraries(scenario: Scenario) -> None:
     """What every run imports: mlx-vlm's trainer and, through it, transformers."""
     import mlx_vlm.trainer  # noqa: F401
 
@@ -212,7 +214,7 @@ def run(ctx: RankContext) -> dict[str, Any]:
     from harness.rank.split_floor import split_floor, split_forward
     from harness.trainers.common import load_image_rows
 
-    s = Scenario.from_dict(ctx.job["scenario"])
+    s = ctx.job.scenario
     t, lora = s.train, s.trainer.fine_tune == "lora"
     rep = StepReporter(ctx, s, NOT_APPLICABLE, compile_scope="full-step" if t.compile != "off" else "none")
     ctx.phase("data")

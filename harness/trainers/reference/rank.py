@@ -6,13 +6,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from harness.scenario import Scenario
 
-def load_libraries(scenario: dict[str, Any]) -> None:
+
+def load_libraries(scenario: Scenario) -> None:
     """What every run imports beyond MLX: a vision-language model's mlx-vlm architecture (which
     imports transformers, and with it torch where that is installed)."""
     from harness.scenario.names import VLM_ARCHS
 
-    arch = scenario["model"].get("arch")
+    arch = scenario.model.arch
     if arch in VLM_ARCHS:
         from harness.rank.weights import import_model_module
 

@@ -167,7 +167,7 @@ def open_checkpoint(ctx: Any, coord: Any, s: Scenario) -> tuple[dict[str, Any], 
     """Find, agree on and verify the checkpoint the job resumes from, on every rank: its
     parameters, optimizer state, trainer state and where it came from."""
     ctx.phase("resume")
-    source, wanted = Path(ctx.job["resume"]["from"]), ctx.job["resume"].get("step")
+    source, wanted = Path(ctx.job.resume.source), ctx.job.resume.step
 
     def find() -> checkpoint.Checkpoint:
         ck = checkpoint.resolve(source, wanted)

@@ -27,26 +27,24 @@ Then rank 0 saves the parameters, and every rank agrees that the save worked.
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from pathlib import Path
 from typing import Any
 
-from harness import schema
 from harness.rank import step_probe
 from harness.rank.consensus import AgreedStop, Coordinator, RankFailure
 from harness.rank.context import RankContext
 from harness.rank.effects import MainRankEffects
-from harness.rank.models import build_model, param_count, param_digest
+from harness.rank.models import build_model, param_digest
 from harness.rank.optimizer import build_optimizer
 from harness.rank.precision import measure_precision
 from harness.rank.reporter import global_rng_states, rng_changes
-from harness.scenario import Scenario
-from harness.trainers.reference import TRAINER, resume
+from harness.trainers.reference import resume
 from harness.trainers.reference.batching import LocalBatch, collate, uneven_last
 from harness.trainers.reference.evaluate import evaluate
 from harness.trainers.reference.progress import Progress
 from harness.trainers.reference.rank_data import load_data
+from harness.trainers.reference.result import rank_result
 from harness.trainers.reference.semantics import Semantics, semantics
 from harness.trainers.reference.step import CompileFailed, LocalStep
 
@@ -56,21 +54,21 @@ class Trainer:
         import psutil
 
         self.ctx = ctx
-        self.s = Scenario.from_dict(ctx.job["scenario"])
+        self.s = ctx.job.scenario
         self.spec, self.N = self.s.train, ctx.world_size
-        self.emulate = int(ctx.job.get("emulate") or 1)
-        self.semantics: Semantics = semantics(ctx.job.get("mutation"), self.N, self.spec.grad_accum, ctx.rank,
+        self.emulate = int(ctx.job.emulate or 1)
+        self.semantics: Semantics = semantics(ctx.job.mutation, self.N, self.spec.grad_accum, ctx.rank,
                                               ctx.group, self.emulate)
         self.uneven = uneven_last(self.spec.global_batch, self.spec.grad_accum, ctx.rank, self.N)
-        self.probes = step_probe.Probes(ctx.job.get("probe"))
+        self.probes = step_probe.Probes(ctx.job.probe)
         self.coord = Coordinator(ctx.group, ctx.rank, ctx.world_size)
-        self.effects = MainRankEffects(ctx.run_dir, ctx.rank, bool(ctx.job.get("keep_start")))
+        self.effects = MainRankEffects(ctx.run_dir, ctx.rank, ctx.job.keep_start)
         self.proc = psutil.Process()
         self.progress = Progress()
         self.rss_peak = self.proc.memory_info().rss
         self.stop: dict[str, Any] | None = None
-        self.ckpt_root = Path(ctx.job["checkpoint_dir"]) if ctx.job.get("checkpoint_dir") else None
-        self.end_step = int(ctx.job.get("stop_after") or self.spec.steps)
+        self.ckpt_root = Path(ctx.job.checkpoint_dir) if ctx.job.checkpoint_dir else None
+        self.end_step = int(ctx.job.stop_after or self.spec.steps)
         self.checkpointing = self.ckpt_root is not None and (
             self.spec.checkpoint_every > 0 or self.end_step < self.spec.steps)
         self.checkpoints: list[dict[str, Any]] = []
@@ -199,7 +197,7 @@ class Trainer:
 
         ctx, spec, coord = self.ctx, self.spec, self.coord
         rng_before = global_rng_states()
-        loaded = resume.open_checkpoint(ctx, coord, self.s) if ctx.job.get("resume") else None
+        loaded = resume.open_checkpoint(ctx, coord, self.s) if ctx.job.resume is not None else None
         if loaded:
             self.resumed = loaded[3]
             self.s = dataclasses.replace(self.s, seed=loaded[2]["seed"])  # every draw continues as before
@@ -273,7 +271,7 @@ class Trainer:
         coord.attempt("save", last, save)
         coord.agree()
         self.progress.digests[last] = param_digest(self.model)
-        return self._result(last, runtime, data_rss, rng_changes(rng_before))
+        return rank_result(self, last, runtime, data_rss, rng_changes(rng_before))
 
     def train_clock(self) -> float:
         return time.perf_counter() - self.t_train
@@ -355,48 +353,6 @@ class Trainer:
         ctx.events.emit("step", **event)
         self.coord.attempt("callback", step, self.effects.callback, "step",
                            {"step": step, "loss": loss, "tokens": tokens, "lr": lr})
-
-    def _result(self, last: int, runtime: float, data_rss: int, rng: dict[str, Any]) -> dict[str, Any]:
-        import mlx.core as mx
-
-        ctx, train = self.ctx, self.data.train
-        own = {"rank": ctx.rank, "host": ctx.host, "runtime_s": round(runtime, 4), "tokens": self.progress.tokens_local,
-               "mlx_peak_bytes": int(mx.get_peak_memory()), "rss_peak_bytes": self.rss_peak,
-               "data_bytes": train.nbytes}
-        per_rank = [json.loads(t) for t in self.coord.exchange(json.dumps(own, separators=(",", ":")))]
-        hosts: dict[str, list[int]] = {}
-        for r in per_rank:
-            hosts.setdefault(r["host"], []).append(r["rank"])
-        return schema.train_result(**{
-            "trainer": {"kind": TRAINER.kind, "title": TRAINER.title},
-            **rng,
-            "steps": last,
-            "steps_planned": self.spec.steps,
-            **self.progress.result_fields(last, runtime, self.N),
-            "vision": self.data.vision_summary(),
-            "runtime_s": runtime,
-            "input_widths": self.input_widths,
-            "stop_after": self.end_step if self.end_step < self.spec.steps else None,
-            "resume": self.resumed,
-            "seed_used": self.s.seed,
-            "checkpoints": self.checkpoints,
-            "rss_step_peak_bytes": self.rss_peak,
-            "param_count": param_count(self.model),
-            "model_config": self.config,
-            "stop": self.stop,
-            "compile": {"mode": self.spec.compile, "scope": self.runner.scope,
-                        "fallback_reason": self.runner.fallback_reason},
-            "side_effects": self.effects.counts,
-            "data": self.data.summary(data_rss),
-            "rows_per_rank_step": sum(len(p) for p in train.positions),
-            "per_rank": per_rank,
-            "host_rank_map": hosts,
-            "collectives": self.coord.collectives,
-            "mutation": self.semantics.name if self.semantics.name != "correct" else None,
-            "emulate": self.emulate if self.emulate > 1 else None,
-            "precision": self.precision,
-            "probes": self.probes.records,
-        })
 
 
 def run(ctx: RankContext) -> dict[str, Any]:

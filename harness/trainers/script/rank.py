@@ -14,27 +14,27 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from harness import api, schema
+from harness import schema
+from harness.rank import script_session
 from harness.rank.context import RankContext, ReportedFailure
 from harness.rank.protocol import FILES, Writer, open_protocol, read_outcome
 from harness.rank.reporter import StepReporter
-from harness.scenario import Scenario
-from harness.scenario.checks import STEP_LOCAL
+from harness.scenario.checks import STEP_LOCAL, CheckName
 from harness.trainers.script import TRAINER
 
 NOT_PROBED = ("the script hands over no loss-and-gradient function (harness.api: run.probe(step, model, fn, "
               "batch) before each update)")
 NOT_APPLICABLE = {
-    "data_share_bytes": "the harness cannot see which rows a script holds",
+    CheckName.data_share_bytes: "the harness cannot see which rows a script holds",
 }
 NOT_STARTED = ("the script never said what training starts from (harness.api: run.split(model), or "
                "run.start(params) before the first step)")
-UNSTARTED = {"start_parity": NOT_STARTED,
-             "global_rng_untouched": f"{NOT_STARTED}, so building its model cannot be told from training"}
+UNSTARTED = {CheckName.start_parity: NOT_STARTED,
+             CheckName.global_rng_untouched: f"{NOT_STARTED}, so building its model cannot be told from training"}
 
 
 def run(ctx: RankContext) -> dict[str, Any]:
-    s = Scenario.from_dict(ctx.job["scenario"])
+    s = ctx.job.scenario
     path = str(s.trainer.path)
     label = f"trainer script {Path(path).name}"
     rep = StepReporter(ctx, s, NOT_APPLICABLE)
@@ -43,8 +43,8 @@ def run(ctx: RankContext) -> dict[str, Any]:
     sys.argv = [path, *s.trainer.args]
     sys.path.insert(0, str(Path(path).parent))
     out, feed = open_protocol(ctx.run_dir, ctx.rank, rep, label)
-    session = api.Session(ctx, s, rep, Writer(out), feed.read)
-    api._activate(session)
+    session = script_session.Session(ctx, s, rep, Writer(out), feed.read)
+    script_session.activate(session)
     rep.start()
     try:
         runpy.run_path(path, run_name="__main__")
@@ -57,7 +57,7 @@ def run(ctx: RankContext) -> dict[str, Any]:
         raise ReportedFailure(f"{label} raised {type(e).__name__}: {e}") from e
     finally:
         sys.argv, sys.path = argv, syspath
-        api._activate(None)
+        script_session.activate(None)
     feed.read()
     if not (out / FILES["result"]).exists():
         if not rep.steps:

@@ -58,7 +58,7 @@ from typing import Any
 from harness.rank.context import RankContext, ReportedFailure
 from harness.rank.reporter import StepReporter
 from harness.scenario import Scenario
-from harness.scenario.checks import STEP_LOCAL
+from harness.scenario.checks import STEP_LOCAL, CheckName
 from harness.trainers.unsloth_zoo import TRAINER
 
 TITLE = TRAINER.entry
@@ -67,10 +67,10 @@ NO_PROBE = ("unsloth-zoo draws a streamed run's micro-batches from its own itera
             "batches cannot be read before it without consuming its stream")
 STREAMED = dict.fromkeys(STEP_LOCAL, NO_PROBE)
 NOT_APPLICABLE = {
-    "data_share_bytes": "MLXTrainer takes the whole dataset on every rank and picks each rank's rows itself",
+    CheckName.data_share_bytes: "MLXTrainer takes the whole dataset on every rank and picks each rank's rows itself",
 }
-LORA_RNG = {"global_rng_untouched": "the LoRA layers are mlx-lm's, which draw their weights from MLX's global RNG: "
-                                    "the adapter seeds it with the scenario seed on every rank"}
+LORA_RNG = {CheckName.global_rng_untouched: "the LoRA layers are mlx-lm's, which draw their weights from MLX's "
+                                              "global RNG: the adapter seeds it with the scenario seed on every rank"}
 SCOPES = {"full_step": "full-step", "ddp_local_grad": "local-grad"}
 COMPILE_MODES = {"off": "eager", "strict": "strict", "best_effort": "best_effort"}
 SCHEDULES = {"constant": "constant", "cosine": "cosine_warmup_with_min_lr"}
@@ -90,7 +90,7 @@ def available() -> str | None:
     return None
 
 
-def load_libraries(scenario: dict[str, Any]) -> None:
+def load_libraries(scenario: Scenario) -> None:
     """What every run imports: unsloth-zoo's MLX trainer (``available``) and, once training
     starts, transformers' callback module (its step cadence probes ``DefaultFlowCallback``; with
     torch installed that import brings torch in)."""
@@ -297,7 +297,7 @@ def run(ctx: RankContext) -> dict[str, Any]:
     from harness.rank.split_floor import split_floor, split_text_model
     from harness.trainers.common import apply_lora
 
-    s = Scenario.from_dict(ctx.job["scenario"])
+    s = ctx.job.scenario
     lora = s.trainer.fine_tune == "lora"
     streaming = s.data.streaming
     rep = StepReporter(ctx, s, {**NOT_APPLICABLE, **(LORA_RNG if lora else {}), **(STREAMED if streaming else {})})

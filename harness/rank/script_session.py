@@ -1,0 +1,148 @@
+"""A user's script's session in its rank (``harness.api`` is its public face and says how a
+script uses it): the scenario's settings and inputs, and the report calls, written as records of
+the rank protocol. The script trainer (``harness.trainers.script``) activates one per rank."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+_current: Session | None = None
+
+
+class NotUnderHarness(RuntimeError):
+    """``session()`` was called in a process the harness did not start."""
+
+
+class Session:
+    """One rank's view of the run: the scenario's settings, its inputs, and the report calls."""
+
+    def __init__(self, ctx: Any, scenario: Any, reporter: Any, writer: Any, pump: Any):
+        self._ctx, self.scenario, self._rep = ctx, scenario, reporter
+        self._out, self._pump = writer, pump  # the protocol's writer; ``pump`` reads what it wrote
+        self._steps = self._saves = 0
+        self.started = False  # the script said what training starts from (``split`` or ``start``)
+        self.used = False  # the script asked for its session
+        self.model_config: dict[str, Any] | None = None  # the scenario's model's, once ``model`` built it
+        self.rank: int = ctx.rank
+        self.world_size: int = ctx.world_size
+        self.group: Any = ctx.group
+        self.seed: int = scenario.seed
+        self.steps: int = scenario.train.steps
+        self.global_batch: int = scenario.train.global_batch
+        self.learning_rate: float = scenario.train.learning_rate
+        self.split_rows: int = int(ctx.job.split_rows or 1)
+        self.run_dir: Path = Path(ctx.run_dir)
+
+    def model(self) -> Any:
+        """The scenario's ``[model]``, with seeded weights (the same on every rank)."""
+        from harness.data.tokenizers import load_tokenizer
+        from harness.rank.models import build_model
+
+        model, self.model_config = build_model(self.scenario.model, load_tokenizer(self.scenario.data).vocab_size,
+                                               self.seed)
+        return self.split(model)
+
+    def split(self, model: Any) -> Any:
+        """``model`` itself; in the noise-floor run, with its forward computing each batch in
+        ``split_rows`` row chunks (the same logits; the rounding of that many ranks). Training
+        is taken to start from its parameters as they are now (``start``)."""
+        from harness.rank.split_floor import split_floor, split_text_model
+
+        if (plan := split_floor(self._ctx.job, self.seed)) is not None:
+            split_text_model(model, plan)
+        self.start(model.parameters())
+        return model
+
+    def start(self, params: Any) -> None:
+        """Training starts from ``params``: every run compared must start from the same ones
+        (call it again after changing them, e.g. after broadcasting rank 0's weights). From
+        here on, training must leave the global RNGs (numpy's and MLX's) as they are."""
+        import mlx.core as mx
+
+        from harness.rank.models import tree_digest
+
+        mx.eval(params)  # on every rank alike: weights that are a collective's result must not be computed on one
+        digest = tree_digest(params)
+        if self.rank == 0 and self._ctx.job.keep_start:  # the run the others are compared with
+            self._out.params(params, "start_params")
+        self._out.event("start", rank=self.rank, world_size=self.world_size, digest=digest)
+        self.started = True
+        self._pump()
+
+    def rows(self, split: str = "train") -> list[tuple[Any, Any]]:
+        """The scenario's ``[data]`` rows of ``split`` ("train" or "eval"), tokenized: a list of
+        (int32 token ids, bool mask of the tokens that are training targets)."""
+        from harness.data.rows import split_rows
+        from harness.data.tokenizers import load_tokenizer
+
+        tok = load_tokenizer(self.scenario.data)
+        return [(e.ids, e.supervised) for _, e in split_rows(self.scenario, tok, split)]
+
+    def optimizer(self) -> Any:
+        """The scenario's ``[train]`` optimizer (AdamW or SGD) with its learning rate, schedule and weight decay."""
+        from harness.rank.optimizer import build_optimizer
+
+        return build_optimizer(self.scenario.train)
+
+    def probe(self, step: int, model: Any, fn: Any, *args: Any) -> None:
+        """Before step ``step``'s update: ``fn(*args)`` computes ``(global loss, all-reduced
+        gradient, global supervised tokens)`` at ``model``'s parameters (module docstring)."""
+        def compute() -> tuple[Any, Any, int]:
+            import mlx.core as mx
+
+            from harness.rank.context import ReportedFailure
+
+            out = fn(*args)
+            if not isinstance(out, tuple | list) or len(out) != 3 or not isinstance(out[1], dict):
+                raise ReportedFailure(f"{self._rep.name}: run.probe's function returned {type(out).__name__}; it must "
+                                      f"return (global loss, all-reduced gradient tree (a dict), global tokens)")
+            loss, grads, tokens = out
+            return mx.array(loss), grads, int(tokens.item() if hasattr(tokens, "item") else tokens)
+
+        self._rep.probe(step, model, compute)
+
+    def step(self, step: int, loss: float, tokens: int, tokens_local: int, lr: float | None = None,
+             params: Any = None) -> None:
+        """Optimizer step ``step`` (1, 2, ...) is done; ``params``: the parameters after it."""
+        fields: dict[str, Any] = {"step": int(step), "loss": float(loss), "tokens_global": int(tokens),
+                                  "tokens_local": int(tokens_local)}
+        if lr is not None:
+            fields["lr"] = float(lr)
+        every = self.scenario.train.digest_every
+        if params is not None and every and int(step) % every == 0:
+            from harness.rank.models import tree_digest
+
+            fields["digest"] = tree_digest(params)
+        self._out.event("step", **fields)
+        self._steps = int(step)
+        self._pump()
+
+    def eval(self, step: int, loss: float, tokens: int) -> None:
+        """An evaluation after ``step`` steps: its global loss and supervised token count."""
+        self._out.event("eval", step=int(step), loss=float(loss), tokens=int(tokens))
+        self._pump()
+
+    def saved(self, count: int = 1) -> None:
+        """This rank wrote ``count`` files of the script's own (weights, checkpoints)."""
+        self._saves += int(count)
+
+    def finish(self, params: Any) -> None:
+        """Training is over; ``params`` are the final parameters."""
+        self._out.params(params)
+        self._out.result(status="ok", steps=self._steps, saves=self._saves)
+
+
+def session() -> Session:
+    """This rank's session; raises ``NotUnderHarness`` outside a harness run."""
+    if _current is None:
+        raise NotUnderHarness("not running under mlx-ddp-harness: run this script through a scenario with "
+                              "[trainer] kind = \"script\"")
+    _current.used = True
+    return _current
+
+
+def activate(s: Session | None) -> None:
+    """Make ``s`` the session ``session()`` returns (None: no session, outside a script run)."""
+    global _current
+    _current = s
