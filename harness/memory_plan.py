@@ -230,8 +230,14 @@ def expected_rank_bytes(s: Scenario, run: RunSpec) -> tuple[int, str]:
 
 def job_memory(s: Scenario, run: RunSpec) -> dict[str, Any]:
     """What a run's job file says of memory: the budget where one is given (``None``: each rank
-    takes its host's working set), its source, and one rank's expected peak."""
-    budget = run_budget(s)
+    takes its host's working set), its source, and one rank's expected peak; a bad
+    ``MLX_DDP_HARNESS_MEMORY_BUDGET`` is a ``ScenarioError`` (one line)."""
+    from harness.scenario.spec import ScenarioError
+
+    try:
+        budget = run_budget(s)
+    except ValueError as e:
+        raise ScenarioError(str(e)) from e
     expected, why = expected_rank_bytes(s, run)
     return {"budget_bytes": budget.bytes if budget.given else None, "budget_source": budget.source,
             "expected_rank_bytes": expected, "expected_source": why}

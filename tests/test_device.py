@@ -221,15 +221,15 @@ def test_a_gpu_that_computes_wrong_is_left_for_the_cpu_under_auto_only(monkeypat
     monkeypatch.setattr(dc, "device_label", lambda device: "gpu (Apple Paravirtual device)")
     default = mx.default_device()
     try:
-        record, why = dc.check({"device": {"asked": "auto"}}, 0, 1, None, "none", wrong=True)
+        record, why = dc.check("auto", 0, 1, None, "none", wrong=True)
         assert record["status"] == "fell_back" and record["device"] == "cpu" and mx.default_device() == mx.cpu
         assert why.startswith("auto: the GPU (Apple Paravirtual device) computed wrong (matmul: ") and \
             why.endswith("): the CPU")
         refused = r'gpu \(Apple Paravirtual device\) computes wrong on rank 0: matmul: .*; run with device = "cpu"$'
         with pytest.raises(dc.DeviceCheckFailed, match=refused):
-            dc.check({"device": {"asked": "gpu"}}, 0, 1, None, "none", wrong=True)
+            dc.check("gpu", 0, 1, None, "none", wrong=True)
         with pytest.raises(dc.DeviceCheckFailed, match="the nccl backend serves GPU arrays only"):
-            dc.check({"device": {"asked": "auto"}}, 0, 1, None, "nccl", wrong=True)
-        assert dc.check({"device": {"asked": "gpu"}}, 0, 1, None, "none")[0]["status"] == "passed"
+            dc.check("auto", 0, 1, None, "nccl", wrong=True)
+        assert dc.check("gpu", 0, 1, None, "none")[0]["status"] == "passed"
     finally:
         mx.set_default_device(default)

@@ -84,9 +84,10 @@ def test_unsloth_zoos_mid_run_import_of_transformers_callbacks_is_in_the_memory_
     if available() is not None:
         pytest.skip(available())
     code = ("import sys; from harness.rank.entry import load_libraries; "
-            "load_libraries({'kind': 'train', 'trainer': {'module': 'harness.trainers.unsloth_zoo.rank', 'hides': []}, "
-            "'scenario': {'trainer': {'kind': 'unsloth_zoo'}, "
-            "'model': {'arch': 'qwen3'}}}); "
+            "from harness.scenario import Scenario, TrainerSpec; "
+            "from harness.scenario.job import TrainerRef, TrainJob; "
+            "load_libraries(TrainJob('r', TrainerRef('harness.trainers.unsloth_zoo.rank'), "
+            "Scenario('s', trainer=TrainerSpec(kind='unsloth_zoo')))); "
             "print('unsloth_zoo.mlx.trainer' in sys.modules, 'transformers.trainer_callback' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["True", "True"]

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
+from tests.walk import import_graph as _import_graph
 
 
 def test_ruff_clean() -> None:
@@ -21,20 +22,6 @@ def test_ruff_clean() -> None:
     p = subprocess.run([exe, "check", "harness", "tests", "benchmarks", "examples"], cwd=REPO, capture_output=True,
                        text=True)
     assert p.returncode == 0, p.stdout + p.stderr
-
-
-def _import_graph() -> dict[str, set[str]]:
-    """Module -> the harness modules it imports, at the top or inside a function."""
-    files = {".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__"): p
-             for p in (REPO / "harness").rglob("*.py")}
-    graph: dict[str, set[str]] = {m: set() for m in files}
-    for m, p in files.items():
-        for node in ast.walk(ast.parse(p.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
-            if isinstance(node, ast.ImportFrom) and node.module:
-                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-            graph[m] |= {n for n in names if n in files and n != m and not m.startswith(n + ".")}
-    return graph
 
 
 def test_no_import_circles() -> None:

@@ -86,12 +86,13 @@ def test_mlx_limits_are_capped_at_the_share_and_recorded_with_their_caller() -> 
     import mlx.core as mx
 
     from harness.rank import memory_share
+    from harness.scenario.job import AllSumJob
 
     cache_before = mx.set_cache_limit(mx.set_cache_limit(0))  # read it, put it back
     try:
-        state = memory_share.install({"world_size": 4, "memory": {"budget_bytes": 8 * GB,
-                                                                   "budget_source": "a test", "ranks_on_host":
-                                                                   [2, 2, 2, 2]}}, 3)
+        job = AllSumJob(world_size=4, memory={"budget_bytes": 8 * GB, "budget_source": "a test",
+                                              "ranks_on_host": [2, 2, 2, 2]})
+        state = memory_share.install(job, 3)
         assert (state.share_bytes, state.ranks_on_host, state.budget_bytes) == (4 * GB, 2, 8 * GB)
         info = mx.device_info()
         assert info[memory_plan.WORKING_SET_KEY] == state.working_set_bytes > 0

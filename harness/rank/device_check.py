@@ -175,13 +175,13 @@ def _problems(rank: int, world_size: int, group: Any, collective: bool, wrong: b
         return [f"{type(e).__name__}: {e}"]
 
 
-def check(job: Job, rank: int, world_size: int, group: Any, backend: str,
+def check(asked: str, rank: int, world_size: int, group: Any, backend: str,
           wrong: bool = False) -> tuple[dict[str, Any], str | None]:
-    """Run the check on every rank: (the result's ``device_check`` record, why the rank moved to
-    the CPU, or None); ``ReportedFailure`` where the device computes wrong and cannot be left."""
+    """Run the check on every rank of a job that asked for device ``asked``: (the result's
+    ``device_check`` record, why the rank moved to the CPU, or None); ``ReportedFailure`` where
+    the device computes wrong and cannot be left."""
     import mlx.core as mx
 
-    asked = job.device.get("asked", "auto")
     device = current()
     collective = world_size > 1
     record: dict[str, Any] = {"device": device, "checks": list(CHECKS if collective else CHECKS[:2])}
@@ -220,9 +220,9 @@ def for_job(job: TrainJob, rank: int, world_size: int, group: Any, backend: str,
         return {**fields, "device_check": {"device": current(), "checks": [], "status": "skipped", "detail": why}}
     wrong = [f for f in job.faults if f.rank == rank and f.phase == "device_check"]
     if wrong:
-        events.emit("fault", rank=rank, step=wrong[0]["step"], phase="device_check", action=wrong[0]["action"])
+        events.emit("fault", rank=rank, step=wrong[0].step, phase="device_check", action=wrong[0].action)
     try:
-        record, moved = check(job, rank, world_size, group, backend, wrong=bool(wrong))
+        record, moved = check(job.device.get("asked", "auto"), rank, world_size, group, backend, wrong=bool(wrong))
     except DeviceCheckFailed as e:
         e.result_fields = {**fields, **e.result_fields}
         raise

@@ -21,6 +21,17 @@ class JobError(ValueError):
     """A job file that is not a job of this harness's version (an unknown kind or key)."""
 
 
+TRAIN_KEYS = {"run", "trainer", "scenario", "faults", "backend", "stop_after", "mutation", "emulate", "split_rows",
+              "split_sample", "keep_start", "probe", "device", "memory", "checkpoint_dir", "resume", "world_size",
+              "launched_at"}
+
+
+def _known(d: dict[str, Any], known: set[str], what: str) -> None:
+    unknown = set(d) - known - {"kind", "schema_version"}
+    if unknown:
+        raise JobError(f"{what}: unknown key(s) {', '.join(sorted(unknown))}")
+
+
 @dataclass(frozen=True)
 class TrainerRef:
     """The trainer the ranks import: its rank module, the libraries to mark absent first,
@@ -144,6 +155,7 @@ class TrainJob:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> TrainJob:
+        _known(d, TRAIN_KEYS, "training job")
         probe, resume = d.get("probe"), d.get("resume")
         return cls(
             run=d["run"],
@@ -199,9 +211,7 @@ class AllSumJob:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> AllSumJob:
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - known - {"kind", "schema_version"}
-        if unknown:
-            raise JobError(f"all-sum job: unknown key(s) {', '.join(sorted(unknown))}")
+        _known(d, known, "all-sum job")
         return cls(**{k: tuple(FaultSpec(**f) for f in v) if k == "faults" else v for k, v in d.items() if k in known})
 
 
@@ -236,6 +246,7 @@ class AnchorJob:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> AnchorJob:
+        _known(d, {f.name for f in dataclasses.fields(cls)}, "speed-anchor job")
         return cls(Scenario.from_dict(d["scenario"]), d.get("repeats"), d["kind"], d.get("world_size"),
                    d.get("backend"), d.get("launched_at"), dict(d.get("device") or {}), dict(d.get("memory") or {}))
 
