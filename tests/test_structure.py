@@ -24,6 +24,17 @@ def test_a_scenarios_walk_goes_forward(tmp_path: Path) -> None:
     assert w.stays[0] == "harness.present.scenario_result" and "harness.scenario.plan" in w.stays
 
 
+@pytest.mark.ranks
+def test_no_stage_after_the_plan_works_the_scenario_out_again(tmp_path: Path) -> None:
+    """Once runs launch, the planning rooms are read through the plan, not called: what is left is
+    the check families' registry the verdict iterates, and the record of the trainer a rank
+    reported it ran (the runs table's model label)."""
+    again = walk.replanned(REPO / "examples" / "minimal_parity.toml", tmp_path)
+    allowed = {"harness.scenario.checks.families", "harness.scenario.checks._load",
+               "harness.scenario.trainers.trainer_info", "harness.scenario.trainers._load"}
+    assert set(again) <= allowed and sum(again.values()) <= 10, again
+
+
 def test_the_walk_counts_climbs_and_returns() -> None:
     """The figures of a made-up walk: present -> pipeline -> plan -> pipeline -> judge -> present."""
     w = walk.measure(["harness.present.scenario_result", "harness.present.pipeline", "harness.scenario.plan",

@@ -111,6 +111,38 @@ def first_calls(fn, *args, depth: int = 99, **kwargs) -> tuple[list[str], object
     return order, out
 
 
+PLANNING = ("harness.scenario.runs", "harness.scenario.checks", "harness.scenario.trainers", "harness.scenario.plan")
+
+
+def replanned(scenario: Path, out: Path) -> dict[str, int]:
+    """Calls of the planning rooms' functions (``PLANNING``) once the first run is launched, by
+    function: what a later stage works out again instead of reading the plan."""
+    import collections
+
+    from harness.present.scenario_result import run_scenario_file
+    from harness.scenario import load_scenario
+
+    loaded = load_scenario(scenario)
+    launched = {"yes": False}
+    calls: collections.Counter[str] = collections.Counter()
+
+    def profile(frame, event, arg):  # noqa: ANN001
+        if event != "call":
+            return
+        name = frame.f_globals.get("__name__", "")
+        if name == "harness.controller.scenario_runs" and frame.f_code.co_name == "run_plan":
+            launched["yes"] = True
+        if launched["yes"] and name in PLANNING and _harness(frame) and _door(frame):
+            calls[f"{name}.{frame.f_code.co_name}"] += 1
+
+    sys.setprofile(profile)
+    try:
+        run_scenario_file(loaded, out)
+    finally:
+        sys.setprofile(None)
+    return dict(calls)
+
+
 def walk_of(scenario: Path, out: Path, depth: int = 99) -> Walk:
     from harness.present.scenario_result import run_scenario_file
     from harness.scenario import load_scenario
@@ -126,3 +158,6 @@ if __name__ == "__main__":
     print(w.line())
     print(" -> ".join(w.stays))
     print("climbs back up:", "; ".join(w.climbed))
+    with tempfile.TemporaryDirectory() as tmp:
+        again = replanned(Path(sys.argv[1]), Path(tmp))
+    print(f"planning functions called after the first launch: {sum(again.values())}", again)
