@@ -27,7 +27,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypedDict
 
@@ -71,6 +71,11 @@ def stdout_path(run_dir: Path | str, rank: int) -> Path:
 
 def stderr_path(run_dir: Path | str, rank: int) -> Path:
     return Path(run_dir) / f"rank{rank}.stderr"
+
+
+def ledger_path(run_dir: Path | str, rank: int) -> Path:
+    """A rank's collective ledger (``harness.rank.ledger``): one JSON line per collective call."""
+    return Path(run_dir) / f"rank{rank}.collectives.jsonl"
 
 
 def params_path(run_dir: Path | str) -> Path:
@@ -258,12 +263,15 @@ class EventWriter:
     def __init__(self, path: Path | str):
         self._f = open(path, "a", buffering=1)
         self._lock = threading.Lock()
+        self.listeners: list[Callable[[str, dict[str, Any]], None]] = []  # told of each event
 
     def emit(self, kind: str, **fields: Any) -> None:
         line = json.dumps(stamp({"kind": kind, "time": time.time(), **fields}), sort_keys=True) + "\n"
         with self._lock:
             self._f.write(line)
             self._f.flush()
+        for listen in self.listeners:
+            listen(kind, fields)
 
     def close(self) -> None:
         with self._lock:

@@ -68,15 +68,16 @@ class RunOutcome:
     ranks: list[RankOutcome]
     watch: WatchReport
     params: dict[str, Any] | None = None
-    moved: float | None = None  # how far training moved rank 0's parameters, relative (``session.moved``)
+    moved: float | None = None  # how far training moved rank 0's parameters, relative (``run_job.moved``)
     artifacts: Path | None = None
     notes: list[str] = field(default_factory=list)
     floor: str | None = None  # a noise-floor run the harness added: what it computes
     backend_reason: str | None = None  # why the harness chose another backend than the usual one
-    device: str | None = None  # "gpu" or "cpu": what the ranks computed on (``session.device_used``)
+    device: str | None = None  # "gpu" or "cpu": what the ranks computed on (``run_job.device_used``)
     device_reason: str | None = None  # why, where ``auto`` chose or the device check moved them
     queued_s: float = 0.0  # how long the launch waited for rank slots (``rank_budget``)
     hosts: list[str] | None = None  # rank -> the cluster host it ran on (``None``: this machine)
+    collectives: dict[str, Any] | None = None  # a failed run's ledgers compared (``harness.controller.ledgers``)
 
     def result(self, rank: int = 0) -> dict[str, Any]:
         res = self.ranks[rank].result

@@ -16,6 +16,7 @@ from harness.controller import rank_budget
 from harness.controller.collect import collect, failure_reason
 from harness.controller.cpu_use import CpuMeter
 from harness.controller.devices import BackendRefused, DeviceRefused, accelerators, plan_backend, plan_device
+from harness.controller.ledgers import desync
 from harness.controller.memory_guard import MemoryLimits
 from harness.controller.outcome import RunOutcome, WatchReport
 from harness.controller.progress import Observer, ProgressFeed, RunProgress
@@ -23,7 +24,8 @@ from harness.controller.watch import kill_group, watch
 from harness.scenario.job import Job, TrainJob
 
 INTERRUPTED = "INTERRUPTED"  # marks a kept run directory whose run was interrupted
-KEEP_SUFFIXES = (".events.jsonl", ".result.json", ".callbacks.jsonl", ".stdout", ".stderr", ".log")
+KEEP_SUFFIXES = (".events.jsonl", ".collectives.jsonl", ".result.json", ".callbacks.jsonl", ".stdout", ".stderr",
+                 ".log")
 
 
 class LaunchError(RuntimeError):
@@ -224,6 +226,9 @@ def _summarize(name: str, run_dir: Path, started: launcher.Launch, report: Watch
     world_size = started.world_size
     ranks = collect(run_dir, world_size, report)
     failure = failure_reason(ranks, report)
+    collectives = desync(run_dir, world_size) if failure is not None else None
+    if collectives is not None:  # which collective the ranks disagree on, or all wait in
+        failure += "\n" + collectives["line"]
     feed.finish("ok" if failure is None else failure.splitlines()[0])
     params = _load_params(schema.params_path(run_dir)) if failure is None else None
     return RunOutcome(
@@ -237,4 +242,5 @@ def _summarize(name: str, run_dir: Path, started: launcher.Launch, report: Watch
         params=params,
         moved=moved(params, schema.start_params_path(run_dir)),
         hosts=[str(started.ranks.host_of(r)) for r in range(world_size)] if started.ranks.remote else None,
+        collectives=collectives,
     )

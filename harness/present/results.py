@@ -88,6 +88,7 @@ def run_summary(run: RunOutcome, planned: PlannedRun, ref: RunOutcome | None) ->
         "global_batch": train.global_batch,
         "ranks": [rank_summary(o, run.hosts[o.rank] if run.hosts else None) for o in run.ranks],
         "hosts": run.hosts,
+        "collectives": run.collectives,
         "artifacts": str(run.artifacts) if run.artifacts else None,
         "expect_error": spec.expect_error,
         "resume_from": spec.resume_from,

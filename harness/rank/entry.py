@@ -23,6 +23,7 @@ from typing import Any
 from harness import schema
 from harness.rank import device_check, memory_share
 from harness.rank.context import RankContext, ReportedFailure
+from harness.rank.ledger import Ledger
 from harness.rank.memory import MemorySampler, accelerator, device_baseline_kind, peak_rss_bytes
 from harness.rank.startup import StartupClock
 from harness.scenario.job import Job, TrainJob, job_from_json
@@ -144,6 +145,7 @@ def main(argv: list[str]) -> int:
     result: dict[str, Any] = {"rank": rank, "pid": os.getpid(), "host": socket.gethostname(), "job": "unknown"}
     sampler: MemorySampler | None = None
     share: memory_share.MemoryShare | None = None
+    ledger: Ledger | None = None
     code = 0
     try:
         job = job_from_json(schema.read_json(run_dir / schema.JOB_FILE))
@@ -153,6 +155,10 @@ def main(argv: list[str]) -> int:
         device_check.set_device(job)  # before the group and warm-up: every array of the rank lives there
         world_size = int(job.world_size or 1)
         own_group = isinstance(job, TrainJob) and job.trainer.own_group  # a command's processes join it
+        if not own_group:  # every collective this rank issues, in order, for the controller to compare
+            ledger = Ledger(schema.ledger_path(run_dir, rank), world_size)
+            ledger.install()
+            events.listeners.append(ledger.on_event)
         group, backend = ((None, job.backend or "none") if own_group else _init_group(world_size, job.backend))
         if group is not None and (group.size() != world_size or group.rank() != rank):
             raise RuntimeError(
@@ -198,5 +204,7 @@ def main(argv: list[str]) -> int:
         sampler.stop()
     events.emit("end", rank=rank, status=result["status"])
     events.close()
+    if ledger is not None:
+        ledger.uninstall()
     schema.write_json_atomic(schema.result_path(run_dir, rank), schema.stamp(result))
     return code

@@ -1,0 +1,110 @@
+"""The collective ledger: every call a rank makes into MLX's collectives, in order.
+
+Installed in every Python rank before anything joins the group (``harness.rank.entry``), it
+wraps ``mx.distributed``'s collectives (``all_sum``, ``all_gather``, ``all_max``, ``all_min``,
+``sum_scatter``, ``send``, ``recv``, ``recv_like``; ``nn.average_gradients`` calls ``all_sum``) so
+that each call appends one line to ``rank{r}.collectives.jsonl`` before it is issued: its
+sequence number, op, shape, dtype, stream, group size, peer, the training step in progress and
+the call site (the first frame outside MLX and the harness, else outside MLX). Lines are flushed
+as they are written, so a rank that hangs or is killed inside a collective leaves its ledger up
+to that call. A compiled step's collectives are recorded when it is traced (MLX calls the Python
+function then only). The controller compares the ranks' ledgers when a run fails or stops making
+progress (``harness.controller.ledgers``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+OPS = ("all_sum", "all_gather", "all_max", "all_min", "sum_scatter", "send", "recv", "recv_like")
+HARNESS = str(Path(__file__).resolve().parents[1])
+
+
+def _mlx_dir() -> str:
+    import mlx
+
+    return str(Path(list(mlx.__path__)[0]).resolve())
+
+
+def call_site(mlx_dir: str) -> str:
+    """``file:line in function`` of the first caller outside MLX and the harness, else the first
+    outside MLX (the harness's own trainers)."""
+    frame = sys._getframe(2)  # noqa: SLF001 - the wrapper's caller
+    first = None
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if not path.startswith(mlx_dir) and path != __file__:
+            here = f"{Path(path).name}:{frame.f_lineno} in {frame.f_code.co_name}"
+            first = first or here
+            if not path.startswith(HARNESS):
+                return here
+        frame = frame.f_back
+    return first or "unknown"
+
+
+class Ledger:
+    """One rank's ledger file; ``step`` is the training step in progress (set from its events)."""
+
+    def __init__(self, path: Path, world_size: int):
+        self.path, self.world_size = path, world_size
+        self.seq, self.step = 0, 0
+        self._f = open(path, "a", buffering=1)
+        self._lock = threading.Lock()
+        self._mlx = _mlx_dir()
+        self._originals: dict[str, Any] = {}
+
+    def record(self, op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        x = args[0] if args else kwargs.get("x", kwargs.get("like"))
+        shape = kwargs.get("shape") if op == "recv" else getattr(x, "shape", None)
+        if op == "recv" and shape is None and args:
+            shape = args[0]
+        dtype = kwargs.get("dtype") if op == "recv" else getattr(x, "dtype", None)
+        if op == "recv" and dtype is None and len(args) > 1:
+            dtype = args[1]
+        group = kwargs.get("group")
+        peer = kwargs.get("dst", kwargs.get("src"))
+        at = {"send": 1, "recv_like": 1, "recv": 2}.get(op)
+        if peer is None and at is not None and len(args) > at:
+            peer = args[at]
+        entry = {"seq": self.seq, "op": op, "shape": list(shape) if shape is not None else None,
+                 "dtype": str(dtype).replace("mlx.core.", "") if dtype is not None else None,
+                 "stream": str(kwargs["stream"]) if kwargs.get("stream") is not None else None,
+                 "group": group.size() if group is not None else self.world_size, "peer": peer,
+                 "step": self.step, "site": call_site(self._mlx)}
+        with self._lock:
+            self.seq += 1
+            self._f.write(json.dumps(entry, separators=(",", ":")) + "\n")
+
+    def install(self) -> None:
+        """Wrap ``mx.distributed``'s collectives (each once; ``uninstall`` puts them back)."""
+        import mlx.core as mx
+
+        for op in OPS:
+            original = getattr(mx.distributed, op, None)
+            if original is None or op in self._originals:
+                continue
+            self._originals[op] = original
+
+            def wrapper(*args: Any, _op: str = op, _original: Any = original, **kwargs: Any) -> Any:
+                self.record(_op, args, kwargs)
+                return _original(*args, **kwargs)
+
+            setattr(mx.distributed, op, wrapper)
+
+    def uninstall(self) -> None:
+        import mlx.core as mx
+
+        for op, original in self._originals.items():
+            setattr(mx.distributed, op, original)
+        self._originals.clear()
+        with self._lock:
+            self._f.close()
+
+    def on_event(self, kind: str, fields: dict[str, Any]) -> None:
+        """A ``step`` event ended step k: the next collectives belong to step k + 1."""
+        if kind == "step" and isinstance(fields.get("step"), int):
+            self.step = fields["step"] + 1
