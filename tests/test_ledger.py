@@ -13,6 +13,7 @@ import pytest
 
 from harness.controller.ledgers import compare, read_ledger
 from harness.controller.scenario_runs import run_plan
+from harness.rank.ledger import Ledger
 from harness.scenario import load_scenario
 from harness.scenario.plan import plan_scenario
 from harness.schema import read_events
@@ -48,9 +49,33 @@ def test_a_torn_last_line_is_left_out(tmp_path: Path) -> None:
     assert read_ledger(path) == [_e(0)] and read_ledger(tmp_path / "none.jsonl") is None
 
 
-def _planted(tmp_path: Path, name: str, old: str, new: str):  # noqa: ANN202
-    assert old in SCRIPT
-    path = script_scenario(tmp_path, SCRIPT.replace(old, new, 1), name, world_sizes=(2,),
+def test_a_compiled_function_records_its_trace_on_every_call(tmp_path: Path) -> None:
+    import mlx.core as mx
+
+    def step(x: mx.array) -> mx.array:
+        return mx.distributed.all_sum(x * 2) + mx.distributed.all_max(x)
+
+    def ops(path: Path) -> list[tuple]:
+        return [(e["op"], tuple(e["shape"]), e["step"], e["site"]) for e in read_ledger(path)]
+
+    for name in ("eager", "compiled"):
+        ledger = Ledger(tmp_path / name, 1)
+        ledger.install()
+        try:
+            f = mx.compile(step) if name == "compiled" else step
+            for n, width in enumerate((4, 4, 4, 5), 1):  # the last call traces again: a new shape
+                ledger.step = n
+                mx.eval(f(mx.ones((width,))))
+        finally:
+            ledger.uninstall()
+    assert ops(tmp_path / "compiled") == ops(tmp_path / "eager") and len(ops(tmp_path / "eager")) == 8
+    assert [e.get("compiled") for e in read_ledger(tmp_path / "compiled")][::2] == [f"step#{n}" for n in range(1, 5)]
+    assert mx.compile.__module__ != __name__  # put back
+
+
+def _planted(tmp_path: Path, name: str, old: str, new: str, script: str = SCRIPT):  # noqa: ANN202
+    assert old in script
+    path = script_scenario(tmp_path, script.replace(old, new, 1), name, world_sizes=(2,),
                            no_progress_s=NO_PROGRESS_S)
     (out,) = run_plan(plan_scenario(load_scenario(path)), artifacts=tmp_path / "kept")
     named = time.time()
@@ -78,6 +103,11 @@ EVAL = "        mx.eval(model.parameters(), optimizer.state, loss, tokens)\n"
      "        if rank == 1 and step == 3:\n            grads = tree_map(lambda g: g / tokens, grads)\n"
      "        else:\n            grads = global_gradient(grads, tokens, group)\n",
      ["rank 0: all_sum float32[", "in <lambda> (step 3)", "rank 1: all_sum float32[] at skipped_allreduce.py:"]),
+    ("compiled_skip", GRADS,
+     "        if rank == 0 and step == 3:\n            grads = tree_map(lambda g: g / tokens, grads)\n"
+     "        else:\n            grads = reduce(grads, tokens)\n",
+     ["rank 0: all_sum float32[] at compiled_skip.py:", "rank 1: all_sum float32[",
+      "in <lambda> (compiled <lambda>#3, step 3)"]),
     ("stopped_rank", EVAL,
      "        if rank == 1 and step == 3:\n            import os, signal\n"
      "            os.kill(os.getpid(), signal.SIGSTOP)\n" + EVAL,
@@ -85,7 +115,9 @@ EVAL = "        mx.eval(model.parameters(), optimizer.state, loss, tokens)\n"
 ])
 def test_a_planted_desync_is_named_in_the_failure_and_the_result(tmp_path: Path, defect: str, old: str, new: str,
                                                                  named: list[str]) -> None:
-    out, took = _planted(tmp_path, defect, old, new)
+    loop = "    for step in range(1, run.steps + 1):\n"  # compiled once, before the loop: later calls do not trace
+    script = SCRIPT.replace(loop, "    reduce = mx.compile(lambda g, t: global_gradient(g, t, group))\n" + loop)
+    out, took = _planted(tmp_path, defect, old, new, script if defect == "compiled_skip" else SCRIPT)
     assert not out.ok and out.collectives is not None, out.failure
     line = out.collectives["line"]
     assert line in out.failure

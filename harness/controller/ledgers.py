@@ -36,7 +36,8 @@ def describe(e: dict[str, Any] | None) -> str:
     shape = "[" + ",".join(str(n) for n in e.get("shape") or []) + "]" if e.get("shape") is not None else ""
     peer = f" peer {e['peer']}" if e.get("peer") is not None else ""
     stream = f" on {e['stream']}" if e.get("stream") else ""
-    return f"{e['op']} {e.get('dtype') or ''}{shape}{peer}{stream} at {e.get('site')} (step {e.get('step')})"
+    compiled = f"compiled {e['compiled']}, " if e.get("compiled") else ""
+    return f"{e['op']} {e.get('dtype') or ''}{shape}{peer}{stream} at {e.get('site')} ({compiled}step {e.get('step')})"
 
 
 def _key(e: dict[str, Any] | None) -> tuple[Any, ...] | None:

@@ -24,6 +24,7 @@ from harness import schema
 from harness.rank import device_check, memory_share
 from harness.rank.context import RankContext, ReportedFailure
 from harness.rank.ledger import Ledger
+from harness.rank.ledger import enabled as ledger_enabled
 from harness.rank.memory import MemorySampler, accelerator, device_baseline_kind, peak_rss_bytes
 from harness.rank.startup import StartupClock
 from harness.scenario.job import Job, TrainJob, job_from_json
@@ -155,7 +156,7 @@ def main(argv: list[str]) -> int:
         device_check.set_device(job)  # before the group and warm-up: every array of the rank lives there
         world_size = int(job.world_size or 1)
         own_group = isinstance(job, TrainJob) and job.trainer.own_group  # a command's processes join it
-        if not own_group:  # every collective this rank issues, in order, for the controller to compare
+        if not own_group and ledger_enabled():  # every collective it issues, in order, for the controller
             ledger = Ledger(schema.ledger_path(run_dir, rank), world_size)
             ledger.install()
             events.listeners.append(ledger.on_event)

@@ -7,14 +7,19 @@ that each call appends one line to ``rank{r}.collectives.jsonl`` before it is is
 sequence number, op, shape, dtype, stream, group size, peer, the training step in progress and
 the call site (the first frame outside MLX and the harness, else outside MLX). Lines are flushed
 as they are written, so a rank that hangs or is killed inside a collective leaves its ledger up
-to that call. A compiled step's collectives are recorded when it is traced (MLX calls the Python
-function then only). The controller compares the ranks' ledgers when a run fails or stops making
-progress (``harness.controller.ledgers``).
+to that call. ``mx.compile`` is wrapped too: MLX runs a compiled function's Python only when it
+traces it, so its collectives are recorded then (with ``compiled``: the function and its call
+number) and every later call that does not trace records them again from that trace, so a compiled
+step's ledger reads like an eager one's. ``MLX_DDP_HARNESS_LEDGER=0`` in the controller's
+environment keeps no ledger (``enabled``; what it costs is measured by
+``benchmarks/ledger_overhead.py``). The controller compares the ranks' ledgers when a run fails or
+stops making progress (``harness.controller.ledgers``).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 from pathlib import Path
@@ -22,6 +27,12 @@ from typing import Any
 
 OPS = ("all_sum", "all_gather", "all_max", "all_min", "sum_scatter", "send", "recv", "recv_like")
 HARNESS = str(Path(__file__).resolve().parents[1])
+SWITCH = "MLX_DDP_HARNESS_LEDGER"
+
+
+def enabled() -> bool:
+    """Whether ranks keep a ledger (``MLX_DDP_HARNESS_LEDGER=0`` turns it off)."""
+    return os.environ.get(SWITCH, "1") != "0"
 
 
 def _mlx_dir() -> str:
@@ -56,6 +67,8 @@ class Ledger:
         self._lock = threading.Lock()
         self._mlx = _mlx_dir()
         self._originals: dict[str, Any] = {}
+        self._trace: list[dict[str, Any]] | None = None  # collectives of the trace in progress
+        self._compiled: list[str] = []
 
     def record(self, op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         x = args[0] if args else kwargs.get("x", kwargs.get("like"))
@@ -75,9 +88,48 @@ class Ledger:
                  "stream": str(kwargs["stream"]) if kwargs.get("stream") is not None else None,
                  "group": group.size() if group is not None else self.world_size, "peer": peer,
                  "step": self.step, "site": call_site(self._mlx)}
+        if self._trace is not None:  # MLX is tracing a compiled function: later calls replay this
+            self._trace.append(entry)
+            entry = {**entry, "compiled": self._compiled[-1]}
+        self._write(entry)
+
+    def _write(self, entry: dict[str, Any]) -> None:
         with self._lock:
+            entry["seq"] = self.seq
             self.seq += 1
             self._f.write(json.dumps(entry, separators=(",", ":")) + "\n")
+
+    def compile(self, original: Any, fun: Any, *args: Any, **kwargs: Any) -> Any:
+        """``mx.compile(fun, ...)``, recording the collectives of each trace and replaying them on
+        every call that does not trace."""
+        name = getattr(fun, "__name__", "compiled")
+        state: dict[str, Any] = {"trace": [], "traced": False, "calls": 0}
+
+        def traced(*a: Any, **kw: Any) -> Any:
+            outer, self._trace = self._trace, []
+            self._compiled.append(f"{name}#{state['calls']}")
+            try:
+                return fun(*a, **kw)
+            finally:
+                state["trace"], state["traced"] = self._trace, True
+                self._trace = outer
+                self._compiled.pop()
+
+        compiled = original(traced, *args, **kwargs)
+
+        def call(*a: Any, **kw: Any) -> Any:
+            state["calls"] += 1
+            state["traced"] = False
+            out = compiled(*a, **kw)
+            if not state["traced"]:
+                for e in state["trace"]:
+                    replay = {**e, "step": self.step, "compiled": f"{name}#{state['calls']}"}
+                    if self._trace is not None:
+                        self._trace.append(replay)
+                    self._write(replay)
+            return out
+
+        return call
 
     def install(self) -> None:
         """Wrap ``mx.distributed``'s collectives (each once; ``uninstall`` puts them back)."""
@@ -94,12 +146,19 @@ class Ledger:
                 return _original(*args, **kwargs)
 
             setattr(mx.distributed, op, wrapper)
+        if "compile" not in self._originals:
+            self._originals["compile"] = original_compile = mx.compile
+
+            def compile_wrapper(fun: Any, *args: Any, **kwargs: Any) -> Any:
+                return self.compile(original_compile, fun, *args, **kwargs)
+
+            mx.compile = compile_wrapper
 
     def uninstall(self) -> None:
         import mlx.core as mx
 
         for op, original in self._originals.items():
-            setattr(mx.distributed, op, original)
+            setattr(mx if op == "compile" else mx.distributed, op, original)
         self._originals.clear()
         with self._lock:
             self._f.close()
