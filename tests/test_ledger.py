@@ -124,5 +124,5 @@ def test_a_planted_desync_is_named_in_the_failure_and_the_result(tmp_path: Path,
     for text in named:
         assert text in line, line
     assert out.collectives["agree"] == (defect == "stopped_rank")
-    print(f"{defect}: named {took:.2f} s after the last progress event (no-progress limit {NO_PROGRESS_S} s)")
+    print(f"{defect}: named {took:.2f} s after the last progress event (no-progress limit {NO_PROGRESS_S} s): {line}")
     assert took <= NO_PROGRESS_S + 2, took
