@@ -46,6 +46,7 @@ COMMAND_ENV = {
     "learning_rate": "MLX_DDP_HARNESS_LEARNING_RATE", "optimizer": "MLX_DDP_HARNESS_OPTIMIZER",
     "vocab_size": "MLX_DDP_HARNESS_VOCAB_SIZE", "split_rows": "MLX_DDP_HARNESS_SPLIT_ROWS",
     "rank": "MLX_DDP_HARNESS_RANK", "world_size": "MLX_DDP_HARNESS_WORLD_SIZE", "device": "MLX_DDP_HARNESS_DEVICE",
+    "collectives": "MLX_DDP_HARNESS_COLLECTIVES",  # where it may append its collective ledger (``ledger_path``)
 }
 NO_STEPS = "reported no steps"  # a trainer that never trained: every other run of it would say the same
 

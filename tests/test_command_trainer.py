@@ -1,7 +1,7 @@
 """An executable as the ranks (``[trainer] kind = "command"``): the C++ MLX DDP worker judged as
 any trainer at 1, 2 and 4 ranks, its planted bug failing, foreign ranks that crash, hang or
-write what the protocol does not allow named in one line, and the protocol's JSON Schemas
-holding what the worker writes."""
+write what the protocol does not allow named in one line, the protocol's JSON Schemas holding
+what the worker writes, and the worker's own collective ledger naming a planted desync."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import psutil
 import pytest
 
 from harness import schema
+from harness.controller.ledgers import compare, read_ledger
 from harness.rank.protocol import problem
 from tests.conftest import REPO, cli, script_scenario
 
@@ -49,6 +50,11 @@ def test_the_cpp_worker_matches_one_process_at_2_and_4_ranks(worker: Path, tmp_p
     for d in _protocol_dirs(tmp_path / "o", ranks=1 + 2 + 4):
         assert problem("job", json.loads((d / "job.json").read_text())) is None
         assert [e["kind"] for e in _records(d)] == ["start"] + ["step"] * 12
+    # Its collective ledgers hold the schema and agree: 4 all_sums a step (tokens, loss, 2 gradients).
+    for run, world in (("ddp2", 2), ("ddp4", 4)):
+        (run_dir,) = (tmp_path / "o").rglob(run)
+        ledgers = {r: _ledger(run_dir / f"rank{r}.collectives.jsonl") for r in range(world)}
+        assert compare(ledgers)["agree"] and all(len(e) == 4 * 12 for e in ledgers.values())
 
 
 @pytest.mark.ranks
@@ -80,6 +86,37 @@ def test_new_writes_a_scenario_around_an_executable_that_runs_as_written(worker:
     assert cli("new", str(tmp_path / "other.toml"), "--trainer", "command").stderr.strip() == (
         "error: --trainer: unknown kind 'command'; one of " + ", ".join(
             k for k in ("reference", "mlx_lm", "mlx_vlm", "unsloth_zoo")) + " (or --script PATH, --command PATH)")
+
+
+def _ledger(path: Path) -> list[dict]:
+    """An executable's collective ledger, every line checked against collective.schema.json."""
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert lines and all(problem("collective", e) is None for e in lines), lines[:3]
+    assert [e["seq"] for e in lines] == list(range(len(lines))) and read_ledger(path) == lines
+    assert all(e["op"] == "all_sum" and re.fullmatch(r"worker\.cpp:\d+ in main", e["site"]) for e in lines)
+    return lines
+
+
+@pytest.mark.ranks
+def test_the_cpp_workers_own_ledger_names_its_planted_extra_all_sum(worker: Path, tmp_path: Path) -> None:
+    body = (WORKER_DIR / "cpp_worker.toml").read_text()
+    body = body.replace('path = "build/worker"', f'path = "{worker}"').replace(
+        'args = ["--width", "32"]', 'args = ["--width", "32", "--extra-all-sum-on-rank0", "3"]')
+    body = body[:body.index("[[runs]]")] + '[limits]\nno_progress_s = 8\n\n[[runs]]\nname = "ddp2"\nworld_size = 2\n'
+    (tmp_path / "extra.toml").write_text(body)
+    p = cli("run", str(tmp_path / "extra.toml"), "--out", str(tmp_path / "o"))
+    assert p.returncode == 3, p.stdout[-3000:] + p.stderr[-2000:]
+    run = json.loads((tmp_path / "o" / "result.json").read_text())["scenarios"][0]["runs"][0]
+    source = (WORKER_DIR / "worker.cpp").read_text().splitlines()
+    extra, loss = (next(n for n, x in enumerate(source, 1) if text in x)
+                   for text in ("ledger.all_sum(mx::ones({1})", "ledger.all_sum(loss, group"))
+    assert run["collectives"] is not None, run["failure"]  # the worker's ranks kept ledgers
+    line = run["collectives"]["line"]
+    assert not run["ok"] and not run["collectives"]["agree"] and line in run["failure"] and line in p.stdout
+    assert run["collectives"]["seq"] == 4 * 2 + 1  # steps 1 and 2, then step 3's token count: the extra is next
+    assert line == (f"collectives diverge at call #9: rank 0: all_sum float32[1] at worker.cpp:{extra} in main "
+                    f"(step 3); rank 1: all_sum float32[] at worker.cpp:{loss} in main (step 3)"), line
+    assert "problems" not in run["collectives"]
 
 
 def _records(d: Path) -> list[dict]:
@@ -130,6 +167,29 @@ def test_the_protocol_schemas_refuse_what_the_protocol_does_not_allow() -> None:
     assert problem("result", {"protocol": 1, "status": "error"}) is not None  # an error says what went wrong
     assert set(json.loads((REPO / "harness" / "protocol" / "job.schema.json").read_text())["required"]) == \
         set(schema.COMMAND_ENV)  # every job field is also an environment variable
+    record = {"protocol": 1, "seq": 0, "op": "all_sum", "shape": [4], "dtype": "float32", "step": 1,
+              "site": "worker.cpp:9 in main"}
+    assert problem("collective", record) is None and problem("collective", {**record, "group": 2, "peer": 1}) is None
+    assert problem("collective", {**record, "protocol": 2}) == "protocol 2, the harness speaks 1"
+    assert "site" in problem("collective", {k: v for k, v in record.items() if k != "site"})
+    assert problem("collective", {**record, "op": "all_reduce"}) is not None
+
+
+def test_an_executables_ledger_of_another_version_is_read_up_to_that_line(tmp_path: Path) -> None:
+    from harness.controller.ledgers import desync
+
+    record = {"protocol": 1, "op": "all_sum", "shape": [4], "dtype": "float32", "step": 1, "site": "w.cpp:9 in main"}
+    lines = [json.dumps({**record, "seq": n}) for n in range(4)]
+    schema.ledger_path(tmp_path, 0).write_text("\n".join(lines) + "\n")
+    schema.ledger_path(tmp_path, 1).write_text("\n".join(lines[:3] + [json.dumps({**record, "seq": 3, "protocol": 2})])
+                                               + "\n" + lines[3][:9])  # and a torn line after it
+    found = desync(tmp_path, 2)
+    assert found["seq"] == 3 and "rank 1: no collective" in found["line"]
+    assert found["problems"] == ["rank 1's ledger line 4 is not a protocol-1 collective record (protocol 2, "
+                                 "the harness speaks 1): it is compared up to that line"]
+    assert found["line"].endswith("; " + found["problems"][0])
+    schema.ledger_path(tmp_path, 1).write_text("\n".join(lines[:3]) + "\n" + lines[3][:9])  # torn: no word
+    assert "problems" not in desync(tmp_path, 2) and len(read_ledger(schema.ledger_path(tmp_path, 1))) == 3
 
 
 FAULTS = {

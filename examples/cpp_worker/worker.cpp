@@ -8,6 +8,13 @@
 //   --mean-of-means  a planted bug: average the ranks' per-rank mean losses and gradients
 //                    instead of weighting them by tokens (wrong when rows are ragged)
 //   --leak-mb N      a planted bug: keep N MB of MLX buffers alive from every step (a leak)
+//   --extra-all-sum-on-rank0 STEP
+//                    a planted bug: rank 0 issues one extra all_sum (of a 1-element array) at
+//                    step STEP, which no other rank matches: the ranks hang, or fail
+//
+// With MLX_DDP_HARNESS_COLLECTIVES set, it keeps a collective ledger there: one line per
+// mx::distributed call, flushed before the call is issued, which the harness compares across
+// the ranks when a run fails or hangs (docs/rank-protocol.md).
 //
 // Build: examples/cpp_worker/build.sh (g++ against the headers and libmlx of the mlx wheel).
 
@@ -125,18 +132,55 @@ void event(std::ofstream& out, const std::string& body) {
   out.flush();
 }
 
+// The collective ledger (MLX_DDP_HARNESS_COLLECTIVES; none when it is unset): each collective is
+// recorded, its line flushed, before it is issued, so a rank stuck in one has recorded it.
+class Ledger {
+ public:
+  Ledger() {
+    const char* path = std::getenv("MLX_DDP_HARNESS_COLLECTIVES");
+    if (path != nullptr && *path != '\0') out_.open(path, std::ios::app);
+  }
+
+  int step = 0;  // the optimizer step in progress
+
+  // One line: {"protocol": 1, "seq", "op", "shape", "dtype", "group", "step", "site"}.
+  void record(const char* op, const mx::array& x, const mx::distributed::Group& group, int line, const char* fn) {
+    if (!out_.is_open()) return;
+    std::ostringstream shape, dtype;
+    for (size_t i = 0; i < x.shape().size(); ++i) shape << (i ? "," : "") << x.shape()[i];
+    dtype << x.dtype();
+    out_ << "{\"protocol\": 1, \"seq\": " << seq_++ << ", \"op\": \"" << op << "\", \"shape\": [" << shape.str()
+         << "], \"dtype\": \"" << dtype.str() << "\", \"group\": " << group.size() << ", \"step\": " << step
+         << ", \"site\": \"worker.cpp:" << line << " in " << fn << "\"}\n";
+    out_.flush();
+  }
+
+  // mx::distributed::all_sum, recorded first (line and fn: the caller's __LINE__ and __func__).
+  mx::array all_sum(const mx::array& x, const mx::distributed::Group& group, int line, const char* fn) {
+    record("all_sum", x, group, line, fn);
+    return mx::distributed::all_sum(x, group);
+  }
+
+ private:
+  std::ofstream out_;
+  long seq_ = 0;
+};
+
 }  // namespace
 
 int main(int argc, char** argv) {
   int dim = 32;
   bool mean_of_means = false;
   int leak_mb = 0;
+  int extra_all_sum_step = 0;  // --extra-all-sum-on-rank0: the step of rank 0's extra all_sum (0: none)
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--width" && i + 1 < argc) {
       dim = std::atoi(argv[++i]);
     } else if (a == "--leak-mb" && i + 1 < argc) {
       leak_mb = std::atoi(argv[++i]);
+    } else if (a == "--extra-all-sum-on-rank0" && i + 1 < argc) {
+      extra_all_sum_step = std::atoi(argv[++i]);
     } else if (a == "--mean-of-means") {
       mean_of_means = true;
     } else {
@@ -176,7 +220,9 @@ int main(int argc, char** argv) {
                       std::to_string(world) + ", \"digest\": \"" + digest(params) + "\"");
 
     std::vector<mx::array> leaked;
+    Ledger ledger;
     for (int step = 1; step <= steps; ++step) {
+      ledger.step = step;
       // In one process judged against N ranks (split > 1), the rows go in N chunks as N ranks'
       // shares would: the same sums, in the order of N ranks' rounding.
       std::vector<std::vector<Row>> chunks(std::max(split, 1));
@@ -195,15 +241,18 @@ int main(int argc, char** argv) {
         tokens_local += b.tokens;
       }
       auto local = mx::array(static_cast<float>(tokens_local));
-      auto tokens_global = mx::distributed::all_sum(local, group);
+      auto tokens_global = ledger.all_sum(local, group, __LINE__, __func__);
+      if (group.rank() == 0 && step == extra_all_sum_step) {  // the planted bug: a collective no other rank issues
+        mx::eval(ledger.all_sum(mx::ones({1}), group, __LINE__, __func__));
+      }
       mx::array global_loss = mx::array(0.0f);
       if (mean_of_means) {  // the planted bug: every rank's mean weighs the same
         auto n = mx::maximum(local, mx::array(1.0f));
-        global_loss = mx::distributed::all_sum(loss / n, group) / world;
-        for (auto& g : grads) g = mx::distributed::all_sum(g / n, group) / world;
+        global_loss = ledger.all_sum(loss / n, group, __LINE__, __func__) / world;
+        for (auto& g : grads) g = ledger.all_sum(g / n, group, __LINE__, __func__) / world;
       } else {
-        global_loss = mx::distributed::all_sum(loss, group) / tokens_global;
-        for (auto& g : grads) g = mx::distributed::all_sum(g, group) / tokens_global;
+        global_loss = ledger.all_sum(loss, group, __LINE__, __func__) / tokens_global;
+        for (auto& g : grads) g = ledger.all_sum(g, group, __LINE__, __func__) / tokens_global;
       }
       for (size_t i = 0; i < params.size(); ++i) params[i] = params[i] - lr * grads[i];
       mx::eval(params);

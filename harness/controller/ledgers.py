@@ -4,6 +4,9 @@
 number), with each side's call site and the ranks behind it. Where the ledgers agree, it says so
 and names the collective every rank issued last: the one they are waiting in. Point-to-point
 calls (``send``, ``recv``, ``recv_like``) match each other: one rank sends what another receives.
+An executable under the rank protocol may keep its own ledger in the same file, of versioned
+records (``harness/protocol/collective.schema.json``); a line of another version, or one that
+breaks the schema, ends that rank's ledger there, and the comparison says so.
 """
 
 from __future__ import annotations
@@ -13,21 +16,44 @@ from pathlib import Path
 from typing import Any
 
 from harness import schema
+from harness.rank.protocol import problem
 
 P2P = {"send": "p2p", "recv": "p2p", "recv_like": "p2p"}
 
 
 def read_ledger(path: Path) -> list[dict[str, Any]] | None:
-    """A rank's ledger (None: it kept none); a torn last line (killed mid-write) is left out."""
+    """A rank's ledger (None: it kept none); a torn last line (killed mid-write) is left out, and
+    it ends before a line that is not a collective record (``check_ledger`` says which)."""
+    checked = check_ledger(path)
+    return None if checked is None else checked[0]
+
+
+def check_ledger(path: Path) -> tuple[list[dict[str, Any]], str | None] | None:
+    """A rank's ledger up to its first line that is not a record (None: it kept none), and why
+    that line is not one (None: every line is). A Python rank's lines carry no ``protocol``; an
+    executable's must be records of ``schema.COMMAND_PROTOCOL``. A last line not ended by a
+    newline that is not JSON was torn by a kill mid-write: it is left out without a word."""
     if not path.exists():
         return None
-    out = []
-    for line in path.read_text().splitlines():
+    text = path.read_text(errors="replace")
+    out: list[dict[str, Any]] = []
+    lines = text.splitlines()
+    for n, line in enumerate(lines, 1):
         try:
-            out.append(json.loads(line))
+            e = json.loads(line)
         except json.JSONDecodeError:
-            break
-    return out
+            torn = n == len(lines) and not text.endswith("\n")
+            return out, None if torn else f"line {n} is not JSON"
+        if not isinstance(e, dict):
+            return out, f"line {n} is not a JSON object"
+        if "protocol" in e:  # an executable's record, versioned
+            why = problem("collective", e)
+            if why is not None:
+                return out, f"line {n} is not a protocol-{schema.COMMAND_PROTOCOL} collective record ({why})"
+        elif not isinstance(e.get("op"), str):
+            return out, f"line {n} names no op"
+        out.append(e)
+    return out, None
 
 
 def describe(e: dict[str, Any] | None) -> str:
@@ -75,7 +101,18 @@ def compare(ledgers: dict[int, list[dict[str, Any]]]) -> dict[str, Any] | None:
 
 
 def desync(run_dir: Path, world_size: int) -> dict[str, Any] | None:
-    """The finder's verdict on a run's ledgers (None where fewer than two ranks kept one)."""
-    found = {r: entries for r in range(world_size)
-             if (entries := read_ledger(schema.ledger_path(run_dir, r))) is not None}
-    return compare(found)
+    """The finder's verdict on a run's ledgers (None where fewer than two ranks kept one); a
+    ledger cut short by a line that is not a record is compared up to it, and its line says so
+    (in ``problems`` too)."""
+    found: dict[int, list[dict[str, Any]]] = {}
+    problems: list[str] = []
+    for r in range(world_size):
+        checked = check_ledger(schema.ledger_path(run_dir, r))
+        if checked is not None:
+            found[r] = checked[0]
+            if checked[1] is not None:
+                problems.append(f"rank {r}'s ledger {checked[1]}: it is compared up to that line")
+    verdict = compare(found)
+    if verdict is not None and problems:
+        verdict = {**verdict, "problems": problems, "line": verdict["line"] + "; " + "; ".join(problems)}
+    return verdict

@@ -7,7 +7,10 @@ in its environment (``schema.COMMAND_ENV``; mlx.launch's own variables are inher
 (``harness.rank.protocol``; docs/rank-protocol.md). Its steps reach the watchdog and the judge
 as any trainer's do. An executable that exits non-zero, writes a malformed record or one of
 another protocol version, or ends without a result fails the run with one line naming it; it
-runs in the rank's process group, so the watchdog's kill reaches it.
+runs in the rank's process group, so the watchdog's kill reaches it. It may keep a collective
+ledger of its own in the file ``schema.COMMAND_ENV["collectives"]`` names (the rank's
+``ledger_path``; none is named under ``MLX_DDP_HARNESS_LEDGER=0``), which the controller
+compares as a Python rank's (``harness.controller.ledgers``).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any
 from harness import schema
 from harness.rank.context import RankContext, ReportedFailure
 from harness.rank.device_check import current
+from harness.rank.ledger import enabled as ledger_enabled
 from harness.rank.protocol import open_protocol, problem, read_outcome
 from harness.rank.reporter import StepReporter
 from harness.scenario import Scenario
@@ -53,7 +57,8 @@ def write_job(ctx: RankContext, s: Scenario, out: Path) -> dict[str, str]:
     job = {"protocol": schema.COMMAND_PROTOCOL, "rank": ctx.rank, "world_size": ctx.world_size, "seed": s.seed,
            "steps": s.train.steps, "global_batch": s.train.global_batch, "learning_rate": s.train.learning_rate,
            "optimizer": s.train.optimizer, "vocab_size": data.tok.vocab_size, "split_rows": split,
-           "rows": str(rows_path), "out_dir": str(out), "device": current()}
+           "rows": str(rows_path), "out_dir": str(out), "device": current(),
+           "collectives": str(schema.ledger_path(ctx.run_dir, ctx.rank)) if ledger_enabled() else ""}
     assert problem("job", job) is None, problem("job", job)
     (out / schema.COMMAND_FILES["job"]).write_text(json.dumps(job, indent=1) + "\n")
     return {schema.COMMAND_ENV[k]: str(v) for k, v in job.items()}
