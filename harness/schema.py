@@ -28,6 +28,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
+from functools import cache
 from pathlib import Path
 from typing import Any, TypedDict
 
@@ -293,3 +294,23 @@ def read_events(path: Path | str) -> Iterator[dict[str, Any]]:
             except json.JSONDecodeError as e:
                 raise SchemaError(f"{path}:{n}: not JSON ({e})") from e
             yield check_version(record, f"{path}:{n}")
+
+
+@cache
+def _protocol_validator(name: str) -> Any:
+    import jsonschema
+
+    doc = json.loads((Path(__file__).parent / "protocol" / f"{name}.schema.json").read_text())
+    return jsonschema.Draft202012Validator(doc)
+
+
+def protocol_problem(name: str, record: Any) -> str | None:
+    """Why ``record`` is not a valid ``name`` record ("job", "event", "result", "collective") of the
+    rank protocol (its JSON Schemas are in ``harness/protocol/``), or None."""
+    if isinstance(record, dict) and record.get("protocol") != COMMAND_PROTOCOL:
+        return f"protocol {record.get('protocol')!r}, the harness speaks {COMMAND_PROTOCOL}"
+    errors = sorted(_protocol_validator(name).iter_errors(record), key=lambda e: list(e.path))
+    if not errors:
+        return None
+    e = errors[0]
+    return f"{'.'.join(map(str, e.path)) or 'the record'}: {e.message}"

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 from harness import schema
-from harness.rank.protocol import problem
 
 P2P = {"send": "p2p", "recv": "p2p", "recv_like": "p2p"}
 
@@ -47,7 +46,7 @@ def check_ledger(path: Path) -> tuple[list[dict[str, Any]], str | None] | None:
         if not isinstance(e, dict):
             return out, f"line {n} is not a JSON object"
         if "protocol" in e:  # an executable's record, versioned
-            why = problem("collective", e)
+            why = schema.protocol_problem("collective", e)
             if why is not None:
                 return out, f"line {n} is not a protocol-{schema.COMMAND_PROTOCOL} collective record ({why})"
         elif not isinstance(e.get("op"), str):

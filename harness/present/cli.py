@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from harness.controller.preflight import preflight
 from harness.judge.baselines import BaselineError
 from harness.memory_plan import BUDGET_VAR, size_arg
-from harness.present import starter
+from harness.present import soak_cli, starter
 from harness.present.baseline_cli import add_parsers
 from harness.present.live import MODES, PLAIN_EVERY_S, PlainProgress, progress_display
 from harness.present.pipeline import available, run_and_judge
@@ -312,6 +312,7 @@ def parser() -> argparse.ArgumentParser:
                      help="check these hosts instead: SSH, versions, backends, all-reduce bandwidth between them")
     doc.set_defaults(func=cmd_doctor)
     add_parsers(sub)
+    soak_cli.add_parser(sub)
     starter.add_parser(sub, lambda s, backend: preflight(plan_scenario(s), backend))
     return p
 

@@ -103,7 +103,8 @@ def load_libraries(job: Job) -> None:
 def _job_runner(job: Job) -> Callable[[RankContext], dict[str, Any]]:
     """A ``train`` job runs the module of the trainer under test its job names; ``allsum``
     is the all-sum job (``harness.rank.allsum``), ``mlx_lm_step`` the speed anchor and ``grad_allreduce`` its all-reduce
-    alone (``harness.rank.anchor``)."""
+    alone (``harness.rank.anchor``), ``soak`` the soak's
+    all-reduces (``harness.rank.soak``)."""
     import importlib
 
     kind = job.kind
@@ -113,6 +114,8 @@ def _job_runner(job: Job) -> Callable[[RankContext], dict[str, Any]]:
         return importlib.import_module("harness.rank.anchor").run
     if kind == "grad_allreduce":
         return importlib.import_module("harness.rank.anchor").allreduce
+    if kind == "soak":
+        return importlib.import_module("harness.rank.soak").run
     return importlib.import_module(job.trainer.module).run
 
 

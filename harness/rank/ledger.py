@@ -48,13 +48,18 @@ def call_site(mlx_dir: str) -> str:
     first = None
     while frame is not None:
         path = frame.f_code.co_filename
-        if not path.startswith(mlx_dir) and path != __file__:
+        if not path.startswith(mlx_dir) and path != __file__ and not path.startswith("<frozen"):
             here = f"{Path(path).name}:{frame.f_lineno} in {frame.f_code.co_name}"
             first = first or here
             if not path.startswith(HARNESS):
                 return here
         frame = frame.f_back
     return first or "unknown"
+
+
+def stream_name(stream: Any) -> str | None:
+    """``cpu`` for ``mx.cpu`` (a device type), else the stream or device as MLX prints it."""
+    return None if stream is None else str(stream).replace("DeviceType.", "")
 
 
 class Ledger:
@@ -85,7 +90,7 @@ class Ledger:
             peer = args[at]
         entry = {"seq": self.seq, "op": op, "shape": list(shape) if shape is not None else None,
                  "dtype": str(dtype).replace("mlx.core.", "") if dtype is not None else None,
-                 "stream": str(kwargs["stream"]) if kwargs.get("stream") is not None else None,
+                 "stream": stream_name(kwargs.get("stream")),
                  "group": group.size() if group is not None else self.world_size, "peer": peer,
                  "step": self.step, "site": call_site(self._mlx)}
         if self._trace is not None:  # MLX is tracing a compiled function: later calls replay this

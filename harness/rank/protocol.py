@@ -8,12 +8,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-from functools import cache
 from pathlib import Path
 from typing import Any
 
 from harness import schema
 from harness.rank.context import ReportedFailure
+from harness.schema import protocol_problem as problem
 
 FILES = schema.COMMAND_FILES
 
@@ -30,25 +30,6 @@ def open_protocol(run_dir: Path | str, rank: int, rep: Any, label: str) -> tuple
     out.mkdir(exist_ok=True)
     rep.name = label
     return out, Feed(out, rep, label)
-
-
-@cache
-def _validator(name: str) -> Any:
-    import jsonschema
-
-    doc = json.loads((Path(__file__).parent.parent / "protocol" / f"{name}.schema.json").read_text())
-    return jsonschema.Draft202012Validator(doc)
-
-
-def problem(name: str, record: Any) -> str | None:
-    """Why ``record`` is not a valid ``name`` record ("job", "event", "result"), or None."""
-    if isinstance(record, dict) and record.get("protocol") != schema.COMMAND_PROTOCOL:
-        return f"protocol {record.get('protocol')!r}, the harness speaks {schema.COMMAND_PROTOCOL}"
-    errors = sorted(_validator(name).iter_errors(record), key=lambda e: list(e.path))
-    if not errors:
-        return None
-    e = errors[0]
-    return f"{'.'.join(map(str, e.path)) or 'the record'}: {e.message}"
 
 
 class Writer:

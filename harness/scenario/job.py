@@ -1,5 +1,6 @@
 """The jobs a controller gives its ranks, typed: what one run's ranks do (``TrainJob``), the
-launch check's all-sums (``AllSumJob``) and the speed anchor's bare step (``AnchorJob``).
+launch check's all-sums (``AllSumJob``), the speed anchor's bare step (``AnchorJob``) and the
+hang-rate soak's gradient-shaped all-reduces (``SoakJob``).
 
 A job crosses the process boundary as the job file (``harness.schema.JOB_FILE``): ``to_json``
 writes it and ``job_from_json`` reads it back strictly, refusing a key it does not know. A
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.scenario.spec import FaultSpec, Scenario
+from harness.scenario.spec import FaultSpec, ModelSpec, Scenario
 
 
 class JobError(ValueError):
@@ -251,9 +252,78 @@ class AnchorJob:
                    d.get("backend"), d.get("launched_at"), dict(d.get("device") or {}), dict(d.get("memory") or {}))
 
 
-Job = TrainJob | AllSumJob | AnchorJob
+@dataclass(frozen=True)
+class SoakStop:
+    """A planted hang: ``rank`` stops itself (SIGSTOP) once it has issued the round holding the
+    cell's call ``call`` (1-based), before that round is evaluated, so every rank's ledger holds
+    the collective the others then wait in."""
+
+    rank: int
+    call: int
+
+
+@dataclass(frozen=True)
+class SoakJob:
+    """The soak's all-reduces (``harness.rank.soak``): each round all-sums one float32 array of
+    each gradient shape on ``stream`` ("cpu": ``stream=mx.cpu``; "default": none) and emits a
+    ``step`` event; one call is one ``all_sum`` of one array. The shapes are ``shapes``, else the
+    trainable parameters of ``config`` (an mlx-lm config, as it is), else of ``model`` built as
+    the reference trainer builds it (``vocab_size``: its tokenizer's). ``calls``: this launch's
+    calls (None: until ``until``, a ``time.time()`` the ranks agree to stop by); ``first_call``:
+    the calls the cell made before this launch (calls are numbered by the cell)."""
+
+    shapes: tuple[tuple[int, ...], ...] = ()
+    config: dict[str, Any] | None = None
+    model: ModelSpec | None = None
+    vocab_size: int = 0
+    stream: str = "cpu"
+    calls: int | None = None
+    first_call: int = 0
+    until: float | None = None
+    stop: SoakStop | None = None
+    world_size: int | None = None
+    backend: str | None = None
+    launched_at: float | None = None
+    device: dict[str, Any] = field(default_factory=dict)
+    memory: dict[str, Any] = field(default_factory=dict)
+
+    kind = "soak"
+    scenario = None
+    faults = ()
+
+    @property
+    def steps(self) -> int:
+        """The rounds of this launch where known (one array a round), else 0."""
+        return int(self.calls or 0) if len(self.shapes) == 1 else 0
+
+    def launched(self, **launch: Any) -> SoakJob:
+        return dataclasses.replace(self, **launch)
+
+    def to_json(self) -> dict[str, Any]:
+        out = {"kind": self.kind, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}}
+        out["shapes"] = [list(s) for s in self.shapes]
+        out["model"] = None if self.model is None else dataclasses.asdict(self.model)
+        out["stop"] = None if self.stop is None else dataclasses.asdict(self.stop)
+        return {k: v for k, v in out.items() if v is not None and v != {}}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> SoakJob:
+        known = {f.name for f in dataclasses.fields(cls)}
+        _known(d, known, "soak job")
+        fields = {k: v for k, v in d.items() if k in known}
+        fields["shapes"] = tuple(tuple(int(n) for n in s) for s in d.get("shapes", ()))
+        if d.get("model") is not None:
+            _known(d["model"], {f.name for f in dataclasses.fields(ModelSpec)}, "soak job's model")
+            fields["model"] = ModelSpec(**d["model"])
+        if d.get("stop") is not None:
+            _known(d["stop"], {"rank", "call"}, "soak job's stop")
+            fields["stop"] = SoakStop(**d["stop"])
+        return cls(**fields)
+
+
+Job = TrainJob | AllSumJob | AnchorJob | SoakJob
 KINDS: dict[str, type] = {TrainJob.kind: TrainJob, AllSumJob.kind: AllSumJob, "mlx_lm_step": AnchorJob,
-                          "grad_allreduce": AnchorJob}
+                          "grad_allreduce": AnchorJob, SoakJob.kind: SoakJob}
 
 
 def job_from_json(d: dict[str, Any]) -> Job:
