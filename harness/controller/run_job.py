@@ -226,7 +226,9 @@ def _summarize(name: str, run_dir: Path, started: launcher.Launch, report: Watch
     world_size = started.world_size
     ranks = collect(run_dir, world_size, report)
     failure = failure_reason(ranks, report)
-    collectives = desync(run_dir, world_size) if failure is not None else None
+    # a rank that left no result, or a run stopped at a time limit, may have waited in a collective
+    stuck = report.limit in ("no_progress", "wall") or any(o.result is None for o in ranks)
+    collectives = desync(run_dir, world_size) if failure is not None and stuck else None
     if collectives is not None:  # which collective the ranks disagree on, or all wait in
         failure += "\n" + collectives["line"]
     feed.finish("ok" if failure is None else failure.splitlines()[0])
