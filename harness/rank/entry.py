@@ -28,6 +28,7 @@ from harness.rank.ledger import enabled as ledger_enabled
 from harness.rank.memory import MemorySampler, accelerator, device_baseline_kind, peak_rss_bytes
 from harness.rank.startup import StartupClock
 from harness.scenario.job import Job, TrainJob, job_from_json
+from harness.scenario.names import COLLECTIVE_MUTATIONS
 
 TMPDIR_VAR = "MLX_DDP_HARNESS_TMPDIR"
 
@@ -159,8 +160,9 @@ def main(argv: list[str]) -> int:
         device_check.set_device(job)  # before the group and warm-up: every array of the rank lives there
         world_size = int(job.world_size or 1)
         own_group = isinstance(job, TrainJob) and job.trainer.own_group  # a command's processes join it
-        if not own_group and ledger_enabled():  # every collective it issues, in order, for the controller
-            ledger = Ledger(schema.ledger_path(run_dir, rank), world_size)
+        mutation = job.mutation if isinstance(job, TrainJob) and job.mutation in COLLECTIVE_MUTATIONS else None
+        if not own_group and (ledger_enabled() or mutation):  # every collective it issues, for the controller
+            ledger = Ledger(schema.ledger_path(run_dir, rank), world_size, rank, mutation)
             ledger.install()
             events.listeners.append(ledger.on_event)
         group, backend = ((None, job.backend or "none") if own_group else _init_group(world_size, job.backend))

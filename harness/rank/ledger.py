@@ -12,8 +12,9 @@ traces it, so its collectives are recorded then (with ``compiled``: the function
 number) and every later call that does not trace records them again from that trace, so a compiled
 step's ledger reads like an eager one's. ``MLX_DDP_HARNESS_LEDGER=0`` in the controller's
 environment keeps no ledger (``enabled``; what it costs is measured by
-``benchmarks/ledger_overhead.py``). The controller compares the ranks' ledgers when a run fails or
-stops making progress (``harness.controller.ledgers``).
+``benchmarks/ledger_overhead.py``). A run's collective mutation acts here too
+(``harness.rank.collective_mutations``). The controller compares the ranks' ledgers when a run
+fails or stops making progress (``harness.controller.ledgers``).
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from harness.rank.collective_mutations import is_gradient, mutated_all_sum
+
 OPS = ("all_sum", "all_gather", "all_max", "all_min", "sum_scatter", "send", "recv", "recv_like")
-HARNESS = str(Path(__file__).resolve().parents[1])
+HARNESS = tuple({str(p) + os.sep for p in (Path(__file__).parents[1], Path(__file__).resolve().parents[1])})
 SWITCH = "MLX_DDP_HARNESS_LEDGER"
 
 
@@ -35,15 +38,16 @@ def enabled() -> bool:
     return os.environ.get(SWITCH, "1") != "0"
 
 
-def _mlx_dir() -> str:
+def _mlx_dir() -> tuple[str, ...]:
     import mlx
 
-    return str(Path(list(mlx.__path__)[0]).resolve())
+    here = Path(list(mlx.__path__)[0])
+    return tuple({str(p) + os.sep for p in (here, here.resolve())})  # with the separator: not mlx_lm's
 
 
-def call_site(mlx_dir: str) -> str:
+def call_site(mlx_dir: tuple[str, ...]) -> tuple[str, bool]:
     """``file:line in function`` of the first caller outside MLX and the harness, else the first
-    outside MLX (the harness's own trainers)."""
+    outside MLX (the harness's own trainers); and whether it is outside the harness."""
     frame = sys._getframe(2)  # noqa: SLF001 - the wrapper's caller
     first = None
     while frame is not None:
@@ -52,9 +56,9 @@ def call_site(mlx_dir: str) -> str:
             here = f"{Path(path).name}:{frame.f_lineno} in {frame.f_code.co_name}"
             first = first or here
             if not path.startswith(HARNESS):
-                return here
+                return here, True
         frame = frame.f_back
-    return first or "unknown"
+    return first or "unknown", False
 
 
 def stream_name(stream: Any) -> str | None:
@@ -65,8 +69,8 @@ def stream_name(stream: Any) -> str | None:
 class Ledger:
     """One rank's ledger file; ``step`` is the training step in progress (set from its events)."""
 
-    def __init__(self, path: Path, world_size: int):
-        self.path, self.world_size = path, world_size
+    def __init__(self, path: Path, world_size: int, rank: int = 0, mutation: str | None = None):
+        self.path, self.world_size, self.rank, self.mutation = path, world_size, rank, mutation
         self.seq, self.step = 0, 0
         self._f = open(path, "a", buffering=1)
         self._lock = threading.Lock()
@@ -75,7 +79,8 @@ class Ledger:
         self._trace: list[dict[str, Any]] | None = None  # collectives of the trace in progress
         self._compiled: list[str] = []
 
-    def record(self, op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def record(self, op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Write the call's line; whether the run's collective mutation acts on it."""
         x = args[0] if args else kwargs.get("x", kwargs.get("like"))
         shape = kwargs.get("shape") if op == "recv" else getattr(x, "shape", None)
         if op == "recv" and shape is None and args:
@@ -92,11 +97,16 @@ class Ledger:
                  "dtype": str(dtype).replace("mlx.core.", "") if dtype is not None else None,
                  "stream": stream_name(kwargs.get("stream")),
                  "group": group.size() if group is not None else self.world_size, "peer": peer,
-                 "step": self.step, "site": call_site(self._mlx)}
+                 "step": self.step}
+        entry["site"], external = call_site(self._mlx)
+        mutate = bool(self.mutation and op == "all_sum" and external and is_gradient(x))
+        if mutate:
+            entry["mutation"] = self.mutation
         if self._trace is not None:  # MLX is tracing a compiled function: later calls replay this
             self._trace.append(entry)
             entry = {**entry, "compiled": self._compiled[-1]}
         self._write(entry)
+        return mutate
 
     def _write(self, entry: dict[str, Any]) -> None:
         with self._lock:
@@ -147,7 +157,8 @@ class Ledger:
             self._originals[op] = original
 
             def wrapper(*args: Any, _op: str = op, _original: Any = original, **kwargs: Any) -> Any:
-                self.record(_op, args, kwargs)
+                if self.record(_op, args, kwargs):
+                    return mutated_all_sum(self.mutation, _original, args, kwargs, self.rank, self.world_size)
                 return _original(*args, **kwargs)
 
             setattr(mx.distributed, op, wrapper)
@@ -169,6 +180,9 @@ class Ledger:
             self._f.close()
 
     def on_event(self, kind: str, fields: dict[str, Any]) -> None:
-        """A ``step`` event ended step k: the next collectives belong to step k + 1."""
-        if kind == "step" and isinstance(fields.get("step"), int):
+        """Step 0 is start-up (the device check, the group's first exchanges); the ``start`` event
+        begins step 1, and a ``step`` event that ended step k begins step k + 1."""
+        if kind == "start":
+            self.step = max(self.step, 1)
+        elif kind == "step" and isinstance(fields.get("step"), int):
             self.step = fields["step"] + 1

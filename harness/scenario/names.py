@@ -36,6 +36,13 @@ MUTATIONS_DESCRIBED = {  # the DDP bugs a run can inject into the reference trai
     "accum_twice": "accumulated gradients divided by grad_accum although the token weighting already normalises them",
     "stale_gradient": "the previous step's gradient is all-reduced (zeros at the first step)",
 }
+COLLECTIVE_MUTATIONS = {  # planted in any Python trainer's gradient all-reduce (harness.rank.collective_mutations)
+    "allreduce_skipped": "the gradient all-reduce skipped: each rank keeps its own gradient",
+    "allreduce_not_averaged": "the gradient all-reduced but not averaged: its result N times an average",
+    "rank_dropped": "the last rank's contribution left out of the gradient all-reduce",
+}
+REFERENCE_MUTATIONS = tuple(MUTATIONS_DESCRIBED)  # injected into the reference trainer's arithmetic
+MUTATIONS_DESCRIBED.update(COLLECTIVE_MUTATIONS)
 MUTATION_NAMES = tuple(MUTATIONS_DESCRIBED)
 
 

@@ -12,6 +12,7 @@ from harness.scenario.names import (
     ARCHS,
     BACKENDS,
     CHECKPOINT_FILES,
+    COLLECTIVE_MUTATIONS,
     COMPILE_MODES,
     COMPILE_SCOPES,
     DAMAGE_ACTIONS,
@@ -27,6 +28,7 @@ from harness.scenario.names import (
     OPTIMIZERS,
     ORDERS,
     PRECISIONS,
+    REFERENCE_MUTATIONS,
     TEXT_ARCHS,
     VLM_ARCHS,
 )
@@ -207,8 +209,13 @@ def _validate_run_trainer(s: Scenario, i: int, r: RunSpec, src: str) -> None:
     require(not eff.data.streaming or info.streams, src, f"{where}.data.streaming",
             f"{name} takes an in-memory dataset ({', '.join(with_kind('streams'))} can read a stream)")
     if info.external:
-        require(r.mutation is None, src, f"{where}.mutation", "mutations are injected into the reference trainer only")
+        require(r.mutation is None or (r.mutation in COLLECTIVE_MUTATIONS and not info.command), src,
+                f"{where}.mutation", f"{name} takes a collective mutation ({', '.join(COLLECTIVE_MUTATIONS)}); "
+                f"an executable none: the reference trainer's own bugs are planted in it alone")
         require(eff.train.input_dropout == 0, src, f"{where}.train.input_dropout", f"{name} has no input dropout")
+    else:
+        require(r.mutation not in COLLECTIVE_MUTATIONS, src, f"{where}.mutation",
+                f"{name}'s all-reduce is its own: its bugs are {', '.join(REFERENCE_MUTATIONS)}")
     if info.rules is not None:
         info.rules(eff, r, src, where)
     for j, f in enumerate(eff.faults):
