@@ -69,7 +69,7 @@ def test_the_toy_trainer_is_validated_by_its_record(tmp_path: Path) -> None:
     mutated = _toy(d, "toy_mutated", (1, 2))
     mutated.write_text(mutated.read_text() + 'mutation = "mean_of_means"\n')
     p = cli("run", str(mutated), env=env)
-    assert p.returncode == 2 and "mutations are injected into the reference trainer only" in p.stderr
+    assert p.returncode == 2 and "the toy trainer takes a collective mutation (allreduce_skipped" in p.stderr
     p = cli("list", str(d), env={})  # without the package: the kind is unknown, in one line
     assert p.returncode == 2 and "[trainer].kind: must be one of" in p.stderr and "Traceback" not in p.stderr
 

@@ -60,7 +60,9 @@ def judge(plan: ScenarioPlan, runs: list[RunOutcome]) -> list[Check]:
         for family, names in planned.checks:
             got = [c for c in judge_of(family)(j) if c.name in names]
             done = {c.name for c in got}
-            j.so_far += got + [_unmeasured(j, family, n) for n in names if n not in done]
-        checks += not_applicable(run, j.so_far) if run.ok else j.so_far
+            got += [_unmeasured(j, family, n) for n in names if n not in done]
+            # n/a as each family is judged: a later family (``mutation``) must not count them as failures
+            j.so_far += not_applicable(run, got) if run.ok else got
+        checks += j.so_far
     mark_expected_failures(checks, s.checks.expected_failures)
     return checks
