@@ -5,15 +5,19 @@ counted once, named from the ledgers and relaunched past, and a time limit ends 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from harness.controller import rank_budget
 from harness.judge.rates import Rate, binom_cdf, clopper_pearson, quantile
 from harness.present.cli import main
 from harness.scenario import ModelSpec
 from harness.scenario.job import JobError, SoakJob, SoakStop, job_from_json
 
+REPO = Path(__file__).resolve().parents[1]
 WATCHDOG_S = "3"  # the planted hang's no-progress limit: a hang costs this much of the test's time
 
 
@@ -41,7 +45,7 @@ def test_a_rate_without_a_hang_still_gives_an_upper_bound() -> None:
 
 def test_the_soak_job_reads_back_strictly() -> None:
     jobs = [SoakJob(shapes=((1024,), (3, 4)), stream="default", calls=9, first_call=4, stop=SoakStop(1, 7)),
-            SoakJob(config={"model_type": "llama", "hidden_size": 8}, until=12.5),
+            SoakJob(config={"model_type": "llama", "hidden_size": 8}, seconds=12.5),
             SoakJob(model=ModelSpec(arch="qwen3"), vocab_size=259, calls=3).launched(world_size=2, backend="ring")]
     for job in jobs:
         assert job_from_json(json.loads(json.dumps(job.to_json()))) == job
@@ -100,8 +104,36 @@ def test_a_time_limit_ends_a_cell_on_an_agreed_round(tmp_path: Path) -> None:
     code, doc = _soak(tmp_path, "--streams", "default", "--ranks", "3", "--minutes", "0.05", "--watchdog", "10")
     (cell,) = doc["cells"]
     assert code == 0 and cell["launches"] == 1 and not cell["hangs"] and not cell["failures"], cell
-    assert cell["calls"] > 0 and cell["wall_s"] < 3 + 5, cell  # 3 s of calls, with start-up and some overshoot
+    # 3 s of calls, with start-up and some overshoot; waiting for rank slots beside other tests' launches
+    # (queued_s) takes nothing from the 3 s
+    assert cell["calls"] > 1 and cell["wall_s"] - cell["queued_s"] < 3 + 5, cell
     assert doc["calls_per_cell"] is None and doc["seconds_per_cell"] == 3.0
+
+
+HOLDER = """
+import sys, time
+from harness.controller import rank_budget
+slots = rank_budget.hold(2, "run 'neighbour'")
+print("held", flush=True)
+time.sleep(float(sys.argv[1]))
+"""
+
+
+@pytest.mark.ranks
+def test_time_queued_for_rank_slots_takes_nothing_from_a_timed_cell(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """A launch that waits for rank slots beside another launch still gets its cell's time for calls."""
+    monkeypatch.setenv(rank_budget.DIR_VAR, str(tmp_path / "slots"))
+    monkeypatch.setenv(rank_budget.BUDGET_VAR, "2")
+    monkeypatch.delenv(rank_budget.HELD_VAR, raising=False)
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, "5"], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        code, doc = _soak(tmp_path / "out", "--streams", "cpu", "--minutes", "0.05", "--watchdog", "10")
+    finally:
+        holder.wait(timeout=30)
+    (cell,) = doc["cells"]
+    assert code == 0 and cell["queued_s"] > 3, cell  # it waited for the neighbour's 2 slots
+    assert cell["calls"] > 10 and cell["wall_s"] - cell["queued_s"] < 3 + 5, cell
 
 
 @pytest.mark.parametrize("options, says", [

@@ -123,8 +123,8 @@ def _call_ms(outcome: RunOutcome) -> list[float]:
     return [1000 * float(e["round_s"]) / int(e["round_calls"]) for e in steps if e.get("round_calls")]
 
 
-def _wall(until: float | None, watchdog_s: float) -> float:
-    return UNCAPPED_WALL_S if until is None else max(0.0, until - time.time()) * 2 + 60 + 2 * watchdog_s
+def _wall(left: float | None, watchdog_s: float) -> float:
+    return UNCAPPED_WALL_S if left is None else left * 2 + 60 + 2 * watchdog_s
 
 
 def run_cell(cell: Cell, spec: SoakSpec, keep: Path | None = None,
@@ -133,23 +133,24 @@ def run_cell(cell: Cell, spec: SoakSpec, keep: Path | None = None,
     (an ok launch's are not kept); ``tell``: a line per launch."""
     out = CellResult(cell)
     t0 = time.monotonic()
-    until = None if spec.seconds is None else time.time() + spec.seconds
     stop, in_a_row = spec.stop, 0
     while spec.calls is None or out.calls < spec.calls:
-        if until is not None and until - time.time() < MIN_LAUNCH_S:
+        # the cell's time, less what its launches spent queued for rank slots beside other launches
+        left = None if spec.seconds is None else spec.seconds - (time.monotonic() - t0 - out.queued_s)
+        if left is not None and left < MIN_LAUNCH_S:
             break
         if in_a_row >= spec.max_failures:
             out.stopped = (f"stopped after {in_a_row} launches in a row that failed or hung before completing a "
                            f"call")
             break
         out.launches += 1
-        job = dataclasses.replace(spec.job, stream=cell.stream, first_call=out.calls, until=until, stop=stop,
+        job = dataclasses.replace(spec.job, stream=cell.stream, first_call=out.calls, seconds=left, stop=stop,
                                   calls=None if spec.calls is None else spec.calls - out.calls)
         files = None if keep is None else keep / cell.name / f"launch{out.launches}"
         began = time.monotonic()
         try:
             outcome = execute(f"soak-{cell.name}-{out.launches}", job, cell.ranks, backend=cell.backend,
-                              wall_s=_wall(until, spec.watchdog_s), no_progress_s=spec.watchdog_s, keep_to=files)
+                              wall_s=_wall(left, spec.watchdog_s), no_progress_s=spec.watchdog_s, keep_to=files)
         except LaunchError as e:
             out.stopped = f"could not launch: {e}"
             break
@@ -164,7 +165,7 @@ def run_cell(cell: Cell, spec: SoakSpec, keep: Path | None = None,
             in_a_row = 0
             _drop(files)
             _tell(tell, cell, out, f"{out.calls - before} calls, ok ({took})")
-            if until is not None:  # the ranks stopped at the time they agreed on
+            if left is not None:  # the ranks stopped at the time they agreed on
                 break
             if spec.calls is not None and out.calls < spec.calls:
                 out.stopped = f"launch {out.launches} ended ok after {out.calls} of {spec.calls} calls"

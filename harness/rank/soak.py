@@ -4,10 +4,11 @@
 Each round all-sums one float32 array of each gradient shape (one call each; a launch's last
 round may take the first few only, so that the cell makes exactly its calls) on the job's stream,
 evaluates them together and emits a ``step`` event: the watchdog's progress, and the round's
-calls and time for the controller. A launch with a time limit (``until``) agrees with the other
-ranks how many rounds fit: after rounds 1, 2, 4, 8, ..., and again when the agreed rounds are
-done, each rank estimates the rounds it can finish by then and the ranks take the smallest (one
-``all_min`` of an int32[1], not a call), so that every rank stops after the same round.
+calls and time for the controller. A launch with a time limit (``seconds``, from its first
+round) agrees with the other ranks how many rounds fit: after rounds 1, 2, 4, 8, ..., and again
+when the agreed rounds are done, each rank estimates the rounds it can finish by then and the
+ranks take the smallest (one ``all_min`` of an int32[1], not a call), so that every rank stops
+after the same round.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def run(ctx: RankContext) -> dict[str, Any]:
     import mlx.core as mx
 
     job: SoakJob = ctx.job
-    if job.calls is None and job.until is None:
+    if job.calls is None and job.seconds is None:
         raise ValueError("the soak job has neither calls nor a time to stop by")
     shapes = gradient_shapes(job)
     stream = mx.cpu if job.stream == "cpu" else None
@@ -86,9 +87,10 @@ def run(ctx: RankContext) -> dict[str, Any]:
     timed: int | None = None  # the rounds the ranks agreed fit in the time
     done = rounds = 0
     next_plan, started = 1, time.time()
+    until = started + (job.seconds or 0.0)
     while max_rounds is None or rounds < max_rounds:
         if timed is not None and rounds >= timed:  # the agreed rounds are done: does another fit?
-            timed = _agreed_rounds(ctx, stream, rounds, started, job.until or 0.0)
+            timed = _agreed_rounds(ctx, stream, rounds, started, until)
             if rounds >= timed:
                 break
         k = width if job.calls is None else min(width, job.calls - done)
@@ -101,8 +103,8 @@ def run(ctx: RankContext) -> dict[str, Any]:
         done, rounds = done + k, rounds + 1
         ctx.events.emit("step", step=rounds, rank=ctx.rank, calls=job.first_call + done, round_calls=k,
                         round_s=took, step_time_s=took, arrays=width, round_bytes=round_bytes)
-        if job.until is not None and rounds == next_plan:
-            timed = _agreed_rounds(ctx, stream, rounds, started, job.until)
+        if job.seconds is not None and rounds == next_plan:
+            timed = _agreed_rounds(ctx, stream, rounds, started, until)
             next_plan *= 2
     return {"calls": done, "rounds": rounds, "first_call": job.first_call, "arrays": width,
             "round_bytes": round_bytes, "stream": job.stream}

@@ -269,7 +269,8 @@ class SoakJob:
     ``step`` event; one call is one ``all_sum`` of one array. The shapes are ``shapes``, else the
     trainable parameters of ``config`` (an mlx-lm config, as it is), else of ``model`` built as
     the reference trainer builds it (``vocab_size``: its tokenizer's). ``calls``: this launch's
-    calls (None: until ``until``, a ``time.time()`` the ranks agree to stop by); ``first_call``:
+    calls (None: for ``seconds``, counted from the ranks' start, so that a launch queued for rank
+    slots loses none of it; the ranks agree when to stop); ``first_call``:
     the calls the cell made before this launch (calls are numbered by the cell)."""
 
     shapes: tuple[tuple[int, ...], ...] = ()
@@ -279,7 +280,7 @@ class SoakJob:
     stream: str = "cpu"
     calls: int | None = None
     first_call: int = 0
-    until: float | None = None
+    seconds: float | None = None
     stop: SoakStop | None = None
     world_size: int | None = None
     backend: str | None = None
