@@ -10,9 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from harness.controller.outcome import RankOutcome, RunOutcome, WatchReport
+from harness.judge.checks import Check
+from harness.judge.timed_mutations import rank_failure_named, straggler_passed
 from harness.rank.collective_mutations import mutated_all_sum
 from harness.scenario import ScenarioError, load_scenario
-from harness.scenario.names import COLLECTIVE_MUTATIONS
+from harness.scenario.names import COLLECTIVE_MUTATIONS, MUTATION_EXPECTS
 from tests.conftest import REPO, cli, script_scenario
 
 SCRIPT = (REPO / "examples" / "minimal_script.py").read_text()
@@ -29,9 +32,54 @@ def test_each_collective_mutation_changes_what_an_all_sum_returns() -> None:
 
     got = {m: mutated_all_sum(m, summed, (x,), {}, 1, 2).tolist() for m in COLLECTIVE_MUTATIONS}
     assert got == {"allreduce_skipped": [1.0, 2.0], "allreduce_not_averaged": [22.0, 24.0],
-                   "rank_dropped": [10.0, 10.0]}  # rank 1 of 2 is the last: its share is dropped
+                   "rank_dropped": [10.0, 10.0],  # rank 1 of 2 is the last: its share is dropped
+                   "straggler": [11.0, 12.0], "rank_killed": [11.0, 12.0]}  # these change when, not what
     with pytest.raises(ValueError, match="unknown collective mutation"):
         mutated_all_sum("nothing", summed, (x,), {}, 0, 2)
+
+
+def _ranks(times: dict[int, list[float]], fault: dict | None) -> list[RankOutcome]:
+    out = []
+    for r, ts in times.items():
+        events = [{"kind": "step", "step": k, "step_time_s": t} for k, t in enumerate(ts, start=1)]
+        if fault is not None and fault["rank"] == r:
+            events.append(fault)
+        out.append(RankOutcome(r, 0, False, {"status": "ok"}, events, ""))
+    return out
+
+
+def test_a_straggler_passes_only_when_nothing_else_failed_and_the_wait_shows() -> None:
+    delay = {"kind": "fault", "phase": "collective", "action": "delay", "rank": 1, "step": 2, "seconds": 1.5,
+             "site": "train.py:9 in step"}
+    waited = {0: [0.5, 1.6, 0.1, 0.1, 0.1], 1: [0.5, 1.6, 0.1, 0.1, 0.1]}
+    run = RunOutcome("straggler", 2, "ring", True, None, _ranks(waited, delay), WatchReport(3.0, 0))
+    ok = straggler_passed(run, "straggler", [Check("loss_parity", "straggler", True, 1e-7, 1e-5)])
+    assert ok.passed and ok.value == pytest.approx(1.5) and "rank 0 waited 1.50 s" in ok.detail, ok.detail
+    false_alarm = straggler_passed(run, "straggler", [Check("loss_parity", "straggler", False, 1e-3, 1e-5)])
+    assert not false_alarm.passed and "but loss_parity failed" in false_alarm.detail
+    unseen = RunOutcome("straggler", 2, "ring", True, None, _ranks({0: [0.5, 0.1, 0.1, 0.1, 0.1], 1: [0.5] * 5},
+                                                                     delay), WatchReport(3.0, 0))
+    assert not straggler_passed(unseen, "straggler", []).passed
+    never = RunOutcome("straggler", 2, "ring", True, None, _ranks(waited, None), WatchReport(3.0, 0))
+    assert "the delay never acted" in straggler_passed(never, "straggler", []).detail
+
+
+def test_a_killed_rank_passes_only_when_the_run_names_it_first() -> None:
+    kill = {"kind": "fault", "phase": "collective", "action": "sigkill", "rank": 1, "step": 2, "time": 100.0,
+            "site": "train.py:9 in step"}
+    ranks = _ranks({0: [0.1], 1: [0.1]}, kill)
+
+    def run(failure: str | None) -> RunOutcome:
+        return RunOutcome("rank_killed", 2, "ring", failure is None, failure, ranks,
+                          WatchReport(3.0, 1, named_at=100.4))
+
+    named = rank_failure_named(run("rank 1 ended with signal SIGKILL after step 1\nrank 0 ended with signal SIGTERM"),
+                               "rank_killed")
+    assert named.passed and named.value == pytest.approx(0.4)
+    assert "named as the failing rank 0.4 s after" in named.detail
+    for failure in ("rank 0 failed: RuntimeError: boom\nrank 1 ended with signal SIGKILL after step 1",
+                    "watchdog: no progress from any rank for 60 s; process group killed", None):
+        assert not rank_failure_named(run(failure), "rank_killed").passed, failure
 
 
 def test_a_collective_mutation_is_refused_where_it_cannot_act(tmp_path: Path) -> None:
@@ -52,36 +100,53 @@ def _names_no_na_check(run: str, caught: dict, checks: dict) -> None:
     assert na and not any(name in caught["detail"] for name in na), (na, caught["detail"])
 
 
-@pytest.mark.ranks
-def test_every_collective_mutation_is_caught_in_a_users_script(tmp_path: Path) -> None:
-    path = script_scenario(tmp_path, SCRIPT, "script_mutations", world_sizes=(1, 2), extra=RUNS)
-    p = cli("run", str(path), "--out", str(tmp_path / "out"))
-    (s,) = json.loads((tmp_path / "out" / "result.json").read_text())["scenarios"]
+def _shows_its_power(s: dict, stdout: str) -> dict:
+    """Every collective mutation of ``[checks] mutations = "collectives"`` did what it must, in
+    result.json's ``mutations`` and in the printed table; the correct runs passed every check."""
     checks = {(c["name"], c["run"]): c for c in s["checks"]}
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
-    assert all(c["passed"] and c["result"] in ("pass", "n/a") for (_, r), c in checks.items() if r == "ddp2")
-    for m in COLLECTIVE_MUTATIONS:
+    correct = [c for (_, r), c in checks.items() if r in ("single", "ddp2")]
+    assert correct and all(c["passed"] and c["result"] in ("pass", "n/a") for c in correct)
+    got = {m["mutation"]: m for m in s["mutations"]}
+    assert list(got) == list(COLLECTIVE_MUTATIONS)
+    for m, record in got.items():
+        print(f"{m}: {record['outcome']} by {record['by']} {record['value']} / {record['limit']}: {record['detail']}")
+        assert record["passed"], record
+        if m in MUTATION_EXPECTS:
+            continue
         caught = checks[("mutation_caught", m)]
-        assert caught["passed"] and caught["value"] >= 10, caught
-        print(f"{m}: {caught['detail']}")
+        assert record["outcome"] == "caught" and caught["value"] >= 10 and record["margin"] >= 10, record
         _names_no_na_check(m, caught, checks)
-    assert "allreduce_not_averaged" in p.stdout  # the mutation table names each
+    wait = got["straggler"]
+    assert wait["outcome"] == "passed" and wait["value"] >= 0.75 and "rank 0 waited" in wait["detail"]
+    killed = got["rank_killed"]
+    assert killed["outcome"] == "rank named" and "rank 1 ended with signal SIGKILL" in killed["detail"]
+    assert not next(r for r in s["runs"] if r["name"] == "rank_killed")["ok"]
+    for m in COLLECTIVE_MUTATIONS:
+        assert any(line.startswith(m + " ") for line in stdout.splitlines()), m  # a row of the mutation table
+    return checks
 
 
 @pytest.mark.ranks
-def test_every_collective_mutation_is_caught_in_mlx_lms_trainer(tmp_path: Path) -> None:
-    """mlx-lm's own ``train()`` (compiled, ``average_gradients``), under the default suite's
-    ``mlx_lm_lora``: its gradient all-reduce is found from mlx-lm's call site and mutated."""
-    path = tmp_path / "mlx_lm_mutations.toml"
-    path.write_text((REPO / "scenarios" / "mlx_lm_lora.toml").read_text() + RUNS)
+def test_every_collective_mutation_shows_its_power_in_a_users_script(tmp_path: Path) -> None:
+    """``[checks] mutations = "collectives"`` on a script: one run per mutation, copied from ddp2."""
+    path = script_scenario(tmp_path, SCRIPT, "script_mutations", world_sizes=(1, 2))
+    opt_in = 'reference = "single"\nmutations = "collectives"\n'
+    path.write_text(path.read_text().replace('reference = "single"\n', opt_in))
+    assert [r.name for r in load_scenario(path).runs] == ["single", "ddp2", *COLLECTIVE_MUTATIONS]
     p = cli("run", str(path), "--out", str(tmp_path / "out"))
     (s,) = json.loads((tmp_path / "out" / "result.json").read_text())["scenarios"]
-    checks = {(c["name"], c["run"]): c for c in s["checks"]}
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
-    for m in COLLECTIVE_MUTATIONS:
-        caught = checks[("mutation_caught", m)]
-        assert caught["passed"] and caught["value"] >= 10, caught
-        print(f"{m}: {caught['detail']}")
-        _names_no_na_check(m, caught, checks)
+    _shows_its_power(s, p.stdout)
+
+
+@pytest.mark.ranks
+def test_every_collective_mutation_shows_its_power_in_mlx_lms_trainer(tmp_path: Path) -> None:
+    """mlx-lm's own ``train()`` (compiled, ``average_gradients``): the shipped power scenario, which
+    extends the default suite's ``mlx_lm_lora``. Its gradient all-reduce is found from mlx-lm's call
+    site and mutated; in its compiled step the straggler and the kill act as the step is called."""
+    p = cli("run", str(REPO / "scenarios" / "power" / "mlx_lm_lora.toml"), "--out", str(tmp_path / "out"))
+    (s,) = json.loads((tmp_path / "out" / "result.json").read_text())["scenarios"]
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    _shows_its_power(s, p.stdout)
     ledger = (tmp_path / "out" / "runs" / s["name"] / "rank_dropped" / "rank0.collectives.jsonl").read_text()
     assert '"site":"trainer.py:' in ledger and '"mutation":"rank_dropped"' in ledger

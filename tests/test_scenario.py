@@ -130,3 +130,52 @@ def test_bad_resume_keys_are_named(scenario_dir: Path, patch: tuple[str, str], e
     with pytest.raises(ScenarioError) as e:
         load_scenario(path)
     assert str(path) in str(e.value) and expected_key in str(e.value) and message in str(e.value), str(e.value)
+
+
+def test_a_scenario_extends_another_with_its_own_name_and_tables_laid_over(tmp_path: Path) -> None:
+    power = load_scenario(REPO / "scenarios" / "power" / "mlx_lm_lora.toml")
+    base = load_scenario(REPO / "scenarios" / "mlx_lm_lora.toml")
+    assert (power.name, power.default, base.default) == ("mlx_lm_lora_power", True, True)
+    assert power.seed == base.seed and power.model == base.model and power.train == base.train
+    assert power.checks.reference == "single" and power.checks.mutations == "collectives"
+    assert [(r.name, r.mutation) for r in power.runs] == [
+        ("single", None), ("ddp2", None), ("allreduce_skipped", "allreduce_skipped"),
+        ("allreduce_not_averaged", "allreduce_not_averaged"), ("rank_dropped", "rank_dropped"),
+        ("straggler", "straggler"), ("rank_killed", "rank_killed")]
+    assert all(r.world_size == 2 for r in power.runs[1:])
+    vlm = load_scenario(REPO / "scenarios" / "power" / "mlx_vlm_parity.toml")  # its runs replace the base's
+    assert [r.name for r in vlm.runs][:3] == ["single", "ddp2", "allreduce_skipped"]
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "base.toml").write_text('[scenario]\nname = "base"\nextends = "other.toml"\n')
+    (tmp_path / "a.toml").write_text('[scenario]\nname = "a"\nextends = "sub/base.toml"\n')
+    with pytest.raises(ScenarioError, match=r"a.toml: \[scenario\].extends: base.toml extends another file itself"):
+        load_scenario(tmp_path / "a.toml")
+    (tmp_path / "b.toml").write_text('[scenario]\nname = "b"\nextends = "nowhere.toml"\n')
+    with pytest.raises(ScenarioError, match=r"b.toml: \[scenario\].extends: scenario file not found: .*nowhere.toml"):
+        load_scenario(tmp_path / "b.toml")
+
+
+@pytest.mark.parametrize("value, says", [
+    ("everything", "[checks].mutations: 'everything' is not one of collectives"),
+    ("collectives", "[checks].mutations: the reference trainer takes no collective mutation (its all-reduce is its"),
+])
+def test_collective_mutations_opt_in_is_refused_where_it_cannot_apply(tmp_path: Path, value: str, says: str) -> None:
+    path = tmp_path / "s.toml"
+    path.write_text((REPO / "scenarios" / "text_parity.toml").read_text()
+                    .replace("[checks]\n", f'[checks]\nmutations = "{value}"\n', 1))
+    with pytest.raises(ScenarioError) as e:
+        load_scenario(path)
+    assert says in str(e.value), e.value
+
+
+def test_collective_mutations_need_a_run_to_copy_and_free_names(tmp_path: Path) -> None:
+    base = (REPO / "scenarios" / "mlx_lm_lora.toml").read_text()
+    path = tmp_path / "s.toml"
+    path.write_text(base.replace('name = "ddp2"\nworld_size = 2', 'name = "ddp2"\nworld_size = 1')
+                    .replace('[checks]\n', '[checks]\nmutations = "collectives"\n', 1))
+    with pytest.raises(ScenarioError, match="no run to mutate: it copies the first run of world_size >= 2"):
+        load_scenario(path)
+    path.write_text(base.replace('name = "ddp2"', 'name = "straggler"')
+                    .replace('[checks]\n', '[checks]\nmutations = "collectives"\n', 1))
+    with pytest.raises(ScenarioError, match="a run is already named 'straggler'"):
+        load_scenario(path)

@@ -14,9 +14,11 @@ from harness.judge.floors import floors
 from harness.judge.parity import eval_parity, loss_parity, param_parity, step_local
 from harness.judge.power import judge_power, start_parity
 from harness.judge.resume_checks import judge_resume
+from harness.judge.timed_mutations import rank_failure_named, straggler_passed
 from harness.judge.wired_share import wired_share as wired_share_check
 from harness.scenario import RunSpec, Scenario
 from harness.scenario.checks import CheckName
+from harness.scenario.names import MUTATION_EXPECTS
 from harness.scenario.plan import PlannedRun, ScenarioPlan
 
 
@@ -126,4 +128,9 @@ def wired_share(j: Judged) -> list[Check]:
 
 
 def mutation(j: Judged) -> list[Check]:
+    expects = MUTATION_EXPECTS.get(j.spec.mutation, "caught")
+    if expects == "pass":
+        return [straggler_passed(j.run, j.spec.mutation, j.so_far)]
+    if expects == "rank_failure":
+        return [rank_failure_named(j.run, j.spec.mutation)]
     return [mutation_caught(j.run, j.spec.mutation, j.so_far, j.s.checks.mutation_margin)]

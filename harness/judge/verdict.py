@@ -54,7 +54,7 @@ def judge(plan: ScenarioPlan, runs: list[RunOutcome]) -> list[Check]:
         if run.floor is not None:
             continue
         planned = plan.run(run.name)
-        if planned.spec.expect_error is None and not run.ok:
+        if not planned.spec.fails_by_design and not run.ok:
             continue
         j = Judged(plan, run, planned, ref if ref is not None and ref.ok else None, by_name, [])
         for family, names in planned.checks:

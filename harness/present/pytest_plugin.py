@@ -174,7 +174,7 @@ class ScenarioFile(pytest.File):
             run.checks = plan.get(spec.name, [])
             run.expected = {n: reason_for(self.scenario.checks.expected_failures, n, spec.name)
                             for n in run.checks}
-            run.expect_error = spec.expect_error is not None
+            run.expect_error = spec.fails_by_design
             yield run
 
     def result(self) -> ScenarioResult:

@@ -9,6 +9,7 @@ from typing import Any
 from harness import schema
 from harness.controller.outcome import RunOutcome
 from harness.judge.checks import Check, median_after_first
+from harness.present.mutation_summary import mutation_summary
 from harness.scenario import Scenario, ScenarioError, TrainerSpec
 from harness.scenario.plan import PlannedRun, ScenarioPlan
 from harness.scenario.trainers import TrainerInfo, trainer_info
@@ -90,7 +91,7 @@ def run_summary(run: RunOutcome, planned: PlannedRun, ref: RunOutcome | None) ->
         "hosts": run.hosts,
         "collectives": run.collectives,
         "artifacts": str(run.artifacts) if run.artifacts else None,
-        "expect_error": spec.expect_error,
+        "expect_error": spec.expect_error or (f"{spec.mutation}: a rank killed" if spec.fails_by_design else None),
         "resume_from": spec.resume_from,
         "compare_to": spec.compare_to,
         "mutation": spec.mutation,
@@ -162,7 +163,7 @@ def model_label(s: Scenario, runs: list[RunOutcome]) -> str:
 def scenario_summary(plan: ScenarioPlan, runs: list[RunOutcome], checks: list[Check]) -> dict[str, Any]:
     s = plan.scenario
     ref = next((r for r in runs if r.name == s.checks.reference), None)
-    infra = [r for r in runs if not r.ok and plan.run(r.name).spec.expect_error is None]
+    infra = [r for r in runs if not r.ok and not plan.run(r.name).spec.fails_by_design]
     status = "error" if infra else ("passed" if all(c.passed for c in checks) else "failed")
     return {
         "name": s.name,
@@ -174,8 +175,9 @@ def scenario_summary(plan: ScenarioPlan, runs: list[RunOutcome], checks: list[Ch
         "status": status,
         "passed": status == "passed",
         "inconclusive": [f"{c.name} ({c.run})" for c in checks if c.result == "inconclusive"],
-        "checks": [c.to_dict() for c in checks],
+        "checks": (judged := [c.to_dict() for c in checks]),
         "runs": [run_summary(r, plan.run(r.name), ref) for r in runs],
+        "mutations": mutation_summary([(r.name, r.spec.mutation) for r in plan.declared], judged),
     }
 
 

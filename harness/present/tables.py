@@ -9,7 +9,6 @@ from tabulate import tabulate
 from harness.present.conditions import MARK, condition_notes, disturbed
 from harness.present.shapes import width_cell, width_warnings
 from harness.scenario.checks import CheckName
-from harness.scenario.names import MUTATIONS_DESCRIBED
 
 FORMATS = {"plain": "simple", "github": "github"}
 
@@ -233,30 +232,27 @@ def floor_notes(scenario: dict[str, Any]) -> list[str]:
     return [f"{r['name']} (floor): {r['floor']}" for r in scenario["runs"] if r.get("floor")]
 
 
-MUTATION_HEADERS = ["Mutation", "What it does", "Caught by", "Value", "Limit", "Margin", "Also failing"]
+MUTATION_HEADERS = ["Mutation", "What it does", "Caught by", "Value", "Limit", "Margin",
+                    "Also failing (or what it showed)"]
 
 
 def mutation_rows(scenario: dict[str, Any]) -> list[list[Any]]:
-    """One row per run with an injected bug: the check that caught it (the clearest one with a
-    measured margin, value / limit, of at least ``mutation_margin``, else an exact criterion that
-    failed: a count or digest that must match) and the others that failed."""
+    """One row per run with an injected bug (``scenario["mutations"]``,
+    ``harness.present.mutation_summary``): the check that caught it (the clearest one with a
+    measured margin of at least ``mutation_margin``, else an exact criterion that failed: a count
+    or digest that must match) and the others that failed; for a straggler or a rank killed, how
+    the run came out."""
     rows = []
-    for r in scenario["runs"]:
-        if not r.get("mutation"):
-            continue
-        mine = [c for c in scenario["checks"] if c["run"] == r["name"]]
-        summary = next((c for c in mine if c["name"] == CheckName.mutation_caught), {})
-        required = summary.get("limit") or 0
-        caught = [c for c in mine if c.get("result") == "caught"]
-        finite = sorted((c for c in caught if c.get("margin") is not None), key=lambda c: c["margin"], reverse=True)
-        exact = [c for c in caught if c.get("margin") is None]
-        best = finite[0] if finite and finite[0]["margin"] >= required else (exact or finite or [None])[0]
-        status = "" if summary.get("passed") else " NOT CAUGHT"
-        margin = "-" if best is None else (_fmt(best["margin"]) if best.get("margin") is not None else "exact")
-        others = ", ".join(c["name"] + (f" ({_fmt(c['margin'])})" if c.get("margin") is not None else " (exact)")
-                           for c in caught if c is not best)
-        rows.append([r["mutation"], MUTATIONS_DESCRIBED[r["mutation"]], (best["name"] if best else "-") + status,
-                     _fmt(best["value"]) if best else "-", _fmt(best["limit"]) if best else "-", margin, others])
+    for m in scenario.get("mutations") or []:
+        status = "" if m["outcome"] == "caught" else f" {m['outcome']}"
+        margin = _fmt(m["margin"]) if m.get("margin") is not None else ("exact" if m.get("exact") else "-")
+        others = ", ".join(a["check"] + (f" ({_fmt(a['margin'])})" if a.get("margin") is not None else " (exact)")
+                           for a in m["also"])
+        if m["expects"] != "caught":  # it must pass, or fail naming its rank: the outcome, and what it showed
+            status, others = m["outcome"], m["detail"]
+        else:
+            status = (m["by"] or "-") + status
+        rows.append([m["mutation"], m["what"], status, _fmt(m["value"]), _fmt(m["limit"]), margin, others])
     return rows
 
 

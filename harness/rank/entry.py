@@ -22,6 +22,7 @@ from typing import Any
 
 from harness import schema
 from harness.rank import device_check, memory_share
+from harness.rank.collective_mutations import CollectiveMutation
 from harness.rank.context import RankContext, ReportedFailure
 from harness.rank.ledger import Ledger
 from harness.rank.ledger import enabled as ledger_enabled
@@ -162,7 +163,8 @@ def main(argv: list[str]) -> int:
         own_group = isinstance(job, TrainJob) and job.trainer.own_group  # a command's processes join it
         mutation = job.mutation if isinstance(job, TrainJob) and job.mutation in COLLECTIVE_MUTATIONS else None
         if not own_group and (ledger_enabled() or mutation):  # every collective it issues, for the controller
-            ledger = Ledger(schema.ledger_path(run_dir, rank), world_size, rank, mutation)
+            ledger = Ledger(schema.ledger_path(run_dir, rank), world_size, rank,
+                            None if mutation is None else CollectiveMutation(mutation, rank, world_size, events.emit))
             ledger.install()
             events.listeners.append(ledger.on_event)
         group, backend = ((None, job.backend or "none") if own_group else _init_group(world_size, job.backend))

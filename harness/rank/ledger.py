@@ -26,7 +26,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from harness.rank.collective_mutations import is_gradient, mutated_all_sum
+from harness.rank.collective_mutations import CollectiveMutation, is_gradient
 
 OPS = ("all_sum", "all_gather", "all_max", "all_min", "sum_scatter", "send", "recv", "recv_like")
 HARNESS = tuple({str(p) + os.sep for p in (Path(__file__).parents[1], Path(__file__).resolve().parents[1])})
@@ -69,7 +69,7 @@ def stream_name(stream: Any) -> str | None:
 class Ledger:
     """One rank's ledger file; ``step`` is the training step in progress (set from its events)."""
 
-    def __init__(self, path: Path, world_size: int, rank: int = 0, mutation: str | None = None):
+    def __init__(self, path: Path, world_size: int, rank: int = 0, mutation: CollectiveMutation | None = None):
         self.path, self.world_size, self.rank, self.mutation = path, world_size, rank, mutation
         self.seq, self.step = 0, 0
         self._f = open(path, "a", buffering=1)
@@ -101,11 +101,13 @@ class Ledger:
         entry["site"], external = call_site(self._mlx)
         mutate = bool(self.mutation and op == "all_sum" and external and is_gradient(x))
         if mutate:
-            entry["mutation"] = self.mutation
+            entry["mutation"] = self.mutation.name
         if self._trace is not None:  # MLX is tracing a compiled function: later calls replay this
             self._trace.append(entry)
             entry = {**entry, "compiled": self._compiled[-1]}
         self._write(entry)
+        if mutate and self._trace is None:
+            self.mutation.arrive(self.step, entry["site"])
         return mutate
 
     def _write(self, entry: dict[str, Any]) -> None:
@@ -135,6 +137,9 @@ class Ledger:
         def call(*a: Any, **kw: Any) -> Any:
             state["calls"] += 1
             state["traced"] = False
+            mutated = next((e for e in state["trace"] if e.get("mutation")), None)
+            if mutated is not None:  # the step holds a mutated all-reduce: a timed mutation acts as it is called
+                self.mutation.arrive(self.step, mutated["site"])
             out = compiled(*a, **kw)
             if not state["traced"]:
                 for e in state["trace"]:
@@ -158,7 +163,7 @@ class Ledger:
 
             def wrapper(*args: Any, _op: str = op, _original: Any = original, **kwargs: Any) -> Any:
                 if self.record(_op, args, kwargs):
-                    return mutated_all_sum(self.mutation, _original, args, kwargs, self.rank, self.world_size)
+                    return self.mutation.all_sum(_original, args, kwargs)
                 return _original(*args, **kwargs)
 
             setattr(mx.distributed, op, wrapper)

@@ -153,7 +153,8 @@ BUILTIN = (  # in judging order
     CheckFamily(N.wired_share, (N.wired_share,), _wired_share, f"{JUDGES}:wired_share",
                 "No rank holds more than its share of its machine's memory."),
     CheckFamily("mutation", (N.mutation_caught,), _mutation, f"{JUDGES}:mutation",
-                "A run with an injected DDP bug has it caught: another of its checks failed by the required margin.",
+                "A run with an injected DDP bug has it caught: another of its checks failed by the required margin "
+                "(a straggler: every other check passed and the wait shows; a rank killed: the run names it).",
                 judged_last=True),
 )
 
@@ -227,8 +228,11 @@ def check_names() -> tuple[str, ...]:
 
 def run_rules(s: Scenario, spec: RunSpec) -> list[tuple[CheckFamily, list[str]]]:
     """The families that apply to one run, in order, with the checks (plain names) each gives it.
-    A run expected to fail gets the expected-failure check alone."""
+    A run expected to fail gets the expected-failure check alone; one whose mutation kills a rank,
+    the mutation's."""
     if spec.expect_error is not None:
         return [(family(N.expected_failure), [str(N.expected_failure)])]
+    if spec.fails_by_design:
+        return [(family("mutation"), [str(N.mutation_caught)])]
     return [(f, [str(n) for n in names]) for f in families()
             if f.name != N.expected_failure and (names := f.applies(s, spec))]

@@ -13,6 +13,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from harness.scenario.names import MUTATION_SETS
 from harness.scenario.rules import validate
 from harness.scenario.spec import (
     CheckSpec,
@@ -25,9 +26,12 @@ from harness.scenario.spec import (
     ScenarioError,
     TrainerSpec,
     TrainSpec,
+    compared,
 )
+from harness.scenario.trainers import trainer_info
 
-HEAD_KEYS = ("name", "description", "seed", "default", "full", "kind")  # [scenario]
+HEAD_KEYS = ("name", "description", "seed", "default", "full", "kind", "extends")  # [scenario]
+OWN_HEAD_KEYS = ("name", "default", "full")  # what a file extending another never inherits
 
 
 
@@ -124,6 +128,9 @@ def parse_scenario(data: dict[str, Any], src: str, base: Path) -> Scenario:
     for key in head:
         if key not in HEAD_KEYS:
             raise ScenarioError(f"{src}: [scenario].{key}: unknown key (known: {', '.join(sorted(HEAD_KEYS))})")
+    if "extends" in head:
+        raise ScenarioError(f"{src}: [scenario].extends: only a scenario file can extend another (its path "
+                            f"resolves from the file's directory)")
     default = head.get("default", False)
 
     def many(key: str, cls: type) -> list[Any]:
@@ -167,22 +174,83 @@ def parse_scenario(data: dict[str, Any], src: str, base: Path) -> Scenario:
     s.data.eval_path = _resolve(s.data.eval_path, base, src, "[data].eval_path")
     if not is_named_tokenizer(s.data.tokenizer):
         s.data.tokenizer = _resolve(s.data.tokenizer, base, src, "[data].tokenizer")
+    s.runs += mutation_runs(s, src)
     validate(s, src)
     return s
 
 
-def load_scenario(path: Path | str) -> Scenario:
-    """Read and validate one scenario file."""
-    p = Path(path)
+def mutation_runs(s: Scenario, src: str) -> list[RunSpec]:
+    """``[checks] mutations``: one run per mutation of the set, each a copy of the first run of two
+    or more ranks compared with the reference (not resumed, stopped early or mutated already)."""
+    asked = s.checks.mutations
+    if asked is None:
+        return []
+    key = "[checks].mutations"
+    if asked not in MUTATION_SETS:
+        raise ScenarioError(f"{src}: {key}: {asked!r} is not one of {', '.join(MUTATION_SETS)}")
+    info = trainer_info(s.trainer.kind)
+    if not info.external or info.command:
+        raise ScenarioError(f"{src}: {key}: the {info.kind} trainer takes no collective mutation "
+                            + ("(its all-reduce is its own: list its bugs as [[runs]] mutation)" if not info.external
+                               else "(an executable's collectives are not MLX's Python calls)"))
+    base = next((r for r in s.runs if r.world_size >= 2 and compared(s, r) and r.mutation is None
+                 and r.resume_from is None and r.stop_after is None), None)
+    if base is None:
+        raise ScenarioError(f"{src}: {key}: no run to mutate: it copies the first run of world_size >= 2 compared "
+                            f"with [checks].reference")
+    taken = {r.name for r in s.runs}
+    clash = [m for m in MUTATION_SETS[asked] if m in taken]
+    if clash:
+        raise ScenarioError(f"{src}: {key}: a run is already named {clash[0]!r} (the mutated runs take their "
+                            f"mutations' names)")
+    return [dataclasses.replace(base, name=m, mutation=m, compare_to=None) for m in MUTATION_SETS[asked]]
+
+
+def _read(p: Path) -> dict[str, Any]:
     if not p.is_file():
         raise ScenarioError(f"{p}: scenario file not found")
     try:
-        data = tomllib.loads(p.read_text())
+        return tomllib.loads(p.read_text())
     except (OSError, UnicodeDecodeError) as e:
         raise ScenarioError(f"{p}: unreadable ({e})") from e
     except tomllib.TOMLDecodeError as e:
         raise ScenarioError(f"{p}: malformed TOML ({e})") from e
-    return parse_scenario(data, str(p), p.parent)
+
+
+def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``over`` on top of ``base``: tables key by key, anything else (arrays of runs, faults) replaced."""
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _merged(base[key], value) if isinstance(value, dict) and isinstance(base.get(key), dict) else value
+    return out
+
+
+def extended(data: dict[str, Any], p: Path) -> tuple[dict[str, Any], Path]:
+    """A file with ``[scenario] extends = "OTHER.toml"`` is that scenario with this file's tables
+    laid over it (its name, ``default`` and ``full`` are its own); paths in either resolve from
+    the extended file's directory. One level: the extended file extends nothing."""
+    head = data.get("scenario")
+    if not isinstance(head, dict) or "extends" not in head:
+        return data, p.parent
+    other = head["extends"]
+    if not isinstance(other, str):
+        raise ScenarioError(f"{p}: [scenario].extends: expected a scenario file's path, got {other!r}")
+    base_path = (p.parent / other).resolve()
+    if not base_path.is_file():
+        raise ScenarioError(f"{p}: [scenario].extends: scenario file not found: {base_path}")
+    base = _read(base_path)
+    if "extends" in (base.get("scenario") or {}):
+        raise ScenarioError(f"{p}: [scenario].extends: {base_path.name} extends another file itself (one level only)")
+    base_head = {k: v for k, v in (base.get("scenario") or {}).items() if k not in OWN_HEAD_KEYS}
+    own = {k: v for k, v in head.items() if k != "extends"}
+    return _merged({**base, "scenario": base_head}, {**data, "scenario": own}), base_path.parent
+
+
+def load_scenario(path: Path | str) -> Scenario:
+    """Read and validate one scenario file (and the file it ``extends``)."""
+    p = Path(path)
+    data, base = extended(_read(p), p)
+    return parse_scenario(data, str(p), base)
 
 
 def discover(directory: Path | str) -> list[Path]:

@@ -40,7 +40,13 @@ COLLECTIVE_MUTATIONS = {  # planted in any Python trainer's gradient all-reduce 
     "allreduce_skipped": "the gradient all-reduce skipped: each rank keeps its own gradient",
     "allreduce_not_averaged": "the gradient all-reduced but not averaged: its result N times an average",
     "rank_dropped": "the last rank's contribution left out of the gradient all-reduce",
+    "straggler": "the last rank delayed inside its gradient all-reduce at step 2: the run must pass, the wait reported",
+    "rank_killed": "the last rank killed (SIGKILL) inside its gradient all-reduce at step 2: named as a rank failure",
 }
+# what a collective mutation's run must show; any other must be caught by a check that fails
+MUTATION_EXPECTS = {"straggler": "pass", "rank_killed": "rank_failure"}
+TIMED_MUTATION_STEP = 2  # the step at which the straggler is delayed and the rank killed
+MUTATION_SETS = {"collectives": tuple(COLLECTIVE_MUTATIONS)}  # ``[checks] mutations``: one run each
 REFERENCE_MUTATIONS = tuple(MUTATIONS_DESCRIBED)  # injected into the reference trainer's arithmetic
 MUTATIONS_DESCRIBED.update(COLLECTIVE_MUTATIONS)
 MUTATION_NAMES = tuple(MUTATIONS_DESCRIBED)

@@ -24,12 +24,14 @@ from harness.scenario.names import (
     FINE_TUNES,
     KINDS,
     LR_SCHEDULES,
+    MUTATION_EXPECTS,
     MUTATION_NAMES,
     OPTIMIZERS,
     ORDERS,
     PRECISIONS,
     REFERENCE_MUTATIONS,
     TEXT_ARCHS,
+    TIMED_MUTATION_STEP,
     VLM_ARCHS,
 )
 from harness.scenario.spec import (
@@ -152,6 +154,9 @@ def _validate_mutation(s: Scenario, i: int, r: RunSpec, src: str) -> None:
     micro = t.global_batch // t.grad_accum
     require(r.mutation != "drop_uneven" or micro % r.world_size != 0, src, key,
             f"drop_uneven needs micro-batches that do not divide evenly: {micro} rows over {r.world_size} ranks do")
+    require(r.mutation not in MUTATION_EXPECTS or t.steps >= TIMED_MUTATION_STEP + 2, src, key,
+            f"{r.mutation} acts at step {TIMED_MUTATION_STEP} and is judged against the steps after it: it needs "
+            f"[train].steps >= {TIMED_MUTATION_STEP + 2}")
 
 
 def _validate_fault(f: FaultSpec, where: str, src: str) -> None:

@@ -124,7 +124,7 @@ def floor_runs(s: Scenario) -> list[FloorRun]:
     """Every floor run the scenario's comparisons need, once each, in a stable order."""
     found: dict[str, FloorRun] = {}
     for run in s.runs:
-        if run.expect_error is not None:
+        if run.fails_by_design:
             continue
         bases = [s.run(s.checks.reference)] if compared(s, run) else []
         if run.compare_to is not None and not (
@@ -236,7 +236,7 @@ def train_job(s: Scenario, run: RunSpec, floor: FloorRun | None = None) -> Train
 def comparisons(s: Scenario, run: RunSpec) -> tuple[tuple[str, FloorRun | None], ...]:
     """The runs ``run`` is compared with (the reference, in a parity scenario; the run it must
     reproduce), each with the floor run that comparison is judged against."""
-    if run.expect_error is not None:
+    if run.fails_by_design:
         return ()
     bases = [s.run(s.checks.reference)] if compared(s, run) else []
     bases += [s.run(run.compare_to)] if run.compare_to is not None else []

@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from harness.scenario.names import VLM_ARCHS
+from harness.scenario.names import MUTATION_EXPECTS, VLM_ARCHS
 
 
 class ScenarioError(ValueError):
@@ -171,6 +171,11 @@ class RunSpec:
     compare_to: str | None = None
     mutation: str | None = None
 
+    @property
+    def fails_by_design(self) -> bool:
+        """Expected to fail: an ``expect_error`` run, or one whose mutation kills a rank."""
+        return self.expect_error is not None or MUTATION_EXPECTS.get(self.mutation or "") == "rank_failure"
+
 
 @dataclass
 class CheckSpec:
@@ -203,7 +208,10 @@ class CheckSpec:
     the same steps, in tok/s.
 
     ``mutation_margin``: a run with a ``mutation`` counts as caught when some check fails by at
-    least this factor (value / limit).
+    least this factor (value / limit). ``mutations = "collectives"`` adds one run per collective
+    mutation, each a copy of the scenario's first run of two or more ranks compared with the
+    reference, named after its mutation (``harness.scenario.load``): the scenario then proves its
+    checks' power on its own trainer.
 
     ``expected_failures``: check name -> the reason it is known to fail (for example a model
     whose forward depends on how a batch is split), or a table of run name -> reason where it is
@@ -221,6 +229,7 @@ class CheckSpec:
     probe_every: int = 5
     noise_floor: bool = True
     mutation_margin: float = 10.0
+    mutations: str | None = None
     max_rss_mb: float | None = None
     max_mlx_mb: float | None = None
     max_total_rss_mb: float | None = None
@@ -370,4 +379,4 @@ def writes_checkpoints(s: Scenario, run: RunSpec) -> bool:
 def compared(s: Scenario, run: RunSpec) -> bool:
     """Whether ``run`` is judged for parity with the reference."""
     ref = s.checks.reference
-    return s.kind == "parity" and ref is not None and run.name != ref and run.expect_error is None
+    return s.kind == "parity" and ref is not None and run.name != ref and not run.fails_by_design
