@@ -58,6 +58,7 @@ class Check:
     precision: str | None = None  # what the compared runs computed at (dtype, TF32)
     no_power: bool = False  # failed because it could not have seen a defect (``harness.judge.power``)
     noise: float | None = None  # a trajectory's floor runs' own largest deviation (``floor`` adds the absolute floor)
+    defect: str | None = None  # the known DDP defect a failed step-local check matches (``harness.judge.defects``)
 
     def __post_init__(self) -> None:
         self.name = str(self.name)  # a CheckName member as the plain string result.json holds

@@ -41,6 +41,7 @@ from typing import Any
 from harness.controller.outcome import RunOutcome
 from harness.controller.run_job import param_delta
 from harness.judge.checks import Check, listed
+from harness.judge.defects import name_defect
 from harness.scenario.checks import STEP_LOCAL, CheckName
 from harness.scenario.plan import ScenarioPlan
 
@@ -134,12 +135,15 @@ def step_local(run: RunOutcome, ref: RunOutcome, plan: ScenarioPlan, floor: RunO
     floor_recs = [rec for recs in (_probe_records(floor) if floor is not None else []) for rec in recs
                   if rec.get("step") in steps]
     out = [token_check]
+    limits: dict[str, Any] = {}
     for key, name in (("loss", CheckName.step_loss_parity), ("grad", CheckName.step_grad_parity)):
         noise = max((measured(rec, key) for rec in floor_recs), default=None)
         scaled = plan.scenario.checks.floor_ratio * noise if noise is not None else 0.0
 
         def limit_at(rec: dict[str, Any], scaled: float = scaled) -> float:
             return max(model.relative(rec["tokens_ref"]), scaled)
+
+        limits[key] = limit_at
 
         value, limit, rec = max(((measured(rec, key), limit_at(rec), rec) for recs in per_rank for rec in recs),
                                 key=lambda x: x[0] / x[1])
@@ -155,6 +159,11 @@ def step_local(run: RunOutcome, ref: RunOutcome, plan: ScenarioPlan, floor: RunO
                           f"same parameters and steps ({noise:.3g}))")
         out.append(Check(name, run.name, value <= limit, value, limit, detail, derivation=derivation,
                          floor=noise))
+    for c, key in zip(out[1:], ("loss", "grad"), strict=True):
+        if not c.passed:  # which known defect the trainer's figure matches (harness.judge.defects)
+            found = name_defect(per_rank, key, limits[key])
+            c.detail += f"; {found.text}"
+            c.defect = found.defect
     return out
 
 

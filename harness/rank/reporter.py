@@ -136,16 +136,18 @@ class StepReporter:
         if self.rng_from_start:
             self.rng_before = global_rng_states()
 
-    def probe(self, step: int, model: Any, compute: Callable[[], tuple[Any, Any, int]]) -> None:
+    def probe(self, step: int, model: Any, compute: Callable[[], tuple[Any, Any, int]],
+              micros: Callable[[], list[tuple[Any, Any, Any]] | None] | None = None) -> None:
         """Before optimizer step ``step`` updates anything: a step-local probe there when the job
         plans one (``compute``: the trainer's own global loss, all-reduced gradient and global
-        supervised tokens at ``model``'s current parameters; ``step_probe.Probes.take``)."""
+        supervised tokens at ``model``'s current parameters; ``micros``: its micro-batches as
+        ``(inputs, targets, mask)``, where it can give them; ``step_probe.Probes.take``)."""
         self.probe_offered = True
         if step != self.steps + 1:
             raise ReportedFailure(f"{self.name} probed step {step} before step {self.steps + 1}: a probe comes "
                                   f"before the update of the step it is taken at")
         if step in self.probes.steps:
-            self.probe_s += self.probes.take(step, model, compute, self.ctx.rank, self.ctx.world_size)
+            self.probe_s += self.probes.take(step, model, compute, self.ctx.rank, self.ctx.world_size, micros)
 
     def width(self, inputs: int) -> None:
         """The trainer runs a micro-batch ``inputs`` positions wide (padding included) in the

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import schema
+from harness.rank.defects import hypotheses, measure
 from harness.scenario.job import ProbeJob
 from harness.schema import probe_path
 
@@ -52,12 +53,15 @@ class Probes:
         return self.records[-1]["probe_s"]
 
     def take(self, step: int, model: Any, compute: Callable[[], tuple[Any, Any, int]], rank: int,
-             world_size: int) -> float:
+             world_size: int, micros: Callable[[], list[tuple[Any, Any, Any]] | None] | None = None) -> float:
         """A trainer under test probes ``step`` through its own seam: ``compute()`` returns its global
         loss, all-reduced gradient and global supervised tokens at ``model``'s current parameters on
         the step's batch, through the trainer's own loss and reduction, without updating anything.
         Recording, rank 0 keeps the parameters and gradient; comparing, ``compute`` runs
-        at the reference's parameters and the model gets its own back. Returns the seconds it took."""
+        at the reference's parameters and the model gets its own back; where ``micros()`` gives
+        this rank's micro-batches as ``(inputs, targets, mask)`` (the same on every rank: it is
+        followed by collectives), the known defects are measured there too (``harness.rank.defects``).
+        Returns the seconds it took."""
         import mlx.core as mx
         from mlx.utils import tree_unflatten
 
@@ -80,10 +84,14 @@ class Probes:
             try:
                 loss, grads, tokens = compute()
                 mx.eval(loss, grads)
+                rows = micros() if micros is not None else None
+                found = hypotheses(model, rows, rank, world_size) if rows else None
             finally:
                 model.update(saved)
                 restore_key(key)
             self.records.append(compare(step, loss, grads, int(tokens), ref))
+            if found is not None:
+                self.records[-1]["defects"] = measure(found, loss, grads, int(tokens), ref)
         self.records[-1]["probe_s"] = time.perf_counter() - start
         return self.records[-1]["probe_s"]
 

@@ -51,6 +51,21 @@ REFERENCE_MUTATIONS = tuple(MUTATIONS_DESCRIBED)  # injected into the reference 
 MUTATIONS_DESCRIBED.update(COLLECTIVE_MUTATIONS)
 MUTATION_NAMES = tuple(MUTATIONS_DESCRIBED)
 
+# the known DDP defects a failed step-local check is tested against (harness.rank.defects)
+DEFECTS_DESCRIBED = {
+    "correct": "the correct token-weighted global loss and gradient",
+    "mean_of_means": "the mean of the ranks' per-rank mean losses and gradients",
+    "micro_means": "the mean of every micro-batch's own mean loss and gradient",
+    "no_allreduce": "no all-reduce: each rank's own mean loss and gradient",
+    "no_allreduce_global": "no gradient all-reduce: each rank's own gradient sum over the global token count",
+    "no_allreduce_scaled": "no gradient all-reduce: each rank's own gradient scaled for an average (x N / T) "
+                           "that never happens",
+    "not_divided_by_world": "the ranks' mean losses and gradients summed but not divided by the world size",
+    "local_token_count": "the loss and gradient summed over the ranks but divided by the rank's own token count",
+    "grad_times_world": "the gradient scaled by the world size",
+    "same_rows": "every rank on the same rows (rank 0's)",
+}
+
 
 class CheckName(StrEnum):
     """Every built-in check (its family: ``harness.scenario.checks``): a member's identifier is the

@@ -1,0 +1,136 @@
+"""Known DDP defects as hypotheses at a step-local probe: what each would make the global loss,
+gradient and token count be on this step's rows, computed with the harness's own loss.
+
+At a comparing probe (``harness.rank.step_probe``), the model holds the reference run's
+parameters. Where the trainer hands over its micro-batches as ``(inputs, targets, mask)``
+(token ids, next-token targets, a 0/1 supervised mask; ``canonical``), every rank computes its
+own pieces with the reference's loss (the summed cross-entropy of the supervised targets): its
+loss sum S_r, token count T_r and gradient sum G_r, and per micro-batch the token means. A few
+all-sums over the ranks then give each hypothesis (N ranks, T = sum of T_r, on this rank r):
+
+=====================  ==========================================  ==========
+hypothesis             loss / gradient                             tokens
+=====================  ==========================================  ==========
+correct                sum S / T, sum G / T                        T
+mean_of_means          mean over ranks of S_r / T_r, G_r / T_r     T
+micro_means            (with several micro-batches) the mean over  T
+                       every rank's micro-batches of their means
+no_allreduce           S_r / T_r, G_r / T_r (this rank's own)      T
+no_allreduce_global    sum S / T, G_r / T                          T
+no_allreduce_scaled    sum S / T, N x G_r / T                      T
+not_divided_by_world   sum over ranks of S_r / T_r, G_r / T_r      T
+local_token_count      sum S / T_r, sum G / T_r                    T
+grad_times_world       sum S / T, N x sum G / T                    T
+same_rows              S_0 / T_0, G_0 / T_0 (rank 0's rows)        N x T_0
+=====================  ==========================================  ==========
+
+Their descriptions: ``harness.scenario.names.DEFECTS_DESCRIBED``. The trainer's own figures are
+measured against each (``measure``), and ``correct`` against the reference run's; the judge names
+the one that matches (``harness.judge.defects``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+
+def canonical(args: tuple[Any, ...]) -> bool:
+    """Whether a micro-batch is ``(inputs, targets, mask)``: integer token arrays and a mask, one shape."""
+    import mlx.core as mx
+
+    if len(args) != 3 or not all(isinstance(a, mx.array) for a in args):
+        return False
+    inputs, targets, mask = args
+    return (inputs.shape == targets.shape == mask.shape and inputs.ndim == 2
+            and mx.issubdtype(inputs.dtype, mx.integer) and mx.issubdtype(targets.dtype, mx.integer))
+
+
+def _pieces(model: Any, micros: list[tuple[Any, Any, Any]]) -> tuple[Any, Any, Any, Any, Any]:
+    """This rank's loss sum, token count and gradient sum over its micro-batches, and the sums
+    of its micro-batches' own mean losses and gradients, with the reference's loss."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_map
+
+    def loss_sum(m: Any, inputs: Any, targets: Any, mask: Any) -> Any:
+        logits = m(inputs).astype(mx.float32)
+        return (nn.losses.cross_entropy(logits, targets, reduction="none") * mask.astype(mx.float32)).sum()
+
+    value_and_grad = nn.value_and_grad(model, loss_sum)
+    s, t, g, ms, mg = mx.array(0.0), mx.array(0.0), None, mx.array(0.0), None
+    for inputs, targets, mask in micros:
+        v, grads = value_and_grad(model, inputs, targets, mask)
+        n = mask.astype(mx.float32).sum()
+        s, t, ms = s + v, t + n, ms + v / n
+        g = grads if g is None else tree_map(lambda a, b: a + b, g, grads)
+        mg = tree_map(lambda a, n=n: a / n, grads) if mg is None else tree_map(lambda a, b, n=n: a + b / n, mg, grads)
+    return s, t, g, ms, mg
+
+
+def hypotheses(model: Any, micros: list[tuple[Any, Any, Any]], rank: int, world_size: int) -> dict[str, tuple]:
+    """Each hypothesis's (loss, gradient tree, tokens) on this rank (module docstring)."""
+    import mlx.core as mx
+    from mlx.utils import tree_map
+
+    def reduce(x: Any) -> Any:
+        return tree_map(lambda a: mx.distributed.all_sum(a), x) if world_size > 1 else x
+
+    def mine_or_zero(x: Any) -> Any:
+        return tree_map(lambda a: a if rank == 0 else a * 0, x)
+
+    n, m = float(world_size), float(len(micros))
+    s, t, g, ms, mg = _pieces(model, micros)
+    big_s, big_t, big_g = reduce(s), reduce(t), reduce(g)
+    mean_s, mean_g = reduce(s / t), reduce(tree_map(lambda a: a / t, g))
+    s0, t0, g0 = reduce(mine_or_zero(s)), reduce(mine_or_zero(t)), reduce(mine_or_zero(g))
+
+    def over(x: Any, d: Any) -> Any:
+        return tree_map(lambda a: a / d, x)
+
+    out = {
+        "correct": (big_s / big_t, over(big_g, big_t), big_t),
+        "mean_of_means": (mean_s / n, over(mean_g, n), big_t),
+        "no_allreduce": (s / t, over(g, t), big_t),
+        "no_allreduce_global": (big_s / big_t, over(g, big_t), big_t),
+        "no_allreduce_scaled": (big_s / big_t, tree_map(lambda a: a * n / big_t, g), big_t),
+        "not_divided_by_world": (mean_s, mean_g, big_t),
+        "local_token_count": (big_s / t, over(big_g, t), big_t),
+        "grad_times_world": (big_s / big_t, tree_map(lambda a: a * n / big_t, big_g), big_t),
+        "same_rows": (s0 / t0, over(g0, t0), t0 * n),
+    }
+    if m > 1:  # with one micro-batch a step, the same as mean_of_means
+        out["micro_means"] = (reduce(ms) / (n * m), over(reduce(mg), n * m), big_t)
+    mx.eval(out)
+    return out
+
+
+def _rel(mine: dict[str, Any], theirs: dict[str, Any]) -> float:
+    import mlx.core as mx
+
+    d = sum(((mine[k].astype(mx.float32) - theirs[k].astype(mx.float32)) ** 2).sum() for k in theirs)
+    r = sum((theirs[k].astype(mx.float32) ** 2).sum() for k in theirs)
+    d, r = float(d.item()), float(r.item())
+    return math.sqrt(d / r) if r > 0 else (0.0 if d == 0 else math.inf)
+
+
+def measure(found: dict[str, tuple], loss: Any, grads: Any, tokens: int, ref: dict[str, Any]) -> dict[str, Any]:
+    """How far the trainer's figures (its ``loss``, ``grads``, ``tokens``) are from each hypothesis,
+    and how far ``correct`` is from the reference run's (``ref``: its probe file): relative error
+    of the loss and of the gradient (over every tensor), and the token count each predicts."""
+    from mlx.utils import tree_flatten
+
+    mine = dict(tree_flatten(grads))
+    out: dict[str, Any] = {}
+    for name, (h_loss, h_grads, h_tokens) in found.items():
+        theirs = dict(tree_flatten(h_grads))
+        if theirs.keys() != mine.keys():
+            return {"unusable": f"the harness's gradient names differ from the trainer's "
+                                f"({sorted(theirs.keys() ^ mine.keys())[:3]})"}
+        hl = float(h_loss.item())
+        out[name] = {"loss_rel": abs(float(loss.item()) - hl) / abs(hl) if hl else math.inf,
+                     "grad_rel": _rel(mine, theirs), "tokens": int(round(float(h_tokens.item())))}
+    c_loss, c_grads, _ = found["correct"]
+    out["correct"]["ref_grad_rel"] = _rel(dict(tree_flatten(c_grads)), ref["grads"])
+    out["correct"]["ref_loss_rel"] = abs(float(c_loss.item()) - ref["loss"]) / abs(ref["loss"]) if ref["loss"] else 0.0
+    return out

@@ -1,0 +1,117 @@
+"""Defect naming: a failed step-local check names the known DDP defect the trainer's figures match
+(``harness.rank.defects``, ``harness.judge.defects``). A user's script (``examples/ddp_train.py``,
+which hands over ``run.probe``) with one defect planted per scenario, on real ranks: each is named,
+and the correct script names none."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, cli
+
+SCRIPT = (REPO / "examples" / "ddp_train.py").read_text()
+REDUCTION = """        tokens = mx.distributed.all_sum(mask.sum(), group=group)
+        loss_sum, grads = grad_fn(model, inputs, targets, mask)
+        # sum over ranks of (local token-loss gradient x N / T), averaged: the global gradient / T
+        grads = nn.average_gradients(scaled(grads, size / tokens), group=group)
+        return mx.distributed.all_sum(loss_sum, group=group) / tokens, grads, tokens
+"""
+SHARE = "        mine = [rows[i] for i in batch[rank::size]]\n"
+LOCAL = """        all_sum = partial(mx.distributed.all_sum, group=group)
+        local = mask.sum()
+        tokens = mx.distributed.all_sum(local, group=group)
+        loss_sum, grads = grad_fn(model, inputs, targets, mask)
+"""
+PLANTED = {  # what a user might have written instead, and the defect the harness must name
+    "mean_of_means": (LOCAL + """        grads = nn.average_gradients(scaled(grads, 1 / local), group=group)
+        return mx.distributed.all_sum(loss_sum / local, group=group) / size, grads, tokens
+""", None),
+    "no_allreduce": (LOCAL + """        return loss_sum / local, scaled(grads, 1 / local), tokens
+""", None),
+    "not_divided_by_world": (LOCAL + """        grads = tree_map(all_sum, scaled(grads, 1 / local))
+        return mx.distributed.all_sum(loss_sum / local, group=group), grads, tokens
+""", None),
+    "local_token_count": (LOCAL + """        grads = scaled(tree_map(all_sum, grads), 1 / local)
+        return all_sum(loss_sum) / local, grads, tokens
+""", None),
+    "no_allreduce_scaled": (LOCAL + """        return all_sum(loss_sum) / tokens, scaled(grads, size / tokens), tokens
+""", None),
+    "grad_times_world": (LOCAL + """        grads = tree_map(all_sum, scaled(grads, size / tokens))
+        return mx.distributed.all_sum(loss_sum, group=group) / tokens, grads, tokens
+""", None),
+    "same_rows": (REDUCTION, "        mine = [rows[i] for i in batch[0::size]]\n"),
+}
+
+
+def planted(defect: str | None) -> str:
+    if defect is None:
+        return SCRIPT
+    reduction, share = PLANTED[defect]
+    assert REDUCTION in SCRIPT and SHARE in SCRIPT
+    return "from functools import partial\n" + SCRIPT.replace(REDUCTION, reduction).replace(SHARE, share or SHARE)
+
+
+def scenario(d: Path, defect: str | None) -> Path:
+    name = defect or "correct"
+    (d / f"{name}.py").write_text(planted(defect))
+    path = d / f"{name}.toml"
+    path.write_text(f"""
+[scenario]
+name = "{name}"
+seed = 5
+
+[trainer]
+kind = "script"
+path = "{name}.py"
+
+[model]
+arch = "llama"
+
+[data]
+source = "generated"
+format = "prompt_completion"
+rows = 32
+
+[train]
+steps = 2
+global_batch = 8
+learning_rate = 3e-3
+
+[[runs]]
+name = "single"
+world_size = 1
+
+[[runs]]
+name = "ddp2"
+world_size = 2
+
+[checks]
+reference = "single"
+probe_every = 1
+
+[limits]
+wall_s = 240
+no_progress_s = 60
+""")
+    return path
+
+
+@pytest.mark.ranks
+def test_each_defect_planted_in_a_script_is_named_and_a_correct_script_names_none(tmp_path: Path) -> None:
+    paths = [scenario(tmp_path, d) for d in (None, *PLANTED)]
+    p = cli("run", *map(str, paths), "--out", str(tmp_path / "out"))
+    doc = json.loads((tmp_path / "out" / "result.json").read_text())
+    by = {s["name"]: s for s in doc["scenarios"]}
+    correct = [c for c in by["correct"]["checks"] if c["run"] == "ddp2"]
+    assert correct and all(c["passed"] and c["defect"] is None for c in correct), p.stdout[-3000:]
+    for defect in PLANTED:
+        failed = [c for c in by[defect]["checks"] if c["run"] == "ddp2" and not c["passed"]
+                  and c["name"] in ("step_loss_parity", "step_grad_parity")]
+        assert failed, (defect, p.stdout[-3000:])
+        for c in failed:
+            print(f"{defect}: {c['name']}: {c['detail']}")
+            assert c["defect"] == defect, (defect, c["detail"])
+            assert "matches: " in c["detail"] and "against a limit of" in c["detail"]
