@@ -16,7 +16,7 @@ from harness.judge.timed_mutations import rank_failure_named, straggler_passed
 from harness.rank.collective_mutations import mutated_all_sum
 from harness.scenario import ScenarioError, load_scenario
 from harness.scenario.names import COLLECTIVE_MUTATIONS, MUTATION_EXPECTS
-from tests.conftest import REPO, cli, script_scenario
+from tests.conftest import REPO, cli, needs_unsloth, script_scenario
 
 SCRIPT = (REPO / "examples" / "minimal_script.py").read_text()
 RUNS = "".join(f'\n[[runs]]\nname = "{m}"\nworld_size = 2\nmutation = "{m}"\n' for m in COLLECTIVE_MUTATIONS)
@@ -139,14 +139,33 @@ def test_every_collective_mutation_shows_its_power_in_a_users_script(tmp_path: P
     _shows_its_power(s, p.stdout)
 
 
+POWER = {  # the power set: each default-suite trainer's scenario with every collective mutation
+    "mlx_lm_lora": "trainer.py:",  # mlx-lm's train(), compiled, average_gradients: the straggler and the
+    "mlx_vlm_parity": "utils.py:",  # kill act as its compiled step is called; mlx-vlm's Trainer;
+    "unsloth_compiled": "trainer.py:",  # unsloth-zoo's compiled local gradient with an eager all-reduce;
+    "script_example": "ddp_train.py:",  # a script with its own average_gradients
+}
+
+
 @pytest.mark.ranks
-def test_every_collective_mutation_shows_its_power_in_mlx_lms_trainer(tmp_path: Path) -> None:
-    """mlx-lm's own ``train()`` (compiled, ``average_gradients``): the shipped power scenario, which
-    extends the default suite's ``mlx_lm_lora``. Its gradient all-reduce is found from mlx-lm's call
-    site and mutated; in its compiled step the straggler and the kill act as the step is called."""
-    p = cli("run", str(REPO / "scenarios" / "power" / "mlx_lm_lora.toml"), "--out", str(tmp_path / "out"))
+@pytest.mark.parametrize("name", sorted(POWER))
+def test_the_power_set_shows_every_collective_mutation_in_each_trainer(name: str, tmp_path: Path) -> None:
+    """``mlx-ddp-harness run scenarios/power``, one scenario each: every mutation planted in that
+    trainer's own gradient all-reduce, found from its own call site."""
+    if name.startswith("unsloth_"):
+        needs_unsloth()
+    p = cli("run", str(REPO / "scenarios" / "power" / f"{name}.toml"), "--out", str(tmp_path / "out"))
     (s,) = json.loads((tmp_path / "out" / "result.json").read_text())["scenarios"]
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
     _shows_its_power(s, p.stdout)
     ledger = (tmp_path / "out" / "runs" / s["name"] / "rank_dropped" / "rank0.collectives.jsonl").read_text()
-    assert '"site":"trainer.py:' in ledger and '"mutation":"rank_dropped"' in ledger
+    assert f'"site":"{POWER[name]}' in ledger and '"mutation":"rank_dropped"' in ledger
+
+
+def test_every_power_scenario_extends_a_default_one_and_plans_every_mutation() -> None:
+    shipped = {p.stem for p in (REPO / "scenarios" / "power").glob("*.toml")}
+    assert shipped == set(POWER)
+    for name in POWER:
+        s = load_scenario(REPO / "scenarios" / "power" / f"{name}.toml")
+        assert load_scenario(REPO / "scenarios" / f"{name}.toml").default and s.default
+        assert [r.mutation for r in s.runs if r.mutation] == list(COLLECTIVE_MUTATIONS)

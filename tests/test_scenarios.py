@@ -279,6 +279,8 @@ def mutations(runs: dict, checks: dict, out: Path) -> None:
                   and c["name"] != "mutation_caught"]
         assert finite and max(finite) >= 10, run
     assert all(c["result"] == "pass" for (_, r), c in checks.items() if r == "correct")
+    seeds = checks[("start_parity", mutated["rank_seeds"])]  # the defect named where the ranks start apart
+    assert seeds["defect"] == "rank_seeds" and "matches: ranks seeded differently" in seeds["detail"], seeds
     report = (out / "report.md").read_text()
     assert "### Injected DDP bugs" in report and "| stale_gradient " in report
 
@@ -353,6 +355,9 @@ def mlx_lm_mean_of_means(runs: dict, checks: dict, out: Path) -> None:
     _external_xfail(runs, checks)
     grad = checks[("step_grad_parity", "ddp2")]  # at single's parameters: the objective itself differs
     assert grad["result"] == "xfail" and grad["value"] > 10 * grad["limit"], grad
+    for check in ("step_loss_parity", "step_grad_parity"):  # and the defect is named
+        c = checks[(check, "ddp2")]
+        assert c["defect"] == "mean_of_means" and "matches: the mean of the ranks' per-rank mean" in c["detail"], c
     assert checks[("step_token_parity", "ddp2")]["result"] == "pass"
     assert checks[("token_accounting", "ddp2")]["result"] == "pass"  # the same rows, another objective
 

@@ -23,6 +23,7 @@ from collections.abc import Iterable
 from harness.controller.outcome import RunOutcome
 from harness.judge.checks import Check
 from harness.scenario.checks import CheckName
+from harness.scenario.names import DEFECTS_DESCRIBED
 
 NO_POWER = "no power"
 TRAJECTORIES = (CheckName.loss_parity, CheckName.param_parity, CheckName.eval_parity)
@@ -59,9 +60,12 @@ def start_parity(run: RunOutcome, ref: RunOutcome, floors: Iterable[RunOutcome |
     differ = [who for who, (_, digest) in seen.items() if digest != want]
     detail = (f"{SEED_IT}; differ from {ref.name}'s: {', '.join(differ)}" if differ else
               f"{len(seen)} starts ({', '.join(seen)}) equal to {ref.name}'s, bitwise")
+    apart = len({seen[who][1] for who, r, _ in sides if r is run}) > 1  # the run's own ranks disagree
+    if apart:
+        detail += f"; matches: {DEFECTS_DESCRIBED['rank_seeds']} (the run's ranks start from different weights)"
     return Check(CheckName.start_parity, run.name, not differ, len(differ), 0, detail,
                  derivation="exact: the parameter digest before step 1 of every rank and floor run equals the "
-                            "reference's")
+                            "reference's", defect="rank_seeds" if apart else None)
 
 
 def loss_signal(base: RunOutcome, steps: int) -> float | None:

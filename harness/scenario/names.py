@@ -64,6 +64,7 @@ DEFECTS_DESCRIBED = {
     "local_token_count": "the loss and gradient summed over the ranks but divided by the rank's own token count",
     "grad_times_world": "the gradient scaled by the world size",
     "same_rows": "every rank on the same rows (rank 0's)",
+    "rank_seeds": "ranks seeded differently: they start from different weights",  # named by start_parity
 }
 
 

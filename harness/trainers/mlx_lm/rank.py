@@ -139,6 +139,19 @@ class Batches:
             self.eval_s += time.perf_counter() - started
 
 
+def canonical_micros(micros: list[Any]) -> list[tuple[Any, Any, Any]]:
+    """mlx-lm's micro-batches as ``(inputs, targets, mask)``, the mask ``default_loss``'s: the
+    targets from each row's offset to its length (``harness.rank.defects``)."""
+    import mlx.core as mx
+
+    out = []
+    for batch, lengths in micros:
+        steps = mx.arange(1, batch.shape[1])
+        mask = mx.logical_and(steps >= lengths[:, 0:1], steps <= lengths[:, 1:]).astype(mx.float32)
+        out.append((batch[:, :-1], batch[:, 1:], mask))
+    return out
+
+
 def probe_gradient(model: Any, loss: Any, micros: list[Any], world_size: int) -> tuple[Any, Any, int]:
     """mlx-lm's step on ``micros`` without its update, through its own parts: the ``loss`` it
     trains with, its gradient summed over the micro-batches, ``average_gradients`` as its trainer
@@ -320,7 +333,8 @@ def run(ctx: RankContext) -> dict[str, Any]:
     from mlx_lm.tuner.trainer import default_loss
 
     def probe(step: int, micros: list[Any]) -> None:
-        rep.probe(step, model, lambda: probe_gradient(model, default_loss, micros, ctx.world_size))
+        rep.probe(step, model, lambda: probe_gradient(model, default_loss, micros, ctx.world_size),
+                  lambda: canonical_micros(micros))
 
     batches = Batches(train_set, accum, rep.done + 1, probe, rep.probes.steps, rep.width)
     rep.start(model.parameters())
