@@ -115,3 +115,23 @@ def test_each_defect_planted_in_a_script_is_named_and_a_correct_script_names_non
             print(f"{defect}: {c['name']}: {c['detail']}")
             assert c["defect"] == defect, (defect, c["detail"])
             assert "matches: " in c["detail"] and "against a limit of" in c["detail"]
+
+
+def test_a_trajectory_failure_says_which_seam_would_name_its_defect() -> None:
+    from harness.judge.checks import Check
+    from harness.judge.defects import unnamed_trajectory
+
+    def checks(*failed: str) -> list[Check]:
+        names = ("start_parity", "step_loss_parity", "step_grad_parity", "loss_parity", "param_parity")
+        return [Check(n, "ddp2", n not in failed, 1.0, 1.0) for n in names]
+
+    script = {"step_grad_parity": "the script hands over no loss-and-gradient function",
+              "step_loss_parity": "the same"}  # its step-local checks fail unmeasured, and read n/a
+    assert unnamed_trajectory(checks("loss_parity", "step_loss_parity", "step_grad_parity"), 5, script) == (
+        "no defect named: it needs step-local values at the reference's parameters, and the script hands over no "
+        "loss-and-gradient function")
+    assert "[checks] probe_every = 0" in unnamed_trajectory(checks("param_parity"), 0, {})
+    assert "the step-local checks passed" in unnamed_trajectory(checks("loss_parity"), 5, {})
+    assert unnamed_trajectory(checks("loss_parity", "step_grad_parity"), 5, {}) is None  # named there
+    assert unnamed_trajectory(checks("start_parity", "loss_parity"), 5, {}) is None
+    assert unnamed_trajectory(checks(), 5, {}) is None

@@ -109,8 +109,8 @@ def test_trainer_records_import_only_base_modules() -> None:
 
 
 def test_mutation_names_are_the_mutations() -> None:
-    from harness.scenario.names import COLLECTIVE_MUTATIONS, MUTATION_NAMES, REFERENCE_MUTATIONS
+    from harness.scenario.names import COLLECTIVE_MUTATIONS, DATA_MUTATIONS, MUTATION_NAMES, REFERENCE_MUTATIONS
     from harness.trainers.reference.semantics import MUTATIONS
 
     assert set(REFERENCE_MUTATIONS) == set(MUTATIONS)
-    assert set(MUTATION_NAMES) == set(MUTATIONS) | set(COLLECTIVE_MUTATIONS)
+    assert set(MUTATION_NAMES) == set(MUTATIONS) | set(COLLECTIVE_MUTATIONS) | set(DATA_MUTATIONS)

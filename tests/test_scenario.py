@@ -141,7 +141,7 @@ def test_a_scenario_extends_another_with_its_own_name_and_tables_laid_over(tmp_p
     assert [(r.name, r.mutation) for r in power.runs] == [
         ("single", None), ("ddp2", None), ("allreduce_skipped", "allreduce_skipped"),
         ("allreduce_not_averaged", "allreduce_not_averaged"), ("rank_dropped", "rank_dropped"),
-        ("straggler", "straggler"), ("rank_killed", "rank_killed")]
+        ("straggler", "straggler"), ("rank_killed", "rank_killed"), ("same_rows", "same_rows")]
     assert all(r.world_size == 2 for r in power.runs[1:])
     vlm = load_scenario(REPO / "scenarios" / "power" / "mlx_vlm_parity.toml")  # its runs replace the base's
     assert [r.name for r in vlm.runs][:3] == ["single", "ddp2", "allreduce_skipped"]

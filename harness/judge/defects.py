@@ -20,8 +20,26 @@ from harness.scenario.names import DEFECTS_DESCRIBED as DESCRIBED
 
 PREFERRED = ("mean_of_means", "micro_means", "no_allreduce", "no_allreduce_global", "no_allreduce_scaled",
              "not_divided_by_world", "local_token_count", "grad_times_world", "same_rows", "correct")
+TRAJECTORIES = ("loss_parity", "param_parity", "eval_parity")
 FIGURES = {"loss": ("loss_rel", "loss"), "grad": ("grad_rel", "gradient")}
 SEAM = "this rank's micro-batches as (inputs, targets, mask) at each probe"
+
+
+def unnamed_trajectory(checks: list[Any], probe_every: int, not_applicable: dict[str, str]) -> str | None:
+    """For a run whose trajectory failed with no step-local failure to name a defect from: which
+    step-local seam would let the harness name it (None where a step-local check failed or no
+    trajectory did)."""
+    failed = {c.name for c in checks if not c.passed and c.name not in not_applicable}  # n/a ones are not judged
+    if not failed & set(TRAJECTORIES) or failed & {"step_loss_parity", "step_grad_parity", "start_parity"}:
+        return None
+    if not probe_every:
+        return ("no defect named: the scenario probes no step ([checks] probe_every = 0); step-local values at "
+                "the reference's parameters would let the harness name it")
+    why = not_applicable.get("step_grad_parity")
+    if why:
+        return f"no defect named: it needs step-local values at the reference's parameters, and {why}"
+    return ("no defect named: the step-local checks passed, so each probed step's loss and gradient are right: "
+            "look at what carries across steps (the optimizer and its state, the schedule, the data order)")
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from harness.controller.outcome import RunOutcome
 from harness.judge import checks as run_checks
 from harness.judge.checks import Check, with_power
+from harness.judge.defects import TRAJECTORIES, unnamed_trajectory
 from harness.judge.floors import floors
 from harness.judge.parity import eval_parity, loss_parity, param_parity, step_local
 from harness.judge.power import judge_power, start_parity
@@ -61,7 +62,12 @@ def parity_checks(plan: ScenarioPlan, run: RunOutcome, ref: RunOutcome, by_name:
         out.append(param_parity(run, ref, f["param"], plan))
         if run.result()["evals"]:
             out.append(eval_parity(run, ref, f["eval"], plan))
-    return with_power(judge_power(out, run, ref, start), run, ref)
+    out = with_power(judge_power(out, run, ref, start), run, ref)
+    hint = unnamed_trajectory(out, plan.scenario.checks.probe_every, run.result().get("not_applicable") or {})
+    for c in out:
+        if hint and c.name in TRAJECTORIES and not c.passed:
+            c.detail += f"; {hint}"
+    return out
 
 
 def mutation_caught(run: RunOutcome, mutation: str, checks: list[Check], margin: float) -> Check:

@@ -17,16 +17,37 @@ SIGKILL (the run must fail with that rank named). Each emits a ``fault`` event (
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from harness.scenario.names import TIMED_MUTATION_STEP as AT_STEP
 
 STRAGGLER_S = 1.5
 TIMED = ("straggler", "rank_killed")
+
+
+_measuring = threading.local()
+
+
+@contextlib.contextmanager
+def measuring() -> Iterator[None]:
+    """Collectives the harness issues to measure the trainer (the defect hypotheses at a probe)
+    are never mutated, though a trainer's frames are below them on the stack."""
+    before = getattr(_measuring, "on", False)
+    _measuring.on = True
+    try:
+        yield
+    finally:
+        _measuring.on = before
+
+
+def is_measuring() -> bool:
+    return getattr(_measuring, "on", False)
 
 
 def is_gradient(x: Any) -> bool:

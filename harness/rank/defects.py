@@ -3,7 +3,9 @@ gradient and token count be on this step's rows, computed with the harness's own
 
 At a comparing probe (``harness.rank.step_probe``), the model holds the reference run's
 parameters. Where the trainer hands over its micro-batches as ``(inputs, targets, mask)``
-(token ids, next-token targets, a 0/1 supervised mask; ``canonical``), every rank computes its
+(token ids, next-token targets, a 0/1 supervised mask; ``canonical``), or as ``(inputs, targets,
+mask, forward)`` where the logits need more than the token ids (``forward(model)``: a
+vision-language model's logits of the micro-batch, its images included), every rank computes its
 own pieces with the reference's loss (the summed cross-entropy of the supervised targets): its
 loss sum S_r, token count T_r and gradient sum G_r, and per micro-batch the token means. A few
 all-sums over the ranks then give each hypothesis (N ranks, T = sum of T_r, on this rank r):
@@ -46,21 +48,22 @@ def canonical(args: tuple[Any, ...]) -> bool:
             and mx.issubdtype(inputs.dtype, mx.integer) and mx.issubdtype(targets.dtype, mx.integer))
 
 
-def _pieces(model: Any, micros: list[tuple[Any, Any, Any]]) -> tuple[Any, Any, Any, Any, Any]:
+def _pieces(model: Any, micros: list[tuple[Any, ...]]) -> tuple[Any, Any, Any, Any, Any]:
     """This rank's loss sum, token count and gradient sum over its micro-batches, and the sums
     of its micro-batches' own mean losses and gradients, with the reference's loss."""
     import mlx.core as mx
     import mlx.nn as nn
     from mlx.utils import tree_map
 
-    def loss_sum(m: Any, inputs: Any, targets: Any, mask: Any) -> Any:
-        logits = m(inputs).astype(mx.float32)
+    def loss_sum(m: Any, inputs: Any, targets: Any, mask: Any, forward: Any) -> Any:
+        logits = (m(inputs) if forward is None else forward(m)).astype(mx.float32)
         return (nn.losses.cross_entropy(logits, targets, reduction="none") * mask.astype(mx.float32)).sum()
 
     value_and_grad = nn.value_and_grad(model, loss_sum)
     s, t, g, ms, mg = mx.array(0.0), mx.array(0.0), None, mx.array(0.0), None
-    for inputs, targets, mask in micros:
-        v, grads = value_and_grad(model, inputs, targets, mask)
+    for micro in micros:
+        inputs, targets, mask = micro[:3]
+        v, grads = value_and_grad(model, inputs, targets, mask, micro[3] if len(micro) > 3 else None)
         n = mask.astype(mx.float32).sum()
         s, t, ms = s + v, t + n, ms + v / n
         g = grads if g is None else tree_map(lambda a, b: a + b, g, grads)
@@ -68,7 +71,7 @@ def _pieces(model: Any, micros: list[tuple[Any, Any, Any]]) -> tuple[Any, Any, A
     return s, t, g, ms, mg
 
 
-def hypotheses(model: Any, micros: list[tuple[Any, Any, Any]], rank: int, world_size: int) -> dict[str, tuple]:
+def hypotheses(model: Any, micros: list[tuple[Any, ...]], rank: int, world_size: int) -> dict[str, tuple]:
     """Each hypothesis's (loss, gradient tree, tokens) on this rank (module docstring)."""
     import mlx.core as mx
     from mlx.utils import tree_map

@@ -26,7 +26,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from harness.rank.collective_mutations import CollectiveMutation, is_gradient
+from harness.rank.collective_mutations import CollectiveMutation, is_gradient, is_measuring
 
 OPS = ("all_sum", "all_gather", "all_max", "all_min", "sum_scatter", "send", "recv", "recv_like")
 HARNESS = tuple({str(p) + os.sep for p in (Path(__file__).parents[1], Path(__file__).resolve().parents[1])})
@@ -99,7 +99,7 @@ class Ledger:
                  "group": group.size() if group is not None else self.world_size, "peer": peer,
                  "step": self.step}
         entry["site"], external = call_site(self._mlx)
-        mutate = bool(self.mutation and op == "all_sum" and external and is_gradient(x))
+        mutate = bool(self.mutation and op == "all_sum" and external and is_gradient(x) and not is_measuring())
         if mutate:
             entry["mutation"] = self.mutation.name
         if self._trace is not None:  # MLX is tracing a compiled function: later calls replay this

@@ -141,7 +141,8 @@ class StepReporter:
         """Before optimizer step ``step`` updates anything: a step-local probe there when the job
         plans one (``compute``: the trainer's own global loss, all-reduced gradient and global
         supervised tokens at ``model``'s current parameters; ``micros``: its micro-batches as
-        ``(inputs, targets, mask)``, where it can give them; ``step_probe.Probes.take``)."""
+        ``(inputs, targets, mask)`` or ``(inputs, targets, mask, forward)``, where it can give
+        them, ``harness.rank.defects``; ``step_probe.Probes.take``)."""
         self.probe_offered = True
         if step != self.steps + 1:
             raise ReportedFailure(f"{self.name} probed step {step} before step {self.steps + 1}: a probe comes "

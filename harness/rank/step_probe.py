@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import schema
+from harness.rank.collective_mutations import measuring
 from harness.rank.defects import hypotheses, measure
 from harness.scenario.job import ProbeJob
 from harness.schema import probe_path
@@ -85,7 +86,8 @@ class Probes:
                 loss, grads, tokens = compute()
                 mx.eval(loss, grads)
                 rows = micros() if micros is not None else None
-                found = hypotheses(model, rows, rank, world_size) if rows else None
+                with measuring():  # the harness's own collectives: a collective mutation leaves them alone
+                    found = hypotheses(model, rows, rank, world_size) if rows else None
             finally:
                 model.update(saved)
                 restore_key(key)

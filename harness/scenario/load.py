@@ -13,7 +13,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from harness.scenario.names import MUTATION_SETS
+from harness.scenario.names import DATA_MUTATIONS, MUTATION_SETS
 from harness.scenario.rules import validate
 from harness.scenario.spec import (
     CheckSpec,
@@ -180,8 +180,9 @@ def parse_scenario(data: dict[str, Any], src: str, base: Path) -> Scenario:
 
 
 def mutation_runs(s: Scenario, src: str) -> list[RunSpec]:
-    """``[checks] mutations``: one run per mutation of the set, each a copy of the first run of two
-    or more ranks compared with the reference (not resumed, stopped early or mutated already)."""
+    """``[checks] mutations``: one run per mutation of the set (and ``same_rows`` where the trainer
+    feeds its rows through the harness), each a copy of the first run of two or more ranks
+    compared with the reference (not resumed, stopped early or mutated already)."""
     asked = s.checks.mutations
     if asked is None:
         return []
@@ -198,12 +199,13 @@ def mutation_runs(s: Scenario, src: str) -> list[RunSpec]:
     if base is None:
         raise ScenarioError(f"{src}: {key}: no run to mutate: it copies the first run of world_size >= 2 compared "
                             f"with [checks].reference")
+    wanted = MUTATION_SETS[asked] + (tuple(DATA_MUTATIONS) if info.feeds_rows else ())
     taken = {r.name for r in s.runs}
-    clash = [m for m in MUTATION_SETS[asked] if m in taken]
+    clash = [m for m in wanted if m in taken]
     if clash:
         raise ScenarioError(f"{src}: {key}: a run is already named {clash[0]!r} (the mutated runs take their "
                             f"mutations' names)")
-    return [dataclasses.replace(base, name=m, mutation=m, compare_to=None) for m in MUTATION_SETS[asked]]
+    return [dataclasses.replace(base, name=m, mutation=m, compare_to=None) for m in wanted]
 
 
 def _read(p: Path) -> dict[str, Any]:

@@ -43,13 +43,18 @@ COLLECTIVE_MUTATIONS = {  # planted in any Python trainer's gradient all-reduce 
     "straggler": "the last rank delayed inside its gradient all-reduce at step 2: the run must pass, the wait reported",
     "rank_killed": "the last rank killed (SIGKILL) inside its gradient all-reduce at step 2: named as a rank failure",
 }
+DATA_MUTATIONS = {  # where the harness hands a trainer its batch iterator (``TrainerInfo.feeds_rows``)
+    "same_rows": "every rank given rank 0's rows: the trainer's batch iterator told it is rank 0",
+}
+REFERENCE_MUTATIONS = tuple(MUTATIONS_DESCRIBED)  # injected into the reference trainer's arithmetic
+MUTATIONS_DESCRIBED.update(COLLECTIVE_MUTATIONS)
+MUTATIONS_DESCRIBED.update(DATA_MUTATIONS)
+MUTATION_NAMES = tuple(MUTATIONS_DESCRIBED)
 # what a collective mutation's run must show; any other must be caught by a check that fails
 MUTATION_EXPECTS = {"straggler": "pass", "rank_killed": "rank_failure"}
 TIMED_MUTATION_STEP = 2  # the step at which the straggler is delayed and the rank killed
-MUTATION_SETS = {"collectives": tuple(COLLECTIVE_MUTATIONS)}  # ``[checks] mutations``: one run each
-REFERENCE_MUTATIONS = tuple(MUTATIONS_DESCRIBED)  # injected into the reference trainer's arithmetic
-MUTATIONS_DESCRIBED.update(COLLECTIVE_MUTATIONS)
-MUTATION_NAMES = tuple(MUTATIONS_DESCRIBED)
+# ``[checks] mutations``: one run each (and ``DATA_MUTATIONS`` where the trainer's record says it feeds its rows)
+MUTATION_SETS = {"collectives": tuple(COLLECTIVE_MUTATIONS)}
 
 # the known DDP defects a failed step-local check is tested against (harness.rank.defects)
 DEFECTS_DESCRIBED = {

@@ -17,6 +17,7 @@ from harness.scenario.names import (
     COMPILE_SCOPES,
     DAMAGE_ACTIONS,
     DATA_FORMATS,
+    DATA_MUTATIONS,
     DEVICES,
     DTYPES,
     FAULT_ACTIONS,
@@ -214,12 +215,16 @@ def _validate_run_trainer(s: Scenario, i: int, r: RunSpec, src: str) -> None:
     require(not eff.data.streaming or info.streams, src, f"{where}.data.streaming",
             f"{name} takes an in-memory dataset ({', '.join(with_kind('streams'))} can read a stream)")
     if info.external:
-        require(r.mutation is None or (r.mutation in COLLECTIVE_MUTATIONS and not info.command), src,
-                f"{where}.mutation", f"{name} takes a collective mutation ({', '.join(COLLECTIVE_MUTATIONS)}); "
-                f"an executable none: the reference trainer's own bugs are planted in it alone")
+        if r.mutation in DATA_MUTATIONS:
+            require(info.feeds_rows is not None, src, f"{where}.mutation", f"{r.mutation} needs a trainer whose batch "
+                    f"iterator the harness hands over; {name} reads its rows itself")
+        else:
+            require(r.mutation is None or (r.mutation in COLLECTIVE_MUTATIONS and not info.command), src,
+                    f"{where}.mutation", f"{name} takes a collective mutation ({', '.join(COLLECTIVE_MUTATIONS)}); "
+                    f"an executable none: the reference trainer's own bugs are planted in it alone")
         require(eff.train.input_dropout == 0, src, f"{where}.train.input_dropout", f"{name} has no input dropout")
     else:
-        require(r.mutation not in COLLECTIVE_MUTATIONS, src, f"{where}.mutation",
+        require(r.mutation is None or r.mutation in REFERENCE_MUTATIONS, src, f"{where}.mutation",
                 f"{name}'s all-reduce is its own: its bugs are {', '.join(REFERENCE_MUTATIONS)}")
     if info.rules is not None:
         info.rules(eff, r, src, where)

@@ -49,6 +49,10 @@ class TrainerInfo:
     (``install``: how to install it); where it is missing, the runs that need it are skipped,
     saying so (``harness.scenario.availability``).
 
+    ``feeds_rows``: where its adapter hands the trainer its batch iterator, so that the
+    ``same_rows`` mutation can tell the iterator every rank is rank 0 (None: it reads its rows
+    itself).
+
     ``entry``: the library's own entry point its adapter calls (named in its failures and as its
     result's title; None: ``title``). ``known_behaviour``: its documented mean-of-means behaviour
     (docs/trainers.md): the reason, and the deviation each check measured in
@@ -80,6 +84,7 @@ class TrainerInfo:
     known_behaviour: tuple[str, dict[str, float]] | None = field(default=None, hash=False)
     eval_batch_note: str | None = None
     lora_layers_note: str | None = None
+    feeds_rows: str | None = None
 
     def __post_init__(self) -> None:
         if self.models not in MODELS:

@@ -88,6 +88,20 @@ def supervised_tokens(lengths: Any, width: int) -> int:
     return int(np.sum((steps >= lengths[:, :1]) & (steps <= lengths[:, 1:])))
 
 
+class RankZeroView:
+    """The rank's group as the ``same_rows`` mutation shows it to mlx-lm's ``iterate_batches``:
+    rank 0 of the same size, so that every rank takes rank 0's rows."""
+
+    def __init__(self, group: Any):
+        self.group = group
+
+    def rank(self) -> int:
+        return 0
+
+    def size(self) -> int:
+        return self.group.size()
+
+
 class Batches:
     """mlx-lm's ``iterate_batches``, counting each batch's supervised tokens on this rank and
     handing each training micro-batch's input width (padding included: mlx-lm's inputs are
@@ -106,6 +120,7 @@ class Batches:
         self.yielded = 0  # training micro-batches handed to the trainer
         self.width = width
         self.eval_s = 0.0  # time spent evaluating since the last step was reported
+        self.same_rows = False  # the ``same_rows`` mutation: every rank given rank 0's rows
 
     def _count(self, dataset: Any, batch: Any, lengths: Any) -> tuple[Any, Any]:
         count = supervised_tokens(lengths, batch.shape[1])
@@ -123,6 +138,8 @@ class Batches:
         from mlx_lm.tuner.trainer import iterate_batches
 
         started = time.perf_counter()
+        if self.same_rows and comm_group is not None:
+            comm_group = RankZeroView(comm_group)
         it = iterate_batches(dataset=dataset, batch_size=batch_size, max_seq_length=max_seq_length, loop=loop,
                              seed=seed, comm_group=comm_group)
         for batch, lengths in it:
@@ -337,6 +354,7 @@ def run(ctx: RankContext) -> dict[str, Any]:
                   lambda: canonical_micros(micros))
 
     batches = Batches(train_set, accum, rep.done + 1, probe, rep.probes.steps, rep.width)
+    batches.same_rows = ctx.job.mutation == "same_rows"
     rep.start(model.parameters())
     try:
         train(model, build_optimizer(t), train_set, eval_set or None, args, loss=default_loss,

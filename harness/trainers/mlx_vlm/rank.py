@@ -30,7 +30,9 @@ gets them next, in the same order) and the probe runs them through ``apply_gradi
 and tokens are its own ``MetricAccumulator``'s (token-weighted, all-summed), as it reports them.
 Not covered: its compiled step (``compile``) is not called, the probe computes the same loss and
 reduction eagerly (SFT's task has no ``value_and_grad_factory``: the engine differentiates
-``task.loss`` with ``nn.value_and_grad``, as the probe does).
+``task.loss`` with ``nn.value_and_grad``, as the probe does). For the known defects the probe
+also hands the harness the step's micro-batches as ``(inputs, targets, mask, forward)``, shifted,
+masked and forwarded as ``vlm_sft_loss`` does (``canonical_micros``).
 """
 
 from __future__ import annotations
@@ -171,6 +173,32 @@ def probe_gradient(model: Any, task: Any, micros: list[Any], accum: int) -> tupl
     return mx.array(values["loss"], dtype=mx.float32), grads, int(values["num_tokens"])
 
 
+def canonical_micros(task: Any, micros: list[Any]) -> list[tuple[Any, Any, Any, Any]]:
+    """mlx-vlm's micro-batches as ``(inputs, targets, mask, forward)`` (``harness.rank.defects``),
+    as the task's ``vlm_sft_loss`` takes them: inputs all but the last token and targets all but
+    the first; the mask its supervised targets (attended, completion tokens where it trains on
+    completions, not its ``ignore_index`` -100); ``forward`` its own ``forward_vlm_logits`` on the
+    shifted inputs, attention and the batch's image fields."""
+    import mlx.core as mx
+    from mlx_vlm.trainer.vlm.sft.runtime import _completion_mask, forward_vlm_logits
+
+    options = getattr(task.loss, "keywords", {})  # make_task binds them to its loss
+    out = []
+    for batch in micros:
+        ids, attention = batch["input_ids"], batch["attention_mask"]
+        targets = ids[:, 1:]
+        mask = mx.logical_and(attention[:, 1:].astype(mx.bool_), targets != -100)
+        if options.get("train_on_completions", False):
+            completion = _completion_mask(batch, options.get("assistant_id", 77091))
+            mask = mx.logical_and(mask, completion[:, 1:].astype(mx.bool_))
+
+        def forward(m: Any, batch: Any = batch) -> Any:
+            return forward_vlm_logits(m, batch["input_ids"][:, :-1], batch["attention_mask"][:, :-1], batch)
+
+        out.append((ids[:, :-1], targets, mask.astype(mx.float32), forward))
+    return out
+
+
 def make_callback(batches: Batches, accum: int) -> Any:
     """The callback mlx-vlm calls on rank 0 after each report (every optimizer step) and evaluation."""
     from mlx_vlm.trainer import TrainingCallback
@@ -241,7 +269,8 @@ def run(ctx: RankContext) -> dict[str, Any]:
     batches = Batches(rep, model, accum)
     try:
         task = make_task(model, args, iterate_batches=batches)
-        batches.probe = lambda step, micros: rep.probe(step, model, lambda: probe_gradient(model, task, micros, accum))
+        batches.probe = lambda step, micros: rep.probe(step, model, lambda: probe_gradient(model, task, micros, accum),
+                                                       lambda: canonical_micros(task, micros))
         trainer = Trainer(model, args, task=task, train_dataset=train_set, eval_dataset=eval_set,
                           optimizer=build_optimizer(t), prepared=True,
                           training_callback=make_callback(batches, accum), seed=s.seed)

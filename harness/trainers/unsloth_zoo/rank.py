@@ -33,7 +33,9 @@ summed loss x tokens over their summed tokens), the tokens its supervised-token 
 the step function it builds inside ``train()`` (and compiles) is a closure no caller can reach, so
 that glue is replicated; the gradient is taken before its clipping; a streamed run
 (``[data] streaming``) draws each micro-batch from its own iterator as it trains, so nothing can
-read a step's batches before it does: its step-local checks are "n/a".
+read a step's batches before it does: its step-local checks are "n/a". For the known defects the
+probe also hands the harness the step's micro-batches as ``(inputs, targets, mask)``, shifted and
+masked as unsloth-zoo's text losses do (``canonical_micros``).
 
 With ``[data] streaming`` the rows go as an unsized stream (``StreamedRows``: no length, no
 indexing, read afresh each epoch) with ``streaming=True``; unsloth-zoo reads it on rank 0 alone and
@@ -255,6 +257,26 @@ def probe_gradient(trainer: Any, loss_fn: Any, micros: list[Any]) -> tuple[Any, 
     return total, grad, tokens
 
 
+def canonical_micros(micros: list[Any]) -> list[tuple[Any, Any, Any]]:
+    """unsloth-zoo's micro-batches ``(ids, lengths, labels[, cce_indices])`` as ``(inputs, targets,
+    mask)`` (``harness.rank.defects``), as its text losses (``make_cce_loss_fn``,
+    ``make_baseline_loss_fn``) take them: inputs all but the last id, targets the labels (the ids
+    where a batch has none) after the first; the mask the targets from each row's offset to before
+    its length (``1 + j`` in ``[offset, length)``) whose label is not -100 (masked targets become 0,
+    as its baseline loss makes them). Its CCE compaction indices select exactly these targets."""
+    import mlx.core as mx
+
+    out = []
+    for batch in micros:
+        ids, lengths, labels = batch[0], batch[1], batch[2] if len(batch) > 2 else None
+        targets = (ids if labels is None else labels)[:, 1:]
+        steps = mx.arange(1, targets.shape[1] + 1)
+        mask = mx.logical_and(mx.logical_and(steps >= lengths[:, 0:1], steps < lengths[:, 1:]), targets != -100)
+        targets = mx.where(targets == -100, mx.array(0, dtype=targets.dtype), targets)
+        out.append((ids[:, :-1], targets, mask.astype(mx.float32)))
+    return out
+
+
 def make_callback(rep: StepReporter, trainer: Any, eval_tokens: int, probes: bool = True) -> Any:
     """The callback unsloth-zoo calls on every rank before each optimizer step (a step-local probe
     there when the job plans one), and after each log and evaluation."""
@@ -267,7 +289,8 @@ def make_callback(rep: StepReporter, trainer: Any, eval_tokens: int, probes: boo
                 if not loss:
                     loss.append(run_loss(trainer))
                 micros = step_batches(trainer, step)
-                rep.probe(step, trainer.model, lambda: probe_gradient(trainer, loss[0], micros))
+                rep.probe(step, trainer.model, lambda: probe_gradient(trainer, loss[0], micros),
+                          lambda: canonical_micros(micros))
 
         def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kw: Any) -> None:
             if not logs or "loss" not in logs or "eval_loss" in logs or "train_runtime" in logs:
