@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, cli
+from tests.conftest import REPO, cli, script_scenario
 
 SCRIPT = (REPO / "examples" / "ddp_train.py").read_text()
 REDUCTION = """        tokens = mx.distributed.all_sum(mask.sum(), group=group)
@@ -55,47 +55,10 @@ def planted(defect: str | None) -> str:
 
 
 def scenario(d: Path, defect: str | None) -> Path:
-    name = defect or "correct"
-    (d / f"{name}.py").write_text(planted(defect))
-    path = d / f"{name}.toml"
-    path.write_text(f"""
-[scenario]
-name = "{name}"
-seed = 5
-
-[trainer]
-kind = "script"
-path = "{name}.py"
-
-[model]
-arch = "llama"
-
-[data]
-source = "generated"
-format = "prompt_completion"
-rows = 32
-
-[train]
-steps = 2
-global_batch = 8
-learning_rate = 3e-3
-
-[[runs]]
-name = "single"
-world_size = 1
-
-[[runs]]
-name = "ddp2"
-world_size = 2
-
-[checks]
-reference = "single"
-probe_every = 1
-
-[limits]
-wall_s = 240
-no_progress_s = 60
-""")
+    """1 process and 2 ranks of the planted script, 2 steps, each probed."""
+    path = script_scenario(d, planted(defect), defect or "correct")
+    path.write_text(path.read_text().replace("steps = 6\n", "steps = 2\n")
+                    .replace('reference = "single"\n', 'reference = "single"\nprobe_every = 1\n'))
     return path
 
 

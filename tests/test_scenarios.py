@@ -279,6 +279,11 @@ def mutations(runs: dict, checks: dict, out: Path) -> None:
                   and c["name"] != "mutation_caught"]
         assert finite and max(finite) >= 10, run
     assert all(c["result"] == "pass" for (_, r), c in checks.items() if r == "correct")
+    named = {"mean_of_means": "mean_of_means", "sum_not_average": "grad_times_world", "same_shard": "same_rows",
+             "drop_uneven": "correct"}  # the reduction right, the rows not: the dropped micro-batch
+    for bug, defect in named.items():
+        grad = checks[("step_grad_parity", mutated[bug])]
+        assert grad["defect"] == defect, (bug, grad["detail"])
     seeds = checks[("start_parity", mutated["rank_seeds"])]  # the defect named where the ranks start apart
     assert seeds["defect"] == "rank_seeds" and "matches: ranks seeded differently" in seeds["detail"], seeds
     report = (out / "report.md").read_text()

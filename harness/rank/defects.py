@@ -60,14 +60,15 @@ def _pieces(model: Any, micros: list[tuple[Any, ...]]) -> tuple[Any, Any, Any, A
         return (nn.losses.cross_entropy(logits, targets, reduction="none") * mask.astype(mx.float32)).sum()
 
     value_and_grad = nn.value_and_grad(model, loss_sum)
-    s, t, g, ms, mg = mx.array(0.0), mx.array(0.0), None, mx.array(0.0), None
+    zeros = tree_map(mx.zeros_like, model.trainable_parameters())  # a rank with no micro-batch still all-sums
+    s, t, g, ms, mg = mx.array(0.0), mx.array(0.0), zeros, mx.array(0.0), zeros
     for micro in micros:
         inputs, targets, mask = micro[:3]
         v, grads = value_and_grad(model, inputs, targets, mask, micro[3] if len(micro) > 3 else None)
         n = mask.astype(mx.float32).sum()
         s, t, ms = s + v, t + n, ms + v / n
-        g = grads if g is None else tree_map(lambda a, b: a + b, g, grads)
-        mg = tree_map(lambda a, n=n: a / n, grads) if mg is None else tree_map(lambda a, b, n=n: a + b / n, mg, grads)
+        g = tree_map(lambda a, b: a + b, g, grads)
+        mg = tree_map(lambda a, b, n=n: a + b / n, mg, grads)
     return s, t, g, ms, mg
 
 
@@ -82,7 +83,9 @@ def hypotheses(model: Any, micros: list[tuple[Any, ...]], rank: int, world_size:
     def mine_or_zero(x: Any) -> Any:
         return tree_map(lambda a: a if rank == 0 else a * 0, x)
 
-    n, m = float(world_size), float(len(micros))
+    n = float(world_size)
+    # every rank issues the same collectives whatever its own micro-batch count (an uneven split)
+    m = reduce(mx.array(float(len(micros))))
     s, t, g, ms, mg = _pieces(model, micros)
     big_s, big_t, big_g = reduce(s), reduce(t), reduce(g)
     mean_s, mean_g = reduce(s / t), reduce(tree_map(lambda a: a / t, g))
@@ -102,8 +105,9 @@ def hypotheses(model: Any, micros: list[tuple[Any, ...]], rank: int, world_size:
         "grad_times_world": (big_s / big_t, tree_map(lambda a: a * n / big_t, big_g), big_t),
         "same_rows": (s0 / t0, over(g0, t0), t0 * n),
     }
-    if m > 1:  # with one micro-batch a step, the same as mean_of_means
-        out["micro_means"] = (reduce(ms) / (n * m), over(reduce(mg), n * m), big_t)
+    micro = (reduce(ms) / m, over(reduce(mg), m), big_t)
+    if m.item() > n:  # with one micro-batch a rank, the same as mean_of_means
+        out["micro_means"] = micro
     mx.eval(out)
     return out
 

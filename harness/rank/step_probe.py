@@ -107,11 +107,25 @@ class Probes:
         if ref is not None:
             t.model.update(tree_unflatten(list(ref["params"].items())))
         loss, grads, _ = t.global_gradient(step, micros, counts, None, update=False)
+        with measuring():
+            found = hypotheses(t.model, [batch_micro(b.arrays()) for b in micros], t.ctx.rank, t.N)
         t.semantics.set_state(state)
         t.model.update(saved)
         record = t.coord.attempt("probe", step, compare, step, loss, grads, counts[0], ref)
         t.coord.agree()
+        if record is not None and ref is not None:
+            record["defects"] = measure(found, loss, grads, counts[0], ref)
         return record
+
+
+def batch_micro(arrays: dict[str, Any]) -> tuple[Any, ...]:
+    """The reference trainer's micro-batch (``LocalBatch.arrays()``) as ``harness.rank.defects``
+    takes it: a vision-language batch with the forward that takes its images."""
+    if "attention" not in arrays:
+        return arrays["inputs"], arrays["targets"], arrays["mask"]
+    from harness.rank.vision import vlm_logits
+
+    return arrays["inputs"], arrays["targets"], arrays["mask"], lambda m: vlm_logits(m, arrays)
 
 
 def restore_key(key: list[int]) -> None:

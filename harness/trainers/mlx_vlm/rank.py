@@ -105,6 +105,7 @@ class Batches:
         self.tokens: list[int] = []  # this rank's supervised tokens in the pending step's micro-batches
         self.losses: dict[int, tuple[float, int, float]] = {}  # rank 0: step -> (loss, tokens, lr)
         self.eval_s = 0.0  # time spent evaluating since the last step was reported
+        self.same_rows: int | None = None  # the ``same_rows`` mutation: the world size every rank is rank 0 of
 
     def _take(self, batch: Any) -> Any:
         self.drawn += 1
@@ -117,6 +118,8 @@ class Batches:
         from mlx_vlm.trainer.vlm.sft.runtime import iterate_vlm_batches
 
         started = time.perf_counter()
+        if self.same_rows is not None:
+            kw = {**kw, "rank": 0, "world_size": self.same_rows}
         it = iterate_vlm_batches(dataset, batch_size, max_seq_length, train=train, seed=seed, **kw)
         for batch in it:
             if not train:
@@ -267,6 +270,7 @@ def run(ctx: RankContext) -> dict[str, Any]:
         adapter_file=str(saves / "adapters.safetensors"), compile=t.compile != "off",
         max_seq_length=s.data.max_seq_len, pad_token_id=rows.tokenizer.pad_id, train_on_completions=True)
     batches = Batches(rep, model, accum)
+    batches.same_rows = ctx.world_size if ctx.job.mutation == "same_rows" else None
     try:
         task = make_task(model, args, iterate_batches=batches)
         batches.probe = lambda step, micros: rep.probe(step, model, lambda: probe_gradient(model, task, micros, accum),
