@@ -16,11 +16,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from harness.scenario.checks import CheckName
 from harness.scenario.names import DEFECTS_DESCRIBED as DESCRIBED
 
 PREFERRED = ("mean_of_means", "micro_means", "no_allreduce", "no_allreduce_global", "no_allreduce_scaled",
              "not_divided_by_world", "local_token_count", "grad_times_world", "same_rows", "correct")
-TRAJECTORIES = ("loss_parity", "param_parity", "eval_parity")
+N = CheckName
+TRAJECTORIES = (N.loss_parity, N.param_parity, N.eval_parity)
 FIGURES = {"loss": ("loss_rel", "loss"), "grad": ("grad_rel", "gradient")}
 SEAM = "this rank's micro-batches as (inputs, targets, mask) at each probe"
 
@@ -30,12 +32,12 @@ def unnamed_trajectory(checks: list[Any], probe_every: int, not_applicable: dict
     step-local seam would let the harness name it (None where a step-local check failed or no
     trajectory did)."""
     failed = {c.name for c in checks if not c.passed and c.name not in not_applicable}  # n/a ones are not judged
-    if not failed & set(TRAJECTORIES) or failed & {"step_loss_parity", "step_grad_parity", "start_parity"}:
+    if not failed & set(TRAJECTORIES) or failed & {N.step_loss_parity, N.step_grad_parity, N.start_parity}:
         return None
     if not probe_every:
         return ("no defect named: the scenario probes no step ([checks] probe_every = 0); step-local values at "
                 "the reference's parameters would let the harness name it")
-    why = not_applicable.get("step_grad_parity")
+    why = not_applicable.get(N.step_grad_parity)
     if why:
         return f"no defect named: it needs step-local values at the reference's parameters, and {why}"
     return ("no defect named: the step-local checks passed, so each probed step's loss and gradient are right: "

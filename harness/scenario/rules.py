@@ -224,7 +224,8 @@ def _validate_run_trainer(s: Scenario, i: int, r: RunSpec, src: str) -> None:
                     f"an executable none: the reference trainer's own bugs are planted in it alone")
         require(eff.train.input_dropout == 0, src, f"{where}.train.input_dropout", f"{name} has no input dropout")
     else:
-        require(r.mutation is None or r.mutation in REFERENCE_MUTATIONS, src, f"{where}.mutation",
+        require(r.mutation in (None, *REFERENCE_MUTATIONS) or r.mutation not in MUTATION_NAMES, src,
+                f"{where}.mutation",
                 f"{name}'s all-reduce is its own: its bugs are {', '.join(REFERENCE_MUTATIONS)}")
     if info.rules is not None:
         info.rules(eff, r, src, where)
