@@ -104,9 +104,9 @@ def test_a_time_limit_ends_a_cell_on_an_agreed_round(tmp_path: Path) -> None:
     code, doc = _soak(tmp_path, "--streams", "default", "--ranks", "3", "--minutes", "0.05", "--watchdog", "10")
     (cell,) = doc["cells"]
     assert code == 0 and cell["launches"] == 1 and not cell["hangs"] and not cell["failures"], cell
-    # 3 s of calls, with start-up and some overshoot; waiting for rank slots beside other tests' launches
-    # (queued_s) takes nothing from the 3 s
-    assert cell["calls"] > 1 and cell["wall_s"] - cell["queued_s"] < 3 + 5, cell
+    # the ranks call for about the cell's 3 s: not cut short, not run on to the wall limit (start-up and
+    # waiting for rank slots beside other tests' launches are outside it, and vary with the machine's load)
+    assert cell["calls"] > 1 and 2 < cell["calls_s"] < 3 + 3, cell
     assert doc["calls_per_cell"] is None and doc["seconds_per_cell"] == 3.0
 
 
@@ -133,7 +133,7 @@ def test_time_queued_for_rank_slots_takes_nothing_from_a_timed_cell(tmp_path: Pa
         holder.wait(timeout=30)
     (cell,) = doc["cells"]
     assert code == 0 and cell["queued_s"] > 3, cell  # it waited for the neighbour's 2 slots
-    assert cell["calls"] > 10 and cell["wall_s"] - cell["queued_s"] < 3 + 5, cell
+    assert cell["calls"] > 10 and 2 < cell["calls_s"] < 3 + 3, cell
 
 
 @pytest.mark.parametrize("options, says", [

@@ -85,6 +85,7 @@ class CellResult:
     launches: int = 0
     wall_s: float = 0.0
     queued_s: float = 0.0  # of it, launches waiting for rank slots beside other launches (``rank_budget``)
+    calls_s: float = 0.0  # of it, rank 0's time from its first call to its last, over the launches that ended ok
     call_ms: list[float] = field(default_factory=list)  # each round's time / its calls, on rank 0
     hangs: list[Stoppage] = field(default_factory=list)
     failures: list[Stoppage] = field(default_factory=list)
@@ -94,7 +95,7 @@ class CellResult:
 
     def to_json(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self.cell), "calls": self.calls, "launches": self.launches,
-                "wall_s": self.wall_s, "queued_s": self.queued_s, "arrays": self.arrays,
+                "wall_s": self.wall_s, "queued_s": self.queued_s, "calls_s": self.calls_s, "arrays": self.arrays,
                 "round_bytes": self.round_bytes, "stopped": self.stopped, "hangs": [h.to_json() for h in self.hangs],
                 "failures": [f.to_json() for f in self.failures]}
 
@@ -121,6 +122,11 @@ def _fired(outcome: RunOutcome) -> bool:
 def _call_ms(outcome: RunOutcome) -> list[float]:
     steps = [e for e in outcome.ranks[0].events if e.get("kind") == "step"] if outcome.ranks else []
     return [1000 * float(e["round_s"]) / int(e["round_calls"]) for e in steps if e.get("round_calls")]
+
+
+def _calls_s(outcome: RunOutcome) -> float:
+    result = outcome.ranks[0].result if outcome.ranks else None
+    return float((result or {}).get("calls_s") or 0.0)
 
 
 def _wall(left: float | None, watchdog_s: float) -> float:
@@ -163,6 +169,7 @@ def run_cell(cell: Cell, spec: SoakSpec, keep: Path | None = None,
         took = f"{time.monotonic() - began:.1f} s"
         if outcome.ok:
             in_a_row = 0
+            out.calls_s += _calls_s(outcome)
             _drop(files)
             _tell(tell, cell, out, f"{out.calls - before} calls, ok ({took})")
             if left is not None:  # the ranks stopped at the time they agreed on

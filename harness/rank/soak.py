@@ -107,4 +107,4 @@ def run(ctx: RankContext) -> dict[str, Any]:
             timed = _agreed_rounds(ctx, stream, rounds, started, until)
             next_plan *= 2
     return {"calls": done, "rounds": rounds, "first_call": job.first_call, "arrays": width,
-            "round_bytes": round_bytes, "stream": job.stream}
+            "round_bytes": round_bytes, "stream": job.stream, "calls_s": time.time() - started}
