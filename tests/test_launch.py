@@ -205,3 +205,42 @@ def test_a_rank_whose_end_was_not_seen_is_named_after_the_rank_that_failed() -> 
     alone = failure_reason([lost, ranks[0]], report).splitlines()
     assert alone[0].startswith("rank 0 exited without writing a result")  # no seen failure: before its peer
     assert "rank 1: connection to a peer was lost" in alone[1:]
+
+
+@pytest.mark.parametrize("mode", ["on", "off"])
+def test_ring_ranks_that_yield_while_waiting_sum_alike_and_the_run_says_so(mode: str, monkeypatch) -> None:  # noqa: ANN001
+    """4 ring ranks with the yielding library preloaded (``on``; ``auto`` does so where they outnumber
+    the cores) sum exactly as without it, and the run carries the note; ``off`` carries none."""
+    from harness.controller import ring_yield
+
+    if not sys.platform.startswith("linux") or ring_yield.library() is None:
+        pytest.skip("the ring yield library is built on Linux with a C compiler")
+    monkeypatch.setenv(ring_yield.VAR, mode)
+    out = probe(3.0, 4, rounds=6, pause_s=0.0)
+    assert out.ok, out.failure
+    assert [o.result["sums"] for o in out.ranks] == [expected_sums(3.0, 4, 6)] * 4
+    if mode == "on":
+        assert out.ring_yield and out.ring_yield.startswith("its ranks yield a core while they wait on a peer"), out
+    else:
+        assert out.ring_yield is None
+    assert_clean(out)
+
+
+def test_the_ring_yield_library_passes_every_result_and_error_through(tmp_path: Path) -> None:
+    """Preloaded, a non-blocking recv with nothing to read still fails with EAGAIN; sent bytes arrive
+    unchanged; and the library is mapped into the process."""
+    from harness.controller import ring_yield
+
+    if not sys.platform.startswith("linux") or ring_yield.library() is None:
+        pytest.skip("the ring yield library is built on Linux with a C compiler")
+    code = ("import socket\n"
+            "a, b = socket.socketpair()\n"
+            "a.setblocking(False)\n"
+            "try:\n    a.recv(4)\n    print('no error')\nexcept BlockingIOError:\n    print('eagain')\n"
+            "b.send(b'abcd')\n"
+            "print(a.recv(4).decode())\n"
+            "print('ring_yield' in open('/proc/self/maps').read())\n")
+    env = {**os.environ, "LD_PRELOAD": str(ring_yield.library())}
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["eagain", "abcd", "True"]

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from harness import schema
+from harness.controller import ring_yield
 from harness.controller.devices import accelerators
 from harness.controller.ports import PortLease, lease_ports
 from harness.controller.rank_processes import HostProcesses, LocalProcesses, RankProcesses
@@ -78,6 +79,7 @@ class Launch:
     backend: str | None
     lease: PortLease | None
     ranks: RankProcesses = field(default_factory=LocalProcesses)  # where they run: here or on cluster hosts
+    ring_yield: str | None = None  # the note when its ranks yield a core while they wait (``ring_yield``)
 
     @property
     def pgid(self) -> int:
@@ -136,6 +138,9 @@ def start(run_dir: Path, world_size: int, backend: str | None = None) -> Launch:
 
     if not backend:
         raise ValueError("a launch of more than one rank needs a backend")
+    calm = ring_yield.plan(world_size, backend, remote=False)
+    if calm is not None:
+        env["LD_PRELOAD"] = os.pathsep.join(p for p in (str(calm.library), env.get("LD_PRELOAD")) if p)
     lease = lease_ports(world_size + 1)  # one port per ring rank, the last for NCCL's rendezvous
     try:
         hostfile = write_hostfile(run_dir, world_size, backend)
@@ -162,7 +167,7 @@ def start(run_dir: Path, world_size: int, backend: str | None = None) -> Launch:
     except BaseException:
         lease.release()
         raise
-    return Launch(proc, run_dir, world_size, backend, lease)
+    return Launch(proc, run_dir, world_size, backend, lease, ring_yield=None if calm is None else calm.why)
 
 
 # What a rank on a cluster host runs: its files under the host's mirror of the run directory

@@ -77,6 +77,7 @@ def run_summary(run: RunOutcome, planned: PlannedRun, ref: RunOutcome | None) ->
         "world_size": run.world_size,
         "backend": run.backend or "none",
         "backend_reason": run.backend_reason,
+        "ring_yield": run.ring_yield,
         "device": run.device,
         "device_reason": run.device_reason,
         "ok": run.ok,

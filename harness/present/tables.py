@@ -360,6 +360,8 @@ def scenario_text(scenario: dict[str, Any], fmt: str = "plain") -> str:
         parts.append("\n".join(conditions))
     backends = [f"run {r['name']} on {r['backend']}: {r['backend_reason']}" for r in scenario["runs"]
                 if r.get("backend_reason")]
+    backends += [f"run {r['name']} on {r['backend']}: {r['ring_yield']}" for r in scenario["runs"]
+                 if r.get("ring_yield")]
     if backends:
         parts.append("\n".join(backends))
     if device_notes(scenario):

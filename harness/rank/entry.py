@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import schema
-from harness.rank import device_check, memory_share
+from harness.rank import device_check, memory_share, ring_arrival
 from harness.rank.collective_mutations import CollectiveMutation
 from harness.rank.context import RankContext, ReportedFailure
 from harness.rank.ledger import Ledger
@@ -121,13 +121,14 @@ def _job_runner(job: Job) -> Callable[[RankContext], dict[str, Any]]:
     return importlib.import_module(job.trainer.module).run
 
 
-def _init_group(world_size: int, backend: str | None) -> tuple[Any, str]:
+def _init_group(run_dir: Path, rank: int, world_size: int, backend: str | None) -> tuple[Any, str]:
     import mlx.core as mx
 
     if world_size == 1:
         return mx.distributed.init(), "none"
     if not backend:
         raise ValueError("the job names no distributed backend")
+    ring_arrival.meet(run_dir, rank, world_size, backend)
     return mx.distributed.init(strict=True, backend=backend), backend
 
 
@@ -167,7 +168,8 @@ def main(argv: list[str]) -> int:
                             None if mutation is None else CollectiveMutation(mutation, rank, world_size, events.emit))
             ledger.install()
             events.listeners.append(ledger.on_event)
-        group, backend = ((None, job.backend or "none") if own_group else _init_group(world_size, job.backend))
+        group, backend = ((None, job.backend or "none") if own_group
+                          else _init_group(run_dir, rank, world_size, job.backend))
         if group is not None and (group.size() != world_size or group.rank() != rank):
             raise RuntimeError(
                 f"distributed group is rank {group.rank()} of {group.size()}, "
