@@ -44,7 +44,13 @@ def test_an_interrupted_run_keeps_its_partial_logs_marked_and_leaves_nothing(tmp
     run_dir = events.parent
     ranks = [q.pid for q in psutil.process_iter(["cmdline"]) if str(run_dir) in " ".join(q.info["cmdline"] or [])]
     p.send_signal(sig)
-    _, err = p.communicate(timeout=60)
+    try:
+        _, err = p.communicate(timeout=60)
+    except subprocess.TimeoutExpired:  # where the controller stalled: its stacks (SIGUSR1), then stop it
+        p.send_signal(signal.SIGUSR1)
+        time.sleep(2)
+        p.kill()
+        pytest.fail(f"the harness had not exited 60 s after {why}: {p.communicate()[1][-6000:]}")
     assert p.returncode == code, err
     kept = out / "runs" / "stopped" / "ddp2"
     marker = (kept / "INTERRUPTED").read_text()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import os
 import signal
 import sys
@@ -324,6 +325,8 @@ def _terminated(signum: int, frame: object) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _terminated)
+    if hasattr(signal, "SIGUSR1"):  # ``kill -USR1 PID`` prints where the controller is, as a rank's watchdog does
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         return args.func(args)
     except (ScenarioError, BaselineError) as e:
