@@ -325,8 +325,9 @@ def _terminated(signum: int, frame: object) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _terminated)
-    if hasattr(signal, "SIGUSR1"):  # ``kill -USR1 PID`` prints where the controller is, as a rank's watchdog does
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    if hasattr(signal, "SIGUSR1") and sys.__stderr__ is not None:  # ``kill -USR1 PID``: where the controller is
+        with contextlib.suppress(OSError, ValueError, RuntimeError):
+            faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
     try:
         return args.func(args)
     except (ScenarioError, BaselineError) as e:
