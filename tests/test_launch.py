@@ -209,7 +209,7 @@ def test_a_rank_whose_end_was_not_seen_is_named_after_the_rank_that_failed() -> 
 
 @pytest.mark.parametrize("mode", ["on", "off"])
 def test_ring_ranks_that_yield_while_waiting_sum_alike_and_the_run_says_so(mode: str, monkeypatch) -> None:  # noqa: ANN001
-    """4 ring ranks with the yielding library preloaded (``on``; ``auto`` does so where they outnumber
+    """4 ring ranks with the yielding library preloaded (``on``; ``auto`` does so where they fill
     the cores) sum exactly as without it, and the run carries the note; ``off`` carries none."""
     from harness.controller import ring_yield
 

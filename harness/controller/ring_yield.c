@@ -1,7 +1,7 @@
-/* Preloaded into ring ranks that outnumber this machine's cores (harness/controller/ring_yield.py).
+/* Preloaded into ring ranks that fill this machine's cores (harness/controller/ring_yield.py).
  *
  * MLX's ring polls its non-blocking sockets in a loop while a transfer waits on a peer. When the
- * ranks outnumber the cores, that loop holds a core the peer it waits for needs. Here a poll that
+ * ranks fill the cores, that loop holds a core the awaited peer or the controller needs. Here a poll that
  * finds nothing to read or no room to write gives its core away (sched_yield) before it returns,
  * unchanged, to MLX. Every byte and every error is MLX's own. */
 #define _GNU_SOURCE
