@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -157,6 +158,18 @@ def bare_script(path: Path, run: str, out: Path) -> None:
     out.write_text(json.dumps(bare.marks))
 
 
+def bare_env() -> dict[str, str]:
+    """The BLAS the harness's ranks run with (``launch.blas_preload``), one thread, as they have it."""
+    from harness.controller.launch import blas_preload
+
+    env = dict(os.environ)
+    preload = blas_preload()
+    if preload:
+        env["LD_PRELOAD"] = os.pathsep.join(p for p in (preload, env.get("LD_PRELOAD")) if p)
+        env.setdefault("OPENBLAS_NUM_THREADS", "1")
+    return env
+
+
 def window_rate(marks: list[dict[str, Any]], first: int) -> tuple[float, int, int]:
     """Global tokens per second from the mark at step ``first`` (or the first after it) to the last."""
     start = next(m for m in marks if m["step"] >= first)
@@ -211,7 +224,8 @@ def main() -> None:
         for _ in range(a.repeats):
             for t in trainers:
                 marks = Path(d) / f"{t}.marks.json"
-                subprocess.run([sys.executable, __file__, "--bare", str(path), t, str(marks)], check=True)
+                subprocess.run([sys.executable, __file__, "--bare", str(path), t, str(marks)], check=True,
+                               env=bare_env(), stdout=subprocess.DEVNULL)
                 rates[t]["bare"].append(window_rate(json.loads(marks.read_text()), a.first)[0])
                 marks_h = harnessed(path, t)
                 rates[t]["harness"].append(window_rate(marks_h, a.first)[0])
