@@ -19,13 +19,17 @@ scaling over the first world size, the model FLOPs utilization where the device'
 width each trained at (its ``input_widths``, per optimizer step: min-max, ``?`` when unreported).
 
 Each run alternates the three ``--repeats`` times and keeps each one's best post-step-1 median,
-so that a slow phase of a shared machine does not decide the ratio. For every world size above
+so that a slow phase of a shared machine does not decide the ratio; every figure says which
+repeat was kept and the range over repeats (``77780 (r2/3: 75100-77780)``), and a scaling is the
+kept figures' ratio with the range of the repeat-by-repeat ratios (repeat r at N ranks over
+repeat r at the first world size, measured next to each other). For every world size above
 the first, a second table puts the gradient all-reduce alone (``nn.average_gradients`` on a
 gradient of the model's shapes, ``harness.rank.anchor.allreduce``) beside what the harness's
 eager step takes over the first world size's at the same per-rank batch.
 
 usage: python benchmarks/step_vs_mlx_lm.py [--model tiny|cpu3m|gpu044b] [--world-sizes 1,2]
-                                           [--steps N] [--repeats R] [--backend ring|nccl]
+                                           [--modes eager,compiled] [--steps N] [--repeats R]
+                                           [--backend ring|nccl]
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -150,16 +155,40 @@ def measure(spec: Any, job: dict[str, Any], backend: str | None) -> tuple[float,
     return post_step1_median(result), result
 
 
+def kept(values: list[float]) -> int:
+    """The index of the repeat whose figure is kept: the fastest."""
+    return max(range(len(values)), key=values.__getitem__)
+
+
+def figure(values: list[float], form: str = ".0f", suffix: str = "") -> str:
+    """The kept (best) of ``values``, with which repeat it was and the range over repeats."""
+    if len(values) == 1:
+        return f"{values[0]:{form}}{suffix}"
+    k = kept(values)
+    return (f"{values[k]:{form}}{suffix} (r{k + 1}/{len(values)}: "
+            f"{min(values):{form}}-{max(values):{form}}{suffix})")
+
+
+def ratio_figure(mine: list[float], base: list[float]) -> str:
+    """``mine`` over ``base``: the kept figures' ratio, and the range of the repeat-by-repeat ratios."""
+    best = max(mine) / max(base)
+    if len(mine) == 1:
+        return f"{best:.2f}x"
+    pairs = [a / b for a, b in zip(mine, base, strict=True)]
+    return f"{best:.2f}x ({min(pairs):.2f}-{max(pairs):.2f}x)"
+
+
 def allreduce_rows(s: Any, steps: dict[tuple[int, str], float], backend: str | None) -> list[list[Any]]:
     """Per world size above one: the gradient all-reduce alone (``grad_allreduce``) beside what
-    the harness's eager step gains over one rank at the same per-rank batch."""
+    the harness's step (eager where it ran) gains over one rank at the same per-rank batch."""
     rows, first = [], min(n for n, _ in steps)
+    mode = "eager" if any(m == "eager" for _, m in steps) else "compiled"
     for spec in s.runs:
-        if spec.world_size == first or not spec.name.endswith("_eager"):
+        if spec.world_size == first or not spec.name.endswith(f"_{mode}"):
             continue
         ar = launch(spec, AnchorJob(s.for_run(spec), 10, "grad_allreduce"), backend)
-        step_n, step_1 = steps[(spec.world_size, "eager")], steps[(first, "eager")]
-        rows.append([spec.world_size, f"{ar['bytes'] / 2**20:.1f}", f"{ar['allreduce_s'] * 1e3:.2f}",
+        step_n, step_1 = steps[(spec.world_size, mode)], steps[(first, mode)]
+        rows.append([spec.world_size, mode, f"{ar['bytes'] / 2**20:.1f}", f"{ar['allreduce_s'] * 1e3:.2f}",
                      f"{step_1 * 1e3:.2f}", f"{step_n * 1e3:.2f}", f"{(step_n - step_1) * 1e3:.2f}",
                      f"{ar['allreduce_s'] / step_n:.1%}"])
     return rows
@@ -169,12 +198,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=sorted(MODELS), default="tiny")
     ap.add_argument("--world-sizes", default="1,2")
+    ap.add_argument("--modes", default="eager,compiled", help="which of eager, compiled to run")
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default: 40 for tiny, else 12)")
     ap.add_argument("--repeats", type=int, default=3,
                     help="alternate the three this many times per run and keep each one's best median")
     ap.add_argument("--backend", default=None)
     args = ap.parse_args()
     sizes = [int(n) for n in args.world_sizes.split(",")]
+    modes = [m for m in args.modes.split(",") if m]
+    if not modes or set(modes) - set(MODES):
+        raise SystemExit(f"--modes: each of {', '.join(MODES)}, got {args.modes!r}")
     args.steps = args.steps or (40 if args.model == "tiny" else 12)
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "step_vs_mlx_lm.toml"
@@ -185,30 +218,33 @@ def main() -> None:
     mfu_ok = peak is not None and dtype in ("bfloat16", "float16")
     rows, base, step_s, phase_rows = [], {}, {}, []
     for spec in s.runs:
-        if spec.name.endswith(MLX_LM):
-            continue
         mode = spec.name.split("_")[1]
+        if spec.name.endswith(MLX_LM) or mode not in modes:
+            continue
         theirs = s.run(spec.name + MLX_LM)
         runs = ((spec, job_for(s, spec.name)), (theirs, job_for(s, theirs.name)),
                 (spec, AnchorJob(s.for_run(spec))))
-        best: list[tuple[float, dict[str, Any]]] = [(0.0, {})] * 3
+        got: list[list[tuple[float, dict[str, Any]]]] = [[], [], []]
         for _ in range(args.repeats):  # alternating, so that a slow phase of the machine hits all three
             for i, (run, job) in enumerate(runs):
                 with compile_disabled(mode == "eager"):
-                    best[i] = max(best[i], measure(run, job, args.backend), key=lambda f: f[0])
-        tok_s = [v for v, _ in best]
-        ours, trainer, loop = (r for _, r in best)
+                    got[i].append(measure(run, job, args.backend))
+        tok_s = [[v for v, _ in g] for g in got]
+        ours, trainer, loop = (g[kept(t)][1] for g, t in zip(got, tok_s, strict=True))
         if loop["mlx_compile"] != (mode == "compiled"):
             raise SystemExit(f"{spec.name}: MLX compiles {'' if loop['mlx_compile'] else 'not '}in the ranks")
         phase_rows += [r for r in (phase_row(spec, mode, "harness", ours), phase_row(spec, mode, "step", loop)) if r]
         params = ours["param_count"]
         base.setdefault(mode, tok_s)
-        step_s[(spec.world_size, mode)] = ours["tokens_global_per_step"][0] / tok_s[0]
+        best = [max(t) for t in tok_s]
+        step_s[(spec.world_size, mode)] = ours["tokens_global_per_step"][0] / best[0]
         per_token = flops_per_token(params, ours["model_config"], seq)  # the config the model was built from
-        mfu = [f"{v * per_token / (peak * spec.world_size):.1%}" if mfu_ok else "-" for v in tok_s[:2]]
-        rows.append([spec.world_size, mode, *(f"{v:.0f}" for v in tok_s), f"{tok_s[0] / tok_s[1]:.2f}x",
-                     "/".join(f"{v / b:.2f}x" for v, b in zip(tok_s, base[mode], strict=True)), *mfu,
+        mfu = [f"{v * per_token / (peak * spec.world_size):.1%}" if mfu_ok else "-" for v in best[:2]]
+        scaling = "/".join(ratio_figure(v, b) for v, b in zip(tok_s, base[mode], strict=True))
+        rows.append([spec.world_size, mode, *(figure(t) for t in tok_s), ratio_figure(tok_s[0], tok_s[1]),
+                     scaling if spec.world_size != sizes[0] else "1.00x/1.00x/1.00x", *mfu,
                      *(widths(r) for r in (ours, trainer, loop))])
+        print("done:", " | ".join(map(str, rows[-1])), file=sys.stderr, flush=True)  # kept if a later run fails
     print(f"{args.model}: qwen3 {params / 1e6:.2f}M, {dtype}, {per_rank} x {seq} inputs per rank, {args.steps} steps, "
           f"best of {args.repeats}, on {name} (peak: {'%.0f TFLOP/s' % (peak / 1e12) if peak else 'unknown'})")
     print(tabulate(rows, headers=["World size", "Mode", "Harness tok/s", "mlx-lm trainer tok/s", "mlx-lm step tok/s",
@@ -216,6 +252,9 @@ def main() -> None:
                                   "MFU harness", "MFU trainer", "Width harness", "Width trainer", "Width step"]))
     print("trainer: mlx_lm.tuner.trainer.train (the anchor); step: its step in a plain loop. eager: every rank run "
           "with MLX_DISABLE_COMPILE=1 (mlx-lm's train() compiles its step otherwise). Width: padded inputs per row.")
+    if args.repeats > 1:
+        print("Each figure: the fastest repeat (rK/R: which), then the range over repeats. Ratios and scaling: the "
+              "kept figures' ratio, then the range of the repeat-by-repeat ratios.")
     if phase_rows:
         print()
         print(tabulate(phase_rows, headers=["World size", "Mode", "Who", "Fetch ms", "Build ms", "Eval ms",
@@ -225,7 +264,7 @@ def main() -> None:
     reduce_rows = allreduce_rows(s, step_s, args.backend)
     if reduce_rows:
         print()
-        print(tabulate(reduce_rows, headers=["World size", "Gradient MiB", "all-reduce ms (alone)",
+        print(tabulate(reduce_rows, headers=["World size", "Mode", "Gradient MiB", "all-reduce ms (alone)",
                                              f"Harness step ms at {sizes[0]}", "Harness step ms", "Extra ms",
                                              "All-reduce share of step"]))
 

@@ -64,6 +64,22 @@ def test_the_side_by_side_benchmark_prints_the_three() -> None:
     # the all-reduce alone beside the 2-rank step: world size, MiB, all-reduce ms, step ms at 1 and 2, extra, share
     at = next(i for i, line in enumerate(lines) if "all-reduce ms (alone)" in line)
     (reduce,) = [line.split() for line in lines[at + 2 :]]
-    assert reduce[0] == "2" and float(reduce[1]) > 0 and float(reduce[2]) > 0 and float(reduce[4]) > 0
+    assert reduce[:2] == ["2", "eager"]  # beside the eager step, where it ran
+    reduce = reduce[1:]
+    assert reduce[0] == "eager" and float(reduce[1]) > 0 and float(reduce[2]) > 0 and float(reduce[4]) > 0
     assert abs(float(reduce[5]) - (float(reduce[4]) - float(reduce[3]))) <= 0.02
     assert abs(float(reduce[6][:-1]) - 100 * float(reduce[2]) / float(reduce[4])) <= 0.1
+
+
+def test_a_figure_over_repeats_names_the_repeat_kept_and_the_range() -> None:
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        from step_vs_mlx_lm import figure, kept, ratio_figure
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+
+    assert kept([75076.0, 77000.0, 79281.0]) == 2 and figure([75076.0, 77000.0, 79281.0]) == "79281 (r3/3: 75076-79281)"
+    assert figure([63002.0]) == "63002"  # one repeat: the figure alone
+    # scaling: the kept figures' ratio, then the range of repeat r over repeat r (measured next to each other)
+    assert ratio_figure([160.0, 200.0], [100.0, 90.0]) == "2.00x (1.60-2.22x)"
+    assert ratio_figure([180.0], [100.0]) == "1.80x"

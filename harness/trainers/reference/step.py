@@ -39,6 +39,26 @@ def restore_in_place(dst: Any, src: Any) -> None:
             dst[k] = v
 
 
+def state_slots(tree: Any, out: list[tuple[Any, Any, Any]] | None = None) -> list[tuple[Any, Any, Any]]:
+    """Every leaf of ``tree`` (nested dicts and lists: a model's or an optimizer's state) with the
+    container and key that hold it, in one walk: a snapshot that ``put_back`` restores in place.
+    A fused step takes one each step, so it is a plain walk (``tree_map`` built new containers
+    and took about 7 times as long: 2-5 ms of host time per step on a 28-layer model)."""
+    out = [] if out is None else out
+    for k, v in tree.items() if isinstance(tree, dict) else enumerate(tree):
+        if isinstance(v, dict | list):
+            state_slots(v, out)
+        else:
+            out.append((tree, k, v))
+    return out
+
+
+def put_back(slots: list[tuple[Any, Any, Any]]) -> None:
+    """Put every leaf of a ``state_slots`` snapshot back where it was taken from."""
+    for container, key, value in slots:
+        container[key] = value
+
+
 def loss_fn(model: Any, batch: dict[str, Any], scale: Any, fault: str | None) -> tuple[Any, Any]:
     """(token-loss sum x scale, token-loss sum) of a micro-batch (``LocalBatch.arrays()``: a VLM
     batch has an ``attention`` mask and vision inputs); ``fault`` is for injected errors."""
@@ -94,7 +114,7 @@ class LocalStep:
         self._full_c = mx.compile(self._full, inputs=state, outputs=state)
         self._full_acc_c = mx.compile(self._full_acc, inputs=state, outputs=state)
         self._update_c = mx.compile(self.update, inputs=state, outputs=state)
-        self._before: tuple[Any, Any] | None = None
+        self._before: list[tuple[Any, Any, Any]] | None = None
         self._norm = norm_function()
 
     @property
@@ -135,19 +155,12 @@ class LocalStep:
         sem = self.semantics
         return self.update(sem.reduce_shards([sem.accumulated(grads)]))
 
-    @staticmethod
-    def _snapshot(state: Any) -> Any:
-        """The arrays of ``state`` (a failed trace can leave tracers in any array a model holds:
-        parameters and cached buffers such as RoPE frequencies)."""
-        from mlx.utils import tree_map
-
-        return tree_map(lambda a: a, state)
-
     def discard(self) -> None:
-        """Drop the lazy update of the last fused call: the model and optimizer state from before it."""
+        """Drop the lazy update of the last fused call: the model and optimizer state from before it
+        (a failed trace can leave tracers in any array a model holds: parameters and cached
+        buffers such as RoPE frequencies)."""
         if self._before is not None:
-            restore_in_place(self.model, self._before[0])
-            restore_in_place(self.optimizer.state, self._before[1])
+            put_back(self._before)
             self._before = None
 
     def settled(self) -> None:
@@ -170,13 +183,13 @@ class LocalStep:
 
         args = (batch, scale, fault)
         if self.compiled:
-            state = self._snapshot(self.model.state)
+            state = state_slots(self.model.state)
             try:
                 out = self._grad_c(*args)
                 mx.eval(out)
                 return out
             except Exception as compile_error:  # noqa: BLE001 - classified just below
-                restore_in_place(self.model, state)
+                put_back(state)
                 raise self._classify(compile_error, args) from compile_error
         out = self._grad(*args)
         if not lazy:
@@ -186,7 +199,7 @@ class LocalStep:
     def full(self, batch: dict[str, Any], scale: Any, fault: str | None, acc: Any = None) -> tuple[Any, Any]:
         """The fused step (``full-step`` scope), lazy: (token-loss sum, gradient norm); the model
         and optimizer hold the update until evaluated, or until ``discard``."""
-        self._before = self._snapshot(self.model.state), self._snapshot(self.optimizer.state)
+        self._before = state_slots([self.model.state, self.optimizer.state])
         try:
             if acc is None:
                 return self._full_c(batch, scale, fault)
