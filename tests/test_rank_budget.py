@@ -46,6 +46,41 @@ def test_a_launch_waits_while_another_process_holds_the_slots_it_needs(tmp_path:
         holder.wait(timeout=10)
 
 
+STREAM = """
+import sys, time
+from harness.controller import rank_budget
+end = time.monotonic() + float(sys.argv[1])
+print("streaming", flush=True)
+while time.monotonic() < end:  # 1-rank launches back to back, as a worker's floor runs are
+    slots = rank_budget.hold(1, "a stream")
+    time.sleep(0.03)
+    slots.release()
+"""
+
+
+def test_a_wide_launch_waits_its_turn_not_for_a_stream_of_narrow_ones_to_end(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """Two processes each take 1 of 2 slots back to back for 8 s; a launch of 2 ranks that starts
+    waiting among them gets both within its turn (the narrow ones queue behind it once it waits),
+    not after the stream: without turns, it waited for all of it."""
+    env = _env(tmp_path, 2)
+    streams = [subprocess.Popen([sys.executable, "-c", STREAM, "8"], env=env, stdout=subprocess.PIPE, text=True)
+               for _ in range(2)]
+    try:
+        assert [s.stdout.readline().strip() for s in streams] == ["streaming"] * 2
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        time.sleep(0.5)
+        slots = rank_budget.hold(2, "a wide launch")
+        assert slots.waited_s < 2.0, slots.waited_s
+        assert all(s.poll() is None for s in streams)  # the streams were still going
+        assert not list((tmp_path / "slots").glob(f"{rank_budget.QUEUE_PREFIX}*-{os.getpid()}"))  # its ticket went
+        slots.release()
+    finally:
+        for s in streams:
+            s.wait(timeout=20)
+    assert not list((tmp_path / "slots").glob(f"{rank_budget.QUEUE_PREFIX}*"))  # every ticket gone at the end
+
+
 def test_a_waiting_launch_says_who_holds_the_slots(tmp_path: Path, monkeypatch, capsys) -> None:  # noqa: ANN001
     env = _env(tmp_path, 2)
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, "2", "1.0", "run 'ddp2'"], env=env,

@@ -7,9 +7,16 @@ takes all its slots at once under a directory lock, or none, so two launches nev
 part and wait for the other. The budget is ``MLX_DDP_HARNESS_RANK_BUDGET`` or the number of
 CPU cores; a launch of more ranks than the budget waits for the whole budget.
 
+Launches that must wait are served in turn: the first to wait takes a numbered ticket (a
+``queue-*`` file held with ``flock``, gone when its holder dies), and no launch takes slots while
+an older ticket waits. Without turns, a launch of 2 ranks waited behind another process's
+stream of 1-rank launches for as long as the stream lasted (5 minutes of a test under
+``pytest -n 2``), with one core idle.
+
 A holder that starts launches of its own (a pytest test marked with its world size) sets
 ``MLX_DDP_HARNESS_RANKS_HELD`` for its process and children: a launch there counts those slots
-as its own and takes only what it needs beyond them, so it never waits for its own holder.
+as its own and takes only what it needs beyond them, so it never waits for its own holder; it
+does not wait its turn either (the launch ahead of it may be waiting for its holder's slots).
 
 A held slot's file names its holder; a run's watchdog reads the names (``NeighbourMeter``) to
 say which part of the run other launches ran beside it, sharing its GPU where it has one.
@@ -203,7 +210,47 @@ def held_here() -> int:
 
 
 MEMORY_PREFIX = "mem-"
+QUEUE_PREFIX = "queue-"
 _claims_made = 0
+
+
+def _ticket(d: Path) -> IO[str]:
+    """A numbered place in the queue, held until released (called under the directory lock)."""
+    seq_file = d / ".seq"
+    try:
+        seq = int(seq_file.read_text() or 0) + 1
+    except (OSError, ValueError):
+        seq = 1
+    seq_file.write_text(str(seq))
+    f = open(d / f"{QUEUE_PREFIX}{seq:012d}-{os.getpid()}", "w")  # noqa: SIM115 - held while it waits
+    fcntl.flock(f, fcntl.LOCK_EX)
+    return f
+
+
+def _drop_ticket(f: IO[str] | None) -> None:
+    if f is None:
+        return
+    with contextlib.suppress(OSError):
+        os.unlink(f.name)
+        fcntl.flock(f, fcntl.LOCK_UN)
+    f.close()
+
+
+def _first_waiting(d: Path) -> str | None:
+    """The name of the oldest live ticket; a dead waiter's ticket is removed (under the lock)."""
+    for path in sorted(d.glob(f"{QUEUE_PREFIX}*")):
+        try:
+            f = open(path)  # noqa: SIM115 - closed below, after its lock is tested
+        except OSError:
+            continue
+        with f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return path.name  # held: its launch is waiting
+            with contextlib.suppress(OSError):
+                path.unlink()
+    return None
 
 
 def memory_claims(d: Path) -> list[tuple[int, str]]:
@@ -254,31 +301,43 @@ def hold(ranks: int, what: str = "a launch", poll_s: float = 0.05, memory_bytes:
     d = slot_dir()
     t0 = time.monotonic()
     noticed = False
-    while True:
-        busy: list[str] = []
-        claims: list[tuple[int, str]] = []
-        with open(d / ".lock", "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                claims = memory_claims(d) if mem is not None else []
-                used = sum(n for n, _ in claims)
-                fits = mem is None or not claims or used + memory_bytes <= mem.bytes
-                got: list[IO[str]] = []
-                if fits and want > 0:
-                    got, busy = _try_take(d, want, size, what)
-                if fits and (got or want <= 0):
-                    claim = _claim(d, memory_bytes, what) if memory_bytes else None
-                    return RankSlots(got, time.monotonic() - t0, claim)
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
-        waited = time.monotonic() - t0
-        if not noticed and waited >= NOTICE_AFTER_S:
-            noticed = True
-            if busy or mem is None:
-                print(f"{what}: waiting for {want} of this machine's {size} rank slots ({BUDGET_VAR}); "
-                      f"held: {holders(busy)}", file=sys.stderr, flush=True)
-            else:
-                print(f"{what}: waiting for {format_size(memory_bytes)} of this machine's memory budget of "
-                      f"{format_size(mem.bytes)} ({mem.source}); claimed: {claimed(claims)}",
-                      file=sys.stderr, flush=True)
-        time.sleep(poll_s)
+    queues = held_here() == 0  # a holder's own launches never wait behind a launch waiting for it
+    ticket: IO[str] | None = None
+    try:
+        while True:
+            busy: list[str] = []
+            claims: list[tuple[int, str]] = []
+            with open(d / ".lock", "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                try:
+                    first = _first_waiting(d) if queues else None
+                    my_turn = first is None or (ticket is not None and Path(ticket.name).name == first)
+                    claims = memory_claims(d) if mem is not None else []
+                    used = sum(n for n, _ in claims)
+                    fits = my_turn and (mem is None or not claims or used + memory_bytes <= mem.bytes)
+                    got: list[IO[str]] = []
+                    if fits and want > 0:
+                        got, busy = _try_take(d, want, size, what)
+                    if fits and (got or want <= 0):
+                        claim = _claim(d, memory_bytes, what) if memory_bytes else None
+                        return RankSlots(got, time.monotonic() - t0, claim)
+                    if queues and ticket is None:
+                        ticket = _ticket(d)
+                finally:
+                    fcntl.flock(lock, fcntl.LOCK_UN)
+            waited = time.monotonic() - t0
+            if not noticed and waited >= NOTICE_AFTER_S:
+                noticed = True
+                if not my_turn:
+                    print(f"{what}: waiting for {want} of this machine's {size} rank slots ({BUDGET_VAR}) behind "
+                          f"launches that waited first", file=sys.stderr, flush=True)
+                elif busy or mem is None:
+                    print(f"{what}: waiting for {want} of this machine's {size} rank slots ({BUDGET_VAR}); "
+                          f"held: {holders(busy)}", file=sys.stderr, flush=True)
+                else:
+                    print(f"{what}: waiting for {format_size(memory_bytes)} of this machine's memory budget of "
+                          f"{format_size(mem.bytes)} ({mem.source}); claimed: {claimed(claims)}",
+                          file=sys.stderr, flush=True)
+            time.sleep(poll_s)
+    finally:
+        _drop_ticket(ticket)
