@@ -145,6 +145,7 @@ class RankResult(_RankRequired, total=False):
     startup_parts_s: dict[str, float]
     startup_total_s: float
     libraries_loaded: list[str]
+    preloaded: list[str]  # the LD_PRELOAD libraries mapped into the rank (``harness.rank.startup.preloaded``)
     rss_runtime_bytes: int
     mlx_peak_bytes: int
     rss_peak_bytes: int

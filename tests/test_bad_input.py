@@ -181,6 +181,16 @@ def test_bad_input_exits_2_with_one_line_naming_it(tmp_path: Path, capsys: pytes
     assert (out / "result.json").read_text() == "previous"
 
 
+def test_an_unknown_ring_yield_setting_is_refused_before_anything_runs(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MLX_DDP_HARNESS_RING_YIELD", "sometimes")
+    example = Path(__file__).resolve().parents[1] / "examples" / "minimal_parity.toml"
+    code, stdout, stderr = run_cli(["run", str(example), "--out", str(tmp_path / "out")], capsys)
+    assert code == 2, stdout[-2000:] + stderr[-2000:]
+    assert stderr.strip() == "error: MLX_DDP_HARNESS_RING_YIELD='sometimes': use one of auto, on, off"
+    assert not (tmp_path / "out").exists()  # refused before anything ran or was written
+
+
 # Generated scenarios: a valid one with one key set, at any level, to a generated value.
 VALUES = st.one_of(st.none(), st.booleans(), st.integers(-3, 10**6), st.floats(allow_nan=True),
                    st.text(max_size=12), st.lists(st.integers(-2, 5), max_size=3),

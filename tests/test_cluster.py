@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from harness.cluster_spec import Cluster, ClusterError, ClusterHost, from_mapping, load_hostfile
+from harness.controller import ring_yield
 from harness.controller.remote import _rewrite
 from tests.conftest import REPO, cli
 from tests.simhosts import SimHosts, unavailable
@@ -179,6 +180,15 @@ def test_text_parity_across_two_hosts_gives_the_single_host_verdicts(sim: SimHos
     assert [rk["host"] for rk in runs["ddp4"]["ranks"]] == [a, a, b, b]
     assert runs["single"]["hosts"] is None  # one process runs on the controller's machine
     assert f"run ddp4 across hosts: {a}: ranks 0,1; {b}: ranks 2,3" in across.stdout
+    # each host's agent links the yielding library where the ranks placed there fill its cores
+    # (2 of ddp4's ranks per simulated host of this machine's cores), and the ranks map it
+    cores = len(os.sched_getaffinity(0))
+    yielding = [any(n.startswith("ring_yield-") for n in rk.get("preloaded", [])) for rk in runs["ddp4"]["ranks"]]
+    if cores <= 2 and ring_yield.library() is not None:
+        assert runs["ddp4"]["ring_yield"].startswith(f"on {a}, {b}: its ranks yield a core while they wait"), runs
+        assert yielding == [True] * 4 and f"run ddp4 on ring: on {a}, {b}: its ranks yield" in across.stdout
+    assert runs["ddp2"]["ring_yield"] is None  # one rank per host
+    assert not any(any(n.startswith("ring_yield-") for n in rk.get("preloaded", [])) for rk in runs["ddp2"]["ranks"])
     assert_nothing_left(sim)
 
 

@@ -219,10 +219,12 @@ def test_ring_ranks_that_yield_while_waiting_sum_alike_and_the_run_says_so(mode:
     out = probe(3.0, 4, rounds=6, pause_s=0.0)
     assert out.ok, out.failure
     assert [o.result["sums"] for o in out.ranks] == [expected_sums(3.0, 4, 6)] * 4
+    loaded = [any(n.startswith("ring_yield-") for n in o.result["preloaded"]) for o in out.ranks]
     if mode == "on":
         assert out.ring_yield and out.ring_yield.startswith("its ranks yield a core while they wait on a peer"), out
+        assert loaded == [True] * 4  # every rank has it mapped
     else:
-        assert out.ring_yield is None
+        assert out.ring_yield is None and loaded == [False] * 4
     assert_clean(out)
 
 

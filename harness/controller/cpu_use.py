@@ -22,7 +22,7 @@ from harness.controller.rank_budget import Neighbours
 SLACK_CORES = 0.25  # other processes' use a run tolerates beyond the cores it leaves free
 
 
-def _cpus() -> list[int] | None:
+def usable_cpus() -> list[int] | None:
     """The CPUs this process may run on, where the system says (Linux); None: all of them."""
     try:
         return sorted(os.sched_getaffinity(0))
@@ -77,7 +77,7 @@ class CpuMeter:
     """Started when a run starts; ``stop()`` once every process of the run has been waited for."""
 
     def __init__(self) -> None:
-        self.cpus = _cpus()
+        self.cpus = usable_cpus()
         self.t0 = time.monotonic()
         self.busy0, _ = _busy_s(self.cpus)
         self.own0 = _own_s()

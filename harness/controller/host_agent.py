@@ -7,6 +7,8 @@ never imports MLX: it starts in a fraction of a second. It
 - answers ``hello`` with the host's harness, MLX and Python versions (preflight);
 - ``setup``: makes the run's private directory on the host; ``lease``: leases the run's ring
   ports there (the same machine-wide lease as local runs, held by the agent's own process);
+  ``ring_yield``: links the library that makes ring ranks yield a waiting core into it, where the
+  run's ranks on this host fill its cores;
 - ``have`` / ``put``: says whether an input file is already present with the same content, and
   writes shipped files;
 - ``watch``: from then on, every ``TICK_S`` it sends what the ranks wrote under the watched
@@ -198,6 +200,18 @@ class Agent:
         if self.lease is None:
             return {"ok": False, "error": f"ports {start}-{start + count - 1} are taken on this host"}
         return {"ok": True}
+
+    def op_ring_yield(self, req: dict[str, Any]) -> dict[str, Any]:
+        """Link the yielding library into the run's directory where the ranks placed on this host
+        fill its cores (``ring_yield.plan``); the ranks' shell preloads it from there."""
+        from harness.controller import ring_yield
+
+        assert self.root is not None, "no setup yet"
+        calm = ring_yield.plan(int(req["ranks"]), req.get("backend"), req.get("setting", "auto"))
+        if calm is None:
+            return {"why": None}
+        (self.root / "ring_yield.so").symlink_to(calm.library)
+        return {"why": calm.why}
 
     def op_have(self, req: dict[str, Any]) -> dict[str, Any]:
         return {"sha256": [sha256_of(Path(p)) for p in req["paths"]]}

@@ -138,7 +138,7 @@ def start(run_dir: Path, world_size: int, backend: str | None = None) -> Launch:
 
     if not backend:
         raise ValueError("a launch of more than one rank needs a backend")
-    calm = ring_yield.plan(world_size, backend, remote=False)
+    calm = ring_yield.plan(world_size, backend)
     if calm is not None:
         env["LD_PRELOAD"] = os.pathsep.join(p for p in (str(calm.library), env.get("LD_PRELOAD")) if p)
     lease = lease_ports(world_size + 1)  # one port per ring rank, the last for NCCL's rendezvous
@@ -172,7 +172,8 @@ def start(run_dir: Path, world_size: int, backend: str | None = None) -> Launch:
 
 # What a rank on a cluster host runs: its files under the host's mirror of the run directory
 # (``D``), MLX's kernel cache inside the run's directory, its pid (and its shell's, which
-# mlx.launch records in a temporary file of its own) where its host's agent finds them.
+# mlx.launch records in a temporary file of its own) where its host's agent finds them, and the
+# yielding library where the agent linked it (``ring_yield``: the host's ranks fill its cores).
 # The shell waits for the rank rather than exec it: its exit status (128 + N for signal N) is
 # what SSH passes back, where a rank ended by a signal would otherwise read as SSH's own 255.
 REMOTE_RANK_CMD = (
@@ -181,6 +182,7 @@ REMOTE_RANK_CMD = (
     'if [ -z "$MLX_DDP_HARNESS_BLAS" ] && [ -f ' + OPENBLAS + ' ]; then '
     'export LD_PRELOAD=' + OPENBLAS + '${LD_PRELOAD:+:$LD_PRELOAD} '
     'OPENBLAS_NUM_THREADS=${OPENBLAS_NUM_THREADS:-1}; fi; '
+    'if [ -e "$R/ring_yield.so" ]; then export LD_PRELOAD="$R/ring_yield.so${LD_PRELOAD:+:$LD_PRELOAD}"; fi; '
     'cd "$D" || exit 126; '
     '"$0" -m ' + RANK_MODULE + ' "$D" >"$D/rank$MLX_RANK.stdout" 2>"$D/rank$MLX_RANK.stderr" & '
     'echo $! >"$R/pids/rank$MLX_RANK"; wait $!'
@@ -213,6 +215,7 @@ def start_on_cluster(run_dir: Path, world_size: int, backend: str, cluster: Clus
         for h, host_job in remote.ship(job, run_dir, sync_dirs).items():
             remote.links[h].put(run_dir / schema.JOB_FILE, json.dumps(host_job, indent=1, sort_keys=True).encode())
         remote.watch(run_dir, sync_dirs)
+        calm = remote.ring_yield(backend)
         hosts = [{"ssh": cluster.hosts[h].ssh, "ips": cluster.hosts[h].ips} for h in remote.placement]
         path = write_hostfile(run_dir, world_size, backend, hosts)
         root = next(iter(remote.links.values())).root
@@ -229,7 +232,7 @@ def start_on_cluster(run_dir: Path, world_size: int, backend: str, cluster: Clus
     except BaseException:
         remote.finish()
         raise
-    return Launch(proc, run_dir, world_size, backend, None, HostProcesses(remote))
+    return Launch(proc, run_dir, world_size, backend, None, HostProcesses(remote), ring_yield=calm)
 
 
 def launcher_exits(run_dir: Path, remote: bool = False) -> dict[int, int | None]:

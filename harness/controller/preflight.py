@@ -51,6 +51,7 @@ def preflight(plan: ScenarioPlan, backend: str | None, cluster: Cluster | None =
     """Everything about a planned scenario that can be refused before any rank starts (on a
     cluster, its multi-rank runs' backends are the hosts' to say); returns lines a user should
     read before the run (``check_data_files``)."""
+    from harness.controller import ring_yield
     from harness.controller.input_checks import check_data_files
     from harness.controller.rank_budget import budget
 
@@ -59,6 +60,7 @@ def preflight(plan: ScenarioPlan, backend: str | None, cluster: Cluster | None =
         check_backends(plan, backend)
     try:
         budget()
+        ring_yield.mode()
     except ValueError as e:
         raise ScenarioError(str(e)) from e
     notes = check_data_files(plan.scenario)

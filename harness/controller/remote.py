@@ -227,6 +227,19 @@ class RemoteRanks:
                     made.get("error")) else ""
                 raise ClusterError(f"host {link.name}: cannot make {link.root}: {made.get('error')}{shared}")
 
+    def ring_yield(self, backend: str) -> str | None:
+        """Each host's agent links the yielding library where the ranks placed on its host fill
+        its cores (``ring_yield.plan`` there); the run's note names the hosts that did."""
+        from harness.controller import ring_yield
+
+        setting, said = ring_yield.mode(), {}
+        for h, link in self.links.items():
+            why = link.request("ring_yield", ranks=self.placement.count(h), backend=backend,
+                               setting=setting).get("why")
+            if why:
+                said.setdefault(why, []).append(link.name)
+        return "; ".join(f"on {', '.join(hosts)}: {why}" for why, hosts in said.items()) or None
+
     def lease_ports(self, count: int, rng: random.Random | None = None) -> int:
         """A block of ``count`` ports free on every host, leased by each host's agent."""
         from harness.controller.ports import HIGH, LOW

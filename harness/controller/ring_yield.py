@@ -9,13 +9,16 @@ as many ranks as cores, the polling takes the cores the controller and any other
 15.8 s with every one yielding.
 The library is compiled once per source (a C compiler, ``$CC`` or ``cc``) into the user's cache;
 without a compiler the ranks spin as MLX has them. ``MLX_DDP_HARNESS_RING_YIELD``: ``auto``
-(default: when a local ring launch has as many ranks as this process may use cores, or more),
-``on`` (every local ring launch) or ``off``. With fewer ranks than cores a polling thread takes a
-core nothing else wants, and MLX is left as it is.
+(default: where a ring launch puts as many ranks on one machine as it has cores, or more), ``on``
+(every ring launch) or ``off``; any other value is refused. With fewer ranks than cores a polling
+thread takes a core nothing else wants, and MLX is left as it is. On a cluster each host's agent
+decides for the ranks placed on that host, with that host's cores and compiler
+(``host_agent.op_ring_yield``).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
@@ -26,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 VAR = "MLX_DDP_HARNESS_RING_YIELD"
+MODES = ("auto", "on", "off")
 SOURCE = Path(__file__).with_name("ring_yield.c")
 _built: dict[str, Path | None] = {}
 
@@ -36,11 +40,25 @@ class RingYield:
     why: str  # the note a run carries
 
 
+def mode() -> str:
+    """The user's setting (``VAR``); a value other than ``MODES`` is refused (ValueError)."""
+    value = os.environ.get(VAR, "auto")
+    if value not in MODES:
+        raise ValueError(f"{VAR}={value!r}: use one of {', '.join(MODES)}")
+    return value
+
+
 def cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
+    from harness.controller.cpu_use import usable_cpus
+
+    cpus = usable_cpus()
+    return len(cpus) if cpus is not None else os.cpu_count() or 1
+
+
+@functools.cache
+def _source_key() -> str:
+    """The library's name for this source (read once per process)."""
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
 
 
 def _cache_dir() -> Path:
@@ -50,8 +68,7 @@ def _cache_dir() -> Path:
 
 def library() -> Path | None:
     """The compiled preload library (built on first use), or None where it cannot be built."""
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source).hexdigest()[:16]
+    key = _source_key()
     if key in _built:
         return _built[key]
     out = _cache_dir() / f"ring_yield-{key}.so"
@@ -76,16 +93,17 @@ def library() -> Path | None:
     return _built[key]
 
 
-def plan(world_size: int, backend: str | None, remote: bool) -> RingYield | None:
-    """Whether this launch's ranks preload the library, and the note that says so."""
-    mode = os.environ.get(VAR, "auto")
-    if mode == "off" or backend != "ring" or remote or world_size < 2 or not sys.platform.startswith("linux"):
+def plan(ranks: int, backend: str | None, setting: str | None = None) -> RingYield | None:
+    """Whether ``ranks`` ring ranks on this machine preload the library, and the note that says
+    so; ``setting`` is ``VAR``'s value (this process's own by default)."""
+    setting = mode() if setting is None else setting
+    if setting == "off" or backend != "ring" or ranks < 2 or not sys.platform.startswith("linux"):
         return None
     n = cores()
-    if mode != "on" and world_size < n:
+    if setting != "on" and ranks < n:
         return None
     lib = library()
     if lib is None:
         return None
-    why = f"{world_size} ranks on {n} cores" if world_size >= n else f"{VAR}=on"
+    why = f"{ranks} ranks on {n} cores" if ranks >= n else f"{VAR}=on"
     return RingYield(lib, f"its ranks yield a core while they wait on a peer ({why}; {VAR}=off to spin as MLX does)")

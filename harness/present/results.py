@@ -28,7 +28,7 @@ def rank_summary(o: Any, cluster_host: str | None = None) -> dict[str, Any]:
     hostname stays under ``hostname``)."""
     r = o.result or {}
     keys = ("host", "pid", "device", "device_check", "accelerator", "startup_s", "startup_total_s", "startup_parts_s",
-            "libraries_loaded", "runtime_s",
+            "libraries_loaded", "preloaded", "runtime_s",
             "tokens_local", "tok_s_local", "step_times_s", "mlx_peak_bytes", "rss_peak_bytes", "precision", "error")
     out = {"rank": o.rank, "exit_code": o.exit_code, "status": r.get("status", "missing"),
            **{k: r[k] for k in keys if k in r}}

@@ -22,6 +22,21 @@ def libraries_loaded() -> list[str]:
     return [name for name in heavy_libraries() if sys.modules.get(name) is not None]
 
 
+def preloaded() -> list[str]:
+    """The ``LD_PRELOAD`` libraries mapped into this process, by file name (Linux: the BLAS and
+    the ring's yielding library the launch gave the rank; elsewhere, or with none, empty)."""
+    import os
+
+    named = os.environ.get("LD_PRELOAD", "").replace(":", " ").split()
+    wanted = {os.path.basename(os.path.realpath(p)) for p in named}  # the map names a link's target
+    try:
+        with open("/proc/self/maps") as f:
+            mapped = {os.path.basename(line.split()[-1]) for line in f if "/" in line}
+    except OSError:
+        return []
+    return sorted(wanted & mapped)
+
+
 class StartupClock:
     """Marks the end of each start-up part; ``phase`` marks the start of a trainer phase."""
 
@@ -52,4 +67,4 @@ class StartupClock:
         start of training, or to now when the job never trained)."""
         parts = {k: round(v, 4) for k, v in self.parts.items() if v > 0 or k in PARTS}
         return {"startup_parts_s": parts, "startup_total_s": round(sum(self.parts.values()), 4),
-                "libraries_loaded": libraries_loaded()}
+                "libraries_loaded": libraries_loaded(), "preloaded": preloaded()}
