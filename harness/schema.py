@@ -35,6 +35,7 @@ from typing import Any, TypedDict
 SCHEMA_VERSION = 2
 
 JOB_FILE = "job.json"
+HOST_ROOT_VAR = "MLX_DDP_HARNESS_ROOT"  # a rank on a cluster host: its run's directory there (``controller.launch``)
 
 # The rank protocol an executable under test speaks (``[trainer] kind = "command"``;
 # docs/rank-protocol.md, JSON Schemas in harness/protocol/). Its rank process gives it the job in

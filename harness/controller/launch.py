@@ -177,7 +177,7 @@ def start(run_dir: Path, world_size: int, backend: str | None = None) -> Launch:
 # The shell waits for the rank rather than exec it: its exit status (128 + N for signal N) is
 # what SSH passes back, where a rank ended by a signal would otherwise read as SSH's own 255.
 REMOTE_RANK_CMD = (
-    'R="$MLX_DDP_HARNESS_ROOT"; D="$R/m$1"; echo $$ >"$R/pids/shell$MLX_RANK"; '
+    f'R="${schema.HOST_ROOT_VAR}"; D="$R/m$1"; echo $$ >"$R/pids/shell$MLX_RANK"; '
     'export TMPDIR="$D/tmp" MLX_DDP_HARNESS_TMPDIR="$R/tmp"; '
     'if [ -z "$MLX_DDP_HARNESS_BLAS" ] && [ -f ' + OPENBLAS + ' ]; then '
     'export LD_PRELOAD=' + OPENBLAS + '${LD_PRELOAD:+:$LD_PRELOAD} '
@@ -193,7 +193,7 @@ SIGNAL_STATUS = 128  # a shell's exit status for a child ended by signal N is 12
 def _remote_envs(cluster: Cluster, root: str) -> list[str]:
     """The environment ranks on cluster hosts get (nothing is inherited over SSH): the run's
     directory, unbuffered output, and the MLX settings the user made for the controller."""
-    envs = [f"MLX_DDP_HARNESS_ROOT={root}", f"TMPDIR={root}/tmp", "PYTHONUNBUFFERED=1", *cluster.envs]
+    envs = [f"{schema.HOST_ROOT_VAR}={root}", f"TMPDIR={root}/tmp", "PYTHONUNBUFFERED=1", *cluster.envs]
     if os.environ.get("MLX_DDP_HARNESS_BLAS", "auto") == "bundled":
         envs.append("MLX_DDP_HARNESS_BLAS=bundled")
     envs += [f"{k}={v}" for k, v in sorted(os.environ.items())

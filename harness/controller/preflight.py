@@ -59,8 +59,8 @@ def preflight(plan: ScenarioPlan, backend: str | None, cluster: Cluster | None =
     if cluster is None:
         check_backends(plan, backend)
     try:
-        budget()
         ring_yield.mode()
+        budget()
     except ValueError as e:
         raise ScenarioError(str(e)) from e
     notes = check_data_files(plan.scenario)

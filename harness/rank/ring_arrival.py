@@ -16,7 +16,9 @@ import os
 import time
 from pathlib import Path
 
-REMOTE_VAR = "MLX_DDP_HARNESS_ROOT"  # set for ranks on cluster hosts (``controller.launch``)
+from harness import schema
+
+REMOTE_VAR = schema.HOST_ROOT_VAR  # set for ranks on cluster hosts
 WAIT_S = 30.0  # at most this long for the other ranks; MLX's own retries take over after it
 SETTLE_S = 0.02  # after the last mark: the others' step from their mark to their listen
 POLL_S = 0.002
