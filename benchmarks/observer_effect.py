@@ -9,14 +9,35 @@ under the harness, on the same model, rows, batch and process count, alternating
   (``BareSession``) building the same model, rows and optimizer, its ``run.probe`` and
   ``run.finish`` doing nothing and ``run.step`` taking a timestamp; under the harness it is the
   script as shipped.
+- **mlx-vlm**: bare is ``mlx_vlm.trainer.Trainer(model, VLMTrainingArgs(...), train_dataset=rows,
+  optimizer=..., prepared=True, training_callback=..., seed=...).train()`` with its own SFT task and
+  batch iterator and its defaults (``steps_per_report`` 10), on the qwen2_vl and prepared image rows
+  the adapter builds (``load_image_rows``, its ``to_item``, ``build_model``); under the harness it
+  is the adapter, which reports every step and wraps mlx-vlm's batch iterator to see each step
+  (its last step is seen when ``train()`` returns, after mlx-vlm's final save: bare's last
+  timestamp is taken there too).
+  Tokens: mlx-vlm's own count of supervised tokens (``trained_tokens`` in its reports, the sum of
+  the ``train_num_tokens`` the adapter's step events carry).
+- **unsloth-zoo**: bare is ``unsloth_zoo.mlx.trainer.MLXTrainer(model, tokenizer, rows,
+  args=MLXTrainingConfig(...)).train()`` on the model, pretokenized rows and config the adapter
+  builds (``logging_steps`` 1, which is also its default), a timestamp taken by its own
+  ``add_step_callback`` (no Hugging Face callback); under the harness it is the adapter, whose
+  Hugging Face callback reports each logged step. Both import ``transformers.trainer_callback``
+  before training (unsloth-zoo would at its last step). Tokens: its all-reduced supervised tokens
+  (``trained_tokens``, the sum of what the adapter reports per step).
+
+A vision-language trainer (mlx-vlm) gets a scenario of its own: a qwen2_vl of the text model's
+size (``VLM_MODELS``) on generated captioned images, the other trainers the text model.
 
 Both sides are timed alike, by the wall clock between the end of optimizer step ``--from`` and
-the end of the last step, on rank 0 (bare: a timestamp taken where mlx-lm reports, every 10
-steps, or at every step of the script; under the harness: its ``step`` events' times), over the
-global supervised tokens trained in between. Each of ``--repeats`` rounds runs bare then under the
-harness; the table gives every repeat, the best of each side and their ratio (harness / bare).
+the end of the last step, on rank 0 (bare: a timestamp taken where mlx-lm and mlx-vlm report,
+every 10 steps, or at every step of the script and unsloth-zoo; under the harness: its ``step``
+events' times), over the global supervised tokens trained in between. Each of ``--repeats`` rounds
+runs bare then under the harness; the table gives every repeat, the best of each side and their
+ratio (harness / bare).
 
-usage: python benchmarks/observer_effect.py [--model cpu3m|gpu044b] [--trainers mlx_lm,script]
+usage: python benchmarks/observer_effect.py [--model cpu3m|gpu044b]
+                                            [--trainers mlx_lm,script,unsloth_zoo,mlx_vlm]
                                             [--steps N] [--from W] [--repeats R]
 """
 
@@ -44,18 +65,52 @@ MODELS: dict[str, tuple[dict[str, Any], str, int, int]] = {
     "gpu044b": ({"hidden_size": 1024, "num_hidden_layers": 28, "intermediate_size": 3072, "num_attention_heads": 16,
                  "num_key_value_heads": 8, "head_dim": 128}, "bfloat16", 1024, 8),
 }
+# each size as a qwen2_vl (mlx-vlm): the text model's language part and a small vision tower, as
+# overrides of the harness's tiny qwen2_vl (harness.rank.vision); dtype, image side in pixels (a
+# 28-pixel block is one image token), rows per step (one process)
+VLM_MODELS: dict[str, tuple[dict[str, Any], str, int, int]] = {
+    "cpu3m": ({"hidden_size": 256, "num_hidden_layers": 4, "intermediate_size": 768, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "rope_scaling": {"type": "mrope", "mrope_section": [16, 8, 8]},
+               "vision_config": {"depth": 4, "embed_dim": 128, "hidden_size": 256, "num_heads": 4}},
+              "float32", 112, 8),
+    "gpu044b": ({"hidden_size": 1024, "num_hidden_layers": 28, "intermediate_size": 3072, "num_attention_heads": 16,
+                 "num_key_value_heads": 8, "rope_scaling": {"type": "mrope", "mrope_section": [8, 12, 12]},
+                 "vision_config": {"depth": 12, "embed_dim": 768, "hidden_size": 1024, "num_heads": 12}},
+                "bfloat16", 448, 8),
+}
 TRAINERS = {"mlx_lm": 'trainer = { kind = "mlx_lm" }\n',
-            "script": f'trainer = {{ kind = "script", path = "{REPO / "examples" / "ddp_train.py"}" }}\n'}
+            "script": f'trainer = {{ kind = "script", path = "{REPO / "examples" / "ddp_train.py"}" }}\n',
+            "unsloth_zoo": 'trainer = { kind = "unsloth_zoo" }\n',
+            "mlx_vlm": 'trainer = { kind = "mlx_vlm" }\n'}
+VISION = {"mlx_vlm"}  # trainers of a vision-language model: a scenario of their own (its [model] and [data])
+
+
+def toml(v: Any) -> str:
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{k} = {toml(x)}" for k, x in v.items()) + " }"
+    if isinstance(v, list):
+        return "[" + ", ".join(toml(x) for x in v) + "]"
+    return json.dumps(v) if isinstance(v, str) else str(v)
 
 
 def scenario_text(model: str, trainers: list[str], steps: int) -> str:
-    config, dtype, seq, batch = MODELS[model]
-    cfg = ", ".join(f"{k} = {v}" for k, v in config.items())
+    """One scenario for ``trainers``, all text or all vision-language (``VISION``): the text model
+    on generated text rows, or the qwen2_vl of the same size on generated captioned images."""
+    if len({t in VISION for t in trainers}) > 1:
+        raise ValueError("text and vision-language trainers need scenarios of their own")
+    if trainers[0] in VISION:
+        config, dtype, side, batch = VLM_MODELS[model]
+        seq = (side // 28) ** 2 + 2 + 160  # its image block and a caption (up to ~130 bytes)
+        arch, data = "qwen2_vl", (f'[data]\nsource = "images"\nrows = 64\nimage_size = {side}\n'
+                                  f'max_seq_len = {seq}\n')
+    else:
+        config, dtype, seq, batch = MODELS[model]
+        arch, data = "qwen3", (f'[data]\nsource = "generated"\nresponse_only = false\nrows = 64\n'
+                               f'min_chars = {2 * seq}\nmax_chars = {2 * seq}\nmax_seq_len = {seq + 1}\n')
     runs = "".join(f'\n[[runs]]\nname = "{t}"\nworld_size = 1\n{TRAINERS[t]}' for t in trainers)
     return (f'[scenario]\nname = "observer_effect"\ndescription = "each trainer bare and under the harness"\n'
-            f'seed = 5\nkind = "throughput"\n\n[model]\narch = "qwen3"\ndtype = "{dtype}"\nconfig = {{ {cfg} }}\n\n'
-            f'[data]\nsource = "generated"\nresponse_only = false\nrows = 64\nmin_chars = {2 * seq}\n'
-            f'max_chars = {2 * seq}\nmax_seq_len = {seq + 1}\n\n[train]\nsteps = {steps}\nglobal_batch = {batch}\n'
+            f'seed = 5\nkind = "throughput"\n\n[model]\narch = "{arch}"\ndtype = "{dtype}"\n'
+            f'config = {toml(config)}\n\n{data}\n[train]\nsteps = {steps}\nglobal_batch = {batch}\n'
             f'learning_rate = 1e-4\n{runs}\n[checks]\nreference = "{trainers[0]}"\n')
 
 
@@ -91,6 +146,78 @@ def bare_mlx_lm(path: Path, run: str, out: Path) -> None:
                             steps_per_save=t.steps + 1, max_seq_length=s.data.max_seq_len,
                             adapter_file=str(Path(d) / "adapters.safetensors"))
         train(model, build_optimizer(t), train_set, None, args, training_callback=Clock())
+    out.write_text(json.dumps(marks))
+
+
+def bare_mlx_vlm(path: Path, run: str, out: Path) -> None:
+    """mlx-vlm's ``Trainer`` as a user calls it on prepared rows (its defaults: ``steps_per_report``
+    10, its own SFT task and batch iterator), on the run's model and image rows; the time of each
+    of its reports (every 10 steps) and its ``trained_tokens`` to ``out``, the last step's time
+    taken when ``train()`` returns: the adapter reports its last step only then, after mlx-vlm's
+    final save of the trainable weights, so both windows hold that save."""
+    from harness.rank.models import build_model
+    from harness.rank.optimizer import build_optimizer
+    from harness.scenario import load_scenario
+    from harness.scenario.plan import plan_scenario
+    from harness.trainers.common import load_image_rows
+    from harness.trainers.mlx_vlm.rank import to_item
+
+    s = plan_scenario(load_scenario(path)).run(run).eff
+    rows, vision = load_image_rows(s)
+    train_set = [to_item(ex) for _, ex in rows.train]
+    model, _ = build_model(s.model, rows.vocab_size, s.seed, vision)
+    from mlx_vlm.trainer import Trainer, TrainingCallback, VLMTrainingArgs
+
+    marks: list[dict[str, Any]] = []
+
+    class Clock(TrainingCallback):  # one timestamp per mlx-vlm report: nothing else
+        def on_train_loss_report(self, info: dict[str, Any]) -> None:
+            marks.append({"step": info["iteration"], "time": time.time(), "tokens": info["trained_tokens"]})
+
+    t = s.train
+    with tempfile.TemporaryDirectory() as d:
+        args = VLMTrainingArgs(batch_size=t.global_batch, iters=t.steps, steps_per_save=t.steps + 1,
+                               adapter_file=str(Path(d) / "adapters.safetensors"), max_seq_length=s.data.max_seq_len,
+                               pad_token_id=rows.tokenizer.pad_id, train_on_completions=True)
+        Trainer(model, args, train_dataset=train_set, optimizer=build_optimizer(t), prepared=True,
+                training_callback=Clock(), seed=s.seed).train()
+    marks[-1]["time"] = time.time()  # after its final save, as the adapter's last step event
+    out.write_text(json.dumps(marks))
+
+
+def bare_unsloth_zoo(path: Path, run: str, out: Path) -> None:
+    """unsloth-zoo's ``MLXTrainer`` as a user calls it on pretokenized rows (the run's
+    ``MLXTrainingConfig``, as the adapter builds it: ``logging_steps`` 1 is its default too), on the
+    run's model and rows; the time of each logged step and its ``trained_tokens`` (through its own
+    ``add_step_callback``, no Hugging Face callback) to ``out``. ``transformers.trainer_callback`` is
+    imported before training, as the adapter's ``load_libraries`` imports it: unsloth-zoo imports it
+    at its last step (probing ``DefaultFlowCallback``), half a second on a CPU that would otherwise
+    fall in the bare window only."""
+    os.environ.setdefault("UNSLOTH_ZOO_DISABLE_GPU_INIT", "1")
+    from harness.data.rows import load_rows
+    from harness.rank.models import build_model
+    from harness.scenario import load_scenario
+    from harness.scenario.plan import plan_scenario
+    from harness.trainers.unsloth_zoo.rank import TokenizerView, to_item, training_config
+
+    s = plan_scenario(load_scenario(path)).run(run).eff
+    rows = load_rows(s)
+    train_set = [to_item(ex) for _, ex in rows.train]
+    model, _ = build_model(s.model, rows.vocab_size, s.seed)
+    import transformers.trainer_callback  # noqa: F401  (as the adapter's load_libraries: see the docstring)
+    from unsloth_zoo.mlx.trainer import MLXTrainer
+
+    marks: list[dict[str, Any]] = []
+
+    def clock(step: int, total: int, loss: float, lr: float, tok_s: float, peak: float, elapsed: float,
+              tokens: int, grad_norm: float | None = None) -> None:  # one timestamp per logged step
+        marks.append({"step": step, "time": time.time(), "tokens": tokens})
+
+    with tempfile.TemporaryDirectory() as d:
+        trainer = MLXTrainer(model, TokenizerView(rows.tokenizer, s.data.tokenizer), train_set,
+                             args=training_config(s, 1, d))
+        trainer.add_step_callback(clock)
+        trainer.train()
     out.write_text(json.dumps(marks))
 
 
@@ -158,6 +285,9 @@ def bare_script(path: Path, run: str, out: Path) -> None:
     out.write_text(json.dumps(bare.marks))
 
 
+BARE = {"mlx_lm": bare_mlx_lm, "script": bare_script, "mlx_vlm": bare_mlx_vlm, "unsloth_zoo": bare_unsloth_zoo}
+
+
 def bare_env() -> dict[str, str]:
     """The BLAS the harness's ranks run with (``launch.blas_preload``), one thread, as they have it."""
     from harness.controller.launch import blas_preload
@@ -206,7 +336,7 @@ def harnessed(path: Path, run: str) -> list[dict[str, Any]]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", choices=sorted(MODELS), default="cpu3m")
-    p.add_argument("--trainers", default="mlx_lm,script")
+    p.add_argument("--trainers", default=",".join(TRAINERS))
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--from", dest="first", type=int, default=10, help="the step the timed window starts after")
     p.add_argument("--repeats", type=int, default=3)
@@ -214,20 +344,24 @@ def main() -> None:
     a = p.parse_args()
     if a.bare:
         path, run, out = Path(a.bare[0]), a.bare[1], Path(a.bare[2])
-        (bare_mlx_lm if run == "mlx_lm" else bare_script)(path, run, out)
+        BARE[run](path, run, out)
         return
     trainers = a.trainers.split(",")
     with tempfile.TemporaryDirectory() as d:
-        path = Path(d) / "observer_effect.toml"
-        path.write_text(scenario_text(a.model, trainers, a.steps))
+        paths = {}  # each trainer's scenario: one for the text trainers, one for the vision-language ones
+        for group in ([t for t in trainers if t not in VISION], [t for t in trainers if t in VISION]):
+            if group:
+                path = Path(d) / f"observer_effect_{'vlm' if group[0] in VISION else 'text'}.toml"
+                path.write_text(scenario_text(a.model, group, a.steps))
+                paths.update(dict.fromkeys(group, path))
         rates: dict[str, dict[str, list[float]]] = {t: {"bare": [], "harness": [], "reported": []} for t in trainers}
         for _ in range(a.repeats):
             for t in trainers:
                 marks = Path(d) / f"{t}.marks.json"
-                subprocess.run([sys.executable, __file__, "--bare", str(path), t, str(marks)], check=True,
+                subprocess.run([sys.executable, __file__, "--bare", str(paths[t]), t, str(marks)], check=True,
                                env=bare_env(), stdout=subprocess.DEVNULL)
                 rates[t]["bare"].append(window_rate(json.loads(marks.read_text()), a.first)[0])
-                marks_h = harnessed(path, t)
+                marks_h = harnessed(paths[t], t)
                 rates[t]["harness"].append(window_rate(marks_h, a.first)[0])
                 rates[t]["reported"].append(reported_rate(marks_h, a.first))
     rows = []
