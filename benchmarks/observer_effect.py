@@ -114,6 +114,17 @@ def scenario_text(model: str, trainers: list[str], steps: int) -> str:
             f'learning_rate = 1e-4\n{runs}\n[checks]\nreference = "{trainers[0]}"\n')
 
 
+def report_clock(base: type, marks: list[dict[str, Any]]) -> Any:
+    """A callback of ``base`` (mlx-lm's or mlx-vlm's ``TrainingCallback``) that takes one timestamp
+    per loss report, with the trained tokens it reports, and does nothing else."""
+
+    class Clock(base):  # type: ignore[misc, valid-type]
+        def on_train_loss_report(self, info: dict[str, Any]) -> None:
+            marks.append({"step": info["iteration"], "time": time.time(), "tokens": info["trained_tokens"]})
+
+    return Clock()
+
+
 def bare_mlx_lm(path: Path, run: str, out: Path) -> None:
     """mlx-lm's ``train`` as a user calls it, on the run's model and rows; the time of each of its
     reports (every 10 steps, and the last) to ``out``."""
@@ -135,17 +146,12 @@ def bare_mlx_lm(path: Path, run: str, out: Path) -> None:
     from mlx_lm.tuner.trainer import TrainingArgs, train
 
     marks: list[dict[str, Any]] = []
-
-    class Clock(TrainingCallback):  # one timestamp per mlx-lm report: nothing else
-        def on_train_loss_report(self, info: dict[str, Any]) -> None:
-            marks.append({"step": info["iteration"], "time": time.time(), "tokens": info["trained_tokens"]})
-
     t = s.train
     with tempfile.TemporaryDirectory() as d:
         args = TrainingArgs(batch_size=t.global_batch, iters=t.steps, steps_per_eval=t.steps + 1,
                             steps_per_save=t.steps + 1, max_seq_length=s.data.max_seq_len,
                             adapter_file=str(Path(d) / "adapters.safetensors"))
-        train(model, build_optimizer(t), train_set, None, args, training_callback=Clock())
+        train(model, build_optimizer(t), train_set, None, args, training_callback=report_clock(TrainingCallback, marks))
     out.write_text(json.dumps(marks))
 
 
@@ -169,18 +175,13 @@ def bare_mlx_vlm(path: Path, run: str, out: Path) -> None:
     from mlx_vlm.trainer import Trainer, TrainingCallback, VLMTrainingArgs
 
     marks: list[dict[str, Any]] = []
-
-    class Clock(TrainingCallback):  # one timestamp per mlx-vlm report: nothing else
-        def on_train_loss_report(self, info: dict[str, Any]) -> None:
-            marks.append({"step": info["iteration"], "time": time.time(), "tokens": info["trained_tokens"]})
-
     t = s.train
     with tempfile.TemporaryDirectory() as d:
         args = VLMTrainingArgs(batch_size=t.global_batch, iters=t.steps, steps_per_save=t.steps + 1,
                                adapter_file=str(Path(d) / "adapters.safetensors"), max_seq_length=s.data.max_seq_len,
                                pad_token_id=rows.tokenizer.pad_id, train_on_completions=True)
         Trainer(model, args, train_dataset=train_set, optimizer=build_optimizer(t), prepared=True,
-                training_callback=Clock(), seed=s.seed).train()
+                training_callback=report_clock(TrainingCallback, marks), seed=s.seed).train()
     marks[-1]["time"] = time.time()  # after its final save, as the adapter's last step event
     out.write_text(json.dumps(marks))
 

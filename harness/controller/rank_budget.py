@@ -236,9 +236,11 @@ def _drop_ticket(f: IO[str] | None) -> None:
     f.close()
 
 
-def _first_waiting(d: Path) -> str | None:
-    """The name of the oldest live ticket; a dead waiter's ticket is removed (under the lock)."""
-    for path in sorted(d.glob(f"{QUEUE_PREFIX}*")):
+def _live(d: Path, prefix: str) -> list[tuple[Path, str]]:
+    """The files of ``prefix`` whose holder still holds its lock, in name order, with their text;
+    a dead holder's file is removed. Called under the directory lock."""
+    out = []
+    for path in sorted(d.glob(f"{prefix}*")):
         try:
             f = open(path)  # noqa: SIM115 - closed below, after its lock is tested
         except OSError:
@@ -246,31 +248,27 @@ def _first_waiting(d: Path) -> str | None:
         with f:
             try:
                 fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return path.name  # held: its launch is waiting
+            except BlockingIOError:  # held: its holder lives
+                out.append((path, f.read()))
+                continue
             with contextlib.suppress(OSError):
-                path.unlink()
-    return None
+                path.unlink()  # its holder died, and its lock with it
+    return out
+
+
+def _first_waiting(d: Path) -> str | None:
+    """The name of the oldest live ticket."""
+    waiting = _live(d, QUEUE_PREFIX)
+    return waiting[0][0].name if waiting else None
 
 
 def memory_claims(d: Path) -> list[tuple[int, str]]:
     """(bytes, holder) of each live claim on the memory budget; a dead holder's claim is removed.
     Called under the directory lock."""
     out = []
-    for path in d.glob(f"{MEMORY_PREFIX}*"):
-        try:
-            f = open(path)  # noqa: SIM115 - closed below, after its lock is tested
-        except OSError:
-            continue
-        with f:
-            try:
-                fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except BlockingIOError:  # held: a live claim
-                size, _, holder = f.read().partition(" ")
-                out.append((int(size) if size.isdigit() else 0, holder.strip() or "a process that did not say"))
-                continue
-            with contextlib.suppress(OSError):
-                path.unlink()  # its holder died, and its lock with it
+    for _, text in _live(d, MEMORY_PREFIX):
+        size, _, holder = text.partition(" ")
+        out.append((int(size) if size.isdigit() else 0, holder.strip() or "a process that did not say"))
     return out
 
 
