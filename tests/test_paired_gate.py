@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import subprocess
 import time
@@ -191,19 +192,36 @@ def _git_repo(root: Path) -> Path:
 
 @pytest.mark.ranks
 def test_a_gate_that_cannot_decide_by_its_last_pair_reports_inconclusive(tmp_path: Path) -> None:
-    """Identical code, 2 pairs at error rates of 0.001 (one degree of freedom): no run can be
-    decided, so the gate says INCONCLUSIVE with the interval, exits 4, and its record and job
-    summary say so; the regression table names each side's revisions and both speeds."""
+    """Identical code, 2 pairs at error rates of 0.001 (one degree of freedom): a run is decided
+    only when its two pair ratios agree to about a thousandth of their mean's distance from a
+    boundary, so nearly every gate says INCONCLUSIVE with the interval, exits 4, and its record and
+    job summary say so; the regression table names each side's revisions and both speeds. A gate
+    that does decide (a load that slows the middle two of the four runs makes both pairs show
+    the same change) must say why with p below its level; the gate is then run again, 3 times
+    at most."""
     if shutil.which("git") is None:
         pytest.skip("needs git")
     repo = _git_repo(tmp_path / "repo")
-    summary = tmp_path / "summary.md"
-    t0 = time.monotonic()
-    p = cli("gate", "--against", "HEAD", "tiny.toml", "--pairs", "2", "--min-pairs", "2", "--alpha", "0.001",
-            "--beta", "0.001", "--out", str(tmp_path / "gate"), cwd=repo, timeout=300,
-            env={"GITHUB_STEP_SUMMARY": str(summary)})
-    took = time.monotonic() - t0
-    assert p.returncode == EXIT_INCONCLUSIVE, p.stdout[-3000:] + p.stderr[-2000:]
+    for attempt in range(3):
+        summary, out = tmp_path / f"summary{attempt}.md", tmp_path / f"gate{attempt}"
+        t0 = time.monotonic()
+        p = cli("gate", "--against", "HEAD", "tiny.toml", "--pairs", "2", "--min-pairs", "2", "--alpha", "0.001",
+                "--beta", "0.001", "--out", str(out), cwd=repo, timeout=300,
+                env={"GITHUB_STEP_SUMMARY": str(summary)})
+        took = time.monotonic() - t0
+        if p.returncode == EXIT_INCONCLUSIVE:
+            break
+        assert p.returncode in (EXIT_PASS, EXIT_CHECK_FAILED), p.stdout[-3000:] + p.stderr[-2000:]
+        speed = next(ln for ln in p.stdout.splitlines() if ln.startswith("tiny ") and "throughput (paired)" in ln)
+        assert "decided after 2 pairs" in speed, speed
+        num = r"([0-9.e+-]+)"
+        got = re.search(rf"p = {num} that it is at most 0% slower \(alarm below {num}\), "
+                        rf"p = {num} that it is 10% or more slower \(pass below {num}\)", speed)
+        assert got, speed
+        p_alarm, alarm_level, p_pass, pass_level = (float(x) for x in got.groups())
+        assert (p_alarm < alarm_level) if p.returncode == EXIT_CHECK_FAILED else (p_pass < pass_level), speed
+    else:
+        pytest.fail(f"3 gates of identical code were all decided; the last: {p.stdout[-3000:]}")
     head = p.stdout.splitlines()[0]
     assert head.startswith("gate against HEAD (") and ": INCONCLUSIVE (" in head and "1 inconclusive)" in head, head
     assert "PASSED" not in p.stdout and "FAILED" not in p.stdout
@@ -212,7 +230,7 @@ def test_a_gate_that_cannot_decide_by_its_last_pair_reports_inconclusive(tmp_pat
     assert "fastest-tenth tok/s" in speed
     assert any(ln.startswith("INCONCLUSIVE tiny/single throughput (paired): ") for ln in p.stdout.splitlines())
     assert "rerun with a larger --pairs" in p.stdout
-    record = json.loads((tmp_path / "gate" / "gate.json").read_text())
+    record = json.loads((out / "gate.json").read_text())
     assert record["verdict"] == "inconclusive" and record["exit_code"] == 4 and record["passed"] is False
     assert {g["metric"]: g["result"] for g in record["gates"]}["throughput (paired)"] == "INCONCLUSIVE"
     assert all(g["result"] == "pass" for g in record["gates"] if g["metric"] != "throughput (paired)")
@@ -256,3 +274,4 @@ def test_gate_against_needs_a_git_repository(tmp_path: Path) -> None:
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and "Traceback" not in p.stderr, p.stderr
     assert p.stderr.startswith(f"error: not a git repository: {tmp_path}"), p.stderr
     assert "fatal:" not in p.stderr  # not git's own message
+
