@@ -11,6 +11,11 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+
+# Reports without plots unless a test asks for them (``run --plots``, ``write_outputs(plots=True)``):
+# drawing them is most of the controller's CPU in a small run, and tests/test_report.py and
+# tests/test_gates.py check them.
+os.environ.setdefault("MLX_DDP_HARNESS_PLOTS", "off")
 EXAMPLE = REPO / "examples" / "ddp_train.py"
 
 # A small, fast scenario body; tests add [[runs]] and override keys as they need.

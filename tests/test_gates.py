@@ -316,7 +316,7 @@ def test_repeat_baseline_and_gate_on_real_runs(tmp_path: Path) -> None:
 
     scenario = write_scenario(tmp_path, "gated", (1, 2), steps=4)
     out = tmp_path / "out"
-    proc = cli("run", str(scenario), "--repeat", "2", "--out", str(out))
+    proc = cli("run", str(scenario), "--repeat", "2", "--out", str(out), "--plots")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert "Spread (stdev / median)" in proc.stdout and "repeat 2 of 2" in proc.stderr
     (s,) = json.loads((out / "result.json").read_text())["scenarios"]

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import schema
-from harness.present.report import write_outputs
+from harness.present.report import PLOTS_VAR, plots_wanted, write_outputs
 from harness.present.results import merge_repeats
 from harness.present.tables import runs_table, scenario_text
 from tests.conftest import REPO
@@ -47,7 +47,7 @@ def test_report_md_has_the_tables_and_plots_and_goes_to_the_job_summary(tmp_path
     monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
     doc = schema.stamp({"passed": True, "exit_code": 0, "environment": {"cpu": "Test CPU"},
                         "scenarios": [merge_repeats([_scenario("passed", 1000.0), _scenario("passed", 1020.0)])]})
-    written = write_outputs(tmp_path / "out", doc)
+    written = write_outputs(tmp_path / "out", doc, plots=True)
     names = sorted(p.name for p in written)
     assert names == ["demo-delta.png", "demo-loss.png", "demo-memory.png", "demo-throughput.png", "report.md",
                      "result.json"]
@@ -63,6 +63,19 @@ def test_report_md_has_the_tables_and_plots_and_goes_to_the_job_summary(tmp_path
         assert part in report
     job = summary.read_text()
     assert job.startswith("earlier step\n# mlx-ddp-harness report") and "| Model / seq " in job and "![" not in job
+
+
+def test_plots_are_left_out_when_the_environment_or_the_command_says_so(tmp_path: Path, monkeypatch) -> None:
+    doc = schema.stamp({"passed": True, "exit_code": 0, "environment": {"cpu": "Test CPU"},
+                        "scenarios": [merge_repeats([_scenario("passed", 1000.0)])]})
+    monkeypatch.setenv(PLOTS_VAR, "off")
+    assert not plots_wanted()
+    assert sorted(p.name for p in write_outputs(tmp_path / "off", doc)) == ["report.md", "result.json"]
+    assert "![" not in (tmp_path / "off" / "report.md").read_text() and not (tmp_path / "off" / "plots").exists()
+    assert len(write_outputs(tmp_path / "asked", doc, plots=True)) == 6  # the command's --plots wins
+    monkeypatch.setenv(PLOTS_VAR, "on")
+    assert plots_wanted() and write_outputs(tmp_path / "no", doc, plots=False) == [tmp_path / "no" / "result.json",
+                                                                                  tmp_path / "no" / "report.md"]
 
 
 def _gfm_tables(markdown: str) -> list[list[list[str]]]:

@@ -185,7 +185,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(s.line(), flush=True)
     doc = document(summaries, [s.to_json() for s in skipped])
     if out is not None:
-        for f in write_outputs(out, doc):
+        for f in write_outputs(out, doc, args.plots):
             print(f"wrote {f}", file=sys.stderr)
     lines = summary_lines(doc, out)
     if left_out:
@@ -300,6 +300,8 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--memory-budget", metavar="SIZE",
                      help=f"memory every launch on this machine shares, e.g. 6GB or 512MB ({BUDGET_VAR}; "
                           "default: the working set); each rank's share is it / the ranks on its host")
+    run.add_argument("--plots", action=argparse.BooleanOptionalAction, default=None,
+                     help="draw report.md's plots under OUT/plots (default: on, unless MLX_DDP_HARNESS_PLOTS=off)")
     run.set_defaults(func=cmd_run)
     rep = sub.add_parser("report", help="print the tables of saved results (result.json files or --out dirs)")
     rep.add_argument("results", nargs="+", help="result.json files or directories holding one")

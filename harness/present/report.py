@@ -58,18 +58,31 @@ def append_step_summary(text: str) -> None:
             f.write(text.rstrip() + "\n\n")
 
 
-def write_outputs(out: Path, doc: dict[str, Any]) -> list[Path]:
-    """``out/result.json``, the plots under ``out/plots`` and ``out/report.md`` (files written
-    atomically); with ``GITHUB_STEP_SUMMARY`` set, the report's tables go to the job summary too."""
-    from harness.present.plots import write_plots
+PLOTS_VAR = "MLX_DDP_HARNESS_PLOTS"  # off (or 0, no, false): reports without plots, as --no-plots
 
+
+def plots_wanted() -> bool:
+    """Whether reports carry plots unless a command says otherwise (``PLOTS_VAR``)."""
+    return os.environ.get(PLOTS_VAR, "on").strip().lower() not in ("off", "0", "no", "false")
+
+
+def write_outputs(out: Path, doc: dict[str, Any], plots: bool | None = None) -> list[Path]:
+    """``out/result.json``, the plots under ``out/plots`` (unless ``plots`` is False; None:
+    ``plots_wanted()``) and ``out/report.md`` (files written atomically); with
+    ``GITHUB_STEP_SUMMARY`` set, the report's tables go to the job summary too. Drawing the plots
+    is most of a small run's cost in the controller (about 1.5 CPU-s for a scenario's four)."""
     out.mkdir(parents=True, exist_ok=True)
     result = out / "result.json"
     schema.write_json_atomic(result, doc)
-    plots = {s["name"]: write_plots(out, s) for s in doc["scenarios"]}
+    if plots if plots is not None else plots_wanted():
+        from harness.present.plots import write_plots
+
+        drawn = {s["name"]: write_plots(out, s) for s in doc["scenarios"]}
+    else:
+        drawn = {}
     report = out / "report.md"
     tmp = report.with_name(".report.md.tmp")
-    tmp.write_text(markdown(doc, plots))
+    tmp.write_text(markdown(doc, drawn))
     os.replace(tmp, report)
     append_step_summary(markdown(doc))  # the job summary cannot show local images
-    return [result, report, *(out / rel for p in plots.values() for _, rel in p)]
+    return [result, report, *(out / rel for p in drawn.values() for _, rel in p)]
