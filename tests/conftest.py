@@ -103,6 +103,50 @@ def cli(*args: str, cwd: Path | None = None, timeout: float = 600,
                           cwd=cwd or REPO, timeout=timeout, env={**os.environ, **(env or {})})
 
 
+class SharedRun:
+    """One ``run`` of the harness that every test of the session asking for the same arguments
+    reads: its process (returncode, stdout, stderr) and its ``--out`` directory. Tests that only
+    read a run's outputs share it, under pytest-xdist too: the first worker to ask runs it while
+    holding a lock; the others wait for it and read what it wrote. A test that holds rank slots
+    (``mlx_ddp_world_size``) never waits for another worker's run, which may be waiting for those
+    slots: while that run is under way it runs its own."""
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    def __call__(self, *args: str) -> tuple[subprocess.CompletedProcess, Path]:
+        import fcntl
+        import hashlib
+        import json
+        import tempfile
+
+        from harness.controller.rank_budget import held_here
+
+        key = hashlib.sha256("\0".join(args).encode()).hexdigest()[:16]
+        home = self.root / key
+        home.mkdir(parents=True, exist_ok=True)
+        out, done = home / "out", home / "process.json"
+        with open(home / ".lock", "w") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | (fcntl.LOCK_NB if held_here() else 0))
+            except BlockingIOError:
+                own = Path(tempfile.mkdtemp(dir=home, prefix="own-"))
+                return cli("run", *args, "--out", str(own)), own
+            if not done.exists():
+                p = cli("run", *args, "--out", str(out))
+                done.write_text(json.dumps({"args": list(p.args), "returncode": p.returncode, "stdout": p.stdout,
+                                            "stderr": p.stderr}))
+        d = json.loads(done.read_text())
+        return subprocess.CompletedProcess(d["args"], d["returncode"], d["stdout"], d["stderr"]), out
+
+
+@pytest.fixture(scope="session")
+def shared_run(tmp_path_factory: pytest.TempPathFactory) -> SharedRun:
+    """``shared_run(*run_args)``: ``SharedRun``, in a directory every xdist worker of this session sees."""
+    base = tmp_path_factory.getbasetemp()
+    return SharedRun((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared-runs")
+
+
 @pytest.fixture
 def scenario_dir(tmp_path: Path) -> Path:
     d = tmp_path / "scenarios"

@@ -12,13 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, cli, write_scenario
+from tests.conftest import REPO, SharedRun, cli, write_scenario
 
 
 @pytest.mark.ranks
-def test_text_parity_scenario_passes_and_reports(tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    p = cli("run", "scenarios/text_parity.toml", "--out", str(out))
+def test_text_parity_scenario_passes_and_reports(shared_run: SharedRun) -> None:
+    p, out = shared_run(str(REPO / "scenarios" / "text_parity.toml"))  # tests/test_cluster.py reads it too
     assert p.returncode == 0, p.stdout + p.stderr
     for header in ("Run", "World size", "Per-rank batch", "Runtime", "Post-step-1 median tok/s", "Avg loss",
                    "Final loss", "Final-loss delta vs single", "Peak MLX MB per rank"):

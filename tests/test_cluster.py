@@ -15,7 +15,7 @@ import pytest
 from harness.cluster_spec import Cluster, ClusterError, ClusterHost, from_mapping, load_hostfile
 from harness.controller import ring_yield
 from harness.controller.remote import _rewrite
-from tests.conftest import REPO, cli
+from tests.conftest import REPO, SharedRun, cli
 from tests.simhosts import SimHosts, unavailable
 
 TEXT_PARITY = REPO / "scenarios" / "text_parity.toml"
@@ -166,13 +166,13 @@ def runs_of(result: Path) -> dict[str, dict]:
 @pytest.mark.ranks
 @pytest.mark.mlx_ddp_world_size(2)
 def test_text_parity_across_two_hosts_gives_the_single_host_verdicts(sim: SimHosts, hostfile: Path,
-                                                                     tmp_path: Path) -> None:
-    local = cli("run", str(TEXT_PARITY), "--out", str(tmp_path / "local"), "--progress", "off")
+                                                                     tmp_path: Path, shared_run: SharedRun) -> None:
+    local, local_out = shared_run(str(TEXT_PARITY))  # the run tests/test_cli.py reads
     across = sim_cli(sim, "run", str(TEXT_PARITY), "--hostfile", str(hostfile), "--out", str(tmp_path / "across"),
                      "--progress", "off")
     assert local.returncode == 0, local.stdout[-3000:] + local.stderr[-2000:]
     assert across.returncode == 0, across.stdout[-3000:] + across.stderr[-2000:]
-    v_local, v_across = verdicts(tmp_path / "local" / "result.json"), verdicts(tmp_path / "across" / "result.json")
+    v_local, v_across = verdicts(local_out / "result.json"), verdicts(tmp_path / "across" / "result.json")
     assert v_across == v_local and set(v_local.values()) == {"pass"}
     runs = runs_of(tmp_path / "across" / "result.json")
     a, b = sim.hosts[0].ssh_addr, sim.hosts[1].ssh_addr
@@ -198,15 +198,22 @@ def test_text_parity_across_two_hosts_gives_the_single_host_verdicts(sim: SimHos
 @pytest.mark.parametrize(("delay_ms", "loss"), [(40.0, 0.0), (0.0, 0.03)], ids=["latency", "loss"])
 def test_a_slow_or_lossy_link_costs_throughput_but_not_correctness(sim: SimHosts, hostfile: Path, tmp_path: Path,
                                                                    delay_ms: float, loss: float) -> None:
+    short = tmp_path / "text_parity.toml"  # its 20 steps cut to 6 (evaluated at 3 and 6): every step crosses the
+    text = TEXT_PARITY.read_text()          # link in turn, and each check is judged as on the whole run
+    for part, by in (("steps = 20\n", "steps = 6\n"), ("eval_every = 10", "eval_every = 3"),
+                     ("digest_every = 5", "digest_every = 3")):
+        assert part in text, part
+        text = text.replace(part, by)
+    short.write_text(text)
     sim.set_link(delay_ms=delay_ms, loss=loss, seed=3)
     try:
-        r = sim_cli(sim, "run", str(TEXT_PARITY), "--hostfile", str(hostfile), "--out", str(tmp_path), "--progress",
+        r = sim_cli(sim, "run", str(short), "--hostfile", str(hostfile), "--out", str(tmp_path / "out"), "--progress",
                     "off")
     finally:
         sim.set_link()
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
-    assert set(verdicts(tmp_path / "result.json").values()) == {"pass"}
-    runs = runs_of(tmp_path / "result.json")
+    assert set(verdicts(tmp_path / "out" / "result.json").values()) == {"pass"}
+    runs = runs_of(tmp_path / "out" / "result.json")
     for run in ("ddp2", "ddp4"):
         steps = runs[run]["ranks"][0]["step_times_s"][1:]
         if delay_ms:  # a step crosses the link at least twice in turn (the ranks' agreement that they

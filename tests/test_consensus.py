@@ -54,9 +54,9 @@ def test_fault_modes_in_trainer_phases(scenario_dir: Path, action: str, phase: s
 def test_hang_in_a_collective_phase_is_caught_by_no_progress(scenario_dir: Path, tmp_path: Path) -> None:
     fault = '\n[[faults]]\nrank = 0\nstep = 4\nphase = "save"\naction = "hang"\n'
     path = write_scenario(scenario_dir, "hang", world_sizes=(2,), extra=fault)
-    out = train(path, "ddp2", keep=tmp_path, no_progress_s=8)
+    out = train(path, "ddp2", keep=tmp_path, no_progress_s=5)
     assert not out.ok and out.watch.limit == "no_progress" and out.watch.stacks_dumped
-    assert "watchdog: no progress from any rank for 8 s" in out.failure
+    assert "watchdog: no progress from any rank for 5 s" in out.failure
     assert "inject" in (tmp_path / "rank0.stderr").read_text()  # rank 0's stack shows where it hung
     assert_clean(out)
 

@@ -152,10 +152,10 @@ def test_a_failing_rank_fails_the_run_with_rank_and_cause(action: str, expect: s
 
 def test_hang_is_caught_by_no_progress_limit_with_stacks(tmp_path: Path) -> None:
     out = probe(1.0, 2, rounds=50, faults=[{"rank": 1, "step": 3, "action": "hang", "code": 0}],
-                keep=tmp_path, no_progress_s=8)
+                keep=tmp_path, no_progress_s=5)
     assert not out.ok
     assert out.watch.limit == "no_progress" and out.watch.stacks_dumped
-    assert out.failure.startswith("watchdog: no progress from any rank for 8 s")
+    assert out.failure.startswith("watchdog: no progress from any rank for 5 s")
     stderr = (tmp_path / "rank1.stderr").read_text()
     assert "most recent call first" in stderr and "inject" in stderr
     assert_clean(out)

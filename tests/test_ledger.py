@@ -20,7 +20,7 @@ from harness.schema import read_events
 from tests.conftest import REPO, script_scenario
 
 SCRIPT = (REPO / "examples" / "minimal_script.py").read_text()
-NO_PROGRESS_S = 8
+NO_PROGRESS_S = 5
 
 
 def _e(seq: int, op: str = "all_sum", shape: tuple[int, ...] = (4,), site: str = "t.py:1 in main",

@@ -118,8 +118,9 @@ def test_every_check_is_a_test_case_and_failures_name_value_limit_and_cause(tmp_
     assert f"artifacts: {tmp_path / 'out' / 'tight'}" in p.stdout
     # the closing block: scenarios and tests by outcome (XPASS(strict) is a failure), and the artifacts
     summary = p.stdout[p.stdout.index("mlx-ddp summary"):].splitlines()
-    assert re.fullmatch(r"3 scenarios: 0 passed, 3 failed, 0 skipped; tests: \d+ passed, 1 expected failures shown, "
-                        r"\d+ skipped, [3-9] FAILED", summary[1]), summary
+    # marked's single run may stay within the 1 MB ceiling or rise past it (an expected failure too)
+    assert re.fullmatch(r"3 scenarios: 0 passed, 3 failed, 0 skipped; tests: \d+ passed, [12] expected failures "
+                        r"shown, \d+ skipped, [3-9] FAILED", summary[1]), summary
     assert f"artifacts: {tmp_path / 'out'}" in summary[2:4]  # after a rank-slot line when runs queued
     assert (tmp_path / "out" / "tight" / "result.json").is_file()
     assert (tmp_path / "out" / "tight" / "runs" / "ddp2" / "rank1.events.jsonl").is_file()  # OUT/<scenario>/runs/<run>

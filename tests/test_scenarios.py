@@ -406,6 +406,10 @@ def mlx_vlm_mean_of_means(runs: dict, checks: dict, out: Path) -> None:
     _external_xfail(runs, checks)
     grad = checks[("step_grad_parity", "ddp2")]  # its gradient's defect named (its reported loss is token-weighted)
     assert grad["result"] == "xfail" and grad["defect"] == "mean_of_means", grad
+    assert grad["value"] >= 10 * grad["limit"], grad  # at the reference's parameters, far beyond rounding
+    for check in ("step_token_parity", "step_loss_parity"):
+        assert checks[(check, "ddp2")]["result"] == "pass", checks[(check, "ddp2")]
+    _probed_from_step_1(runs)
     assert checks[("token_accounting", "ddp2")]["result"] == "pass"  # the same rows, another objective
     single, ddp2 = runs["single"]["losses"], runs["ddp2"]["losses"]
     assert abs(single[0] - ddp2[0]) < 1e-5 * single[0]  # at step 1 the reported (token-weighted) loss agrees
@@ -453,6 +457,13 @@ def _unsloth_known(runs: dict, checks: dict) -> None:
     assert checks[("token_accounting", "ddp2")]["result"] == "xfail"
 
 
+def _probed_from_step_1(runs: dict) -> None:
+    """The reference recorded its probe steps from step 1, and every rank of ddp2 probed the same."""
+    steps = [p["step"] for p in runs["single"]["probes"][0]]
+    assert steps[0] == 1 and len(steps) >= 2, steps
+    assert [[p["step"] for p in rank] for rank in runs["ddp2"]["probes"]] == [steps, steps]
+
+
 def _external_xfail(runs: dict, checks: dict) -> None:
     for check in ("loss_parity", "param_parity", "eval_parity"):
         c = checks[(check, "ddp2")]
@@ -475,7 +486,11 @@ def unsloth_default_order(runs: dict, checks: dict, out: Path) -> None:
     for check in ("step_loss_parity", "step_grad_parity"):
         c = checks[(check, "ddp2")]
         assert c["defect"] == "same_rows" and "matches: every rank on the same rows" in c["detail"], c
+        assert c["result"] == "xfail" and c["value"] >= 10 * c["limit"], c  # at the reference's parameters
+    tokens = checks[("step_token_parity", "ddp2")]
+    assert tokens["result"] == "xfail" and tokens["value"] > 0, tokens  # other tokens counted from step 1
     assert runs["single"]["losses"][0] != runs["ddp2"]["losses"][0]  # other rows from the first step
+    _probed_from_step_1(runs)
 
 
 def unsloth_seed_table(runs: dict, checks: dict, out: Path) -> None:

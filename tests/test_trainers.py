@@ -111,11 +111,15 @@ def test_a_broken_script_fails_with_one_line_naming_it(tmp_path: Path, script: s
 
 
 def run_faulted(tmp_path: Path, scenario: str, action: str = "raise") -> str:
-    """The shipped scenario at 1 and 2 ranks for 4 steps, rank 1 doing ``action`` at step 2 of the
-    2-rank run: exit 3, no stray process; returns the printed output. The watchdog waits 8 s for
-    progress where rank 1 hangs, 60 s otherwise (a first step on a loaded machine can take 8 s)."""
+    """The shipped scenario's 2-rank run alone for 4 steps (no reference, so no floor runs either),
+    rank 1 doing ``action`` at step 2: exit 3, no stray process; returns the printed output. The
+    watchdog waits 8 s for progress where rank 1 hangs, 60 s otherwise (a first step on a loaded
+    machine can take 8 s)."""
     body = (REPO / "scenarios" / f"{scenario}.toml").read_text()
-    body = body.replace('[[runs]]\nname = "ddp4"\nworld_size = 4\n', "").replace("steps = 12", "steps = 4")
+    for part in ('[[runs]]\nname = "ddp4"\nworld_size = 4\n', '[[runs]]\nname = "single"\nworld_size = 1\n',
+                 'reference = "single"\n', "steps = 12"):
+        assert part in body, part
+        body = body.replace(part, "steps = 4" if part == "steps = 12" else "")
     body += f'\n[[faults]]\nrank = 1\nstep = 2\naction = "{action}"\nruns = ["ddp2"]\n'
     body += f"\n[limits]\nno_progress_s = {8 if action == 'hang' else 60}\n" if "[limits]" not in body else ""
     body = body.replace('"data/', f'"{REPO}/scenarios/data/')  # the scenario's own data, from elsewhere
