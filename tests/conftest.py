@@ -16,6 +16,10 @@ REPO = Path(__file__).resolve().parents[1]
 # drawing them is most of the controller's CPU in a small run, and tests/test_report.py and
 # tests/test_gates.py check them.
 os.environ.setdefault("MLX_DDP_HARNESS_PLOTS", "off")
+# One rank slot more than the cores: a DDP run's ranks wait on each other between their steps, so
+# with the budget at the cores a core sits idle while the other xdist worker's launch queues for it
+# (docs/development.md). Tests of the budget set their own.
+os.environ.setdefault("MLX_DDP_HARNESS_RANK_BUDGET", str((os.cpu_count() or 1) + 1))
 EXAMPLE = REPO / "examples" / "ddp_train.py"
 
 # A small, fast scenario body; tests add [[runs]] and override keys as they need.

@@ -31,7 +31,6 @@ from pathlib import Path
 VAR = "MLX_DDP_HARNESS_RING_YIELD"
 MODES = ("auto", "on", "off")
 SOURCE = Path(__file__).with_name("ring_yield.c")
-_built: dict[str, Path | None] = {}
 
 
 @dataclass(frozen=True)
@@ -55,9 +54,8 @@ def cores() -> int:
     return len(cpus) if cpus is not None else os.cpu_count() or 1
 
 
-@functools.cache
 def _source_key() -> str:
-    """The library's name for this source (read once per process)."""
+    """The library's name for this source."""
     return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
 
 
@@ -66,16 +64,14 @@ def _cache_dir() -> Path:
     return Path(base) / "mlx-ddp-harness"
 
 
+@functools.cache
 def library() -> Path | None:
-    """The compiled preload library (built on first use), or None where it cannot be built."""
-    key = _source_key()
-    if key in _built:
-        return _built[key]
-    out = _cache_dir() / f"ring_yield-{key}.so"
+    """The compiled preload library (built on first use, looked up once per process), or None
+    where it cannot be built."""
+    out = _cache_dir() / f"ring_yield-{_source_key()}.so"
     if not out.exists():
         cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
         if cc is None:
-            _built[key] = None
             return None
         try:
             out.parent.mkdir(parents=True, exist_ok=True)
@@ -89,8 +85,7 @@ def library() -> Path | None:
                 os.unlink(tmp)
         except (OSError, subprocess.SubprocessError):
             pass
-    _built[key] = out if out.exists() else None
-    return _built[key]
+    return out if out.exists() else None
 
 
 def plan(ranks: int, backend: str | None, setting: str | None = None) -> RingYield | None:
