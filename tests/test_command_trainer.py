@@ -5,6 +5,7 @@ what the worker writes, and the worker's own collective ledger naming a planted 
 
 from __future__ import annotations
 
+import fcntl
 import json
 import re
 import subprocess
@@ -30,7 +31,10 @@ def worker() -> Path:
 
     if shutil.which("g++") is None:
         pytest.skip("g++ is not installed: the C++ worker cannot be built")
-    subprocess.run(["bash", str(WORKER_DIR / "build.sh"), sys.executable], check=True, timeout=300)
+    (WORKER_DIR / "build").mkdir(exist_ok=True)
+    with open(WORKER_DIR / "build" / ".lock", "w") as lock:  # one build for all xdist workers; the rest wait
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        subprocess.run(["bash", str(WORKER_DIR / "build.sh"), sys.executable], check=True, timeout=300)
     return WORKER_DIR / "build" / "worker"
 
 

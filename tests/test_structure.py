@@ -17,19 +17,25 @@ WALK_DEPTH = 4  # calls this deep from run_scenario_file: its stages, theirs, an
 MAX_CLIMBS, MAX_RETURNS, MAX_LINES = 5, 10, 400
 
 
+@pytest.fixture(scope="module")
+def observed(tmp_path_factory: pytest.TempPathFactory) -> tuple[walk.Walk, dict[str, int]]:
+    """One run of ``examples/minimal_parity.toml`` watched for both tests below."""
+    return walk.observe(REPO / "examples" / "minimal_parity.toml", tmp_path_factory.mktemp("walk"), WALK_DEPTH)
+
+
 @pytest.mark.ranks
-def test_a_scenarios_walk_goes_forward(tmp_path: Path) -> None:
-    w = walk.walk_of(REPO / "examples" / "minimal_parity.toml", tmp_path, WALK_DEPTH)
+def test_a_scenarios_walk_goes_forward(observed: tuple[walk.Walk, dict[str, int]]) -> None:
+    w = observed[0]
     assert w.climbs <= MAX_CLIMBS and w.returns <= MAX_RETURNS, w.line() + "\n" + "\n".join(w.climbed)
     assert w.stays[0] == "harness.present.scenario_result" and "harness.scenario.plan" in w.stays
 
 
 @pytest.mark.ranks
-def test_no_stage_after_the_plan_works_the_scenario_out_again(tmp_path: Path) -> None:
+def test_no_stage_after_the_plan_works_the_scenario_out_again(observed: tuple[walk.Walk, dict[str, int]]) -> None:
     """Once runs launch, the planning rooms are read through the plan, not called: what is left is
     the check families' registry the verdict iterates, and the record of the trainer a rank
     reported it ran (the runs table's model label)."""
-    again = walk.replanned(REPO / "examples" / "minimal_parity.toml", tmp_path)
+    again = observed[1]
     allowed = {"harness.scenario.checks.families", "harness.scenario.checks._load",
                "harness.scenario.trainers.trainer_info", "harness.scenario.trainers._load"}
     assert set(again) <= allowed and sum(again.values()) <= 10, again

@@ -83,11 +83,10 @@ def _door(frame) -> bool:  # noqa: ANN001
     return frame.f_globals.get(frame.f_code.co_name) is not None and "." not in frame.f_code.co_qualname
 
 
-def first_calls(fn, *args, depth: int = 99, **kwargs) -> tuple[list[str], object]:
-    """The modules of the harness functions ``fn(*args, **kwargs)`` calls at most ``depth``
-    harness calls deep, each function at its first such call, in order; and what ``fn`` returned."""
+def _first_calls(order: list[str], depth: int):  # noqa: ANN202 - a sys.setprofile function
+    """A profile function appending to ``order`` the module of each harness function called at
+    most ``depth`` harness calls deep, at its first such call."""
     seen: set[object] = set()
-    order: list[str] = []
 
     def profile(frame, event, arg):  # noqa: ANN001 - sys.setprofile's signature
         if event != "call" or frame.f_code in seen or not _harness(frame) or not _door(frame):
@@ -103,7 +102,14 @@ def first_calls(fn, *args, depth: int = 99, **kwargs) -> tuple[list[str], object
         seen.add(frame.f_code)
         order.append(frame.f_globals["__name__"])
 
-    sys.setprofile(profile)
+    return profile
+
+
+def first_calls(fn, *args, depth: int = 99, **kwargs) -> tuple[list[str], object]:
+    """The modules of the harness functions ``fn(*args, **kwargs)`` calls at most ``depth``
+    harness calls deep, each function at its first such call, in order; and what ``fn`` returned."""
+    order: list[str] = []
+    sys.setprofile(_first_calls(order, depth))
     try:
         out = fn(*args, **kwargs)
     finally:
@@ -114,17 +120,10 @@ def first_calls(fn, *args, depth: int = 99, **kwargs) -> tuple[list[str], object
 PLANNING = ("harness.scenario.runs", "harness.scenario.checks", "harness.scenario.trainers", "harness.scenario.plan")
 
 
-def replanned(scenario: Path, out: Path) -> dict[str, int]:
-    """Calls of the planning rooms' functions (``PLANNING``) once the first run is launched, by
-    function: what a later stage works out again instead of reading the plan."""
-    import collections
-
-    from harness.present.scenario_result import run_scenario_file
-    from harness.scenario import load_scenario
-
-    loaded = load_scenario(scenario)
+def _replanning(calls: dict[str, int]):  # noqa: ANN202 - a sys.setprofile function
+    """A profile function counting in ``calls`` the planning rooms' functions (``PLANNING``)
+    called once the first run is launched."""
     launched = {"yes": False}
-    calls: collections.Counter[str] = collections.Counter()
 
     def profile(frame, event, arg):  # noqa: ANN001
         if event != "call":
@@ -133,31 +132,40 @@ def replanned(scenario: Path, out: Path) -> dict[str, int]:
         if name == "harness.controller.scenario_runs" and frame.f_code.co_name == "run_plan":
             launched["yes"] = True
         if launched["yes"] and name in PLANNING and _harness(frame) and _door(frame):
-            calls[f"{name}.{frame.f_code.co_name}"] += 1
+            key = f"{name}.{frame.f_code.co_name}"
+            calls[key] = calls.get(key, 0) + 1
+
+    return profile
+
+
+def observe(scenario: Path, out: Path, depth: int = 99) -> tuple[Walk, dict[str, int]]:
+    """One run of ``scenario`` (``run_scenario_file``, outputs in ``out``) watched two ways: its
+    walk (calls at most ``depth`` deep) and what a later stage works out again instead of reading
+    the plan: calls of the planning rooms' functions once the first run is launched, by function."""
+    from harness.present.scenario_result import run_scenario_file
+    from harness.scenario import load_scenario
+
+    loaded = load_scenario(scenario)
+    order: list[str] = []
+    calls: dict[str, int] = {}
+    walking, replanning = _first_calls(order, depth), _replanning(calls)
+
+    def profile(frame, event, arg):  # noqa: ANN001
+        walking(frame, event, arg)
+        replanning(frame, event, arg)
 
     sys.setprofile(profile)
     try:
         run_scenario_file(loaded, out)
     finally:
         sys.setprofile(None)
-    return dict(calls)
-
-
-def walk_of(scenario: Path, out: Path, depth: int = 99) -> Walk:
-    from harness.present.scenario_result import run_scenario_file
-    from harness.scenario import load_scenario
-
-    loaded = load_scenario(scenario)
-    modules, _ = first_calls(run_scenario_file, loaded, out, depth=depth)
-    return measure(modules)
+    return measure(order), calls
 
 
 if __name__ == "__main__":
     with tempfile.TemporaryDirectory() as tmp:
-        w = walk_of(Path(sys.argv[1]), Path(tmp), int(sys.argv[2]) if len(sys.argv) > 2 else 99)
+        w, again = observe(Path(sys.argv[1]), Path(tmp), int(sys.argv[2]) if len(sys.argv) > 2 else 99)
     print(w.line())
     print(" -> ".join(w.stays))
     print("climbs back up:", "; ".join(w.climbed))
-    with tempfile.TemporaryDirectory() as tmp:
-        again = replanned(Path(sys.argv[1]), Path(tmp))
     print(f"planning functions called after the first launch: {sum(again.values())}", again)

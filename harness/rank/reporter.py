@@ -160,8 +160,10 @@ class StepReporter:
              digest: str | None = None) -> None:
         """Optimizer step ``step`` (1, 2, ...) is done: its global loss and supervised tokens as the
         trainer computed them, this rank's tokens, the learning rate, and (at digest steps) the
-        parameters after the update (or their ``digest``, as the rank protocol carries it). Without
-        ``step_time_s``, the time since the previous call.
+        parameters after the update (or their ``digest``, as the rank protocol carries it);
+        ``params`` may be a function that gives them (``model.parameters``), called only at a
+        digest step, so that other steps do not walk the model. Without ``step_time_s``, the time
+        since the previous call.
         A trainer that reports on rank 0 only leaves the loss and global tokens ``None`` on the
         other ranks until ``adopt_rank0``."""
         if step != self.steps + 1:
@@ -188,7 +190,8 @@ class StepReporter:
                      tokens_local=int(tokens_local), step_time_s=dt, lr=lr, **memory)
         every = self.s.train.digest_every
         if (params is not None or digest is not None) and every and step % every == 0:
-            self.digests[step] = event["digest"] = digest if digest is not None else tree_digest(params)
+            self.digests[step] = event["digest"] = digest if digest is not None else tree_digest(
+                params() if callable(params) else params)
         self.ctx.events.emit("step", **event)
         if loss is not None:
             self.effects.callback("step", {"step": step, "loss": loss, "tokens": tokens_global})

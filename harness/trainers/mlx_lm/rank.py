@@ -209,7 +209,7 @@ def make_callback(rep: StepReporter, batches: Batches, model: Any, accum: int) -
             dt = time.perf_counter() - rep.t_last - batches.eval_s - rep.probe_s
             batches.eval_s = 0.0
             rep.step(rep.done + int(info["iteration"]) // accum, info["train_loss"], tokens, local,
-                     lr=info["learning_rate"], params=model.parameters(), step_time_s=dt)
+                     lr=info["learning_rate"], params=model.parameters, step_time_s=dt)
 
         def on_val_loss_report(self, info: dict[str, Any]) -> None:
             import mlx.core as mx

@@ -145,7 +145,7 @@ class Batches:
         loss, tokens, lr = self.losses.get(step, (None, None, None))
         dt = time.perf_counter() - self.rep.t_last - self.eval_s - self.rep.probe_s
         self.eval_s = 0.0
-        self.rep.step(step, loss, tokens, sum(self.tokens), lr=lr, params=self.model.parameters(), step_time_s=dt)
+        self.rep.step(step, loss, tokens, sum(self.tokens), lr=lr, params=self.model.parameters, step_time_s=dt)
         self.tokens = []
 
 

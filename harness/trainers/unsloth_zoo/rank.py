@@ -297,7 +297,7 @@ def make_callback(rep: StepReporter, trainer: Any, eval_tokens: int, probes: boo
                 return
             rep.step(int(state.global_step), logs["loss"], trainer._global_token_count_history[-1],
                      trainer._local_token_count_history[-1], lr=logs.get("learning_rate"),
-                     params=trainer.model.parameters())
+                     params=trainer.model.parameters)
 
         def on_evaluate(self, args: Any, state: Any, control: Any, metrics: dict[str, Any] | None = None,
                         **kw: Any) -> None:
