@@ -70,11 +70,13 @@ def write_outputs(out: Path, doc: dict[str, Any], plots: bool | None = None) -> 
     """``out/result.json``, the plots under ``out/plots`` (unless ``plots`` is False; None:
     ``plots_wanted()``) and ``out/report.md`` (files written atomically); with
     ``GITHUB_STEP_SUMMARY`` set, the report's tables go to the job summary too. Drawing the plots
-    is most of a small run's cost in the controller (about 1.5 CPU-s for a scenario's four)."""
+    is most of a small run's cost in the controller (about 1 CPU-s for a scenario's four)."""
     out.mkdir(parents=True, exist_ok=True)
     result = out / "result.json"
     schema.write_json_atomic(result, doc)
-    if plots if plots is not None else plots_wanted():
+    if plots is None:
+        plots = plots_wanted()
+    if plots:
         from harness.present.plots import write_plots
 
         drawn = {s["name"]: write_plots(out, s) for s in doc["scenarios"]}
