@@ -17,7 +17,7 @@ from harness.rank.collective_mutations import mutated_all_sum
 from harness.scenario import ScenarioError, load_scenario
 from harness.scenario.names import COLLECTIVE_MUTATIONS, DATA_MUTATIONS, MUTATION_EXPECTS
 from harness.scenario.trainers import trainer_info
-from tests.conftest import REPO, cli, needs_unsloth, script_scenario
+from tests.conftest import REPO, SharedRun, cli, needs_unsloth, script_scenario
 
 SCRIPT = (REPO / "examples" / "minimal_script.py").read_text()
 RUNS = "".join(f'\n[[runs]]\nname = "{m}"\nworld_size = 2\nmutation = "{m}"\n' for m in COLLECTIVE_MUTATIONS)
@@ -154,16 +154,17 @@ POWER = {  # the power set: each default-suite trainer's scenario with every col
 
 @pytest.mark.ranks
 @pytest.mark.parametrize("name", sorted(POWER))
-def test_the_power_set_shows_every_collective_mutation_in_each_trainer(name: str, tmp_path: Path) -> None:
+def test_the_power_set_shows_every_collective_mutation_in_each_trainer(name: str, shared_run: SharedRun) -> None:
     """``mlx-ddp-harness run scenarios/power``, one scenario each: every mutation planted in that
-    trainer's own gradient all-reduce, found from its own call site."""
+    trainer's own gradient all-reduce, found from its own call site. (The shipped scenario's test,
+    ``tests/test_scenarios.py``, reads the same run for the runs the two plan alike.)"""
     if name.startswith("unsloth_"):
         needs_unsloth()
-    p = cli("run", str(REPO / "scenarios" / "power" / f"{name}.toml"), "--out", str(tmp_path / "out"))
-    (s,) = json.loads((tmp_path / "out" / "result.json").read_text())["scenarios"]
+    p, out = shared_run(str(REPO / "scenarios" / "power" / f"{name}.toml"))
+    (s,) = json.loads((out / "result.json").read_text())["scenarios"]
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
     _shows_its_power(s, p.stdout)
-    ledger = (tmp_path / "out" / "runs" / s["name"] / "rank_dropped" / "rank0.collectives.jsonl").read_text()
+    ledger = (out / "runs" / s["name"] / "rank_dropped" / "rank0.collectives.jsonl").read_text()
     assert f'"site":"{POWER[name]}' in ledger and '"mutation":"rank_dropped"' in ledger
 
 

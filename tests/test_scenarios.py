@@ -17,7 +17,7 @@ import pytest
 
 from harness.present.tables import runs_table
 from harness.scenario.trainers import trainer_info
-from tests.conftest import REPO, cli, needs_unsloth
+from tests.conftest import REPO, SharedRun, cli, needs_unsloth
 
 pytestmark = pytest.mark.ranks
 
@@ -27,14 +27,47 @@ PARITY = ("step_loss_parity", "step_grad_parity", "loss_parity", "param_parity",
 MARGIN = 3  # a correct run passes every parity check with value <= limit / 3
 
 
-def _run(name: str, out: Path) -> tuple[dict[str, Any], dict[str, dict], dict[tuple[str, str], dict]]:
-    p = cli("run", str(REPO / "scenarios" / f"{name}.toml"), "--out", str(out))
+POWER = REPO / "scenarios" / "power"  # a default scenario with every collective mutation planted
+
+
+def shared_with_power(name: str) -> list[str] | None:
+    """The runs of ``scenarios/<name>.toml`` where ``scenarios/power/<name>.toml`` plans every one of
+    them alike: the same job (the scenario's name, path, description, run list and mutation opt-in
+    aside) and the same checks; else None. One run of the power scenario then answers both its test
+    (``tests/test_collective_mutations.py``) and the shipped scenario's."""
+    if not (POWER / f"{name}.toml").exists():
+        return None
+    from harness.scenario import load_scenario
+    from harness.scenario.plan import plan_scenario
+
+    def planned(path: Path) -> dict[str, tuple[dict, list[str]]]:
+        out = {}
+        for r in plan_scenario(load_scenario(path)).runs:
+            job = r.job.to_json()
+            identity = ("name", "path", "description", "runs")
+            scenario = {k: v for k, v in job.pop("scenario").items() if k not in identity}
+            scenario["checks"] = {k: v for k, v in scenario["checks"].items() if k != "mutations"}
+            out[r.name] = ({**job, "scenario": scenario}, r.check_names)
+        return out
+
+    shipped, power = planned(REPO / "scenarios" / f"{name}.toml"), planned(POWER / f"{name}.toml")
+    return list(shipped) if all(power.get(run) == plan for run, plan in shipped.items()) else None
+
+
+def _run(name: str, out: Path, shared_run: SharedRun) -> tuple[dict[str, Any], dict[str, dict],
+                                                               dict[tuple[str, str], dict]]:
+    shared = shared_with_power(name)
+    if shared is None:
+        p = cli("run", str(REPO / "scenarios" / f"{name}.toml"), "--out", str(out))
+    else:  # the power scenario's run, read for the shipped scenario's runs
+        p, out = shared_run(str(POWER / f"{name}.toml"))
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
     (s,) = json.loads((out / "result.json").read_text())["scenarios"]
     assert s["status"] == "passed" and all(c["passed"] for c in s["checks"])
-    runs = {r["name"]: r for r in s["runs"]}
-    checks = {(c["name"], c["run"]): c for c in s["checks"]}
-    for c in s["checks"]:  # untuned criteria, and yet a clear pass: a margin of 3 or more
+    runs = {r["name"]: r for r in s["runs"] if shared is None or r["name"] in shared}
+    checks = {(c["name"], c["run"]): c for c in s["checks"] if shared is None or c["run"] in shared}
+    assert shared is None or set(runs) == set(shared)
+    for c in checks.values():  # untuned criteria, and yet a clear pass: a margin of 3 or more
         if c["name"] in PARITY and c["result"] == "pass":
             assert c["derivation"], c
             assert c["value"] * MARGIN <= c["limit"] or c["value"] == c["limit"] == 0, c
@@ -543,11 +576,17 @@ def test_every_shipped_scenario_has_a_test() -> None:
 
 
 @pytest.mark.parametrize("name", sorted(SPECIFIC))
-def test_shipped_scenario(name: str, tmp_path: Path) -> None:
+def test_shipped_scenario(name: str, tmp_path: Path, shared_run: SharedRun) -> None:
     if name.startswith("unsloth_") or name == "trainer_throughput":
         needs_unsloth()
-    s, runs, checks = _run(name, tmp_path)
+    s, runs, checks = _run(name, tmp_path, shared_run)
     for r in runs.values():
         for e in r.get("evals") or []:
             assert math.isfinite(e["loss"])
     SPECIFIC[name](runs, checks, tmp_path)
+
+
+def test_each_power_scenario_plans_its_shipped_scenarios_runs_alike() -> None:
+    """So that one run of each answers both tests (``shared_with_power``)."""
+    for path in sorted(POWER.glob("*.toml")):
+        assert shared_with_power(path.stem), path.name
