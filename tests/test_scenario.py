@@ -143,8 +143,11 @@ def test_a_scenario_extends_another_with_its_own_name_and_tables_laid_over(tmp_p
         ("allreduce_not_averaged", "allreduce_not_averaged"), ("rank_dropped", "rank_dropped"),
         ("straggler", "straggler"), ("rank_killed", "rank_killed"), ("same_rows", "same_rows")]
     assert all(r.world_size == 2 for r in power.runs[1:])
-    vlm = load_scenario(REPO / "scenarios" / "power" / "mlx_vlm_parity.toml")  # its runs replace the base's
-    assert [r.name for r in vlm.runs][:3] == ["single", "ddp2", "allreduce_skipped"]
+    base_vlm = REPO / "scenarios" / "mlx_vlm_parity.toml"  # 3 runs; a file that extends it and lists 2 has 2
+    runs = '[[runs]]\nname = "single"\nworld_size = 1\n\n[[runs]]\nname = "ddp2"\nworld_size = 2\n'
+    (tmp_path / "two.toml").write_text(f'[scenario]\nname = "two"\nextends = "{base_vlm}"\n\n{runs}')
+    assert [r.name for r in load_scenario(base_vlm).runs] == ["single", "ddp2", "ddp4"]
+    assert [r.name for r in load_scenario(tmp_path / "two.toml").runs] == ["single", "ddp2"]  # they replace the base's
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "base.toml").write_text('[scenario]\nname = "base"\nextends = "other.toml"\n')
     (tmp_path / "a.toml").write_text('[scenario]\nname = "a"\nextends = "sub/base.toml"\n')
