@@ -2,23 +2,49 @@
  *
  * MLX's ring polls its non-blocking sockets in a loop while a transfer waits on a peer. When the
  * ranks fill the cores, that loop holds a core the awaited peer or the controller needs. Here a poll that
- * finds nothing to read or no room to write gives its core away (sched_yield) before it returns,
- * unchanged, to MLX. Every byte and every error is MLX's own. */
+ * finds nothing to read or no room to write gives its core away before it returns, unchanged, to MLX:
+ * for the first SPIN_NS of a thread's wait it yields (sched_yield, which returns at once where nothing
+ * else is runnable), and after that it sleeps an eighth of the time waited so far, at most MAX_NAP_NS,
+ * so a long wait stops costing CPU and a wait is lengthened by at most an eighth. Every byte and every
+ * error is MLX's own. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <errno.h>
 #include <sched.h>
 #include <sys/socket.h>
 #include <sys/types.h>
+#include <time.h>
+
+#define SPIN_NS 50000LL     /* yield only, for the first 50 us of a wait */
+#define MAX_NAP_NS 200000LL /* the longest sleep: 200 us */
 
 static ssize_t (*next_recv)(int, void *, size_t, int);
 static ssize_t (*next_send)(int, const void *, size_t, int);
 
+static __thread long long waiting_since; /* ns; 0: the last poll moved bytes */
+
+static long long now_ns(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (long long)t.tv_sec * 1000000000LL + t.tv_nsec;
+}
+
 static void yield_if_waiting(ssize_t r) {
   if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
     int saved = errno;
-    sched_yield();
+    long long now = now_ns();
+    if (!waiting_since) waiting_since = now;
+    long long waited = now - waiting_since;
+    if (waited < SPIN_NS) {
+      sched_yield();
+    } else {
+      long long nap = waited / 8 > MAX_NAP_NS ? MAX_NAP_NS : waited / 8;
+      struct timespec t = {0, (long)nap};
+      nanosleep(&t, 0);
+    }
     errno = saved;
+  } else if (r >= 0) {
+    waiting_since = 0;
   }
 }
 
