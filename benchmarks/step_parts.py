@@ -8,10 +8,13 @@ and the outputs, then the loss read back), median after 2 untimed steps. Variant
 - ``anchor``: mlx-lm's step as ``harness.rank.anchor`` runs it (``default_loss``,
   ``nn.average_gradients``, the update, compiled over the state), its batch made once;
 - ``anchor, new batch``: the same, given a new batch from the host each step, as a trainer is;
+- ``anchor, batch made after`` and ``anchor, batch made during``: the new batch made after the
+  last step's ``mx.eval`` (outside the timed build; its own time printed), or while the last step
+  evaluates (``mx.async_eval``, the batch, then ``mx.eval``);
 - ``reference``: the reference trainer's ``LocalStep.full`` (its loss, the token-count scale, the
   snapshot of the state a peer's failure would restore), a new batch each step;
 - ``reference, no snapshot`` and ``reference, tree_map snapshot`` (how it snapshotted before);
-- ``reference, bf16 logits``: its loss without the float32 cast of the logits;
+- ``reference, float32 logits``: its loss with the logits cast to float32 first (as it was);
 - both again with a thread sampling memory every 20 ms, as each rank's ``MemorySampler`` does.
 
 usage: python benchmarks/step_parts.py [--model tiny|cpu3m|gpu044b] [--steps N]
@@ -72,7 +75,7 @@ class Parts:
         mx.eval(model.parameters())
         return model, build_optimizer(self.spec)
 
-    def anchor(self, name: str, new_batch: bool) -> list[Any]:
+    def anchor(self, name: str, new_batch: bool, made: str = "in build") -> list[Any]:
         import mlx.core as mx
         import mlx.nn as nn
         from mlx_lm.tuner.trainer import default_loss
@@ -89,10 +92,27 @@ class Parts:
 
         step = mx.compile(step, inputs=state, outputs=state)
         batch, lengths = mx.array(self.tokens), mx.array([[1, self.seq]] * self.rows)
-        return timed(name, self.steps, lambda: step(mx.array(self.tokens) if new_batch else batch, lengths),
-                     lambda out: (mx.eval(state, *out), out[0].item()))
+        if made == "in build":
+            return timed(name, self.steps, lambda: step(mx.array(self.tokens) if new_batch else batch, lengths),
+                         lambda out: (mx.eval(state, *out), out[0].item()))
+        ahead, making = [mx.array(self.tokens)], []
 
-    def reference(self, name: str, snapshot: str = "slots", f32_logits: bool = True) -> list[Any]:
+        def evaluate(out: Any) -> None:
+            if made == "during":
+                mx.async_eval(state, *out)
+            else:
+                mx.eval(state, *out)
+            t0 = time.perf_counter()
+            ahead[0] = mx.array(self.tokens)
+            making.append(time.perf_counter() - t0)
+            mx.eval(state, *out)
+            out[0].item()
+
+        row = timed(name, self.steps, lambda: step(ahead[0], lengths), evaluate)
+        print(f"    (making a batch: median {statistics.median(making) * 1e3:.3f} ms)", flush=True)
+        return row
+
+    def reference(self, name: str, snapshot: str = "slots", f32_logits: bool = False) -> list[Any]:
         import mlx.core as mx
         import mlx.nn as nn
         import numpy as np
@@ -107,12 +127,12 @@ class Parts:
             ref.state_slots = lambda *a, **k: []
         elif snapshot == "tree_map":
             ref.state_slots = lambda s, out=None: [tree_map(lambda a: a, x) for x in s]
-        if not f32_logits:
-            def bf16_loss(model: Any, batch: dict[str, Any], scale: Any, fault: str | None) -> tuple[Any, Any]:
-                ce = nn.losses.cross_entropy(model(batch["inputs"]), batch["targets"], reduction="none")
-                s = (ce * batch["mask"]).astype(mx.float32).sum()
+        if f32_logits:
+            def f32_loss(model: Any, batch: dict[str, Any], scale: Any, fault: str | None) -> tuple[Any, Any]:
+                logits = model(batch["inputs"]).astype(mx.float32)
+                s = (nn.losses.cross_entropy(logits, batch["targets"], reduction="none") * batch["mask"]).sum()
                 return s * scale, s
-            ref.loss_fn = bf16_loss
+            ref.loss_fn = f32_loss
         try:
             runner = ref.LocalStep(model, opt, self.spec, Semantics(1, 1, 0))
             inputs, targets = self.tokens[:, :-1], self.tokens[:, 1:]
@@ -160,10 +180,12 @@ def main() -> None:
     from tabulate import tabulate
 
     p = Parts(a.model, max(a.steps, 3))
-    rows = [p.anchor("anchor", False), p.anchor("anchor, new batch", True), p.reference("reference"),
+    rows = [p.anchor("anchor", False), p.anchor("anchor, new batch", True),
+            p.anchor("anchor, batch made after", True, "after"), p.anchor("anchor, batch made during", True, "during"),
+            p.reference("reference"),
             p.reference("reference, no snapshot", snapshot="none"),
             p.reference("reference, tree_map snapshot", snapshot="tree_map"),
-            p.reference("reference, bf16 logits", f32_logits=False)]
+            p.reference("reference, float32 logits", f32_logits=True)]
     with Sampling():
         rows += [p.anchor("anchor, new batch, sampled", True), p.reference("reference, sampled")]
     print(f"{a.model}: {p.rows} x {p.seq} inputs, {p.dtype}, one process on {mx.default_device()}, median of steps "
