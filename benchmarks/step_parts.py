@@ -14,7 +14,7 @@ and the outputs, then the loss read back), median after 2 untimed steps. Variant
 - ``reference``: the reference trainer's ``LocalStep.full`` (its loss, the token-count scale, the
   snapshot of the state a peer's failure would restore), a new batch each step;
 - ``reference, no snapshot`` and ``reference, tree_map snapshot`` (how it snapshotted before);
-- ``reference, float32 logits``: its loss with the logits cast to float32 first (as it was);
+- ``reference, bf16 logits``: its loss without the float32 cast of the logits;
 - both again with a thread sampling memory every 20 ms, as each rank's ``MemorySampler`` does.
 
 usage: python benchmarks/step_parts.py [--model tiny|cpu3m|gpu044b] [--steps N]
@@ -112,7 +112,7 @@ class Parts:
         print(f"    (making a batch: median {statistics.median(making) * 1e3:.3f} ms)", flush=True)
         return row
 
-    def reference(self, name: str, snapshot: str = "slots", f32_logits: bool = False) -> list[Any]:
+    def reference(self, name: str, snapshot: str = "slots", f32_logits: bool = True) -> list[Any]:
         import mlx.core as mx
         import mlx.nn as nn
         import numpy as np
@@ -127,12 +127,12 @@ class Parts:
             ref.state_slots = lambda *a, **k: []
         elif snapshot == "tree_map":
             ref.state_slots = lambda s, out=None: [tree_map(lambda a: a, x) for x in s]
-        if f32_logits:
-            def f32_loss(model: Any, batch: dict[str, Any], scale: Any, fault: str | None) -> tuple[Any, Any]:
-                logits = model(batch["inputs"]).astype(mx.float32)
-                s = (nn.losses.cross_entropy(logits, batch["targets"], reduction="none") * batch["mask"]).sum()
+        if not f32_logits:
+            def bf16_loss(model: Any, batch: dict[str, Any], scale: Any, fault: str | None) -> tuple[Any, Any]:
+                ce = nn.losses.cross_entropy(model(batch["inputs"]), batch["targets"], reduction="none")
+                s = (ce * batch["mask"]).astype(mx.float32).sum()
                 return s * scale, s
-            ref.loss_fn = f32_loss
+            ref.loss_fn = bf16_loss
         try:
             runner = ref.LocalStep(model, opt, self.spec, Semantics(1, 1, 0))
             inputs, targets = self.tokens[:, :-1], self.tokens[:, 1:]
@@ -185,7 +185,7 @@ def main() -> None:
             p.reference("reference"),
             p.reference("reference, no snapshot", snapshot="none"),
             p.reference("reference, tree_map snapshot", snapshot="tree_map"),
-            p.reference("reference, float32 logits", f32_logits=True)]
+            p.reference("reference, bf16 logits", f32_logits=False)]
     with Sampling():
         rows += [p.anchor("anchor, new batch, sampled", True), p.reference("reference, sampled")]
     print(f"{a.model}: {p.rows} x {p.seq} inputs, {p.dtype}, one process on {mx.default_device()}, median of steps "

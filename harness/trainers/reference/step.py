@@ -53,14 +53,6 @@ def state_slots(tree: Any, out: list[tuple[Any, Any, Any]] | None = None) -> lis
     return out
 
 
-def still_held(slots: list[tuple[Any, Any, Any]]) -> bool:
-    """Whether every leaf of a ``state_slots`` snapshot is still where it was taken from."""
-    try:
-        return all(container[key] is value for container, key, value in slots)
-    except (KeyError, IndexError):
-        return False
-
-
 def put_back(slots: list[tuple[Any, Any, Any]]) -> None:
     """Put every leaf of a ``state_slots`` snapshot back where it was taken from."""
     for container, key, value in slots:
@@ -69,22 +61,17 @@ def put_back(slots: list[tuple[Any, Any, Any]]) -> None:
 
 def loss_fn(model: Any, batch: dict[str, Any], scale: Any, fault: str | None) -> tuple[Any, Any]:
     """(token-loss sum x scale, token-loss sum) of a micro-batch (``LocalBatch.arrays()``: a VLM
-    batch has an ``attention`` mask and vision inputs); ``fault`` is for injected errors. As
-    mlx-lm's ``default_loss``, each token's cross-entropy is computed in the logits' dtype and summed
-    in float32: casting a bfloat16 model's logits first wrote a float32 copy of them, 3 ms of a
-    0.44B model's 100 ms step on an H100 (``benchmarks/step_parts.py``); a float32 model is
-    unchanged."""
+    batch has an ``attention`` mask and vision inputs); ``fault`` is for injected errors."""
     import mlx.core as mx
     import mlx.nn as nn
 
     if "attention" in batch:
         from harness.rank.vision import vlm_logits
 
-        logits = vlm_logits(model, batch)
+        logits = vlm_logits(model, batch).astype(mx.float32)
     else:
-        logits = model(batch["inputs"])
-    ce = nn.losses.cross_entropy(logits, batch["targets"], reduction="none").astype(mx.float32)
-    loss_sum = (ce * batch["mask"]).sum()
+        logits = model(batch["inputs"]).astype(mx.float32)
+    loss_sum = (nn.losses.cross_entropy(logits, batch["targets"], reduction="none") * batch["mask"]).sum()
     if fault == "raise":
         raise RuntimeError("injected error in the model's forward")
     if fault == "compile_error":
@@ -128,7 +115,6 @@ class LocalStep:
         self._full_acc_c = mx.compile(self._full_acc, inputs=state, outputs=state)
         self._update_c = mx.compile(self.update, inputs=state, outputs=state)
         self._before: list[tuple[Any, Any, Any]] | None = None
-        self._ahead: list[tuple[Any, Any, Any]] | None = None  # the next fused call's snapshot
         self._norm = norm_function()
 
     @property
@@ -177,13 +163,6 @@ class LocalStep:
             put_back(self._before)
             self._before = None
 
-    def snapshot_ahead(self) -> None:
-        """Take the next fused call's snapshot now: called while the step just built evaluates
-        (``mx.async_eval``), so that the walk over the state (2-3 ms of host time for a 28-layer
-        model) overlaps the device's work instead of lengthening the next build. The snapshot is
-        of the step's lazy outputs, which the model and optimizer already hold: no extra memory."""
-        self._ahead = state_slots([self.model.state, self.optimizer.state]) if self.fuses else None
-
     def settled(self) -> None:
         """Every rank built its step: the state from before the fused call is no longer needed
         (kept, it would hold a second copy of the parameters and moments until the next step)."""
@@ -220,9 +199,7 @@ class LocalStep:
     def full(self, batch: dict[str, Any], scale: Any, fault: str | None, acc: Any = None) -> tuple[Any, Any]:
         """The fused step (``full-step`` scope), lazy: (token-loss sum, gradient norm); the model
         and optimizer hold the update until evaluated, or until ``discard``."""
-        ahead, self._ahead = self._ahead, None
-        self._before = ahead if ahead is not None and still_held(ahead) else \
-            state_slots([self.model.state, self.optimizer.state])
+        self._before = state_slots([self.model.state, self.optimizer.state])
         try:
             if acc is None:
                 return self._full_c(batch, scale, fault)

@@ -178,8 +178,6 @@ class Trainer:
             del grads
         t1 = time.perf_counter()
         try:  # every rank built the same collectives; an error here is this rank's alone
-            mx.async_eval(self.model.state, self.optimizer.state, loss, norm, unapplied)
-            self.runner.snapshot_ahead()  # host work while the device evaluates
             mx.eval(self.model.state, self.optimizer.state, loss, norm, unapplied)
         except Exception as e:
             raise RankFailure(f"rank {self.ctx.rank} failed while evaluating step {step}: "
