@@ -38,6 +38,7 @@ def test_the_plan_gives_each_compared_run_its_floor_and_each_run_its_checks() ->
     assert plan.run("twin2").floor is not None and plan.run("twin2").check_names == []
     assert "loss_parity" in ddp2.check_names and "loss_parity" not in plan.run("single").check_names
     assert ddp2.job.probe is not None and ddp2.job.probe.mode == "compare"
+    assert plan.run("twin2").job.probe.mode == "floor"  # probed as ddp2 is, without defect hypotheses
     assert plan.run("single").job.probe.mode == "record" and plan.run("single").job.keep_start
     with pytest.raises(dataclasses.FrozenInstanceError):
         ddp2.floor = None  # type: ignore[misc]

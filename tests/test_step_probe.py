@@ -33,6 +33,9 @@ def test_probes_leave_the_trajectory_bitwise_unchanged(scenario_dir: Path, mutat
     records = [o.result["probes"] for o in probed["ddp2"].ranks]
     assert [p["step"] for p in records[0]] == [1, 2, 3, 4] and not plain["ddp2"].result()["probes"]
     assert probed["single"].result()["side_effects"]["probes"] == 4  # rank 0 of the reference wrote them
+    twin = probed["twin2"].ranks[0].result["probes"]  # the floor run: its errors, no defect hypotheses
+    assert [p["step"] for p in twin] == [1, 2, 3, 4] and not any("defects" in p for p in twin)
+    assert all(set(p["defects"]) >= {"correct", "mean_of_means"} for recs in records for p in recs)
     if not mutation:
         assert all(p["tokens"] == p["tokens_ref"] and p["grad_rel"] < 1e-5 for recs in records for p in recs)
     else:  # the stale gradient is what the probe sees, every step

@@ -48,7 +48,9 @@ class TrainerRef:
 @dataclass(frozen=True)
 class ProbeJob:
     """Step-local probes: the reference records them (``mode`` "record") at ``steps``, a compared
-    run or a floor run of the reference computes them there (``compare``); ``dir`` is where."""
+    run computes them there (``compare``), with the known defects' hypotheses that name a failed
+    check's defect, and a floor run of the reference computes them without those (``floor``: no
+    check of its is judged, so nothing would read them); ``dir`` is where."""
 
     mode: str
     dir: str
@@ -111,7 +113,7 @@ class TrainJob:
         if probe is not None:
             directory = workspace / probe.dir
             steps = probe.steps
-            if probe.mode == "compare":
+            if probe.mode != "record":
                 from harness.schema import probe_path
 
                 steps = tuple(k for k in steps if probe_path(directory, k).exists())

@@ -194,7 +194,7 @@ def _probe(s: Scenario, run: RunSpec, floor: FloorRun | None, info: TrainerInfo)
     floor_of_ref = floor is not None and floor.kind in ("twin", "split") and floor.base == ref
     if not (compared(s, run) if floor is None else floor_of_ref):
         return None
-    return ProbeJob("compare", directory, steps)
+    return ProbeJob("compare" if floor is None else "floor", directory, steps)
 
 
 def train_job(s: Scenario, run: RunSpec, floor: FloorRun | None = None) -> TrainJob:
