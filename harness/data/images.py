@@ -91,7 +91,10 @@ def local_image_rows(path: Path, limit: int | None) -> Iterator[tuple[str, Row]]
     """JSONL image rows with their image path resolved against the JSONL file's folder."""
     for where, row in jsonl_rows(path, limit):
         if isinstance(row, dict) and isinstance(row.get("image"), str):
-            row = {**row, "image": str((path.parent / row["image"]).resolve())}
+            try:
+                row = {**row, "image": str((path.parent / row["image"]).resolve())}
+            except (ValueError, OSError) as e:  # a NUL byte, a symlink loop
+                raise ValueError(f"{where}: \"image\" is not a usable path: {row['image']!r} ({e})") from e
         yield where, row
 
 
