@@ -43,3 +43,24 @@ def test_every_run_reports_its_startup_by_part(tmp_path: Path) -> None:
         assert st["libraries_loaded"] == ["mlx_lm"], st  # its architectures only: no transformers, no torch
         for rank in run["ranks"]:
             assert rank["startup_total_s"] <= st["total_s"]
+
+
+def test_a_rank_imports_neither_the_scenario_loader_nor_the_trainer_registry() -> None:
+    """The registry's entry points cost a scan of every installed package's metadata (about 50 ms
+    of each rank's start): the job carries the names a rank reports (``TrainerRef.heavy``)."""
+    import subprocess
+    import sys
+
+    from harness.scenario import load_scenario
+    from harness.scenario.plan import plan_scenario
+    from harness.scenario.trainers import heavy_libraries
+    from tests.conftest import REPO
+
+    code = ("import sys, harness.rank.entry, harness.trainers.reference.trainer; "
+            "print(sorted(m for m in ('harness.scenario.load', 'harness.scenario.trainers', 'importlib.metadata') "
+            "if m in sys.modules))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == "[]", p.stdout + p.stderr
+    job = plan_scenario(load_scenario(REPO / "examples" / "minimal_parity.toml")).run("ddp2").job
+    assert job.trainer.heavy == heavy_libraries() and "transformers" in job.trainer.heavy
+    assert StartupClock(None, ("json", "no_such_library")).figures()["libraries_loaded"] == ["json"]

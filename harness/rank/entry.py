@@ -157,7 +157,7 @@ def main(argv: list[str]) -> int:
     try:
         job = job_from_json(schema.read_json(run_dir / schema.JOB_FILE))
         result["job"] = job.kind
-        clock = StartupClock(job.launched_at)
+        clock = StartupClock(job.launched_at, job.trainer.heavy if isinstance(job, TrainJob) else ())
         set_precision(job)
         device_check.set_device(job)  # before the group and warm-up: every array of the rank lives there
         world_size = int(job.world_size or 1)

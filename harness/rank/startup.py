@@ -12,14 +12,12 @@ from typing import Any
 PARTS = ("spawn", "device", "warm_up", "libraries")
 
 
-def libraries_loaded() -> list[str]:
-    """The libraries whose import costs seconds (``trainer_registry.heavy_libraries``) imported in
-    this process (not those marked absent)."""
+def libraries_loaded(heavy: tuple[str, ...]) -> list[str]:
+    """Which of ``heavy``, the libraries whose import costs seconds (``TrainerRef.heavy``), this
+    process imported (not those marked absent)."""
     import sys
 
-    from harness.scenario.trainers import heavy_libraries
-
-    return [name for name in heavy_libraries() if sys.modules.get(name) is not None]
+    return [name for name in heavy if sys.modules.get(name) is not None]
 
 
 def preloaded() -> list[str]:
@@ -40,12 +38,13 @@ def preloaded() -> list[str]:
 class StartupClock:
     """Marks the end of each start-up part; ``phase`` marks the start of a trainer phase."""
 
-    def __init__(self, launched_at: float | None) -> None:
+    def __init__(self, launched_at: float | None, heavy: tuple[str, ...] = ()) -> None:
         self.last = time.time()
         self.launched_at = launched_at if launched_at is not None else self.last
         self.parts: dict[str, float] = {"spawn": self.last - self.launched_at}
         self.current = "trainer"  # the part running now, once the runtime's own parts are done
         self.training = False
+        self.heavy = heavy
 
     def done(self, part: str) -> None:
         """The rank runtime's part ``part`` (``PARTS``) just ended."""
@@ -67,4 +66,4 @@ class StartupClock:
         start of training, or to now when the job never trained)."""
         parts = {k: round(v, 4) for k, v in self.parts.items() if v > 0 or k in PARTS}
         return {"startup_parts_s": parts, "startup_total_s": round(sum(self.parts.values()), 4),
-                "libraries_loaded": libraries_loaded(), "preloaded": preloaded()}
+                "libraries_loaded": libraries_loaded(self.heavy), "preloaded": preloaded()}

@@ -36,13 +36,16 @@ def _known(d: dict[str, Any], known: set[str], what: str) -> None:
 @dataclass(frozen=True)
 class TrainerRef:
     """The trainer the ranks import: its rank module, the libraries to mark absent first,
-    whether the trainer joins the distributed group itself (an executable), and why it
-    all-reduces on MLX's CPU stream (which picks the backend on CUDA; None: on the device)."""
+    whether the trainer joins the distributed group itself (an executable), why it
+    all-reduces on MLX's CPU stream (which picks the backend on CUDA; None: on the device), and
+    the libraries whose import costs seconds, which the rank reports as loaded or not (planned
+    from the trainer registry, which a rank does not load: its entry points cost a scan)."""
 
     module: str
     hides: tuple[str, ...] = ()
     own_group: bool = False
     cpu_collectives: str | None = None
+    heavy: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -132,7 +135,8 @@ class TrainJob:
             "kind": self.kind,
             "run": self.run,
             "trainer": {"module": self.trainer.module, "hides": list(self.trainer.hides),
-                        "own_group": self.trainer.own_group, "cpu_collectives": self.trainer.cpu_collectives},
+                        "own_group": self.trainer.own_group, "cpu_collectives": self.trainer.cpu_collectives,
+                        "heavy": list(self.trainer.heavy)},
             "scenario": dataclasses.replace(self.scenario, faults=list(self.faults)).to_dict(),
             "backend": self.backend,
             "faults": [dataclasses.asdict(f) for f in self.faults],
@@ -163,7 +167,8 @@ class TrainJob:
         return cls(
             run=d["run"],
             trainer=TrainerRef(d["trainer"]["module"], tuple(d["trainer"].get("hides", ())),
-                               bool(d["trainer"].get("own_group", False)), d["trainer"].get("cpu_collectives")),
+                               bool(d["trainer"].get("own_group", False)), d["trainer"].get("cpu_collectives"),
+                               tuple(d["trainer"].get("heavy", ()))),
             scenario=Scenario.from_dict(d["scenario"]),
             faults=tuple(FaultSpec(**f) for f in d.get("faults", ())),
             backend=d.get("backend"),

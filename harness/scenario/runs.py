@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from harness.memory_plan import job_memory
 from harness.scenario.job import ProbeJob, ResumeJob, TrainerRef, TrainJob
 from harness.scenario.spec import DataSpec, RunSpec, Scenario, compared, writes_checkpoints
-from harness.scenario.trainers import TrainerInfo, trainer_info
+from harness.scenario.trainers import TrainerInfo, heavy_libraries, trainer_info
 
 SPLIT_SAMPLES = 3  # a split floor's draws of the rounding (``FloorRun.samples``)
 
@@ -213,7 +213,7 @@ def train_job(s: Scenario, run: RunSpec, floor: FloorRun | None = None) -> Train
         f"{run.resume_from}/checkpoints" if run.resume_from in names else run.resume_from, run.resume_step)
     return TrainJob(
         run=run.name,
-        trainer=TrainerRef(info.module, info.hides, info.command, info.cpu_collectives),
+        trainer=TrainerRef(info.module, info.hides, info.command, info.cpu_collectives, heavy_libraries()),
         scenario=dataclasses.replace(eff, faults=faults),
         faults=tuple(faults),
         backend=run.backend,
