@@ -81,6 +81,12 @@ def ledger_path(run_dir: Path | str, rank: int) -> Path:
     return Path(run_dir) / f"rank{rank}.collectives.jsonl"
 
 
+def warm_rusage_path(run_dir: Path | str, rank: int) -> Path:
+    """A warm-started rank's resource use (``harness.rank.warm``): ``cpu_s`` and ``maxrss_kb``, as
+    the process that forked it waited for it (the launcher never does: it is not its child)."""
+    return Path(run_dir) / f"rank{rank}.warm.json"
+
+
 def params_path(run_dir: Path | str) -> Path:
     """Final parameters written by rank 0 (safetensors)."""
     return Path(run_dir) / "rank0.params.safetensors"

@@ -20,6 +20,11 @@ os.environ.setdefault("MLX_DDP_HARNESS_PLOTS", "off")
 # with the budget at the cores a core sits idle while the other xdist worker's launch queues for it
 # (docs/development.md). Tests of the budget set their own.
 os.environ.setdefault("MLX_DDP_HARNESS_RANK_BUDGET", str((os.cpu_count() or 1) + 1))
+# Local CPU ranks start forked from a process that has done their imports (warm starts,
+# ``harness.controller.warm_ranks``): a rank's imports are most of a short test run's CPU. Set
+# once in the first pytest process, so xdist's workers share the servers; ended at session end.
+os.environ.setdefault("MLX_DDP_HARNESS_WARM_RANKS", os.path.join(
+    os.environ.get("TMPDIR", "/tmp"), f"mlx-ddp-harness-warm-{os.getpid()}"))
 EXAMPLE = REPO / "examples" / "ddp_train.py"
 
 # A small, fast scenario body; tests add [[runs]] and override keys as they need.
@@ -169,6 +174,19 @@ def pytest_configure(config: pytest.Config) -> None:
     if xdist and asked:
         raise pytest.UsageError(f"{', '.join(asked)} record nothing under xdist (-n): pytest-benchmark disables "
                                 f"itself there; run the benchmarks without -n: pytest -m throughput {' '.join(asked)}")
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """The first pytest process (not an xdist worker) ends the warm-start servers it set up."""
+    import shutil
+
+    from harness.controller.warm_ranks import stop_servers
+
+    directory = Path(os.environ["MLX_DDP_HARNESS_WARM_RANKS"])
+    if not hasattr(session.config, "workerinput") and directory.name == f"mlx-ddp-harness-warm-{os.getpid()}":
+        if directory.is_dir():
+            stop_servers(directory)
+            shutil.rmtree(directory, ignore_errors=True)
 
 
 def needs_unsloth() -> None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -43,6 +44,9 @@ def test_an_interrupted_run_keeps_its_partial_logs_marked_and_leaves_nothing(tmp
         pytest.fail(f"the run never reached step 2: {p.communicate(timeout=60)[1][-2000:]}")
     run_dir = events.parent
     ranks = [q.pid for q in psutil.process_iter(["cmdline"]) if str(run_dir) in " ".join(q.info["cmdline"] or [])]
+    # and the ranks by the pid they announced (a warm-started rank's command line is its server's)
+    ranks += [e["pid"] for r in (0, 1) for line in (run_dir / f"rank{r}.events.jsonl").read_text().splitlines()
+              if (e := json.loads(line))["kind"] == "start"]
     p.send_signal(sig)
     try:
         _, err = p.communicate(timeout=60)

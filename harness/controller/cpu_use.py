@@ -82,9 +82,11 @@ class CpuMeter:
         self.busy0, _ = _busy_s(self.cpus)
         self.own0 = _own_s()
 
-    def stop(self) -> CpuUse:
+    def stop(self, forked_s: float = 0.0) -> CpuUse:
+        """``forked_s``: the CPU of the run's processes that are not this process's children
+        (warm-started ranks, ``harness.controller.warm_ranks``)."""
         busy, cores = _busy_s(self.cpus)
-        return CpuUse(cores, time.monotonic() - self.t0, busy - self.busy0, _own_s() - self.own0)
+        return CpuUse(cores, time.monotonic() - self.t0, busy - self.busy0, _own_s() - self.own0 + forked_s)
 
 
 def speed_disturbed(world_size: int, cpu: CpuUse | None, neighbours: Neighbours | None,

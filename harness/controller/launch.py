@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from harness import schema
-from harness.controller import ring_yield
+from harness.controller import ring_yield, warm_ranks
 from harness.controller.devices import accelerators
 from harness.controller.ports import PortLease, lease_ports
 from harness.controller.rank_processes import HostProcesses, LocalProcesses, RankProcesses
@@ -80,6 +80,7 @@ class Launch:
     lease: PortLease | None
     ranks: RankProcesses = field(default_factory=LocalProcesses)  # where they run: here or on cluster hosts
     ring_yield: str | None = None  # the note when its ranks yield a core while they wait (``ring_yield``)
+    warm: bool = False  # its ranks were forked by a warm-start server (``warm_ranks``), not the launcher
 
     @property
     def pgid(self) -> int:
@@ -131,10 +132,11 @@ def start(run_dir: Path, world_size: int, backend: str | None = None) -> Launch:
         acc = accelerators()
         if acc.kind == "cuda" and acc.count > 1 and "CUDA_VISIBLE_DEVICES" not in env:
             env["CUDA_VISIBLE_DEVICES"] = "0"  # one process, one GPU: as each rank of a run has
-        cmd = [sys.executable, "-m", RANK_MODULE, str(run_dir)]
+        warm = warm_ranks.rank_argv(run_dir, env)
+        cmd = [sys.executable, *(warm or ["-m", RANK_MODULE]), str(run_dir)]
         with open(schema.stdout_path(run_dir, 0), "wb") as out, open(schema.stderr_path(run_dir, 0), "wb") as err:
             proc = subprocess.Popen(cmd, stdout=out, stderr=err, **common)
-        return Launch(proc, run_dir, 1, None, None)
+        return Launch(proc, run_dir, 1, None, None, warm=warm is not None)
 
     if not backend:
         raise ValueError("a launch of more than one rank needs a backend")
@@ -144,9 +146,11 @@ def start(run_dir: Path, world_size: int, backend: str | None = None) -> Launch:
     lease = lease_ports(world_size + 1)  # one port per ring rank, the last for NCCL's rendezvous
     try:
         hostfile = write_hostfile(run_dir, world_size, backend)
-        # exec keeps the launcher's pidfile pointing at the Python rank itself.
+        warm = warm_ranks.rank_argv(run_dir, env)
+        # exec keeps the launcher's pidfile pointing at the Python rank itself (or its warm client).
         rank_cmd = (
-            'exec "$0" -m ' + RANK_MODULE + ' "$1" >"$1/rank$MLX_RANK.stdout" 2>"$1/rank$MLX_RANK.stderr"'
+            'exec "$0" ' + (warm_ranks.shell_words(warm) if warm else '-m ' + RANK_MODULE)
+            + ' "$1" >"$1/rank$MLX_RANK.stdout" 2>"$1/rank$MLX_RANK.stderr"'
         )
         gpus = accelerators().count if backend != "nccl" and accelerators().kind == "cuda" else 0
         if gpus:  # ring ranks on CUDA: spread over the GPUs as nccl would (mlx.launch sets nothing)
@@ -167,7 +171,8 @@ def start(run_dir: Path, world_size: int, backend: str | None = None) -> Launch:
     except BaseException:
         lease.release()
         raise
-    return Launch(proc, run_dir, world_size, backend, lease, ring_yield=None if calm is None else calm.why)
+    return Launch(proc, run_dir, world_size, backend, lease, ring_yield=None if calm is None else calm.why,
+                  warm=warm is not None)
 
 
 # What a rank on a cluster host runs: its files under the host's mirror of the run directory

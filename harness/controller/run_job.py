@@ -24,8 +24,8 @@ from harness.controller.watch import kill_group, watch
 from harness.scenario.job import Job, TrainJob
 
 INTERRUPTED = "INTERRUPTED"  # marks a kept run directory whose run was interrupted
-KEEP_SUFFIXES = (".events.jsonl", ".collectives.jsonl", ".result.json", ".callbacks.jsonl", ".stdout", ".stderr",
-                 ".log")
+KEEP_SUFFIXES = (".events.jsonl", ".collectives.jsonl", ".result.json", ".warm.json", ".callbacks.jsonl", ".stdout",
+                 ".stderr", ".log")
 
 
 class LaunchError(RuntimeError):

@@ -25,6 +25,8 @@ from harness.controller.memory_guard import MB, MemoryLimits, RankMemory
 from harness.controller.outcome import WatchReport
 from harness.controller.progress import EventTail, ProgressFeed
 from harness.controller.rank_budget import NeighbourMeter
+from harness.controller.rank_processes import alive
+from harness.controller.warm_ranks import rank_cpu_s
 
 POLL_S = 0.1
 STACK_DUMP_WAIT_S = 1.5  # the longest wait for the ranks' stack dumps
@@ -120,14 +122,23 @@ def dump_stacks(launch: Launch, pids: dict[int, int]) -> bool:
     return True
 
 
-def kill_group(launch: Launch, timeout: float = 10.0) -> list[int | str]:
+def kill_group(launch: Launch, pids: dict[int, int] | None = None, timeout: float = 10.0) -> list[int | str]:
     """SIGKILL the run's process group and wait for it to empty; on cluster hosts, have each
     agent kill what is left, send the last files and remove the host's directory. Return any
-    survivors (``host:pid`` on a cluster host)."""
+    survivors (``host:pid`` on a cluster host). Warm-started ranks are outside the group: they
+    are killed by their pids (``pids``, else those their events name)."""
     try:
         os.killpg(launch.pgid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+    warm: dict[int, int] = {}
+    if launch.warm:
+        if pids is None:
+            seen = RankEvents(launch)
+            seen.read()
+            pids = seen.pids
+        warm = pids
+        launch.ranks.signal(warm, "SIGKILL")
     try:
         launch.proc.wait(timeout=timeout)
     except Exception:
@@ -135,7 +146,7 @@ def kill_group(launch: Launch, timeout: float = 10.0) -> list[int | str]:
     remote_left = launch.ranks.finish()
     deadline = time.monotonic() + timeout
     while True:
-        left: list[int | str] = list(group_members(launch.pgid))
+        left: list[int | str] = [*group_members(launch.pgid), *(p for p in warm.values() if alive(p))]
         if not left or time.monotonic() > deadline:
             return left + remote_left
         time.sleep(POLL_S)
@@ -202,11 +213,11 @@ def watch(launch: Launch, wall_s: float, no_progress_s: float, meter: CpuMeter,
     report.returncode = launch.proc.poll()
     seen.read()
     report.rank_pids = seen.pids
-    report.survivors = kill_group(launch)
+    report.survivors = kill_group(launch, seen.pids)
     report.ended_at = time.time()
     if report.returncode is None:
         report.returncode = launch.proc.returncode
     report.wall_s = time.monotonic() - t0
-    report.cpu = meter.stop()
+    report.cpu = meter.stop(rank_cpu_s(launch.run_dir, launch.world_size) if launch.warm else 0.0)
     report.neighbours = neighbours.stop() if neighbours is not None else None
     return report

@@ -102,7 +102,7 @@ def load_libraries(job: Job) -> None:
             pass
 
 
-def _job_runner(job: Job) -> Callable[[RankContext], dict[str, Any]]:
+def job_runner(job: Job) -> Callable[[RankContext], dict[str, Any]]:
     """A ``train`` job runs the module of the trainer under test its job names; ``allsum``
     is the all-sum job (``harness.rank.allsum``), ``mlx_lm_step`` the speed anchor and ``grad_allreduce`` its all-reduce
     alone (``harness.rank.anchor``), ``soak`` the soak's
@@ -196,7 +196,7 @@ def main(argv: list[str]) -> int:
         sampler.start()
         ctx = RankContext(run_dir, job, rank, world_size, group, backend, events, list(job.faults), memory=sampler,
                           startup=clock)
-        payload = _job_runner(job)(ctx)
+        payload = job_runner(job)(ctx)
         sampler.stop()
         result.update(status="ok", world_size=world_size, backend=backend, device=device,
                       is_main=rank == 0, accelerator=accelerator(), startup_s=startup_s,

@@ -1,0 +1,133 @@
+"""Warm rank starts, the controller's side: with ``MLX_DDP_HARNESS_WARM_RANKS=DIR`` set, a local
+launch on a Linux machine without a GPU starts each rank through a server that has imported what
+ranks of its kind import (``harness.rank.warm``), instead of a fresh interpreter. A rank's own
+work is the same; what it saves is the imports (0.35 CPU-s for a reference rank, 1.1 to 1.5 more
+for an external trainer's libraries), which is most of a short rank on a small machine. The
+start-up figures of such a run do not hold the imports: the test suite uses it, reports do not.
+
+One server per key: the job's trainer, the packages it hides and its model's architecture (what
+a rank imports before its first step), and the environment that can change an import (the
+interpreter, ``LD_PRELOAD``, ``PYTHON*``, ``MLX_*``, BLAS and Hugging Face settings). A launch
+whose server is not up yet starts it and runs cold; so does a rank whose server does not answer.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from harness import schema
+
+WARM_VAR = "MLX_DDP_HARNESS_WARM_RANKS"
+CLIENT = Path(__file__).resolve().parents[1] / "rank" / "warm_client.py"
+SERVER_MODULE = "harness.rank.warm"
+KEYED_PREFIXES = ("MLX_", "PYTHON", "LD_", "OPENBLAS_", "OMP_", "HF_", "TRANSFORMERS_", "TOKENIZERS_")
+UNKEYED = ("MLX_DDP_HARNESS_", "MLX_RANK", "MLX_HOSTFILE", "MLX_WORLD_SIZE")  # per run: read after the fork
+
+
+def warm_dir() -> Path | None:
+    """The servers' directory, where warm starts are asked for and can be had."""
+    value = os.environ.get(WARM_VAR)
+    if not value or not sys.platform.startswith("linux"):
+        return None
+    from harness.controller.devices import accelerators
+
+    if accelerators().kind != "cpu":
+        return None
+    return Path(value)
+
+
+def key_of(job: dict[str, Any], env: dict[str, str]) -> str:
+    trainer = job.get("trainer") or {}
+    what = {
+        "kind": job.get("kind"),
+        "module": trainer.get("module"),
+        "hides": trainer.get("hides"),
+        "arch": ((job.get("scenario") or {}).get("model") or {}).get("arch"),
+        "python": sys.executable,
+        "env": {k: v for k, v in sorted(env.items())
+                if k.startswith(KEYED_PREFIXES) and not k.startswith(UNKEYED)},
+    }
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _held(lock: Path) -> bool:
+    """Whether a server holds (or is starting with) this lock."""
+    try:
+        fd = os.open(lock, os.O_RDWR)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def _start_server(directory: Path, key: str, job_file: Path, env: dict[str, str]) -> None:
+    job_copy = directory / f"{key}.job.json"
+    tmp = directory / f"{key}.job.json.tmp{os.getpid()}"
+    tmp.write_bytes(job_file.read_bytes())
+    os.replace(tmp, job_copy)
+    server_env = {**env, "TMPDIR": env.get("MLX_DDP_HARNESS_TMPDIR", "/tmp")}
+    with open(directory / f"{key}.log", "ab") as log:
+        subprocess.run([sys.executable, "-m", SERVER_MODULE, str(directory), key], env=server_env, cwd=directory,
+                       stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, check=False, timeout=30)
+
+
+def rank_argv(run_dir: Path, env: dict[str, str]) -> list[str] | None:
+    """The arguments before the run directory that start a rank of ``run_dir``'s job warm
+    (``python`` plus these plus the directory), or None for a cold start. Starts the key's server
+    where none holds it."""
+    directory = warm_dir()
+    if directory is None:
+        return None
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        job_file = run_dir / schema.JOB_FILE
+        key = key_of(json.loads(job_file.read_text()), env)
+        if (directory / f"{key}.refused").exists():  # its imports start a thread: no fork is safe
+            return None
+        if not _held(directory / f"{key}.lock"):
+            _start_server(directory, key, job_file, env)
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return None
+    return ["-I", "-S", str(CLIENT), str(directory / f"{key}.sock")]
+
+
+def shell_words(argv: list[str]) -> str:
+    return " ".join(shlex.quote(a) for a in argv)
+
+
+def rank_cpu_s(run_dir: Path, world_size: int) -> float:
+    """The CPU-seconds of a run's warm-started ranks, as their server waited for them (0 for
+    cold ranks, which the launcher waited for)."""
+    total = 0.0
+    for r in range(world_size):
+        try:
+            total += float(json.loads(schema.warm_rusage_path(run_dir, r).read_text())["cpu_s"])
+        except (OSError, ValueError, KeyError):
+            continue
+    return total
+
+
+def stop_servers(directory: Path) -> None:
+    """End every server of ``directory`` (their ranks die with them)."""
+    import signal
+
+    for lock in directory.glob("*.lock"):
+        try:
+            pid = int(lock.read_text() or 0)
+            if pid and _held(lock):
+                os.kill(pid, signal.SIGTERM)
+        except (OSError, ValueError):
+            continue

@@ -1,0 +1,132 @@
+"""Warm rank starts (``harness.controller.warm_ranks``, ``harness.rank.warm``): ranks forked from
+a server that has done their imports compute, fail, stop and are counted as cold ranks are.
+Real ranks; the client is started here as mlx.launch would start it where a test needs its pid."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from harness import schema
+from harness.controller.launch import _rank_env
+from harness.controller.rank_processes import alive
+from harness.controller.run_job import execute
+from harness.controller.warm_ranks import WARM_VAR, rank_argv, stop_servers
+from harness.scenario import FaultSpec
+from harness.scenario.job import AllSumJob
+
+pytestmark = pytest.mark.ranks
+
+
+@pytest.fixture(autouse=True)
+def _stop_servers(tmp_path: Path):  # noqa: ANN202
+    yield
+    if (tmp_path / "warm").is_dir():
+        stop_servers(tmp_path / "warm")
+
+
+def wait_for(what, timeout: float = 60.0):  # noqa: ANN001, ANN201
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = what()
+        if found:
+            return found
+        time.sleep(0.05)
+    raise AssertionError(f"not within {timeout} s")
+
+
+def job_dir(tmp_path: Path, job: AllSumJob) -> Path:
+    run_dir = tmp_path / "run"
+    (run_dir / "tmp").mkdir(parents=True)
+    schema.write_json_atomic(run_dir / schema.JOB_FILE,
+                             schema.stamp(job.launched(world_size=1, launched_at=time.time()).to_json()))
+    return run_dir
+
+
+def start_pid(run_dir: Path) -> int | None:
+    try:
+        lines = schema.events_path(run_dir, 0).read_text().splitlines()
+    except FileNotFoundError:
+        return None
+    return next((e["pid"] for line in lines if (e := json.loads(line))["kind"] == "start"), None)
+
+
+def client(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rounds: int = 200) -> tuple[subprocess.Popen, Path, int]:
+    """A warm client of a 1-rank all-sum job that runs ``rounds`` rounds 0.05 s apart, once its
+    server is up; with the rank's pid."""
+    monkeypatch.setenv(WARM_VAR, str(tmp_path / "warm"))
+    run_dir = job_dir(tmp_path, AllSumJob(value=2.0, rounds=rounds, pause_s=0.05))
+    env = _rank_env(run_dir)
+    argv = rank_argv(run_dir, env)
+    assert argv is not None and argv[-1].endswith(".sock")
+    wait_for(lambda: Path(argv[-1]).exists())
+    with open(run_dir / "rank0.stderr", "wb") as err:
+        proc = subprocess.Popen([sys.executable, *argv, str(run_dir)], env=env, cwd=run_dir, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+    pid = wait_for(lambda: start_pid(run_dir))
+    return proc, run_dir, pid
+
+
+def test_warm_ranks_sum_alike_are_not_the_launchers_children_and_their_cpu_is_counted(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(WARM_VAR, str(tmp_path / "warm"))
+    job = AllSumJob(value=3.0, rounds=4, pause_s=0.05)
+    for ws in (1, 2):
+        execute("first", job, ws)  # starts the servers (these launches may run cold while they import)
+    wait_for(lambda: len(list((tmp_path / "warm").glob("*.sock"))) == 2)
+    for ws in (1, 2):
+        out = execute(f"warm{ws}", job, ws, keep_to=tmp_path / f"ws{ws}")
+        assert out.ok, out.failure
+        for r in range(ws):
+            assert out.result(r)["sums"] == [ws * 3.0 * s + sum(range(ws)) for s in range(1, 5)]
+        used = [json.loads(schema.warm_rusage_path(tmp_path / f"ws{ws}", r).read_text())["cpu_s"] for r in range(ws)]
+        assert all(u > 0 for u in used) and out.watch.cpu.own_s >= sum(used), (used, out.watch.cpu)
+        assert out.watch.survivors == [] and not any(alive(p) for p in out.watch.rank_pids.values())
+    monkeypatch.delenv(WARM_VAR)
+    cold = execute("cold", job, 1, keep_to=tmp_path / "cold")
+    assert cold.ok and not schema.warm_rusage_path(tmp_path / "cold", 0).exists()
+
+
+def test_killing_a_warm_client_kills_its_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    proc, _, pid = client(tmp_path, monkeypatch)
+    assert psutil.Process(pid).ppid() != proc.pid  # forked by the server, not started by the client
+    proc.kill()
+    proc.wait(timeout=10)
+    wait_for(lambda: not alive(pid), timeout=5)
+
+
+def test_a_signal_reaches_the_rank_and_the_client_ends_as_the_rank_did(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    proc, run_dir, pid = client(tmp_path, monkeypatch)
+    proc.send_signal(signal.SIGUSR1)  # the watchdog's stack dump
+    wait_for(lambda: "most recent call first" in (run_dir / "rank0.stderr").read_text(), timeout=10)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=10) == -signal.SIGTERM
+    assert not alive(pid)
+
+
+def test_a_rank_that_ends_returns_its_exit_code_through_the_client(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    proc, run_dir, _ = client(tmp_path, monkeypatch, rounds=2)
+    assert proc.wait(timeout=60) == 0
+    assert json.loads(schema.result_path(run_dir, 0).read_text())["sums"] == [2.0, 4.0]
+    monkeypatch.setenv(WARM_VAR, str(tmp_path / "warm"))
+    failing = execute("failing", AllSumJob(rounds=3, faults=(FaultSpec(rank=0, step=2, action="exit", code=3),)), 1)
+    assert not failing.ok and failing.failure.startswith("rank 0 ended with exit code 3"), failing.failure
+
+
+def test_a_client_without_a_server_starts_the_rank_itself(tmp_path: Path) -> None:
+    run_dir = job_dir(tmp_path, AllSumJob(value=1.0, rounds=2))
+    client_py = Path(__file__).resolve().parents[1] / "harness" / "rank" / "warm_client.py"
+    p = subprocess.run([sys.executable, "-I", "-S", str(client_py), str(tmp_path / "none.sock"), str(run_dir)],
+                       env=_rank_env(run_dir), cwd=run_dir, capture_output=True, timeout=120)
+    assert p.returncode == 0, p.stderr.decode()[-2000:]
+    assert json.loads(schema.result_path(run_dir, 0).read_text())["sums"] == [1.0, 2.0]
+    assert not schema.warm_rusage_path(run_dir, 0).exists()
