@@ -130,3 +130,18 @@ def test_a_client_without_a_server_starts_the_rank_itself(tmp_path: Path) -> Non
     assert p.returncode == 0, p.stderr.decode()[-2000:]
     assert json.loads(schema.result_path(run_dir, 0).read_text())["sums"] == [1.0, 2.0]
     assert not schema.warm_rusage_path(run_dir, 0).exists()
+
+
+def test_a_warm_run_says_so_and_reports_only_its_own_libraries(tmp_path: Path) -> None:
+    from harness.present.tables import WARM_NOTE
+    from tests.conftest import cli, write_scenario
+
+    path = write_scenario(tmp_path, "warm", world_sizes=(1, 2), steps=2)
+    warm = cli("run", str(path), "--out", str(tmp_path / "warm_out"), env={WARM_VAR: str(tmp_path / "warm")})
+    assert warm.returncode == 0, warm.stdout[-3000:] + warm.stderr[-2000:]
+    assert f"run ddp2: {WARM_NOTE}" in warm.stdout
+    (s,) = json.loads((tmp_path / "warm_out" / "result.json").read_text())["scenarios"]
+    assert all(r["warm_start"] for r in s["runs"]), [(r["name"], r["warm_start"]) for r in s["runs"]]
+    assert all(r["startup"]["libraries_loaded"] == ["mlx_lm"] for r in s["runs"])  # the reference's: no transformers
+    cold = cli("run", str(path), "--out", str(tmp_path / "cold_out"), env={WARM_VAR: ""})
+    assert cold.returncode == 0 and WARM_NOTE not in cold.stdout

@@ -74,6 +74,7 @@ class RunOutcome:
     floor: str | None = None  # a noise-floor run the harness added: what it computes
     backend_reason: str | None = None  # why the harness chose another backend than the usual one
     ring_yield: str | None = None  # its ranks yielded a core while they waited, and why (``controller.ring_yield``)
+    warm_start: bool = False  # its ranks forked from a warm-start server (``controller.warm_ranks``)
     device: str | None = None  # "gpu" or "cpu": what the ranks computed on (``run_job.device_used``)
     device_reason: str | None = None  # why, where ``auto`` chose or the device check moved them
     queued_s: float = 0.0  # how long the launch waited for rank slots (``rank_budget``)

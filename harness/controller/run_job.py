@@ -152,7 +152,7 @@ def execute(
                 started.lease.release()
         outcome = _summarize(name, run_dir, started, report, feed)
         outcome.backend_reason, outcome.queued_s = backend_reason, slots.waited_s
-        outcome.ring_yield = started.ring_yield
+        outcome.ring_yield, outcome.warm_start = started.ring_yield, started.warm
         if device is not None:
             outcome.device, outcome.device_reason = device_used(outcome, device)
         if keep_to is not None:

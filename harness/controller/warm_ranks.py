@@ -8,7 +8,8 @@ start-up figures of such a run do not hold the imports: the test suite uses it, 
 One server per key: the job's trainer, the packages it hides and its model's architecture (what
 a rank imports before its first step), and the environment that can change an import (the
 interpreter, ``LD_PRELOAD``, ``PYTHON*``, ``MLX_*``, BLAS and Hugging Face settings). A launch
-whose server is not up yet starts it and runs cold; so does a rank whose server does not answer.
+whose server is not up yet starts it and waits for its imports; a launch whose server refused
+(a library started a thread, which a fork would not keep) or does not answer runs cold.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import os
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,7 @@ WARM_VAR = "MLX_DDP_HARNESS_WARM_RANKS"
 CLIENT = Path(__file__).resolve().parents[1] / "rank" / "warm_client.py"
 SERVER_MODULE = "harness.rank.warm"
 KEYED_PREFIXES = ("MLX_", "PYTHON", "LD_", "OPENBLAS_", "OMP_", "HF_", "TRANSFORMERS_", "TOKENIZERS_")
+SERVER_START_S = 30.0  # the longest a launch waits for its server's imports
 UNKEYED = ("MLX_DDP_HARNESS_", "MLX_RANK", "MLX_HOSTFILE", "MLX_WORLD_SIZE")  # per run: read after the fork
 
 
@@ -44,7 +47,8 @@ def warm_dir() -> Path | None:
     return Path(value)
 
 
-def key_of(job: dict[str, Any], env: dict[str, str]) -> str:
+def key_of(job: dict[str, Any], env: dict[str, str]) -> tuple[str, dict[str, Any]]:
+    """The server a rank of ``job`` started with ``env`` forks from: its name, and what it holds."""
     trainer = job.get("trainer") or {}
     what = {
         "kind": job.get("kind"),
@@ -55,7 +59,7 @@ def key_of(job: dict[str, Any], env: dict[str, str]) -> str:
         "env": {k: v for k, v in sorted(env.items())
                 if k.startswith(KEYED_PREFIXES) and not k.startswith(UNKEYED)},
     }
-    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16], what
 
 
 def _held(lock: Path) -> bool:
@@ -73,11 +77,11 @@ def _held(lock: Path) -> bool:
     return False
 
 
-def _start_server(directory: Path, key: str, job_file: Path, env: dict[str, str]) -> None:
-    job_copy = directory / f"{key}.job.json"
-    tmp = directory / f"{key}.job.json.tmp{os.getpid()}"
-    tmp.write_bytes(job_file.read_bytes())
-    os.replace(tmp, job_copy)
+def _start_server(directory: Path, key: str, job_file: Path, env: dict[str, str], what: dict[str, Any]) -> None:
+    for name, data in ((f"{key}.job.json", job_file.read_bytes()), (f"{key}.key.json", json.dumps(what).encode())):
+        tmp = directory / f"{name}.tmp{os.getpid()}"
+        tmp.write_bytes(data)
+        os.replace(tmp, directory / name)
     server_env = {**env, "TMPDIR": env.get("MLX_DDP_HARNESS_TMPDIR", "/tmp")}
     with open(directory / f"{key}.log", "ab") as log:
         subprocess.run([sys.executable, "-m", SERVER_MODULE, str(directory), key], env=server_env, cwd=directory,
@@ -94,14 +98,29 @@ def rank_argv(run_dir: Path, env: dict[str, str]) -> list[str] | None:
     try:
         directory.mkdir(parents=True, exist_ok=True)
         job_file = run_dir / schema.JOB_FILE
-        key = key_of(json.loads(job_file.read_text()), env)
-        if (directory / f"{key}.refused").exists():  # its imports start a thread: no fork is safe
+        key, what = key_of(json.loads(job_file.read_text()), env)
+        if not _held(directory / f"{key}.lock") and not (directory / f"{key}.refused").exists():
+            _start_server(directory, key, job_file, env, what)
+        if not _serving(directory, key):
             return None
-        if not _held(directory / f"{key}.lock"):
-            _start_server(directory, key, job_file, env)
     except (OSError, ValueError, subprocess.SubprocessError):
         return None
     return ["-I", "-S", str(CLIENT), str(directory / f"{key}.sock")]
+
+
+def _serving(directory: Path, key: str) -> bool:
+    """Wait for the key's server to finish its imports (so a first launch does not import them
+    twice, in the server and in cold ranks): whether it serves."""
+    deadline = time.monotonic() + SERVER_START_S
+    while time.monotonic() < deadline:
+        if (directory / f"{key}.refused").exists():  # its imports start a thread: no fork is safe
+            return False
+        if (directory / f"{key}.sock").exists():
+            return True
+        if not _held(directory / f"{key}.lock"):  # it ended without serving
+            return False
+        time.sleep(0.02)
+    return False
 
 
 def shell_words(argv: list[str]) -> str:

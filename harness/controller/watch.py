@@ -25,7 +25,6 @@ from harness.controller.memory_guard import MB, MemoryLimits, RankMemory
 from harness.controller.outcome import WatchReport
 from harness.controller.progress import EventTail, ProgressFeed
 from harness.controller.rank_budget import NeighbourMeter
-from harness.controller.rank_processes import alive
 from harness.controller.warm_ranks import rank_cpu_s
 
 POLL_S = 0.1
@@ -131,14 +130,18 @@ def kill_group(launch: Launch, pids: dict[int, int] | None = None, timeout: floa
         os.killpg(launch.pgid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-    warm: dict[int, int] = {}
+    warm: list[int] = []  # each warm rank leads a process group of its own (its children: a trainer's)
     if launch.warm:
         if pids is None:
             seen = RankEvents(launch)
             seen.read()
             pids = seen.pids
-        warm = pids
-        launch.ranks.signal(warm, "SIGKILL")
+        warm = list(pids.values())
+        for pid in warm:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
     try:
         launch.proc.wait(timeout=timeout)
     except Exception:
@@ -146,7 +149,7 @@ def kill_group(launch: Launch, pids: dict[int, int] | None = None, timeout: floa
     remote_left = launch.ranks.finish()
     deadline = time.monotonic() + timeout
     while True:
-        left: list[int | str] = [*group_members(launch.pgid), *(p for p in warm.values() if alive(p))]
+        left: list[int | str] = [p for g in (launch.pgid, *warm) for p in group_members(g)]
         if not left or time.monotonic() > deadline:
             return left + remote_left
         time.sleep(POLL_S)
@@ -158,9 +161,10 @@ def watch(launch: Launch, wall_s: float, no_progress_s: float, meter: CpuMeter,
     """Block until the run ends or a limit fires; always leaves the process group empty. ``meter``
     (started before the launch) measures the CPUs meanwhile, ``neighbours`` the other launches;
     ``feed`` is told of each poll; ``memory``: the hard limits enforced meanwhile (the machine's
-    share alone when ``None``)."""
-    t0 = time.monotonic()
-    last_mark, last_progress = _progress_mark(launch), t0
+    share alone when ``None``). The run's wall time, and its limit, count from the meter's start:
+    the launch itself (and a warm-start server's imports it waited for) is part of the run."""
+    t0 = meter.t0
+    last_mark, last_progress = _progress_mark(launch), time.monotonic()
     failed_since: float | None = None
     gone_since: float | None = None
     seen = RankEvents(launch)

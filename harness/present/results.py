@@ -78,6 +78,7 @@ def run_summary(run: RunOutcome, planned: PlannedRun, ref: RunOutcome | None) ->
         "backend": run.backend or "none",
         "backend_reason": run.backend_reason,
         "ring_yield": run.ring_yield,
+        "warm_start": run.warm_start,
         "device": run.device,
         "device_reason": run.device_reason,
         "ok": run.ok,

@@ -23,6 +23,8 @@ def table(rows: list[list[Any]], headers: list[str], fmt: str = "plain") -> str:
 
 
 MB = 1024 * 1024
+WARM_NOTE = ("its ranks forked from a warm-start server (MLX_DDP_HARNESS_WARM_RANKS), so its start-up "
+             "figures hold none of their imports")
 
 PARITY_HEADERS = [
     "Model / seq", "Run", "World size", "Per-rank batch", "Runtime", "Post-step-1 median tok/s", "Avg loss",
@@ -362,6 +364,7 @@ def scenario_text(scenario: dict[str, Any], fmt: str = "plain") -> str:
                 if r.get("backend_reason")]
     backends += [f"run {r['name']} on {r['backend']}: {r['ring_yield']}" for r in scenario["runs"]
                  if r.get("ring_yield")]
+    backends += [f"run {r['name']}: {WARM_NOTE}" for r in scenario["runs"] if r.get("warm_start")]
     if backends:
         parts.append("\n".join(backends))
     if device_notes(scenario):

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-IDLE_S = 60.0  # a server with no rank and no request this long exits
+IDLE_S = 600.0  # a server with no rank and no request this long exits (a test session ends its own)
 HEADER = struct.Struct("!I")  # the request's length, sent with the three file descriptors
 PR_SET_PDEATHSIG = 1
 
@@ -210,6 +210,7 @@ def become_rank(req: dict[str, Any], fds: list[int]) -> int:
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() == 1:  # the server died before the line above
         return 1
+    os.setpgid(0, 0)  # its own process group, as a launch's is: the controller kills it whole
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
