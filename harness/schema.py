@@ -87,6 +87,13 @@ def warm_rusage_path(run_dir: Path | str, rank: int) -> Path:
     return Path(run_dir) / f"rank{rank}.warm.json"
 
 
+def warm_server_path(directory: Path | str, key: str, what: str) -> Path:
+    """A warm-start server's file (``harness.rank.warm``, ``harness.controller.warm_ranks``):
+    ``what`` is ``sock``, ``lock`` (its pid), ``log``, ``job.json`` (what it preloads),
+    ``key.json`` (what its key holds) or ``refused`` (why it does not serve)."""
+    return Path(directory) / f"{key}.{what}"
+
+
 def params_path(run_dir: Path | str) -> Path:
     """Final parameters written by rank 0 (safetensors)."""
     return Path(run_dir) / "rank0.params.safetensors"

@@ -78,12 +78,13 @@ def _held(lock: Path) -> bool:
 
 
 def _start_server(directory: Path, key: str, job_file: Path, env: dict[str, str], what: dict[str, Any]) -> None:
-    for name, data in ((f"{key}.job.json", job_file.read_bytes()), (f"{key}.key.json", json.dumps(what).encode())):
-        tmp = directory / f"{name}.tmp{os.getpid()}"
+    for name, data in (("job.json", job_file.read_bytes()), ("key.json", json.dumps(what).encode())):
+        path = schema.warm_server_path(directory, key, name)
+        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
         tmp.write_bytes(data)
-        os.replace(tmp, directory / name)
+        os.replace(tmp, path)
     server_env = {**env, "TMPDIR": env.get("MLX_DDP_HARNESS_TMPDIR", "/tmp")}
-    with open(directory / f"{key}.log", "ab") as log:
+    with open(schema.warm_server_path(directory, key, "log"), "ab") as log:
         subprocess.run([sys.executable, "-m", SERVER_MODULE, str(directory), key], env=server_env, cwd=directory,
                        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, check=False, timeout=30)
 
@@ -99,13 +100,13 @@ def rank_argv(run_dir: Path, env: dict[str, str]) -> list[str] | None:
         directory.mkdir(parents=True, exist_ok=True)
         job_file = run_dir / schema.JOB_FILE
         key, what = key_of(json.loads(job_file.read_text()), env)
-        if not _held(directory / f"{key}.lock") and not (directory / f"{key}.refused").exists():
+        if not _held(schema.warm_server_path(directory, key, "lock")) and not _refused(directory, key):
             _start_server(directory, key, job_file, env, what)
         if not _serving(directory, key):
             return None
     except (OSError, ValueError, subprocess.SubprocessError):
         return None
-    return ["-I", "-S", str(CLIENT), str(directory / f"{key}.sock")]
+    return ["-I", "-S", str(CLIENT), str(schema.warm_server_path(directory, key, "sock"))]
 
 
 def _serving(directory: Path, key: str) -> bool:
@@ -113,14 +114,18 @@ def _serving(directory: Path, key: str) -> bool:
     twice, in the server and in cold ranks): whether it serves."""
     deadline = time.monotonic() + SERVER_START_S
     while time.monotonic() < deadline:
-        if (directory / f"{key}.refused").exists():  # its imports start a thread: no fork is safe
+        if _refused(directory, key):  # its imports start a thread: no fork is safe
             return False
-        if (directory / f"{key}.sock").exists():
+        if schema.warm_server_path(directory, key, "sock").exists():
             return True
-        if not _held(directory / f"{key}.lock"):  # it ended without serving
+        if not _held(schema.warm_server_path(directory, key, "lock")):  # it ended without serving
             return False
         time.sleep(0.02)
     return False
+
+
+def _refused(directory: Path, key: str) -> bool:
+    return schema.warm_server_path(directory, key, "refused").exists()
 
 
 def shell_words(argv: list[str]) -> str:

@@ -33,10 +33,6 @@ HEADER = struct.Struct("!I")  # the request's length, sent with the three file d
 PR_SET_PDEATHSIG = 1
 
 
-def paths(directory: Path, key: str) -> dict[str, Path]:
-    return {k: directory / f"{key}.{k}" for k in ("sock", "lock", "log", "job.json", "refused")}
-
-
 def preload(job_file: Path) -> None:
     """Import what a rank of this job imports before its first step, and nothing more: the
     libraries a rank reports as loaded (``libraries_loaded``) must be its own."""
@@ -88,12 +84,13 @@ class Server:
 
     def __init__(self, directory: Path, key: str, lock_fd: int):
         self.directory, self.key, self.lock_fd, self.pid = directory, key, lock_fd, os.getpid()
-        self.paths = paths(directory, key)
         self.ranks: dict[int, tuple[socket.socket, dict[str, Any]]] = {}  # pid -> (its client, request)
         self.watched: set[socket.socket] = set()  # clients still connected
 
     def serve(self) -> tuple[dict[str, Any], list[int]] | None:
-        sock_path = self.paths["sock"]
+        from harness.schema import warm_server_path
+
+        sock_path = warm_server_path(self.directory, self.key, "sock")
         sock_path.unlink(missing_ok=True)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(str(sock_path))
@@ -228,18 +225,19 @@ def become_rank(req: dict[str, Any], fds: list[int]) -> int:
 
 def start(directory: Path, key: str) -> int:
     """Hold the key's lock, preload, then serve; a forked rank returns from here with its code."""
-    p = paths(directory, key)
-    lock_fd = os.open(p["lock"], os.O_CREAT | os.O_RDWR, 0o600)
+    from harness.schema import warm_server_path
+
+    lock_fd = os.open(warm_server_path(directory, key, "lock"), os.O_CREAT | os.O_RDWR, 0o600)
     try:
         fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         return 0  # another server holds this key
     os.ftruncate(lock_fd, 0)
     os.write(lock_fd, str(os.getpid()).encode())
-    preload(p["job.json"])
+    preload(warm_server_path(directory, key, "job.json"))
     if threads() > 1:  # a fork keeps only the forking thread: a library started one, so no warm starts
         why = f"{threads()} threads after the imports (a fork keeps one); ranks of this key start cold"
-        p["refused"].write_text(why + "\n")
+        warm_server_path(directory, key, "refused").write_text(why + "\n")
         print(f"warm start: {why}", flush=True)
         return 0
     forked = Server(directory, key, lock_fd).serve()
