@@ -145,3 +145,42 @@ def test_a_warm_run_says_so_and_reports_only_its_own_libraries(tmp_path: Path) -
     assert all(r["startup"]["libraries_loaded"] == ["mlx_lm"] for r in s["runs"])  # the reference's: no transformers
     cold = cli("run", str(path), "--out", str(tmp_path / "cold_out"), env={WARM_VAR: ""})
     assert cold.returncode == 0 and WARM_NOTE not in cold.stdout
+
+
+PRELOADED = """
+import json, sys
+from pathlib import Path
+from harness import schema
+from harness.rank import entry, warm
+from harness.scenario import load_scenario
+from harness.scenario.plan import job_for
+
+job = job_for(load_scenario(Path(sys.argv[1])), sys.argv[2])
+if sys.argv[3] == "server":
+    path = Path(sys.argv[4])
+    schema.write_json_atomic(path, schema.stamp(job.to_json()))
+    warm.preload(path)
+else:
+    entry.load_libraries(job)
+print(json.dumps([m for m in sys.argv[5:] if m in sys.modules]))
+"""
+
+
+@pytest.mark.parametrize(("scenario", "later"), [("script_example", "jsonschema"), ("unsloth_parity", "mlx_lm.utils")])
+def test_a_server_imports_what_its_trainers_ranks_import_later_and_a_cold_rank_does_not(
+        tmp_path: Path, scenario: str, later: str) -> None:
+    """A script's rank imports jsonschema at its first protocol record, unsloth-zoo's rank 0 mlx-lm's
+    saving utilities at its final save: a warm-start server imports them beforehand (its forked
+    ranks pay for neither), a cold rank only when it gets there."""
+    from tests.conftest import REPO, needs_unsloth
+
+    if scenario.startswith("unsloth"):
+        needs_unsloth()
+    path = REPO / "scenarios" / f"{scenario}.toml"
+    found = {}
+    for side in ("server", "cold"):
+        p = subprocess.run([sys.executable, "-c", PRELOADED, str(path), "single", side, str(tmp_path / "job.json"),
+                            later], capture_output=True, text=True, timeout=120, cwd=REPO)
+        assert p.returncode == 0, p.stderr[-2000:]
+        found[side] = json.loads(p.stdout.strip().splitlines()[-1])
+    assert found == {"server": [later], "cold": []}

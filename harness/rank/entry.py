@@ -88,16 +88,27 @@ def load_libraries(job: Job) -> None:
     torch installed, transformers imports it, 0.6 GB of RSS per rank that no MLX trainer uses,
     unless the trainer ``hides`` it). A library that fails to import is left to the trainer,
     which reports it in its own words."""
+    if isinstance(job, TrainJob):
+        hide(job.trainer.hides)
+        _trainer_hook(job, "load_libraries")
+
+
+def warm_imports(job: Job) -> None:
+    """What a warm-start server (``harness.rank.warm``) imports beyond ``load_libraries``: the
+    modules the job's trainer imports later in a run (its module's ``warm_imports(scenario)``: rank
+    0's final save, the rank protocol's validator), so that its forked ranks find them imported.
+    A cold rank never calls it: its start-up figures stay those of the trainer's own imports."""
+    if isinstance(job, TrainJob):
+        _trainer_hook(job, "warm_imports")
+
+
+def _trainer_hook(job: TrainJob, name: str) -> None:
     import importlib
 
-    if not isinstance(job, TrainJob):
-        return
-    hide(job.trainer.hides)
-    module = importlib.import_module(job.trainer.module)
-    load = getattr(module, "load_libraries", None)
-    if load is not None:
+    hook = getattr(importlib.import_module(job.trainer.module), name, None)
+    if hook is not None:
         try:
-            load(job.scenario)
+            hook(job.scenario)
         except Exception:  # noqa: BLE001,S110 - reported by the trainer when it imports them itself
             pass
 

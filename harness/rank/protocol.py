@@ -18,6 +18,12 @@ from harness.schema import protocol_problem as problem
 FILES = schema.COMMAND_FILES
 
 
+def warm_imports(scenario: Any = None) -> None:
+    """What a rank imports at its trainer's first record: jsonschema, which checks each record (a
+    script's and an executable's warm-start import, ``harness.rank.entry.warm_imports``)."""
+    import jsonschema  # noqa: F401
+
+
 def protocol_dir(run_dir: Path | str, rank: int) -> Path:
     """Where rank ``rank``'s trainer reads its job and writes its records (kept under ``--out``)."""
     return Path(run_dir) / f"rank{rank}.protocol"

@@ -17,6 +17,7 @@ Only stdlib is imported at module level: the detaching parent must start fast.""
 from __future__ import annotations
 
 import fcntl
+import gc
 import json
 import os
 import select
@@ -34,8 +35,9 @@ PR_SET_PDEATHSIG = 1
 
 
 def preload(job_file: Path) -> None:
-    """Import what a rank of this job imports before its first step, and nothing more: the
-    libraries a rank reports as loaded (``libraries_loaded``) must be its own."""
+    """Import what a rank of this job imports before its first step, and the modules its trainer
+    imports later in a run (``entry.warm_imports``), and nothing more: the libraries a rank
+    reports as loaded (``libraries_loaded``) must be its own."""
     import harness.rank.entry as entry
     from harness import schema
     from harness.scenario.job import job_from_json
@@ -43,6 +45,7 @@ def preload(job_file: Path) -> None:
     job = job_from_json(schema.read_json(job_file))
     entry.load_libraries(job)  # marks the trainer's hidden packages absent first
     entry.job_runner(job)
+    entry.warm_imports(job)
 
 
 def threads() -> int:
@@ -240,6 +243,7 @@ def start(directory: Path, key: str) -> int:
         warm_server_path(directory, key, "refused").write_text(why + "\n")
         print(f"warm start: {why}", flush=True)
         return 0
+    gc.freeze()  # the imports' objects: a rank's collections (its exit's too) skip them, untouched
     forked = Server(directory, key, lock_fd).serve()
     if forked is None:
         return 0

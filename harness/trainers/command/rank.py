@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import schema
+from harness.rank import protocol
 from harness.rank.context import RankContext, ReportedFailure
 from harness.rank.device_check import current
 from harness.rank.ledger import enabled as ledger_enabled
@@ -34,6 +35,8 @@ from harness.trainers.command import TRAINER
 
 POLL_S = 0.02
 MLX_MEMORY = (CheckName.memory_mlx_per_rank_mb, CheckName.memory_mlx_total_mb)
+warm_imports = protocol.warm_imports  # what a warm-start server imports for this trainer's ranks
+
 NOT_APPLICABLE = {
     CheckName.data_share_bytes: "the harness cannot see which rows an executable keeps",
     CheckName.global_rng_untouched: "the harness cannot see an executable's random number generators",

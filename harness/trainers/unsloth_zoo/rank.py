@@ -100,6 +100,12 @@ def load_libraries(scenario: Scenario) -> None:
         import transformers.trainer_callback  # noqa: F401
 
 
+def warm_imports(scenario: Scenario) -> None:
+    """What rank 0 imports at its final save: mlx-lm's saving utilities (through them transformers'
+    tokenizer modules, about a second)."""
+    import mlx_lm.utils  # noqa: F401
+
+
 def to_item(ex: Any) -> dict[str, list[int]]:
     """A row as ``MLXTrainer`` takes it pretokenized: labels -100 where nothing is supervised."""
     ids = [int(t) for t in ex.ids]
