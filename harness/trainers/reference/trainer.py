@@ -14,7 +14,8 @@ Each optimizer step, every rank:
   5. averages gradients with ``nn.average_gradients`` (sum / N), which leaves the sum of every
      rank's token-loss gradients over T: one process's update of the same global batch;
   6. clips and applies the update; all-sums its loss sum for the logged loss, sum / T; steps 4-6
-     are evaluated once, as one graph (compiled as one call in the ``full-step`` scope);
+     are evaluated once, as one graph (compiled as one call in the ``full-step`` scope; an eager
+     step on a GPU starts its local forward once every rank built its step, ``start_forward``);
   7. on rank 0 only, runs callbacks and logs; evaluates when due (``evaluate``).
 The arithmetic of steps 4-6 (and which rows, seed and learning rate a rank uses) lives in
 ``semantics``, where a run's ``mutation`` replaces one formula with a real DDP bug.
@@ -46,7 +47,7 @@ from harness.trainers.reference.progress import Progress
 from harness.trainers.reference.rank_data import load_data
 from harness.trainers.reference.result import rank_result
 from harness.trainers.reference.semantics import Semantics, semantics
-from harness.trainers.reference.step import CompileFailed, LocalStep
+from harness.trainers.reference.step import CompileFailed, LocalStep, start_forward
 
 
 class Trainer:
@@ -122,6 +123,8 @@ class Trainer:
 
         scale = mx.array(self.semantics.scale(*tokens), dtype=mx.float32)
         loss_sum, per_shard, norm = self.local_step(step, micros, scale, fault, update)
+        if update and per_shard is not None:  # not a fused call: the local forward starts now (a GPU)
+            start_forward(loss_sum)
         loss = self.semantics.loss(loss_sum if loss_sum is not None else mx.array(0.0), *tokens)
         if per_shard is None:
             return loss, None, norm
