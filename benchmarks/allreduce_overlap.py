@@ -35,8 +35,10 @@ CONFIG = {"model_type": "qwen3", "hidden_size": 1024, "num_hidden_layers": 28, "
           "vocab_size": 512, "max_position_embeddings": 2048, "rope_theta": 10000.0, "tie_word_embeddings": True}
 
 
-def buckets_reduced(grads: Any, n: int, reverse: bool, stream: Any, mib: int) -> tuple[Any, list[Any]]:
-    """The gradients averaged over ``n`` ranks in buckets of ``mib`` MiB, and the reduced buckets."""
+def buckets_reduced(grads: Any, n: int, reverse: bool, stream: Any, mib: int,
+                    group: Any = None) -> tuple[Any, list[Any]]:
+    """The gradients averaged over ``n`` ranks (of ``group``) in buckets of ``mib`` MiB, and the
+    reduced buckets."""
     flat = tree_flatten(grads)[::-1] if reverse else tree_flatten(grads)
     groups, cur, size = [], [], 0
     for k, v in flat:
@@ -47,14 +49,15 @@ def buckets_reduced(grads: Any, n: int, reverse: bool, stream: Any, mib: int) ->
             cur, size = [], 0
     groups += [cur] if cur else []
     out, reduced = [], []
-    for group in groups:
-        big = mx.distributed.all_sum(mx.concatenate([v.reshape(-1) for _, v in group]), stream=stream) / n
+    for bucket in groups:
+        big = mx.distributed.all_sum(mx.concatenate([v.reshape(-1) for _, v in bucket]), group=group,
+                                      stream=stream) / n
         reduced.append(big)
         cuts, at = [], 0
-        for _, v in group[:-1]:
+        for _, v in bucket[:-1]:
             at += v.size
             cuts.append(at)
-        out += [(k, p.reshape(v.shape)) for (k, v), p in zip(group, mx.split(big, cuts), strict=True)]
+        out += [(k, p.reshape(v.shape)) for (k, v), p in zip(bucket, mx.split(big, cuts), strict=True)]
     return tree_unflatten(out), reduced
 
 

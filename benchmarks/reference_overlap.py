@@ -203,29 +203,10 @@ def variant_classes() -> dict[str, tuple[type, type | None]]:
 
 
 def buckets_reduced(grads: Any, n: int, reverse: bool, mib: int, group: Any = None) -> tuple[Any, list[Any]]:
-    """The gradients averaged over ``n`` ranks in buckets of ``mib`` MiB (``allreduce_overlap.py``)."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten, tree_unflatten
+    """The gradients averaged over ``n`` ranks in buckets of ``mib`` MiB (``allreduce_overlap.py``'s)."""
+    from allreduce_overlap import buckets_reduced as reduced_in_buckets
 
-    flat = tree_flatten(grads)[::-1] if reverse else tree_flatten(grads)
-    groups, cur, size = [], [], 0
-    for k, v in flat:
-        cur.append((k, v))
-        size += v.nbytes
-        if size >= mib * 2**20:
-            groups.append(cur)
-            cur, size = [], 0
-    groups += [cur] if cur else []
-    out, reduced = [], []
-    for grp in groups:
-        big = mx.distributed.all_sum(mx.concatenate([v.reshape(-1) for _, v in grp]), group=group) / n
-        reduced.append(big)
-        cuts, at = [], 0
-        for _, v in grp[:-1]:
-            at += v.size
-            cuts.append(at)
-        out += [(k, p.reshape(v.shape)) for (k, v), p in zip(grp, mx.split(big, cuts), strict=True)]
-    return tree_unflatten(out), reduced
+    return reduced_in_buckets(grads, n, reverse, None, mib, group)
 
 
 # -- the process, as a rank of the harness sets it up ---------------------------------------------
