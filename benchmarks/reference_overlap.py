@@ -39,7 +39,8 @@ running (``--bare-process``: neither). Variants:
 - ``fwd``: the reference with the local forward (the token-loss sum) handed to ``mx.async_eval``
   once every rank agreed that it built its step, on a GPU (``Proposed.start``): what the
   reference now does itself (``start_forward`` in ``harness/trainers/reference/step.py``);
-- ``new``: ``sched`` and ``fwd`` together.
+- ``new``: ``sched`` and ``fwd`` together;
+- ``nofwd``: the reference's step as it was before ``start_forward``.
 
 What was seen on two H100s (MLX 0.32.4, ``MLX_DISABLE_COMPILE=1``, TF32 at MLX's default): the
 reference's own pieces (both agreements, the loss's all-sum, the batch's arrays, the ledger, the
@@ -52,9 +53,9 @@ it, and that backend records the NCCL all-reduce into the compute stream's graph
 running the all-reduce beside the backward. ``--pin`` (each rank on its own half of the cores)
 was no faster.
 
-The figures above (and in docs/gpu.md) were taken before ``start_forward`` landed: since then
-``ref`` (and ``--harness``'s runs "as they are") start their forward as ``fwd`` does. To compare
-with the step before it, run this script from a checkout of the revision before that change.
+The figures above (and in docs/gpu.md) were taken before ``start_forward`` landed, ``ref`` then
+being today's ``nofwd``: since then ``ref`` (and ``--harness``'s runs "as they are") start their
+forward as ``fwd`` does, and ``--proposed nofwd`` (the default) runs the step before it beside.
 
 ``--check`` trains ``ref`` and every other reference variant 3 steps each from the same
 parameters and a fresh optimizer, and compares the parameters, the optimizer state and the logged
@@ -62,7 +63,7 @@ losses with ``ref``'s, bit for bit.
 
 ``--harness R``: the eager reference runs of ``step_vs_mlx_lm.py`` (``ws1_eager``, ``ws2_eager``,
 launched by the harness under ``MLX_DISABLE_COMPILE=1``), as they are and with a proposal
-(``--proposed``: some of ``new``, ``sched``, ``fwd``) installed in every rank (through a
+(``--proposed``: some of ``new``, ``sched``, ``fwd``, ``nofwd``) installed in every rank (through a
 ``sitecustomize`` on the ranks' ``PYTHONPATH``; ``installed`` counts the processes it patched),
 alternating, ``R`` times; prints each run's post-step-1 median tok/s and phases, and each
 repeat's scaling.
@@ -141,7 +142,10 @@ def proposals() -> dict[str, type]:
     class FwdOnly(Proposed):
         schedule = staticmethod(lambda grads: None)
 
-    return {"new": Proposed, "sched": SchedOnly, "fwd": FwdOnly}
+    class NoForward(FwdOnly):  # the reference's step before it started its forward
+        start = staticmethod(lambda loss_sum: None)
+
+    return {"new": Proposed, "sched": SchedOnly, "fwd": FwdOnly, "nofwd": NoForward}
 
 
 def install(name: str = "new") -> None:
@@ -189,7 +193,8 @@ def variant_classes() -> dict[str, tuple[type, type | None]]:
     return {"ref": (Trainer, None), "ref-agree": (NoStepAgree, None), "ref-loss": (Trainer, LocalLoss),
             "ref-ledger": (Trainer, None), "ref-sampler": (Trainer, None), "ref-arrays": (Trainer, None),
             "ref-noagree": (NoStepAgree, None), "sched64": (Trainer, Rev64),
-            "sched": (proposed["sched"], None), "fwd": (proposed["fwd"], None), "new": (proposed["new"], None)}
+            "sched": (proposed["sched"], None), "fwd": (proposed["fwd"], None), "new": (proposed["new"], None),
+            "nofwd": (proposed["nofwd"], None)}
 
 
 def buckets_reduced(grads: Any, n: int, reverse: bool, mib: int, group: Any = None) -> tuple[Any, list[Any]]:
@@ -603,7 +608,7 @@ def main() -> None:
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--device", choices=("gpu", "cpu"), default=None)
     ap.add_argument("--harness", type=int, default=0, metavar="R")
-    ap.add_argument("--proposed", default="fwd", help="with --harness: the proposals run beside the reference as is")
+    ap.add_argument("--proposed", default="nofwd", help="with --harness: the proposals run beside the reference as is")
     ap.add_argument("--backend", default=None)
     ap.add_argument("--pin", action="store_true", help="pin each rank to its own physical cores (pin_rank)")
     args = ap.parse_args()

@@ -12,8 +12,9 @@ Event kinds written by ranks:
   ``phase``  name (heartbeat between steps: "model", "data", "train", "save", ...)
   ``step``   step, loss, tokens_global, tokens_local, rows_local, step_time_s,
              mlx_peak_bytes, rss_bytes, [digest], [fetch_s, build_s, eval_s: the step's time
-             fetching its batch, building its lazy graph and evaluating it, where a trainer
-             times them], [rss_baseline ("end of step N"),
+             fetching its batch, building its lazy graph (the reference's on CUDA: with its
+             forward's evaluation started) and evaluating it, where a trainer times them],
+             [rss_baseline ("end of step N"),
              rss_baseline_bytes: at the step that set a CUDA rank's baseline]
   ``memory`` rank, mlx_active_bytes, mlx_peak_bytes, rss_bytes (sampled while the rank runs,
              written when a figure rose: ``harness.rank.memory``)

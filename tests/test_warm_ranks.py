@@ -148,7 +148,7 @@ def test_a_warm_run_says_so_and_reports_only_its_own_libraries(tmp_path: Path) -
 
 
 PRELOADED = """
-import json, sys
+import json, os, sys
 from pathlib import Path
 from harness import schema
 from harness.rank import entry, warm
@@ -160,6 +160,8 @@ if sys.argv[3] == "server":
     path = Path(sys.argv[4])
     schema.write_json_atomic(path, schema.stamp(job.to_json()))
     warm.preload(path)
+    if os.environ.get("LD_PRELOAD"):  # the harness's BLAS, one thread: a server here serves (else none does)
+        assert warm.threads() == 1, f"{warm.threads()} threads after the preload: the server would refuse"
 else:
     entry.load_libraries(job)
 print(json.dumps([m for m in sys.argv[5:] if m in sys.modules]))
@@ -178,9 +180,10 @@ def test_a_server_imports_what_its_trainers_ranks_import_later_and_a_cold_rank_d
         needs_unsloth()
     path = REPO / "scenarios" / f"{scenario}.toml"
     found = {}
-    for side in ("server", "cold"):
+    (tmp_path / "tmp").mkdir()
+    for side in ("server", "cold"):  # in a rank's environment, as a server starts
         p = subprocess.run([sys.executable, "-c", PRELOADED, str(path), "single", side, str(tmp_path / "job.json"),
-                            later], capture_output=True, text=True, timeout=120, cwd=REPO)
+                            later], capture_output=True, text=True, timeout=120, cwd=REPO, env=_rank_env(tmp_path))
         assert p.returncode == 0, p.stderr[-2000:]
         found[side] = json.loads(p.stdout.strip().splitlines()[-1])
     assert found == {"server": [later], "cold": []}

@@ -18,9 +18,10 @@ from harness.schema import protocol_problem as problem
 FILES = schema.COMMAND_FILES
 
 
-def warm_imports(scenario: Any = None) -> None:
-    """What a rank imports at its trainer's first record: jsonschema, which checks each record (a
-    script's and an executable's warm-start import, ``harness.rank.entry.warm_imports``)."""
+def warm_imports(scenario: Any) -> None:
+    """What a rank imports when it checks its first protocol record (an executable's job, a
+    script's first event): jsonschema (a warm-start server's import for the script and command
+    trainers, ``harness.rank.entry.warm_imports``)."""
     import jsonschema  # noqa: F401
 
 

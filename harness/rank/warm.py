@@ -36,8 +36,9 @@ PR_SET_PDEATHSIG = 1
 
 def preload(job_file: Path) -> None:
     """Import what a rank of this job imports before its first step, and the modules its trainer
-    imports later in a run (``entry.warm_imports``), and nothing more: the libraries a rank
-    reports as loaded (``libraries_loaded``) must be its own."""
+    imports later in a run (``entry.warm_imports``: some only on rank 0, within libraries every
+    rank has loaded), and no library more: the libraries a rank reports as loaded
+    (``libraries_loaded``) must be its own."""
     import harness.rank.entry as entry
     from harness import schema
     from harness.scenario.job import job_from_json

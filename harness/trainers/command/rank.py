@@ -23,11 +23,11 @@ from pathlib import Path
 from typing import Any
 
 from harness import schema
-from harness.rank import protocol
 from harness.rank.context import RankContext, ReportedFailure
 from harness.rank.device_check import current
 from harness.rank.ledger import enabled as ledger_enabled
 from harness.rank.protocol import open_protocol, problem, read_outcome
+from harness.rank.protocol import warm_imports as warm_imports  # a warm-start server's hook
 from harness.rank.reporter import StepReporter
 from harness.scenario import Scenario
 from harness.scenario.checks import STEP_LOCAL, CheckName
@@ -35,8 +35,6 @@ from harness.trainers.command import TRAINER
 
 POLL_S = 0.02
 MLX_MEMORY = (CheckName.memory_mlx_per_rank_mb, CheckName.memory_mlx_total_mb)
-warm_imports = protocol.warm_imports  # what a warm-start server imports for this trainer's ranks
-
 NOT_APPLICABLE = {
     CheckName.data_share_bytes: "the harness cannot see which rows an executable keeps",
     CheckName.global_rng_untouched: "the harness cannot see an executable's random number generators",

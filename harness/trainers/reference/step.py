@@ -97,15 +97,15 @@ def norm_function() -> Any:
 
 
 def start_forward(loss_sum: Any) -> None:
-    """On a GPU, start evaluating an eager step's local forward (its token-loss sum) once every
-    rank agreed that it built its step: the GPU computes the forward while the host builds the
-    all-reduce and the update (MLX's CUDA backend computes nothing of a lazy graph before it is
-    evaluated, and the host builds an eager step for 20-35 ms). The forward holds no
+    """On a CUDA GPU, start evaluating an eager step's local forward (its token-loss sum) once
+    every rank agreed that it built its step: the GPU computes the forward while the host builds
+    the all-reduce and the update (MLX's CUDA backend computes nothing of a lazy graph before it
+    is evaluated, and the host builds an eager step for 20-35 ms). The forward holds no
     collective, so no peer can be left waiting in one, and no value changes: it is the same graph,
-    evaluated sooner."""
+    evaluated sooner. Not on Metal, where it is unmeasured, nor on the CPU."""
     import mlx.core as mx
 
-    if mx.default_device() == mx.gpu:
+    if mx.default_device() == mx.gpu and mx.cuda.is_available():
         mx.async_eval(loss_sum)
 
 

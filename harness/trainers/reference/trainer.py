@@ -15,7 +15,7 @@ Each optimizer step, every rank:
      rank's token-loss gradients over T: one process's update of the same global batch;
   6. clips and applies the update; all-sums its loss sum for the logged loss, sum / T; steps 4-6
      are evaluated once, as one graph (compiled as one call in the ``full-step`` scope; an eager
-     step on a GPU starts its local forward once every rank built its step, ``start_forward``);
+     step on a CUDA GPU starts its local forward once every rank built its step, ``start_forward``);
   7. on rank 0 only, runs callbacks and logs; evaluates when due (``evaluate``).
 The arithmetic of steps 4-6 (and which rows, seed and learning rate a rank uses) lives in
 ``semantics``, where a run's ``mutation`` replaces one formula with a real DDP bug.
@@ -123,8 +123,11 @@ class Trainer:
 
         scale = mx.array(self.semantics.scale(*tokens), dtype=mx.float32)
         loss_sum, per_shard, norm = self.local_step(step, micros, scale, fault, update)
-        if update and per_shard is not None:  # not a fused call: the local forward starts now (a GPU)
-            start_forward(loss_sum)
+        if update and per_shard is not None:  # not a fused call: the local forward starts now (CUDA)
+            try:  # its evaluation has begun: an error in it is this rank's, as in train_step's eval
+                start_forward(loss_sum)
+            except Exception as e:
+                raise self._eval_failed(step, e) from e
         loss = self.semantics.loss(loss_sum if loss_sum is not None else mx.array(0.0), *tokens)
         if per_shard is None:
             return loss, None, norm
@@ -183,12 +186,14 @@ class Trainer:
         try:  # every rank built the same collectives; an error here is this rank's alone
             mx.eval(self.model.state, self.optimizer.state, loss, norm, unapplied)
         except Exception as e:
-            raise RankFailure(f"rank {self.ctx.rank} failed while evaluating step {step}: "
-                              f"{type(e).__name__}: {e}") from e
+            raise self._eval_failed(step, e) from e
         self.step_phases.update(build_s=t1 - t0, eval_s=time.perf_counter() - t1)
         if self.spec.grad_norms == "off" and self.spec.max_grad_norm == 0:
             return float(loss.item()), None  # not recorded (``TrainSpec.grad_norms``)
         return float(loss.item()), float(norm.item()) if norm is not None else float("nan")
+
+    def _eval_failed(self, step: int, e: Exception) -> RankFailure:
+        return RankFailure(f"rank {self.ctx.rank} failed while evaluating step {step}: {type(e).__name__}: {e}")
 
     def _update(self, step: int, grads: Any) -> Any:
         self.ctx.maybe_fault("update", step)

@@ -15,17 +15,16 @@ from pathlib import Path
 from typing import Any
 
 from harness import schema
-from harness.rank import protocol, script_session
+from harness.rank import script_session
 from harness.rank.context import RankContext, ReportedFailure
 from harness.rank.protocol import FILES, Writer, open_protocol, read_outcome
+from harness.rank.protocol import warm_imports as warm_imports  # a warm-start server's hook
 from harness.rank.reporter import StepReporter
 from harness.scenario.checks import STEP_LOCAL, CheckName
 from harness.trainers.script import TRAINER
 
 NOT_PROBED = ("the script hands over no loss-and-gradient function (harness.api: run.probe(step, model, fn, "
               "batch) before each update)")
-warm_imports = protocol.warm_imports  # what a warm-start server imports for this trainer's ranks
-
 NOT_APPLICABLE = {
     CheckName.data_share_bytes: "the harness cannot see which rows a script holds",
 }

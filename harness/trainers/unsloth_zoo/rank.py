@@ -103,7 +103,8 @@ def load_libraries(scenario: Scenario) -> None:
 def warm_imports(scenario: Scenario) -> None:
     """What rank 0 imports at its final save: mlx-lm's saving utilities (through them transformers'
     tokenizer modules, about a second)."""
-    import mlx_lm.utils  # noqa: F401
+    if available() is None:
+        import mlx_lm.utils  # noqa: F401
 
 
 def to_item(ex: Any) -> dict[str, list[int]]:
