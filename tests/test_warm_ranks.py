@@ -168,17 +168,19 @@ print(json.dumps([m for m in sys.argv[5:] if m in sys.modules]))
 """
 
 
-@pytest.mark.parametrize(("scenario", "later"), [("script_example", "jsonschema"), ("unsloth_parity", "mlx_lm.utils")])
+@pytest.mark.parametrize(("scenario", "later"), [("scenarios/script_example.toml", "jsonschema"),
+                                                ("examples/cpp_worker/cpp_worker.toml", "jsonschema"),
+                                                ("scenarios/unsloth_parity.toml", "mlx_lm.utils")])
 def test_a_server_imports_what_its_trainers_ranks_import_later_and_a_cold_rank_does_not(
         tmp_path: Path, scenario: str, later: str) -> None:
-    """A script's rank imports jsonschema at its first protocol record, unsloth-zoo's rank 0 mlx-lm's
-    saving utilities at its final save: a warm-start server imports them beforehand (its forked
-    ranks pay for neither), a cold rank only when it gets there."""
+    """A script's or an executable's rank imports jsonschema when it checks its first protocol
+    record, unsloth-zoo's rank 0 mlx-lm's saving utilities at its final save: a warm-start server
+    imports them beforehand (its forked ranks pay for neither), a cold rank only when it gets there."""
     from tests.conftest import REPO, needs_unsloth
 
-    if scenario.startswith("unsloth"):
+    if "unsloth" in scenario:
         needs_unsloth()
-    path = REPO / "scenarios" / f"{scenario}.toml"
+    path = REPO / scenario
     found = {}
     (tmp_path / "tmp").mkdir()
     for side in ("server", "cold"):  # in a rank's environment, as a server starts
