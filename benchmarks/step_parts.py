@@ -15,7 +15,10 @@ and the outputs, then the loss read back), median after 2 untimed steps. Variant
   snapshot of the state a peer's failure would restore), a new batch each step;
 - ``reference, no snapshot`` and ``reference, tree_map snapshot`` (how it snapshotted before);
 - ``reference, bf16 logits``: its loss without the float32 cast of the logits;
-- both again with a thread sampling memory every 20 ms, as each rank's ``MemorySampler`` does.
+- both again with a thread sampling memory every 20 ms, as each rank's ``MemorySampler`` does;
+- ``anchor`` and ``reference`` on byte-tokenized rows of the generated text (what the reference
+  trains in ``step_vs_mlx_lm.py``) instead of uniform random ids, then ``anchor`` on the random
+  ids again: on a CUDA GPU the step's time depends on the tokens.
 
 usage: python benchmarks/step_parts.py [--model tiny|cpu3m|gpu044b] [--steps N]
 """
@@ -52,6 +55,19 @@ def timed(name: str, steps: int, build: Callable[[], Any], evaluate: Callable[[A
     return [name, *(f"{m:.2f}" for m in med)]
 
 
+def text_rows(rows: int, length: int) -> Any:
+    """``rows`` rows of the generated text corpus, byte-tokenized, ``length`` tokens each (the rows
+    ``step_vs_mlx_lm.py``'s scenario trains)."""
+    import numpy as np
+
+    from harness.data.sources import generated_text
+    from harness.data.tokenizers import ByteTokenizer
+
+    rng, tok = np.random.default_rng([5, 0]), ByteTokenizer()
+    return np.array([tok.encode(generated_text(rng, 2 * length, 2 * length))[:length] for _ in range(rows)],
+                    dtype=np.int32)
+
+
 class Parts:
     def __init__(self, model: str, steps: int):
         import numpy as np
@@ -63,7 +79,9 @@ class Parts:
         self.spec = TrainSpec(steps=steps, global_batch=self.rows, learning_rate=1e-4, compile="best_effort",
                               grad_norms="off")
         self.model_spec = ModelSpec(arch="qwen3", dtype=self.dtype, config=self.config)
-        self.tokens = np.random.default_rng(0).integers(0, 259, size=(self.rows, self.seq + 1), dtype=np.int32)
+        self.random = np.random.default_rng(0).integers(0, 259, size=(self.rows, self.seq + 1), dtype=np.int32)
+        self.text = text_rows(self.rows, self.seq + 1)
+        self.tokens = self.random
 
     def fresh(self) -> tuple[Any, Any]:
         import mlx.core as mx
@@ -74,6 +92,11 @@ class Parts:
         model, _ = build_model(self.model_spec, 259, 5)
         mx.eval(model.parameters())
         return model, build_optimizer(self.spec)
+
+    def on(self, tokens: str) -> Parts:
+        """The variants after this train ``tokens``: ``random`` ids or byte-tokenized ``text``."""
+        self.tokens = self.text if tokens == "text" else self.random
+        return self
 
     def anchor(self, name: str, new_batch: bool, made: str = "in build") -> list[Any]:
         import mlx.core as mx
@@ -188,6 +211,10 @@ def main() -> None:
             p.reference("reference, bf16 logits", f32_logits=False)]
     with Sampling():
         rows += [p.anchor("anchor, new batch, sampled", True), p.reference("reference, sampled")]
+    p.on("text")
+    rows += [p.anchor("anchor, text rows", False), p.reference("reference, text rows")]
+    p.on("random")
+    rows += [p.anchor("anchor, random ids again", False)]
     print(f"{a.model}: {p.rows} x {p.seq} inputs, {p.dtype}, one process on {mx.default_device()}, median of steps "
           f"3-{p.steps}")
     print(tabulate(rows, headers=["step", "build ms", "eval ms", "step ms"]))

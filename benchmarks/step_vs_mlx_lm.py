@@ -10,7 +10,8 @@ every token a target):
   its compiled step and its all-reduce, on the same rows; ``max_seq_length`` = ``max_seq_len``
   clamps its padded width, so it trains the same inputs per row;
 - mlx-lm's step alone (``harness.rank.anchor``: ``default_loss``, ``nn.average_gradients`` and the
-  update in a plain loop, compiled together when compiling, on random tokens of the same shape).
+  update in a plain loop, compiled together when compiling, on the same rows, tokenized before
+  the timed steps; on a CUDA GPU a step's time depends on the tokens it trains).
 mlx-lm's ``train`` always compiles its step: the eager rows launch every rank of all three with
 ``MLX_DISABLE_COMPILE=1`` (nothing compiles, mlx-lm's activations included), which the step loop's
 rank confirms. It prints post-step-1 median tok/s, the ratio reference / mlx-lm trainer, the

@@ -12,6 +12,7 @@ import pytest
 from harness.controller.run_job import execute
 from harness.scenario import load_scenario
 from harness.scenario.job import AnchorJob
+from harness.scenario.plan import job_for
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.ranks
@@ -31,11 +32,17 @@ def test_the_anchor_trains_mlx_lm_steps_on_every_rank(tmp_path) -> None:  # noqa
     assert out.ok, out.failure
     for o in out.ranks:
         r = o.result
-        assert r["tokens_global_per_step"] == 16 * 160 and r["compile"] is True  # 2 ranks x 8 rows x 160 targets
+        assert r["tokens_global_per_step"] == [16 * 160] * 4 and r["compile"] is True  # 2 ranks x 8 rows x 160 targets
         assert r["input_widths"] == [160] * 4 and r["mlx_compile"] is True  # rows of max_seq_len = 161 tokens
         assert len(r["tok_s_global"]) == 4 and all(v > 0 for v in r["tok_s_global"])
     losses = [[e["loss"] for e in o.events if e.get("kind") == "step"] for o in out.ranks]
     assert losses[0] != losses[1] and all(math.isfinite(x) for row in losses for x in row)  # each rank its own rows
+    # It trains the rows the reference trains: the reference starts from the same weights on the same
+    # global batch, so its step-1 loss is the mean of the two ranks' (every row has 160 targets).
+    ref = execute("ws2_eager", job_for(s, "ws2_eager"), 2, backend=s.run("ws2_eager").backend)
+    assert ref.ok, ref.failure
+    first = ref.result(0)["losses"][0]
+    assert abs(first - (losses[0][0] + losses[1][0]) / 2) <= 1e-5 * first, (first, losses[0][0], losses[1][0])
 
 
 def test_the_side_by_side_benchmark_prints_the_three() -> None:
@@ -60,7 +67,7 @@ def test_the_side_by_side_benchmark_prints_the_three() -> None:
     for r in phases:
         fetch, build, evaluate, step = map(float, r[3:7])
         assert build > 0 and evaluate > 0 and step >= max(fetch, build, evaluate)  # each step holds its parts
-        assert (fetch == 0) == (r[2] == "step")  # the loop fetches nothing: its batch is drawn once
+        assert (fetch == 0) == (r[2] == "step")  # the loop fetches nothing: its batches are made before its steps
     # the all-reduce alone beside the 2-rank step: world size, MiB, all-reduce ms, step ms at 1 and 2, extra, share
     at = next(i for i, line in enumerate(lines) if "all-reduce ms (alone)" in line)
     (reduce,) = [line.split() for line in lines[at + 2 :]]

@@ -1,11 +1,14 @@
-"""The speed anchor: mlx-lm's own training step in a plain loop, on random tokens.
+"""The speed anchor: mlx-lm's own training step in a plain loop, on the scenario's rows.
 
 The step has the shape of ``mlx_lm.tuner.trainer.train``'s: its ``default_loss`` (the mean
 token loss of the micro-batch), ``nn.average_gradients`` across the ranks and the optimizer's
 update, compiled together over the model's and optimizer's state when the scenario compiles.
-There is no data pipeline, evaluation or bookkeeping: every rank draws rows of ``max_seq_len``
-random token ids (its own, from the scenario seed; ``max_seq_len - 1`` inputs each, the
-``input_widths`` it reports), so the figure is the step alone. Benchmarks time it beside the
+There is no data pipeline, evaluation or bookkeeping: the scenario's train rows are tokenized
+once, before the timed steps, into one batch per global batch (``row_batches``), so the figure is
+the step alone. It trains the rows the reference trainer trains, not random token ids: on a CUDA
+GPU the step's time depends on the tokens (a byte-tokenized text step of qwen3 0.44B evaluated
+3-4 ms longer than one of uniform random ids), so a bare step on other tokens is not the same
+work. Benchmarks time it beside the
 reference trainer and mlx-lm's own trainer on the same model, dtype, per-rank batch and world
 size. ``mlx_compile`` in its result says whether MLX compiles in the rank at all (not under
 ``MLX_DISABLE_COMPILE``).
@@ -22,16 +25,43 @@ from typing import Any
 from harness.rank.context import RankContext
 
 
-def _model(ctx: RankContext) -> tuple[Any, Any, int]:
-    """The scenario, its model (built as the reference trainer builds it) and the vocabulary size."""
+def _model(ctx: RankContext) -> tuple[Any, Any, Any]:
+    """The scenario, its model (built as the reference trainer builds it) and its tokenizer."""
     from harness.data.tokenizers import load_tokenizer
     from harness.rank.models import build_model
 
     s = ctx.job.scenario
     ctx.phase("model")
-    vocab = load_tokenizer(s.data).vocab_size
-    model, _ = build_model(s.model, vocab, s.seed)
-    return s, model, vocab
+    tok = load_tokenizer(s.data)
+    model, _ = build_model(s.model, tok.vocab_size, s.seed)
+    return s, model, tok
+
+
+def row_batches(s: Any, tok: Any, rank: int, world_size: int) -> list[tuple[Any, Any, int]]:
+    """The scenario's train rows as mlx-lm's step takes them: per global batch of the rows in
+    their source order (wrapping around at the end), this rank's rows, strided as the reference
+    trainer shares a global batch (rank r: positions r, r + N, ...), as (token ids padded with
+    the pad id to ``max_seq_len``, each row's ``[1, tokens - 1]`` lengths: every target counts,
+    the global batch's targets on all ranks)."""
+    import numpy as np
+
+    from harness.data.sources import Encoder, row_source
+
+    encode = Encoder(tok, s.data)
+    ids = [encode(where, row).ids for where, row in row_source(s.data, s.seed, "train")()]
+    if not ids:
+        raise ValueError("the dataset has no rows")
+    g, width = s.train.global_batch, s.data.max_seq_len
+    out = []
+    for first in range(0, len(ids), g):
+        rows = [ids[(first + j) % len(ids)] for j in range(g)]
+        mine = rows[rank::world_size]
+        batch = np.full((len(mine), width), tok.pad_id, dtype=np.int32)
+        for i, row in enumerate(mine):
+            batch[i, : len(row)] = row
+        lengths = np.array([[1, len(row) - 1] for row in mine], dtype=np.int32)
+        out.append((batch, lengths, sum(len(row) - 1 for row in rows)))
+    return out
 
 
 def allreduce(ctx: RankContext) -> dict[str, Any]:
@@ -71,19 +101,16 @@ def compile_enabled() -> bool:
 def run(ctx: RankContext) -> dict[str, Any]:
     import mlx.core as mx
     import mlx.nn as nn
-    import numpy as np
     from mlx_lm.tuner.trainer import default_loss
 
     from harness.rank.models import param_count
     from harness.rank.optimizer import build_optimizer
 
-    s, model, vocab = _model(ctx)
+    s, model, tok = _model(ctx)
     t = s.train
     optimizer = build_optimizer(t)
-    rows, length = t.global_batch // ctx.world_size, s.data.max_seq_len
-    rng = np.random.default_rng([s.seed, ctx.rank])
-    batch = mx.array(rng.integers(0, vocab, size=(rows, length), dtype=np.int32))
-    lengths = mx.array([[1, length - 1]] * rows)  # every target of every row counts
+    batches = [(mx.array(b), mx.array(n), g) for b, n, g in row_batches(s, tok, ctx.rank, ctx.world_size)]
+    length = s.data.max_seq_len
     value_and_grad = nn.value_and_grad(model, default_loss)
 
     def step(batch: Any, lengths: Any) -> Any:
@@ -95,17 +122,19 @@ def run(ctx: RankContext) -> dict[str, Any]:
     if t.compile != "off":
         step = mx.compile(step, inputs=state, outputs=state)
     ctx.phase("train")
-    tok_s, times = [], []
+    tok_s, times, counts = [], [], []
     for k in range(1, t.steps + 1):
+        batch, lengths, global_tokens = batches[(k - 1) % len(batches)]
         t0 = time.perf_counter()
         loss, tokens = step(batch, lengths)
         t1 = time.perf_counter()
         mx.eval(state, loss, tokens)
         dt = time.perf_counter() - t0
         times.append(dt)
-        tok_s.append(int(tokens.item()) * ctx.world_size / dt)
+        counts.append(global_tokens)
+        tok_s.append(global_tokens / dt)
         ctx.events.emit("step", step=k, rank=ctx.rank, loss=float(loss.item()), step_time_s=dt,
                         fetch_s=0.0, build_s=t1 - t0, eval_s=t0 + dt - t1)
     return {"tok_s_global": tok_s, "step_times_s": times, "param_count": param_count(model),
-            "tokens_global_per_step": rows * (length - 1) * ctx.world_size, "compile": t.compile != "off",
+            "tokens_global_per_step": counts, "compile": t.compile != "off",
             "input_widths": [length - 1] * t.steps, "mlx_compile": compile_enabled()}
