@@ -5,10 +5,12 @@ token loss of the micro-batch), ``nn.average_gradients`` across the ranks and th
 update, compiled together over the model's and optimizer's state when the scenario compiles.
 There is no data pipeline, evaluation or bookkeeping: the scenario's train rows are tokenized
 once, before the timed steps, into one batch per global batch (``row_batches``), so the figure is
-the step alone. It trains the rows the reference trainer trains, not random token ids: on a CUDA
-GPU the step's time depends on the tokens (a byte-tokenized text step of qwen3 0.44B evaluated
-3-4 ms longer than one of uniform random ids), so a bare step on other tokens is not the same
-work. Benchmarks time it beside the
+the step alone. Its tokens are the scenario's, not random ids: on a CUDA GPU a step's time depends
+on the tokens (qwen3 0.44B evaluated its step 3 to 7 ms longer on byte-tokenized text than on
+uniform random ids). Where the scenario trains its rows in order, every token a target, in one
+micro-batch, rows filling ``max_seq_len`` (as ``benchmarks/step_vs_mlx_lm.py``'s does), these are
+the reference trainer's rows and widths; otherwise the anchor still takes its rows in order,
+counts every token as a target and pads to ``max_seq_len``. Benchmarks time it beside the
 reference trainer and mlx-lm's own trainer on the same model, dtype, per-rank batch and world
 size. ``mlx_compile`` in its result says whether MLX compiles in the rank at all (not under
 ``MLX_DISABLE_COMPILE``).
