@@ -228,6 +228,36 @@ def test_ring_ranks_that_yield_while_waiting_sum_alike_and_the_run_says_so(mode:
     assert_clean(out)
 
 
+def test_the_ring_yield_library_waits_only_where_switched_on() -> None:
+    """Preloaded, a non-blocking recv that finds nothing gives its core away (a yield, then naps
+    of up to 200 us), unless the process's environment switches it off (a rank forked from a warm
+    server that preloads it for every rank): then every call passes straight through."""
+    from harness.controller import ring_yield
+
+    if not sys.platform.startswith("linux") or ring_yield.library() is None:
+        pytest.skip("the ring yield library is built on Linux with a C compiler")
+    code = ("import socket, time\n"
+            "a, b = socket.socketpair()\n"
+            "a.setblocking(False)\n"
+            "t0 = time.perf_counter()\n"
+            "for _ in range(2000):\n"
+            "    try:\n        a.recv(4)\n    except BlockingIOError:\n        pass\n"
+            "print(time.perf_counter() - t0)\n")
+
+    def seconds(active: str | None) -> float:
+        env = {k: v for k, v in os.environ.items() if k != ring_yield.ACTIVE_VAR}
+        env["LD_PRELOAD"] = str(ring_yield.library())
+        if active is not None:
+            env[ring_yield.ACTIVE_VAR] = active
+        p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0, p.stderr
+        return float(p.stdout)
+
+    on, switched_on, off = seconds(None), seconds("1"), seconds("0")
+    assert min(on, switched_on) > 0.1, (on, switched_on)  # 2000 empty polls, most of them napping 200 us
+    assert off < min(on, switched_on) / 5, (on, switched_on, off)
+
+
 def test_the_ring_yield_library_passes_every_result_and_error_through(tmp_path: Path) -> None:
     """Preloaded, a non-blocking recv with nothing to read still fails with EAGAIN; sent bytes arrive
     unchanged; and the library is mapped into the process."""

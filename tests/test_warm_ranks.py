@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 from harness import schema
+from harness.controller import ring_yield
 from harness.controller.launch import _rank_env
 from harness.controller.rank_processes import alive
 from harness.controller.run_job import execute
@@ -79,8 +80,8 @@ def test_warm_ranks_sum_alike_are_not_the_launchers_children_and_their_cpu_is_co
     monkeypatch.setenv(WARM_VAR, str(tmp_path / "warm"))
     job = AllSumJob(value=3.0, rounds=4, pause_s=0.05)
     for ws in (1, 2):
-        execute("first", job, ws)  # starts the servers (these launches may run cold while they import)
-    wait_for(lambda: len(list((tmp_path / "warm").glob("*.sock"))) == 2)
+        execute("first", job, ws)  # starts the server (these launches may run cold while it imports)
+    wait_for(lambda: len(list((tmp_path / "warm").glob("*.sock"))) == 1)  # ring ranks yielding or not: one
     for ws in (1, 2):
         out = execute(f"warm{ws}", job, ws, keep_to=tmp_path / f"ws{ws}")
         assert out.ok, out.failure
@@ -137,12 +138,19 @@ def test_a_warm_run_says_so_and_reports_only_its_own_libraries(tmp_path: Path) -
     from tests.conftest import cli, write_scenario
 
     path = write_scenario(tmp_path, "warm", world_sizes=(1, 2), steps=2)
-    warm = cli("run", str(path), "--out", str(tmp_path / "warm_out"), env={WARM_VAR: str(tmp_path / "warm")})
+    warm = cli("run", str(path), "--out", str(tmp_path / "warm_out"),
+               env={WARM_VAR: str(tmp_path / "warm"), ring_yield.VAR: "on"})  # ddp2's ranks yield
     assert warm.returncode == 0, warm.stdout[-3000:] + warm.stderr[-2000:]
     assert f"run ddp2: {WARM_NOTE}" in warm.stdout
     (s,) = json.loads((tmp_path / "warm_out" / "result.json").read_text())["scenarios"]
     assert all(r["warm_start"] for r in s["runs"]), [(r["name"], r["warm_start"]) for r in s["runs"]]
     assert all(r["startup"]["libraries_loaded"] == ["mlx_lm"] for r in s["runs"])  # the reference's: no transformers
+    if ring_yield.library() is not None:  # one server for the one-process runs and the yielding ring run
+        assert len(list((tmp_path / "warm").glob("*.key.json"))) == 1
+        yielding = {r["name"]: [any(n.startswith("ring_yield-") for n in rk["preloaded"]) for rk in r["ranks"]]
+                    for r in s["runs"]}
+        assert yielding == {"single": [False], "ddp2": [True, True], **{n: [False] for n in yielding
+                                                                         if n not in ("single", "ddp2")}}, yielding
     cold = cli("run", str(path), "--out", str(tmp_path / "cold_out"), env={WARM_VAR: ""})
     assert cold.returncode == 0 and WARM_NOTE not in cold.stdout
 

@@ -101,6 +101,7 @@ def _rank_env(run_dir: Path) -> dict[str, str]:
     env[TMPDIR_VAR] = tempfile.gettempdir()
     env["TMPDIR"] = str(run_dir / "tmp")
     env["PYTHONUNBUFFERED"] = "1"
+    env[ring_yield.ACTIVE_VAR] = "0"  # a rank forked from a warm server has the library mapped: not yielding
     preload = blas_preload()
     if preload:
         env["LD_PRELOAD"] = os.pathsep.join(p for p in (preload, env.get("LD_PRELOAD")) if p)
@@ -143,6 +144,7 @@ def start(run_dir: Path, world_size: int, backend: str | None = None) -> Launch:
     calm = ring_yield.plan(world_size, backend)
     if calm is not None:
         env["LD_PRELOAD"] = os.pathsep.join(p for p in (str(calm.library), env.get("LD_PRELOAD")) if p)
+        env[ring_yield.ACTIVE_VAR] = "1"
     lease = lease_ports(world_size + 1)  # one port per ring rank, the last for NCCL's rendezvous
     try:
         hostfile = write_hostfile(run_dir, world_size, backend)

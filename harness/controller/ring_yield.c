@@ -6,11 +6,17 @@
  * for the first SPIN_NS of a thread's wait it yields (sched_yield, which returns at once where nothing
  * else is runnable), and after that it sleeps an eighth of the time waited so far, at most MAX_NAP_NS,
  * so a long wait stops costing CPU and a wait is lengthened by at most an eighth. Every byte and every
- * error is MLX's own. */
+ * error is MLX's own.
+ *
+ * MLX_DDP_HARNESS_RING_YIELD_ACTIVE=0 in the environment switches it off (every call passes straight
+ * through): a warm-start server preloads it for every rank it forks (a fork cannot add a preload), and
+ * each rank's environment says whether it yields. Read at each wait, so a rank forked from a server
+ * follows its own environment. Unset, it is on: a preload is a request to yield. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <errno.h>
 #include <sched.h>
+#include <stdlib.h>
 #include <sys/socket.h>
 #include <sys/types.h>
 #include <time.h>
@@ -29,9 +35,15 @@ static long long now_ns(void) {
   return (long long)t.tv_sec * 1000000000LL + t.tv_nsec;
 }
 
+static int switched_off(void) {
+  const char *v = getenv("MLX_DDP_HARNESS_RING_YIELD_ACTIVE");
+  return v && v[0] == '0' && v[1] == 0;
+}
+
 static void yield_if_waiting(ssize_t r) {
   if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
     int saved = errno;
+    if (switched_off()) return;
     long long now = now_ns();
     if (!waiting_since) waiting_since = now;
     long long waited = now - waiting_since;

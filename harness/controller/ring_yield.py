@@ -14,7 +14,9 @@ without a compiler the ranks spin as MLX has them. ``MLX_DDP_HARNESS_RING_YIELD`
 (every ring launch) or ``off``; any other value is refused. With fewer ranks than cores a polling
 thread takes a core nothing else wants, and MLX is left as it is. On a cluster each host's agent
 decides for the ranks placed on that host, with that host's cores and compiler
-(``host_agent.op_ring_yield``).
+(``host_agent.op_ring_yield``). ``ACTIVE_VAR``=0 in a rank's environment switches the library off
+in that rank: a warm-start server (``warm_ranks``) preloads it for every rank it forks, and each
+launch's ranks say whether they yield.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 VAR = "MLX_DDP_HARNESS_RING_YIELD"
+ACTIVE_VAR = "MLX_DDP_HARNESS_RING_YIELD_ACTIVE"  # read by the library (ring_yield.c) at each wait
 MODES = ("auto", "on", "off")
 SOURCE = Path(__file__).with_name("ring_yield.c")
 
@@ -103,3 +106,15 @@ def plan(ranks: int, backend: str | None, setting: str | None = None) -> RingYie
         return None
     why = f"{ranks} ranks on {n} cores" if ranks >= n else f"{VAR}=on"
     return RingYield(lib, f"its ranks yield a core while they wait on a peer ({why}; {VAR}=off to spin as MLX does)")
+
+
+def without(preload: str) -> str:
+    """An ``LD_PRELOAD`` value without this library (of any source)."""
+    return os.pathsep.join(p for p in preload.split(os.pathsep) if p and not Path(p).name.startswith("ring_yield-"))
+
+
+def with_library(preload: str) -> str:
+    """An ``LD_PRELOAD`` value with this library first, where it can be built."""
+    lib = library() if sys.platform.startswith("linux") else None
+    rest = without(preload)
+    return os.pathsep.join(p for p in (str(lib) if lib else "", rest) if p)

@@ -7,7 +7,10 @@ start-up figures of such a run do not hold the imports: the test suite uses it, 
 
 One server per key: the job's trainer, the packages it hides and its model's architecture (what
 a rank imports before its first step), and the environment that can change an import (the
-interpreter, ``LD_PRELOAD``, ``PYTHON*``, ``MLX_*``, BLAS and Hugging Face settings). A launch
+interpreter, ``LD_PRELOAD``, ``PYTHON*``, ``MLX_*``, BLAS and Hugging Face settings). Every server
+preloads the ring-yield library (``ring_yield``), switched on only in the ranks of a launch that
+yields, so that library is not in the key: a one-process launch and a ring launch that fills the
+cores, otherwise alike, share a server. A launch
 whose server is not up yet starts it and waits for its imports; a launch whose server refused
 (a library started a thread, which a fork would not keep) or does not answer runs cold.
 """
@@ -26,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import schema
+from harness.controller import ring_yield
 
 WARM_VAR = "MLX_DDP_HARNESS_WARM_RANKS"
 CLIENT = Path(__file__).resolve().parents[1] / "rank" / "warm_client.py"
@@ -56,7 +60,7 @@ def key_of(job: dict[str, Any], env: dict[str, str]) -> tuple[str, dict[str, Any
         "hides": trainer.get("hides"),
         "arch": ((job.get("scenario") or {}).get("model") or {}).get("arch"),
         "python": sys.executable,
-        "env": {k: v for k, v in sorted(env.items())
+        "env": {k: (ring_yield.without(v) if k == "LD_PRELOAD" else v) for k, v in sorted(env.items())
                 if k.startswith(KEYED_PREFIXES) and not k.startswith(UNKEYED)},
     }
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16], what
@@ -83,7 +87,10 @@ def _start_server(directory: Path, key: str, job_file: Path, env: dict[str, str]
         tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
         tmp.write_bytes(data)
         os.replace(tmp, path)
-    server_env = {**env, "TMPDIR": env.get("MLX_DDP_HARNESS_TMPDIR", "/tmp")}
+    # Every server preloads the ring-yield library, off in itself: its ranks switch it on or off
+    # (ring_yield.ACTIVE_VAR), so a one-process launch and a yielding ring launch share a server.
+    server_env = {**env, "TMPDIR": env.get("MLX_DDP_HARNESS_TMPDIR", "/tmp"),
+                  "LD_PRELOAD": ring_yield.with_library(env.get("LD_PRELOAD", "")), ring_yield.ACTIVE_VAR: "0"}
     with open(schema.warm_server_path(directory, key, "log"), "ab") as log:
         subprocess.run([sys.executable, "-m", SERVER_MODULE, str(directory), key], env=server_env, cwd=directory,
                        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, check=False, timeout=30)
