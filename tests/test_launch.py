@@ -13,6 +13,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import ModuleType
 
 import psutil
 import pytest
@@ -207,14 +208,20 @@ def test_a_rank_whose_end_was_not_seen_is_named_after_the_rank_that_failed() -> 
     assert "rank 1: connection to a peer was lost" in alone[1:]
 
 
-@pytest.mark.parametrize("mode", ["on", "off"])
-def test_ring_ranks_that_yield_while_waiting_sum_alike_and_the_run_says_so(mode: str, monkeypatch) -> None:  # noqa: ANN001
-    """4 ring ranks with the yielding library preloaded (``on``; ``auto`` does so where they fill
-    the cores) sum exactly as without it, and the run carries the note; ``off`` carries none."""
+def yield_library() -> ModuleType:
+    """``harness.controller.ring_yield``, where its library builds (Linux, a C compiler); else skip."""
     from harness.controller import ring_yield
 
     if not sys.platform.startswith("linux") or ring_yield.library() is None:
         pytest.skip("the ring yield library is built on Linux with a C compiler")
+    return ring_yield
+
+
+@pytest.mark.parametrize("mode", ["on", "off"])
+def test_ring_ranks_that_yield_while_waiting_sum_alike_and_the_run_says_so(mode: str, monkeypatch) -> None:  # noqa: ANN001
+    """4 ring ranks with the yielding library preloaded (``on``; ``auto`` does so where they fill
+    the cores) sum exactly as without it, and the run carries the note; ``off`` carries none."""
+    ring_yield = yield_library()
     monkeypatch.setenv(ring_yield.VAR, mode)
     out = probe(3.0, 4, rounds=6, pause_s=0.0)
     assert out.ok, out.failure
@@ -232,10 +239,7 @@ def test_the_ring_yield_library_waits_only_where_switched_on() -> None:
     """Preloaded, a non-blocking recv that finds nothing gives its core away (a yield, then naps
     of up to 200 us), unless the process's environment switches it off (a rank forked from a warm
     server that preloads it for every rank): then every call passes straight through."""
-    from harness.controller import ring_yield
-
-    if not sys.platform.startswith("linux") or ring_yield.library() is None:
-        pytest.skip("the ring yield library is built on Linux with a C compiler")
+    ring_yield = yield_library()
     code = ("import socket, time\n"
             "a, b = socket.socketpair()\n"
             "a.setblocking(False)\n"
@@ -261,10 +265,7 @@ def test_the_ring_yield_library_waits_only_where_switched_on() -> None:
 def test_the_ring_yield_library_passes_every_result_and_error_through(tmp_path: Path) -> None:
     """Preloaded, a non-blocking recv with nothing to read still fails with EAGAIN; sent bytes arrive
     unchanged; and the library is mapped into the process."""
-    from harness.controller import ring_yield
-
-    if not sys.platform.startswith("linux") or ring_yield.library() is None:
-        pytest.skip("the ring yield library is built on Linux with a C compiler")
+    ring_yield = yield_library()
     code = ("import socket\n"
             "a, b = socket.socketpair()\n"
             "a.setblocking(False)\n"
