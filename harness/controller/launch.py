@@ -143,7 +143,7 @@ def start(run_dir: Path, world_size: int, backend: str | None = None) -> Launch:
         raise ValueError("a launch of more than one rank needs a backend")
     calm = ring_yield.plan(world_size, backend)
     if calm is not None:
-        env["LD_PRELOAD"] = os.pathsep.join(p for p in (str(calm.library), env.get("LD_PRELOAD")) if p)
+        env["LD_PRELOAD"] = ring_yield.with_library(env.get("LD_PRELOAD", ""))
         env[ring_yield.ACTIVE_VAR] = "1"
     lease = lease_ports(world_size + 1)  # one port per ring rank, the last for NCCL's rendezvous
     try:

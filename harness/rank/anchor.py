@@ -111,7 +111,8 @@ def run(ctx: RankContext) -> dict[str, Any]:
     s, model, tok = _model(ctx)
     t = s.train
     optimizer = build_optimizer(t)
-    batches = [(mx.array(b), mx.array(n), g) for b, n, g in row_batches(s, tok, ctx.rank, ctx.world_size)]
+    # on the device only the batches the steps train
+    batches = [(mx.array(b), mx.array(n), g) for b, n, g in row_batches(s, tok, ctx.rank, ctx.world_size)[: t.steps]]
     length = s.data.max_seq_len
     value_and_grad = nn.value_and_grad(model, default_loss)
 
