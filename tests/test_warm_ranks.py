@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from harness import schema
-from harness.controller import ring_yield
+from harness.controller import ring_yield, warm_ranks
 from harness.controller.launch import _rank_env
 from harness.controller.rank_processes import alive
 from harness.controller.run_job import execute
@@ -95,6 +95,58 @@ def test_warm_ranks_sum_alike_are_not_the_launchers_children_and_their_cpu_is_co
     assert cold.ok and not schema.warm_rusage_path(tmp_path / "cold", 0).exists()
 
 
+def test_what_libraries_set_on_import_does_not_split_servers_and_what_changes_an_import_does() -> None:
+    job = {"kind": "train", "trainer": {"module": "harness.trainers.reference.rank"},
+           "scenario": {"model": {"arch": "qwen3"}}}
+    base = {"PATH": "/usr/bin", "PYTHONPATH": "/src", "LD_PRELOAD": "/lib/libopenblas.so.0"}
+    after_imports = {**base, "HF_XET_HIGH_PERFORMANCE": "0", "TOKENIZERS_PARALLELISM": "false",
+                     "TRANSFORMERS_VERBOSITY": "error", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
+    key = warm_ranks.key_of(job, base)[0]
+    assert warm_ranks.key_of(job, after_imports)[0] == key
+    for changed in ({"MLX_DISABLE_COMPILE": "1"}, {"PYTHONPATH": "/other"}, {"LD_PRELOAD": ""}, {"HF_HOME": "/h"}):
+        assert warm_ranks.key_of(job, {**base, **changed})[0] != key, changed
+
+
+MOMENTS = """
+import fcntl, os, sys, time
+while True:  # a launch's question whether a server holds the lock, asked without pause
+    fd = os.open(sys.argv[1], os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        time.sleep(0.001)
+    except BlockingIOError:
+        pass
+    os.close(fd)
+    time.sleep(0.002)
+"""
+
+
+def test_a_server_starts_while_launches_ask_whether_one_holds_its_lock(tmp_path: Path) -> None:
+    """A launch asks by taking the lock for a moment (``warm_ranks._held``); a server starting in
+    such a moment once gave up, and the launch, finding the lock free, ran cold."""
+    for attempt in range(6):
+        directory = tmp_path / f"warm{attempt}"
+        directory.mkdir()
+        run_dir = job_dir(tmp_path / f"try{attempt}", AllSumJob(value=1.0, rounds=1))
+        env = _rank_env(run_dir)
+        key, what = warm_ranks.key_of(json.loads((run_dir / schema.JOB_FILE).read_text()), env)
+        lock = schema.warm_server_path(directory, key, "lock")
+        lock.touch()
+        asking = subprocess.Popen([sys.executable, "-c", MOMENTS, str(lock)])
+        try:
+            time.sleep(0.2)
+            warm_ranks._start_server(directory, key, run_dir / schema.JOB_FILE, env, what)
+            pid = int(lock.read_text() or 0)  # the server's, written before the start returned
+        finally:
+            asking.kill()
+            asking.wait()
+        try:
+            log = schema.warm_server_path(directory, key, "log").read_text()
+            assert warm_ranks._serving(directory, key) and pid and alive(pid), (attempt, pid, log)
+        finally:
+            stop_servers(directory)
+
+
 def test_killing_a_warm_client_kills_its_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     proc, _, pid = client(tmp_path, monkeypatch)
     assert psutil.Process(pid).ppid() != proc.pid  # forked by the server, not started by the client
@@ -107,7 +159,11 @@ def test_a_signal_reaches_the_rank_and_the_client_ends_as_the_rank_did(tmp_path:
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     proc, run_dir, pid = client(tmp_path, monkeypatch)
     proc.send_signal(signal.SIGUSR1)  # the watchdog's stack dump
-    wait_for(lambda: "most recent call first" in (run_dir / "rank0.stderr").read_text(), timeout=10)
+    try:
+        wait_for(lambda: "most recent call first" in (run_dir / "rank0.stderr").read_text(), timeout=10)
+    except AssertionError as e:  # what the rank and its client were doing then
+        raise AssertionError(f"{e}: client exit {proc.poll()}, rank alive {alive(pid)}, rank stderr "
+                             f"{(run_dir / 'rank0.stderr').read_text()[-2000:]!r}") from None
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=10) == -signal.SIGTERM
     assert not alive(pid)

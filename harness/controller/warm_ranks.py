@@ -37,6 +37,12 @@ SERVER_MODULE = "harness.rank.warm"
 KEYED_PREFIXES = ("MLX_", "PYTHON", "LD_", "OPENBLAS_", "OMP_", "HF_", "TRANSFORMERS_", "TOKENIZERS_")
 SERVER_START_S = 30.0  # the longest a launch waits for its server's imports
 UNKEYED = ("MLX_DDP_HARNESS_", "MLX_RANK", "MLX_HOSTFILE", "MLX_WORLD_SIZE")  # per run: read after the fork
+# Set by the trainers' libraries as they are imported (unsloth-zoo: hf-xet's download tuning and
+# tokenizer threads; mlx-lm and mlx-vlm: transformers' advice and log level), so a process that has
+# imported one (a test process, a controller) hands them to its launches and a fresh one does not.
+# Downloads and tokenizer threads read them at use, after the fork; a warm rank keeps its server's
+# transformers log level.
+SET_BY_IMPORTS = ("HF_XET_", "TOKENIZERS_PARALLELISM", "TRANSFORMERS_VERBOSITY", "TRANSFORMERS_NO_ADVISORY_WARNINGS")
 
 
 def warm_dir() -> Path | None:
@@ -61,7 +67,7 @@ def key_of(job: dict[str, Any], env: dict[str, str]) -> tuple[str, dict[str, Any
         "arch": ((job.get("scenario") or {}).get("model") or {}).get("arch"),
         "python": sys.executable,
         "env": {k: (ring_yield.without(v) if k == "LD_PRELOAD" else v) for k, v in sorted(env.items())
-                if k.startswith(KEYED_PREFIXES) and not k.startswith(UNKEYED)},
+                if k.startswith(KEYED_PREFIXES) and not k.startswith(UNKEYED + SET_BY_IMPORTS)},
     }
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16], what
 

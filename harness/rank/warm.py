@@ -32,6 +32,7 @@ from typing import Any
 IDLE_S = 600.0  # a server with no rank and no request this long exits (a test session ends its own)
 HEADER = struct.Struct("!I")  # the request's length, sent with the three file descriptors
 PR_SET_PDEATHSIG = 1
+LOCK_TRIES = 100  # 5 ms apart: half a second for a launch's moment of holding the lock to pass
 
 
 def preload(job_file: Path) -> None:
@@ -227,17 +228,27 @@ def become_rank(req: dict[str, Any], fds: list[int]) -> int:
     return entry.main(req["argv"])
 
 
-def start(directory: Path, key: str) -> int:
-    """Hold the key's lock, preload, then serve; a forked rank returns from here with its code."""
+def hold_lock(directory: Path, key: str) -> int | None:
+    """The key's lock, held (the descriptor), or None where another server holds it."""
     from harness.schema import warm_server_path
 
     lock_fd = os.open(warm_server_path(directory, key, "lock"), os.O_CREAT | os.O_RDWR, 0o600)
-    try:
-        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return 0  # another server holds this key
-    os.ftruncate(lock_fd, 0)
-    os.write(lock_fd, str(os.getpid()).encode())
+    # A launch asks whether a server holds the lock by taking it for a moment
+    # (``warm_ranks._held``): a server that met such a moment would give up with none serving.
+    for _ in range(LOCK_TRIES):
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return lock_fd
+        except BlockingIOError:
+            time.sleep(0.005)
+    os.close(lock_fd)
+    return None
+
+
+def start(directory: Path, key: str, lock_fd: int) -> int:
+    """Preload, then serve under the held lock; a forked rank returns from here with its code."""
+    from harness.schema import warm_server_path
+
     preload(warm_server_path(directory, key, "job.json"))
     if threads() > 1:  # a fork keeps only the forking thread: a library started one, so no warm starts
         why = f"{threads()} threads after the imports (a fork keeps one); ranks of this key start cold"
@@ -253,10 +264,19 @@ def start(directory: Path, key: str) -> int:
 
 def main(argv: list[str]) -> int:
     directory, key = Path(argv[0]), argv[1]
-    if os.fork():  # detach: the controller waits only for this parent
+    # The lock is taken before the detaching fork, and the detached server's pid written into it
+    # before this parent ends: once the controller's wait for this parent is over, the lock says
+    # whether a server serves or is importing (a flock belongs to the open file, shared by the fork).
+    lock_fd = hold_lock(directory, key)
+    if lock_fd is None:
+        return 0  # another server holds this key
+    pid = os.fork()
+    if pid:  # detach: the controller waits only for this parent
+        os.ftruncate(lock_fd, 0)
+        os.write(lock_fd, str(pid).encode())
         return 0
     os.setsid()
-    return start(directory, key)
+    return start(directory, key, lock_fd)
 
 
 if __name__ == "__main__":
