@@ -94,6 +94,20 @@ class SimHost:
     sshd: subprocess.Popen | None = None
 
 
+def _orphan_pidfile(p: Path, since: float) -> bool:
+    """Whether ``p`` is an mlx.launch pidfile made since ``since`` whose rank has ended."""
+    try:
+        text = p.read_text().strip()
+        if not (p.is_file() and p.stat().st_mtime >= since and text.isdigit()):
+            return False
+        os.kill(int(text), 0)
+    except ProcessLookupError:
+        return True
+    except (OSError, ValueError):
+        return False  # gone, unreadable, or a live process of another user
+    return False
+
+
 @dataclass
 class SimHosts:
     """``count`` simulated hosts; use as a context manager."""
@@ -264,9 +278,14 @@ class SimHosts:
         mlx.launch's remote launches (``tmp.*`` in /tmp) made since the hosts started."""
         ino = os.stat(f"/run/netns/{self.hosts[i].netns}").st_ino
         out = [str(p) for p in Path("/tmp").glob(f"mlx-ddp-harness-ports-*-net{ino}")]
-        out += [str(p) for p in Path("/tmp").glob("tmp.*")
-                if p.is_file() and p.stat().st_mtime >= self.started and p.read_text().strip().isdigit()]
-        return out
+        # A pidfile names its rank. One whose rank lives, or that goes within moments of its rank,
+        # belongs to a launch in flight or ending: another set of hosts' (another test process's)
+        # where this set's ranks are gone (``processes``).
+        pidfiles = [p for p in Path("/tmp").glob("tmp.*") if _orphan_pidfile(p, self.started)]
+        if pidfiles:
+            time.sleep(3)
+            pidfiles = [p for p in pidfiles if _orphan_pidfile(p, self.started)]
+        return out + [str(p) for p in pidfiles]
 
     def processes(self, i: int) -> list[str]:
         """Command lines of the processes in host ``i``'s namespace other than its SSH server."""

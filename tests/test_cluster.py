@@ -140,8 +140,9 @@ def hostfile(sim: SimHosts, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return f
 
 
-def sim_cli(sim: SimHosts, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return cli(*args, timeout=timeout, env={"PATH": sim.path_env["PATH"]})
+def sim_cli(sim: SimHosts, *args: str, timeout: float = 600, env: dict[str, str] | None = None
+            ) -> subprocess.CompletedProcess:
+    return cli(*args, timeout=timeout, env={"PATH": sim.path_env["PATH"], **(env or {})})
 
 
 def assert_nothing_left(sim: SimHosts) -> None:
@@ -206,15 +207,19 @@ def test_a_slow_or_lossy_link_costs_throughput_but_not_correctness(sim: SimHosts
         text = text.replace(part, by)
     short.write_text(text)
     sim.set_link(delay_ms=delay_ms, loss=loss, seed=3)
-    try:
+    try:  # every ring rank yields while it waits: the simulated hosts share this machine's cores, and
+        # ddp2's two ranks (one a host) would otherwise poll both of them through each delayed transfer
         r = sim_cli(sim, "run", str(short), "--hostfile", str(hostfile), "--out", str(tmp_path / "out"), "--progress",
-                    "off")
+                    "off", env={ring_yield.VAR: "on"})
     finally:
         sim.set_link()
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     assert set(verdicts(tmp_path / "out" / "result.json").values()) == {"pass"}
     runs = runs_of(tmp_path / "out" / "result.json")
     for run in ("ddp2", "ddp4"):
+        if ring_yield.library() is not None:  # ``on`` reaches a host that holds one of the ranks
+            assert runs[run]["ring_yield"] and f"{ring_yield.VAR}=on" in runs[run]["ring_yield"] or run == "ddp4", runs
+            assert all(any(n.startswith("ring_yield-") for n in rk.get("preloaded", [])) for rk in runs[run]["ranks"])
         steps = runs[run]["ranks"][0]["step_times_s"][1:]
         if delay_ms:  # a step crosses the link at least twice in turn (the ranks' agreement that they
             # built the step, then its gradient all-reduce): twice the added latency, where a step

@@ -3,10 +3,12 @@ was, including one whose semantics carry state from step to step (a stale-gradie
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
+from harness import schema
 from harness.controller.scenario_runs import run_plan
 from harness.scenario import load_scenario
 from harness.scenario.plan import plan_scenario
@@ -19,7 +21,17 @@ def _runs(tmp: Path, name: str, every: int, mutation: str = "") -> dict:
     path = write_scenario(tmp, name, world_sizes=(1, 2), steps=4, checks=f"probe_every = {every}")
     if mutation:
         path.write_text(path.read_text().replace('name = "ddp2"', f'name = "ddp2"\nmutation = "{mutation}"'))
-    return {r.name: r for r in run_plan(plan_scenario(load_scenario(path)))}
+    return {r.name: r for r in run_plan(plan_scenario(load_scenario(path)), artifacts=tmp / f"{name}_runs")}
+
+
+def probe_collectives(ledger: Path) -> dict[int, int]:
+    """How many collectives the defect hypotheses issued at each step (the ledger's call sites)."""
+    per_step: dict[int, int] = {}
+    for line in ledger.read_text().splitlines():
+        e = json.loads(line)
+        if e["site"].startswith("defects.py"):
+            per_step[e["step"]] = per_step.get(e["step"], 0) + 1
+    return per_step
 
 
 @pytest.mark.parametrize("mutation", ["", "stale_gradient"])
@@ -36,6 +48,10 @@ def test_probes_leave_the_trajectory_bitwise_unchanged(scenario_dir: Path, mutat
     twin = probed["twin2"].ranks[0].result["probes"]  # the floor run: its errors, no defect hypotheses
     assert [p["step"] for p in twin] == [1, 2, 3, 4] and not any("defects" in p for p in twin)
     assert all(set(p["defects"]) >= {"correct", "mean_of_means"} for recs in records for p in recs)
+    # every hypothesis's sums over the ranks in one collective (float32 throughout): each waits on the link
+    for r in (0, 1):
+        assert probe_collectives(schema.ledger_path(scenario_dir / "probed_runs" / "ddp2", r)) == {s: 1 for s in
+                                                                                                 (1, 2, 3, 4)}
     if not mutation:
         assert all(p["tokens"] == p["tokens_ref"] and p["grad_rel"] < 1e-5 for recs in records for p in recs)
     else:  # the stale gradient is what the probe sees, every step

@@ -207,7 +207,8 @@ class Agent:
         from harness.controller import ring_yield
 
         assert self.root is not None, "no setup yet"
-        calm = ring_yield.plan(int(req["ranks"]), req.get("backend"), req.get("setting", "auto"))
+        calm = ring_yield.plan(int(req["ranks"]), req.get("backend"), req.get("setting", "auto"),
+                               int(req.get("world_size") or req["ranks"]))
         if calm is None:
             return {"why": None}
         (self.root / "ring_yield.so").symlink_to(calm.library)

@@ -235,7 +235,7 @@ class RemoteRanks:
         setting, said = ring_yield.mode(), {}
         for h, link in self.links.items():
             why = link.request("ring_yield", ranks=self.placement.count(h), backend=backend,
-                               setting=setting).get("why")
+                               setting=setting, world_size=len(self.placement)).get("why")
             if why:
                 said.setdefault(why, []).append(link.name)
         return "; ".join(f"on {', '.join(hosts)}: {why}" for why, hosts in said.items()) or None

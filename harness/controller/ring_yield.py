@@ -92,11 +92,15 @@ def library() -> Path | None:
     return out if out.exists() else None
 
 
-def plan(ranks: int, backend: str | None, setting: str | None = None) -> RingYield | None:
-    """Whether ``ranks`` ring ranks on this machine preload the library, and the note that says
-    so; ``setting`` is ``VAR``'s value (this process's own by default)."""
+def plan(ranks: int, backend: str | None, setting: str | None = None, world_size: int | None = None
+         ) -> RingYield | None:
+    """Whether ``ranks`` ring ranks on this machine, of a launch of ``world_size`` ranks (all of
+    them here by default), preload the library, and the note that says so; ``setting`` is
+    ``VAR``'s value (this process's own by default). Under ``on`` a host's one rank of a ring
+    launch yields too: it polls as the others do."""
     setting = mode() if setting is None else setting
-    if setting == "off" or backend != "ring" or ranks < 2 or not sys.platform.startswith("linux"):
+    world_size = ranks if world_size is None else world_size
+    if setting == "off" or backend != "ring" or world_size < 2 or not sys.platform.startswith("linux"):
         return None
     n = cores()
     if setting != "on" and ranks < n:

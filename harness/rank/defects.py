@@ -7,8 +7,9 @@ parameters. Where the trainer hands over its micro-batches as ``(inputs, targets
 mask, forward)`` where the logits need more than the token ids (``forward(model)``: a
 vision-language model's logits of the micro-batch, its images included), every rank computes its
 own pieces with the reference's loss (the summed cross-entropy of the supervised targets): its
-loss sum S_r, token count T_r and gradient sum G_r, and per micro-batch the token means. A few
-all-sums over the ranks then give each hypothesis (N ranks, T = sum of T_r, on this rank r):
+loss sum S_r, token count T_r and gradient sum G_r, and per micro-batch the token means. Summed
+over the ranks (one all-sum per dtype, ``sum_over_ranks``), they give each hypothesis (N ranks,
+T = sum of T_r, on this rank r):
 
 =====================  ==========================================  ==========
 hypothesis             loss / gradient                             tokens
@@ -72,24 +73,46 @@ def _pieces(model: Any, micros: list[tuple[Any, ...]]) -> tuple[Any, Any, Any, A
     return s, t, g, ms, mg
 
 
+def sum_over_ranks(trees: list[Any], world_size: int) -> list[Any]:
+    """Each tree (an array, or a tree of arrays) summed over the ranks, leaf by leaf, in one
+    all-sum per dtype: the pieces laid end to end. A probe needs some hundred sums, and each
+    collective waits on the link in turn (on a 40 ms link that was 11 s a probe step)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_map
+
+    if world_size <= 1:
+        return trees
+    leaves = [a for t in trees for _, a in tree_flatten(t)] if trees else []
+    by_dtype: dict[Any, list[int]] = {}
+    for i, a in enumerate(leaves):
+        by_dtype.setdefault(a.dtype, []).append(i)
+    summed: list[Any] = [None] * len(leaves)
+    for idx in by_dtype.values():
+        flat = mx.distributed.all_sum(mx.concatenate([leaves[i].reshape(-1) for i in idx]))
+        at = 0
+        for i in idx:
+            summed[i] = flat[at:at + leaves[i].size].reshape(leaves[i].shape)
+            at += leaves[i].size
+    out, it = [], iter(summed)
+    for t in trees:
+        out.append(next(it) if isinstance(t, mx.array) else tree_map(lambda _: next(it), t))
+    return out
+
+
 def hypotheses(model: Any, micros: list[tuple[Any, ...]], rank: int, world_size: int) -> dict[str, tuple]:
     """Each hypothesis's (loss, gradient tree, tokens) on this rank (module docstring)."""
     import mlx.core as mx
     from mlx.utils import tree_map
 
-    def reduce(x: Any) -> Any:
-        return tree_map(lambda a: mx.distributed.all_sum(a), x) if world_size > 1 else x
-
     def mine_or_zero(x: Any) -> Any:
         return tree_map(lambda a: a if rank == 0 else a * 0, x)
 
     n = float(world_size)
-    # every rank issues the same collectives whatever its own micro-batch count (an uneven split)
-    m = reduce(mx.array(float(len(micros))))
     s, t, g, ms, mg = _pieces(model, micros)
-    big_s, big_t, big_g = reduce(s), reduce(t), reduce(g)
-    mean_s, mean_g = reduce(s / t), reduce(tree_map(lambda a: a / t, g))
-    s0, t0, g0 = reduce(mine_or_zero(s)), reduce(mine_or_zero(t)), reduce(mine_or_zero(g))
+    # every rank issues the same collectives whatever its own micro-batch count (an uneven split)
+    m, big_s, big_t, big_g, mean_s, mean_g, s0, t0, g0, sum_ms, sum_mg = sum_over_ranks(
+        [mx.array(float(len(micros))), s, t, g, s / t, tree_map(lambda a: a / t, g),
+         mine_or_zero(s), mine_or_zero(t), mine_or_zero(g), ms, mg], world_size)
 
     def over(x: Any, d: Any) -> Any:
         return tree_map(lambda a: a / d, x)
@@ -105,7 +128,7 @@ def hypotheses(model: Any, micros: list[tuple[Any, ...]], rank: int, world_size:
         "grad_times_world": (big_s / big_t, tree_map(lambda a: a * n / big_t, big_g), big_t),
         "same_rows": (s0 / t0, over(g0, t0), t0 * n),
     }
-    micro = (reduce(ms) / m, over(reduce(mg), m), big_t)
+    micro = (sum_ms / m, over(sum_mg, m), big_t)
     if m.item() > n:  # with one micro-batch a rank, the same as mean_of_means
         out["micro_means"] = micro
     mx.eval(out)
