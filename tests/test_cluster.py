@@ -218,7 +218,9 @@ def test_a_slow_or_lossy_link_costs_throughput_but_not_correctness(sim: SimHosts
     runs = runs_of(tmp_path / "out" / "result.json")
     for run in ("ddp2", "ddp4"):
         if ring_yield.library() is not None:  # ``on`` reaches a host that holds one of the ranks
-            assert runs[run]["ring_yield"] and f"{ring_yield.VAR}=on" in runs[run]["ring_yield"] or run == "ddp4", runs
+            assert runs[run]["ring_yield"], runs
+            if run == "ddp2":  # one rank a host: only ``on`` makes it yield
+                assert f"{ring_yield.VAR}=on" in runs[run]["ring_yield"], runs
             assert all(any(n.startswith("ring_yield-") for n in rk.get("preloaded", [])) for rk in runs[run]["ranks"])
         steps = runs[run]["ranks"][0]["step_times_s"][1:]
         if delay_ms:  # a step crosses the link at least twice in turn (the ranks' agreement that they

@@ -1,6 +1,6 @@
 """``gate --env PYTHON``: the same scenarios under two Python environments, in turns, judged as
 ``gate --against`` judges two revisions. Real ranks both ways: an environment whose trainer
-package is slowed fails the gate, an identical one passes."""
+package is slowed fails the gate, an identical one never shows a regression."""
 
 from __future__ import annotations
 

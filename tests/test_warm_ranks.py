@@ -103,7 +103,8 @@ def test_what_libraries_set_on_import_does_not_split_servers_and_what_changes_an
                      "TRANSFORMERS_VERBOSITY": "error", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
     key = warm_ranks.key_of(job, base)[0]
     assert warm_ranks.key_of(job, after_imports)[0] == key
-    for changed in ({"MLX_DISABLE_COMPILE": "1"}, {"PYTHONPATH": "/other"}, {"LD_PRELOAD": ""}, {"HF_HOME": "/h"}):
+    for changed in ({"MLX_DISABLE_COMPILE": "1"}, {"PYTHONPATH": "/other"}, {"LD_PRELOAD": ""}, {"HF_HOME": "/h"},
+                    {"HF_XET_CACHE": "/x"}):
         assert warm_ranks.key_of(job, {**base, **changed})[0] != key, changed
 
 

@@ -203,7 +203,7 @@ class Agent:
 
     def op_ring_yield(self, req: dict[str, Any]) -> dict[str, Any]:
         """Link the yielding library into the run's directory where the ranks placed on this host
-        fill its cores (``ring_yield.plan``); the ranks' shell preloads it from there."""
+        fill its cores, or under ``on`` (``ring_yield.plan``); the ranks' shell preloads it from there."""
         from harness.controller import ring_yield
 
         assert self.root is not None, "no setup yet"

@@ -229,7 +229,8 @@ class RemoteRanks:
 
     def ring_yield(self, backend: str) -> str | None:
         """Each host's agent links the yielding library where the ranks placed on its host fill
-        its cores (``ring_yield.plan`` there); the run's note names the hosts that did."""
+        its cores, or on every host under ``on`` (``ring_yield.plan`` there); the run's note names
+        the hosts that did."""
         from harness.controller import ring_yield
 
         setting, said = ring_yield.mode(), {}

@@ -40,9 +40,14 @@ UNKEYED = ("MLX_DDP_HARNESS_", "MLX_RANK", "MLX_HOSTFILE", "MLX_WORLD_SIZE")  # 
 # Set by the trainers' libraries as they are imported (unsloth-zoo: hf-xet's download tuning and
 # tokenizer threads; mlx-lm and mlx-vlm: transformers' advice and log level), so a process that has
 # imported one (a test process, a controller) hands them to its launches and a fresh one does not.
-# Downloads and tokenizer threads read them at use, after the fork; a warm rank keeps its server's
-# transformers log level.
-SET_BY_IMPORTS = ("HF_XET_", "TOKENIZERS_PARALLELISM", "TRANSFORMERS_VERBOSITY", "TRANSFORMERS_NO_ADVISORY_WARNINGS")
+# They tune downloads, tokenizer threads and log output, none of which a rank's computation reads;
+# a warm rank keeps its server's transformers log level and hf-xet settings read at import.
+SET_BY_IMPORTS = ("HF_XET_HIGH_PERFORMANCE", "HF_XET_HP", "HF_XET_CHUNK_CACHE_SIZE_BYTES",
+                  "HF_XET_DATA_MAX_CONCURRENT_FILE_DOWNLOADS", "HF_XET_CLIENT_AC_INITIAL_DOWNLOAD_CONCURRENCY",
+                  "HF_XET_CLIENT_AC_MIN_DOWNLOAD_CONCURRENCY", "HF_XET_CLIENT_AC_MAX_DOWNLOAD_CONCURRENCY",
+                  "HF_XET_RECONSTRUCTION_DOWNLOAD_BUFFER_SIZE", "HF_XET_RECONSTRUCTION_DOWNLOAD_BUFFER_LIMIT",
+                  "HF_XET_RECONSTRUCTION_DOWNLOAD_BUFFER_PERFILE_SIZE", "HF_XET_RECONSTRUCTION_MIN_PREFETCH_BUFFER",
+                  "TOKENIZERS_PARALLELISM", "TRANSFORMERS_VERBOSITY", "TRANSFORMERS_NO_ADVISORY_WARNINGS")
 
 
 def warm_dir() -> Path | None:
@@ -67,7 +72,7 @@ def key_of(job: dict[str, Any], env: dict[str, str]) -> tuple[str, dict[str, Any
         "arch": ((job.get("scenario") or {}).get("model") or {}).get("arch"),
         "python": sys.executable,
         "env": {k: (ring_yield.without(v) if k == "LD_PRELOAD" else v) for k, v in sorted(env.items())
-                if k.startswith(KEYED_PREFIXES) and not k.startswith(UNKEYED + SET_BY_IMPORTS)},
+                if k.startswith(KEYED_PREFIXES) and not k.startswith(UNKEYED) and k not in SET_BY_IMPORTS},
     }
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16], what
 

@@ -37,6 +37,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+BUCKET_BYTES = 256 << 20  # the most one all-sum of a probe carries: its concatenation is a copy
+
 
 def canonical(args: tuple[Any, ...]) -> bool:
     """Whether a micro-batch is ``(inputs, targets, mask)``: integer token arrays and a mask, one shape."""
@@ -61,8 +63,10 @@ def _pieces(model: Any, micros: list[tuple[Any, ...]]) -> tuple[Any, Any, Any, A
         return (nn.losses.cross_entropy(logits, targets, reduction="none") * mask.astype(mx.float32)).sum()
 
     value_and_grad = nn.value_and_grad(model, loss_sum)
-    zeros = tree_map(mx.zeros_like, model.trainable_parameters())  # a rank with no micro-batch still all-sums
-    s, t, g, ms, mg = mx.array(0.0), mx.array(0.0), zeros, mx.array(0.0), zeros
+    params = model.trainable_parameters()  # a rank with no micro-batch still all-sums, in the dtypes the others do
+    g = tree_map(mx.zeros_like, params)
+    mg = tree_map(lambda p: mx.zeros(p.shape, mx.result_type(p.dtype, mx.float32)), params)  # as b / n below
+    s, t, ms = mx.array(0.0), mx.array(0.0), mx.array(0.0)
     for micro in micros:
         inputs, targets, mask = micro[:3]
         v, grads = value_and_grad(model, inputs, targets, mask, micro[3] if len(micro) > 3 else None)
@@ -73,30 +77,35 @@ def _pieces(model: Any, micros: list[tuple[Any, ...]]) -> tuple[Any, Any, Any, A
     return s, t, g, ms, mg
 
 
-def sum_over_ranks(trees: list[Any], world_size: int) -> list[Any]:
-    """Each tree (an array, or a tree of arrays) summed over the ranks, leaf by leaf, in one
-    all-sum per dtype: the pieces laid end to end. A probe needs some hundred sums, and each
-    collective waits on the link in turn (on a 40 ms link that was 11 s a probe step)."""
+def sum_over_ranks(trees: list[Any], world_size: int, group: Any = None) -> list[Any]:
+    """Each tree (an array, or a tree of arrays) summed over the ranks, leaf by leaf, in a few
+    all-sums: the leaves of one dtype laid end to end, up to ``BUCKET_BYTES`` a sum. A probe needs
+    some hundred sums, and each collective waits on the link in turn (on a 40 ms link that was
+    11 s a probe step). Every rank must hand over the same shapes and dtypes."""
     import mlx.core as mx
     from mlx.utils import tree_flatten, tree_map
 
     if world_size <= 1:
         return trees
-    leaves = [a for t in trees for _, a in tree_flatten(t)] if trees else []
-    by_dtype: dict[Any, list[int]] = {}
+    leaves = [a for t in trees for _, a in tree_flatten(t)]
+    buckets: dict[Any, list[list[int]]] = {}  # dtype -> buckets of leaf indices, in leaf order
+    filled: dict[Any, int] = {}  # the bytes of each dtype's last bucket
     for i, a in enumerate(leaves):
-        by_dtype.setdefault(a.dtype, []).append(i)
+        per_dtype = buckets.setdefault(a.dtype, [[]])
+        if per_dtype[-1] and filled[a.dtype] + a.nbytes > BUCKET_BYTES:
+            per_dtype.append([])
+            filled[a.dtype] = 0
+        per_dtype[-1].append(i)
+        filled[a.dtype] = filled.get(a.dtype, 0) + a.nbytes
     summed: list[Any] = [None] * len(leaves)
-    for idx in by_dtype.values():
-        flat = mx.distributed.all_sum(mx.concatenate([leaves[i].reshape(-1) for i in idx]))
+    for idx in (b for per_dtype in buckets.values() for b in per_dtype):
+        flat = mx.distributed.all_sum(mx.concatenate([leaves[i].reshape(-1) for i in idx]), group=group)
         at = 0
         for i in idx:
             summed[i] = flat[at:at + leaves[i].size].reshape(leaves[i].shape)
             at += leaves[i].size
-    out, it = [], iter(summed)
-    for t in trees:
-        out.append(next(it) if isinstance(t, mx.array) else tree_map(lambda _: next(it), t))
-    return out
+    it = iter(summed)
+    return [tree_map(lambda _: next(it), t) for t in trees]
 
 
 def hypotheses(model: Any, micros: list[tuple[Any, ...]], rank: int, world_size: int) -> dict[str, tuple]:

@@ -238,6 +238,7 @@ def hold_lock(directory: Path, key: str) -> int | None:
     for _ in range(LOCK_TRIES):
         try:
             fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.ftruncate(lock_fd, 0)  # a held lock never names an earlier server's pid
             return lock_fd
         except BlockingIOError:
             time.sleep(0.005)
@@ -272,10 +273,10 @@ def main(argv: list[str]) -> int:
         return 0  # another server holds this key
     pid = os.fork()
     if pid:  # detach: the controller waits only for this parent
-        os.ftruncate(lock_fd, 0)
-        os.write(lock_fd, str(pid).encode())
+        os.pwrite(lock_fd, str(pid).encode(), 0)
         return 0
     os.setsid()
+    os.pwrite(lock_fd, str(os.getpid()).encode(), 0)  # the same pid, should the parent have died first
     return start(directory, key, lock_fd)
 
 
