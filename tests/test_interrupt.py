@@ -50,11 +50,16 @@ def test_an_interrupted_run_keeps_its_partial_logs_marked_and_leaves_nothing(tmp
     p.send_signal(sig)
     try:
         _, err = p.communicate(timeout=60)
-    except subprocess.TimeoutExpired:  # where the controller stalled: its stacks (SIGUSR1), then stop it
+    except subprocess.TimeoutExpired:  # where the controller stalled: its signal masks and stacks (SIGUSR1)
+        try:  # whether the signal was ignored, blocked or still pending (SIGINT is 0x2, SIGTERM 0x4000)
+            status = Path(f"/proc/{p.pid}/status").read_text().splitlines()
+            masks = "; ".join(ln.replace("\t", " ") for ln in status if ln.startswith(("Sig", "Shd")))
+        except OSError:
+            masks = "no /proc status"
         p.send_signal(signal.SIGUSR1)
         time.sleep(2)
         p.kill()
-        pytest.fail(f"the harness had not exited 60 s after {why}: {p.communicate()[1][-6000:]}")
+        pytest.fail(f"the harness had not exited 60 s after {why} ({masks}): {p.communicate()[1][-6000:]}")
     assert p.returncode == code, err
     kept = out / "runs" / "stopped" / "ddp2"
     marker = (kept / "INTERRUPTED").read_text()
