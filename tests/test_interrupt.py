@@ -29,9 +29,12 @@ def test_an_interrupted_run_keeps_its_partial_logs_marked_and_leaves_nothing(tmp
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     out = tmp_path / "o"
+    # A terminal's Ctrl-C: the controller starts with SIGINT at its default, whatever this process
+    # inherited (a suite started as a background job of a shell without job control ignores SIGINT,
+    # and an ignored signal stays ignored across exec: Python then never raises KeyboardInterrupt).
     p = subprocess.Popen([sys.executable, "-m", "harness", "run", str(path), "--out", str(out), "--progress", "off"],
                          cwd=REPO, env={**os.environ, "TMPDIR": str(tmp)}, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+                         stderr=subprocess.PIPE, text=True, preexec_fn=lambda: signal.signal(sig, signal.SIG_DFL))
     # Beside other tests the run may first queue for this machine's rank slots (minutes at worst).
     deadline = time.monotonic() + 480
     events = None
