@@ -144,32 +144,45 @@ def hypotheses(model: Any, micros: list[tuple[Any, ...]], rank: int, world_size:
     return out
 
 
-def _rel(mine: dict[str, Any], theirs: dict[str, Any]) -> float:
+def _rel_sums(mine: dict[str, Any], theirs: dict[str, Any]) -> tuple[Any, Any]:
+    """||mine - theirs||^2 and ||theirs||^2 over every tensor, unevaluated."""
     import mlx.core as mx
 
-    d = sum(((mine[k].astype(mx.float32) - theirs[k].astype(mx.float32)) ** 2).sum() for k in theirs)
-    r = sum((theirs[k].astype(mx.float32) ** 2).sum() for k in theirs)
-    d, r = float(d.item()), float(r.item())
+    d = sum(mx.square(mine[k].astype(mx.float32) - theirs[k].astype(mx.float32)).sum() for k in theirs)
+    r = sum(mx.square(theirs[k].astype(mx.float32)).sum() for k in theirs)
+    return d, r
+
+
+def _rel(d: float, r: float) -> float:
     return math.sqrt(d / r) if r > 0 else (0.0 if d == 0 else math.inf)
 
 
 def measure(found: dict[str, tuple], loss: Any, grads: Any, tokens: int, ref: dict[str, Any]) -> dict[str, Any]:
     """How far the trainer's figures (its ``loss``, ``grads``, ``tokens``) are from each hypothesis,
     and how far ``correct`` is from the reference run's (``ref``: its probe file): relative error
-    of the loss and of the gradient (over every tensor), and the token count each predicts."""
+    of the loss and of the gradient (over every tensor), and the token count each predicts. Every
+    figure is evaluated at once: one evaluation, not one per figure."""
+    import mlx.core as mx
     from mlx.utils import tree_flatten
 
     mine = dict(tree_flatten(grads))
-    out: dict[str, Any] = {}
+    lazy: dict[str, Any] = {"loss": loss}
     for name, (h_loss, h_grads, h_tokens) in found.items():
         theirs = dict(tree_flatten(h_grads))
         if theirs.keys() != mine.keys():
             return {"unusable": f"the harness's gradient names differ from the trainer's "
                                 f"({sorted(theirs.keys() ^ mine.keys())[:3]})"}
-        hl = float(h_loss.item())
-        out[name] = {"loss_rel": abs(float(loss.item()) - hl) / abs(hl) if hl else math.inf,
-                     "grad_rel": _rel(mine, theirs), "tokens": int(round(float(h_tokens.item())))}
+        lazy[name] = (h_loss, h_tokens, *_rel_sums(mine, theirs))
     c_loss, c_grads, _ = found["correct"]
-    out["correct"]["ref_grad_rel"] = _rel(dict(tree_flatten(c_grads)), ref["grads"])
+    lazy["ref"] = _rel_sums(dict(tree_flatten(c_grads)), ref["grads"])
+    mx.eval(lazy)
+    loss_f = float(lazy["loss"].item())
+    out: dict[str, Any] = {}
+    for name in found:
+        h_loss, h_tokens, d, r = lazy[name]
+        hl = float(h_loss.item())
+        out[name] = {"loss_rel": abs(loss_f - hl) / abs(hl) if hl else math.inf,
+                     "grad_rel": _rel(float(d.item()), float(r.item())), "tokens": int(round(float(h_tokens.item())))}
+    out["correct"]["ref_grad_rel"] = _rel(*(float(x.item()) for x in lazy["ref"]))
     out["correct"]["ref_loss_rel"] = abs(float(c_loss.item()) - ref["loss"]) / abs(ref["loss"]) if ref["loss"] else 0.0
     return out

@@ -148,8 +148,8 @@ def compare(step: int, loss: Any, grads: Any, tokens: int, ref: dict[str, Any]) 
     mine, theirs = dict(tree_flatten(grads)), ref["grads"]
     if mine.keys() != theirs.keys():
         raise ValueError(f"gradient names differ from the reference's ({sorted(mine.keys() ^ theirs.keys())[:3]})")
-    sq = {k: (((mine[k].astype(mx.float32) - theirs[k].astype(mx.float32)) ** 2).sum(),
-              (theirs[k].astype(mx.float32) ** 2).sum()) for k in mine}
+    sq = {k: (mx.square(mine[k].astype(mx.float32) - theirs[k].astype(mx.float32)).sum(),
+              mx.square(theirs[k].astype(mx.float32)).sum()) for k in mine}
     mx.eval(sq)
     per = {k: (float(d), float(r)) for k, (d, r) in sq.items()}
     diff, norm = sum(d for d, _ in per.values()), sum(r for _, r in per.values())
