@@ -162,18 +162,19 @@ def test_gate_against_a_revision_runs_both_sides_in_turns(tmp_path: Path) -> Non
     if shutil.which("git") is None or subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO,
                                                       capture_output=True).returncode != 0:
         pytest.skip("needs git and this checkout's history")
-    scenario = REPO / "scenarios" / "speed_gate.toml"
-    committed = subprocess.run(["git", "cat-file", "-e", "HEAD:scenarios/speed_gate.toml"], cwd=REPO).returncode == 0
+    scenario = REPO / "examples" / "minimal_parity.toml"  # 10 steps of 1 and 2 ranks (speed_gate's 40: the same gate)
+    committed = subprocess.run(["git", "cat-file", "-e", "HEAD:examples/minimal_parity.toml"], cwd=REPO).returncode == 0
     if not committed:
-        pytest.skip("scenarios/speed_gate.toml is not committed yet")
+        pytest.skip("examples/minimal_parity.toml is not committed yet")
     p = cli("gate", "--against", "HEAD", str(scenario), "--pairs", "2", "--min-pairs", "2", timeout=900)
     assert p.returncode in (0, 1, 4), p.stderr[-3000:]
     assert "gate against HEAD (" in p.stdout and ", 2 interleaved pairs (sequential, 2 to 2):" in p.stdout
     for run in ("single", "ddp2"):
-        line = next(ln for ln in p.stdout.splitlines() if ln.startswith("speed_gate") and f" {run} " in ln
+        line = next(ln for ln in p.stdout.splitlines() if ln.startswith("minimal_parity") and f" {run} " in ln
                     and "throughput (paired)" in ln)
         assert "p = " in line and " 2 pairs" in line and "could have detected a" in line
-        assert any(ln.startswith("speed_gate") and f" {run} " in ln and " loss " in ln for ln in p.stdout.splitlines())
+        assert any(ln.startswith("minimal_parity") and f" {run} " in ln and " loss " in ln
+                   for ln in p.stdout.splitlines())
     assert p.stderr.count("pair 2/2: ") == 2 and p.stderr.index("pair 2/2: candidate") < p.stderr.index(
         "pair 2/2: baseline")  # the second pair runs the candidate first
     worktrees = subprocess.run(["git", "worktree", "list"], cwd=REPO, capture_output=True, text=True).stdout
