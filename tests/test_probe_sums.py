@@ -55,3 +55,16 @@ def test_a_rank_without_micro_batches_hands_over_the_dtypes_the_others_do(dtype:
             return [(k, v.dtype, v.shape) for k, v in tree_flatten(t)]
 
         assert kinds(a) == kinds(b)
+
+
+def test_a_rank_without_supervised_tokens_adds_zero_to_the_per_rank_means() -> None:
+    """Its own token count divides as max(T_r, 1) (the reference's mean_of_means mutation does):
+    its per-rank means are 0, where 0/0 made them NaN."""
+    model = Tiny()
+    x = mx.array([[1, 2, 3, 4]])
+    unsupervised = (x, mx.array([[2, 3, 4, 5]]), mx.zeros_like(x))
+    found = defects.hypotheses(model, [unsupervised], rank=0, world_size=1)
+    for name in ("mean_of_means", "not_divided_by_world", "no_allreduce"):
+        loss, grads, tokens = found[name]
+        assert loss.item() == 0.0 and tokens.item() == 0.0, name
+        assert all(mx.all(g == 0).item() for _, g in tree_flatten(grads)), name

@@ -27,7 +27,9 @@ grad_times_world       sum S / T, N x sum G / T                    T
 same_rows              S_0 / T_0, G_0 / T_0 (rank 0's rows)        N x T_0
 =====================  ==========================================  ==========
 
-Their descriptions: ``harness.scenario.names.DEFECTS_DESCRIBED``. The trainer's own figures are
+A rank's own token count T_r (and a micro-batch's) divides as max(T_r, 1), as trainers guard it
+(the reference's ``mean_of_means`` mutation does): a rank without supervised tokens adds 0, not
+0/0. Their descriptions: ``harness.scenario.names.DEFECTS_DESCRIBED``. The trainer's own figures are
 measured against each (``measure``), and ``correct`` against the reference run's; the judge names
 the one that matches (``harness.judge.defects``).
 """
@@ -71,9 +73,10 @@ def _pieces(model: Any, micros: list[tuple[Any, ...]]) -> tuple[Any, Any, Any, A
         inputs, targets, mask = micro[:3]
         v, grads = value_and_grad(model, inputs, targets, mask, micro[3] if len(micro) > 3 else None)
         n = mask.astype(mx.float32).sum()
-        s, t, ms = s + v, t + n, ms + v / n
+        mean_n = mx.maximum(n, 1.0)  # a micro-batch without supervised tokens: its mean is 0
+        s, t, ms = s + v, t + n, ms + v / mean_n
         g = tree_map(lambda a, b: a + b, g, grads)
-        mg = tree_map(lambda a, b, n=n: a + b / n, mg, grads)
+        mg = tree_map(lambda a, b, d=mean_n: a + b / d, mg, grads)
     return s, t, g, ms, mg
 
 
@@ -118,9 +121,10 @@ def hypotheses(model: Any, micros: list[tuple[Any, ...]], rank: int, world_size:
 
     n = float(world_size)
     s, t, g, ms, mg = _pieces(model, micros)
+    own = mx.maximum(t, 1.0)  # a rank's own token count as a divisor: a rank without tokens adds 0, not 0/0
     # every rank issues the same collectives whatever its own micro-batch count (an uneven split)
     m, big_s, big_t, big_g, mean_s, mean_g, s0, t0, g0, sum_ms, sum_mg = sum_over_ranks(
-        [mx.array(float(len(micros))), s, t, g, s / t, tree_map(lambda a: a / t, g),
+        [mx.array(float(len(micros))), s, t, g, s / own, tree_map(lambda a: a / own, g),
          mine_or_zero(s), mine_or_zero(t), mine_or_zero(g), ms, mg], world_size)
 
     def over(x: Any, d: Any) -> Any:
@@ -129,11 +133,11 @@ def hypotheses(model: Any, micros: list[tuple[Any, ...]], rank: int, world_size:
     out = {
         "correct": (big_s / big_t, over(big_g, big_t), big_t),
         "mean_of_means": (mean_s / n, over(mean_g, n), big_t),
-        "no_allreduce": (s / t, over(g, t), big_t),
+        "no_allreduce": (s / own, over(g, own), big_t),
         "no_allreduce_global": (big_s / big_t, over(g, big_t), big_t),
         "no_allreduce_scaled": (big_s / big_t, tree_map(lambda a: a * n / big_t, g), big_t),
         "not_divided_by_world": (mean_s, mean_g, big_t),
-        "local_token_count": (big_s / t, over(big_g, t), big_t),
+        "local_token_count": (big_s / own, over(big_g, own), big_t),
         "grad_times_world": (big_s / big_t, tree_map(lambda a: a * n / big_t, big_g), big_t),
         "same_rows": (s0 / t0, over(g0, t0), t0 * n),
     }
