@@ -3,12 +3,12 @@ was, including one whose semantics carry state from step to step (a stale-gradie
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
 from harness import schema
+from harness.controller.ledgers import check_ledger
 from harness.controller.scenario_runs import run_plan
 from harness.scenario import load_scenario
 from harness.scenario.plan import plan_scenario
@@ -26,9 +26,10 @@ def _runs(tmp: Path, name: str, every: int, mutation: str = "") -> dict:
 
 def probe_collectives(ledger: Path) -> dict[int, int]:
     """How many collectives the defect hypotheses issued at each step (the ledger's call sites)."""
+    checked = check_ledger(ledger)
+    assert checked is not None and checked[1] is None, checked
     per_step: dict[int, int] = {}
-    for line in ledger.read_text().splitlines():
-        e = json.loads(line)
+    for e in checked[0]:
         if e["site"].startswith("defects.py"):
             per_step[e["step"]] = per_step.get(e["step"], 0) + 1
     return per_step
