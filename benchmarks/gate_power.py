@@ -40,12 +40,16 @@ PAIR_CHANGES = re.compile(r"note: \S+?/(\S+): pairs ((?:[+-]\d+\.\d% ?)+)")
 
 
 def slowed(tree: Path, slowdown: float) -> None:
-    """Make the reference trainer's every step take 1 / (1 - slowdown) as long."""
+    """Make the reference trainer's every step take 1 / (1 - slowdown) as long: a sleep in
+    proportion to the step's own time, not counting its wait for the peers at the step's
+    agreement (``fetch_s``). Counting that wait, each rank's sleep lengthened the other's: above a
+    slowdown of 50 %, a 2-rank run's sleeps grew from step to step."""
     path = tree / "harness" / "trainers" / "reference" / "trainer.py"
     src = path.read_text()
     if STEP_END not in src:
         raise SystemExit(f"{path}: the step's end to slow down was not found")
-    sleep = f"            time.sleep({slowdown / (1 - slowdown)!r} * (time.perf_counter() - t0 - probe_s))\n"
+    own = "time.perf_counter() - t0 - probe_s - self.step_phases['fetch_s']"
+    sleep = f"            time.sleep({slowdown / (1 - slowdown)!r} * ({own}))\n"
     path.write_text(src.replace(STEP_END, sleep + STEP_END, 1))
 
 
