@@ -2,13 +2,13 @@
 
 From a clean worktree of HEAD (the candidate, unchanged) and a worktree of HEAD with the reference
 trainer slowed down (each step sleeps ``--slowdown`` / (1 - ``--slowdown``) of its own time,
-inside the timed step: its tok/s falls by ``--slowdown``), ``gate --against HEAD`` runs
-``--tries-slow`` and ``--tries-same`` times, the two kinds in turns. Counted: how often the slow
-build raised an alarm (detections) and how often the unchanged one did (false alarms), with the
-estimated changes, the pairs each gate took and its wall time; and, over every pair of the
-unchanged build, how much faster a side ran second than first. The committed tree must be clean
-for "unchanged" to mean it. ``--min-pairs N --pairs N`` gates with N pairs always (the wall time
-of a fixed gate).
+inside the timed step, after its fetch and agreement: its tok/s falls by about ``--slowdown``),
+``gate --against HEAD`` runs ``--tries-slow`` and ``--tries-same`` times, the two kinds in turns.
+Counted: how often the slow build raised an alarm (detections) and how often the unchanged one did
+(false alarms), with the estimated changes, the pairs each gate took and its wall time; and, over
+every pair of the unchanged build, how much faster a side ran second than first. The committed
+tree must be clean for "unchanged" to mean it. ``--min-pairs N --pairs N`` gates with N pairs
+always (the wall time of a fixed gate).
 
 usage: python benchmarks/gate_power.py [--tries-slow 10] [--tries-same 20] [--min-pairs 4] [--pairs 10]
        [--slowdown 0.1]
@@ -40,10 +40,11 @@ PAIR_CHANGES = re.compile(r"note: \S+?/(\S+): pairs ((?:[+-]\d+\.\d% ?)+)")
 
 
 def slowed(tree: Path, slowdown: float) -> None:
-    """Make the reference trainer's every step take 1 / (1 - slowdown) as long: a sleep in
-    proportion to the step's own time, not counting its wait for the peers at the step's
-    agreement (``fetch_s``). Counting that wait, each rank's sleep lengthened the other's: above a
-    slowdown of 50 %, a 2-rank run's sleeps grew from step to step."""
+    """Make the reference trainer's every step take about 1 / (1 - slowdown) as long: a sleep in
+    proportion to the step's time after it fetched its batch and agreed with the peers
+    (``fetch_s``, the agreement's wait included, is left out). Counting that wait, each rank's
+    sleep lengthened the other's: above a slowdown of 50 %, a 2-rank run's sleeps grew from step
+    to step."""
     path = tree / "harness" / "trainers" / "reference" / "trainer.py"
     src = path.read_text()
     if STEP_END not in src:

@@ -44,7 +44,7 @@ def test_an_environment_with_a_slowed_trainer_fails_the_gate(tmp_path: Path) -> 
     spec.loader.exec_module(gate_power)
     slow_root = tmp_path / "slow"
     shutil.copytree(REPO / "harness", slow_root / "harness")
-    # the reference trainer, as this environment installs it: a quarter of the tok/s. Its pairs run
+    # the reference trainer, as this environment installs it: about a quarter of the tok/s. Its pairs run
     # beside other tests' ranks, which make them noisy: a neighbour's ranks once left a pair unable to
     # tell a 50 % slowdown from none (the gate's power on a quiet machine: benchmarks/gate_power.py)
     gate_power.slowed(slow_root, 0.75)

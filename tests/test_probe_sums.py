@@ -8,7 +8,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map
 
 from harness.rank import defects
 
@@ -64,7 +64,11 @@ def test_a_rank_without_supervised_tokens_adds_zero_to_the_per_rank_means() -> N
     x = mx.array([[1, 2, 3, 4]])
     unsupervised = (x, mx.array([[2, 3, 4, 5]]), mx.zeros_like(x))
     found = defects.hypotheses(model, [unsupervised], rank=0, world_size=1)
-    for name in ("mean_of_means", "not_divided_by_world", "no_allreduce"):
+    for name in ("mean_of_means", "not_divided_by_world", "no_allreduce", "same_rows"):
         loss, grads, tokens = found[name]
         assert loss.item() == 0.0 and tokens.item() == 0.0, name
         assert all(mx.all(g == 0).item() for _, g in tree_flatten(grads)), name
+    ref = {"loss": 0.0, "grads": dict(tree_flatten(model.trainable_parameters()))}
+    zero = mx.array(0.0)
+    figures = defects.measure(found, zero, tree_map(mx.zeros_like, model.trainable_parameters()), 0, ref)
+    assert figures["no_allreduce"]["loss_rel"] == 0.0  # a loss of 0 where 0 is predicted matches

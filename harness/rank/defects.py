@@ -27,11 +27,12 @@ grad_times_world       sum S / T, N x sum G / T                    T
 same_rows              S_0 / T_0, G_0 / T_0 (rank 0's rows)        N x T_0
 =====================  ==========================================  ==========
 
-A rank's own token count T_r (and a micro-batch's) divides as max(T_r, 1), as trainers guard it
-(the reference's ``mean_of_means`` mutation does): a rank without supervised tokens adds 0, not
-0/0. Their descriptions: ``harness.scenario.names.DEFECTS_DESCRIBED``. The trainer's own figures are
-measured against each (``measure``), and ``correct`` against the reference run's; the judge names
-the one that matches (``harness.judge.defects``).
+A rank's own token count T_r (rank 0's for ``same_rows``, and a micro-batch's) divides as
+max(T_r, 1), as trainers guard it (the reference's ``mean_of_means`` mutation does): a rank
+without supervised tokens adds 0, not 0/0. Their descriptions:
+``harness.scenario.names.DEFECTS_DESCRIBED``. The trainer's own figures are measured against
+each (``measure``), and ``correct`` against the reference run's; the judge names the one that
+matches (``harness.judge.defects``).
 """
 
 from __future__ import annotations
@@ -139,7 +140,7 @@ def hypotheses(model: Any, micros: list[tuple[Any, ...]], rank: int, world_size:
         "not_divided_by_world": (mean_s, mean_g, big_t),
         "local_token_count": (big_s / own, over(big_g, own), big_t),
         "grad_times_world": (big_s / big_t, tree_map(lambda a: a * n / big_t, big_g), big_t),
-        "same_rows": (s0 / t0, over(g0, t0), t0 * n),
+        "same_rows": (s0 / mx.maximum(t0, 1.0), over(g0, mx.maximum(t0, 1.0)), t0 * n),
     }
     micro = (sum_ms / m, over(sum_mg, m), big_t)
     if m.item() > n:  # with one micro-batch a rank, the same as mean_of_means
@@ -185,7 +186,7 @@ def measure(found: dict[str, tuple], loss: Any, grads: Any, tokens: int, ref: di
     for name in found:
         h_loss, h_tokens, d, r = lazy[name]
         hl = float(h_loss.item())
-        out[name] = {"loss_rel": abs(loss_f - hl) / abs(hl) if hl else math.inf,
+        out[name] = {"loss_rel": abs(loss_f - hl) / abs(hl) if hl else (0.0 if loss_f == hl else math.inf),
                      "grad_rel": _rel(float(d.item()), float(r.item())), "tokens": int(round(float(h_tokens.item())))}
     out["correct"]["ref_grad_rel"] = _rel(*(float(x.item()) for x in lazy["ref"]))
     out["correct"]["ref_loss_rel"] = abs(float(c_loss.item()) - ref["loss"]) / abs(ref["loss"]) if ref["loss"] else 0.0
