@@ -128,6 +128,8 @@ def hypotheses(model: Any, micros: list[tuple[Any, ...]], rank: int, world_size:
         [mx.array(float(len(micros))), s, t, g, s / own, tree_map(lambda a: a / own, g),
          mine_or_zero(s), mine_or_zero(t), mine_or_zero(g), ms, mg], world_size)
 
+    first = mx.maximum(t0, 1.0)  # rank 0's own token count, as a divisor
+
     def over(x: Any, d: Any) -> Any:
         return tree_map(lambda a: a / d, x)
 
@@ -140,7 +142,7 @@ def hypotheses(model: Any, micros: list[tuple[Any, ...]], rank: int, world_size:
         "not_divided_by_world": (mean_s, mean_g, big_t),
         "local_token_count": (big_s / own, over(big_g, own), big_t),
         "grad_times_world": (big_s / big_t, tree_map(lambda a: a * n / big_t, big_g), big_t),
-        "same_rows": (s0 / mx.maximum(t0, 1.0), over(g0, mx.maximum(t0, 1.0)), t0 * n),
+        "same_rows": (s0 / first, over(g0, first), t0 * n),
     }
     micro = (sum_ms / m, over(sum_mg, m), big_t)
     if m.item() > n:  # with one micro-batch a rank, the same as mean_of_means
@@ -149,13 +151,19 @@ def hypotheses(model: Any, micros: list[tuple[Any, ...]], rank: int, world_size:
     return out
 
 
-def _rel_sums(mine: dict[str, Any], theirs: dict[str, Any]) -> tuple[Any, Any]:
-    """||mine - theirs||^2 and ||theirs||^2 over every tensor, unevaluated."""
+def squared_gaps(mine: dict[str, Any], theirs: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """Each tensor's ||mine - theirs||^2 and ||theirs||^2 in float32, unevaluated (``mx.square``:
+    MLX's CPU ``** 2`` is a slower ``pow`` that is not exact)."""
     import mlx.core as mx
 
-    d = sum(mx.square(mine[k].astype(mx.float32) - theirs[k].astype(mx.float32)).sum() for k in theirs)
-    r = sum(mx.square(theirs[k].astype(mx.float32)).sum() for k in theirs)
-    return d, r
+    return {k: (mx.square(mine[k].astype(mx.float32) - theirs[k].astype(mx.float32)).sum(),
+                mx.square(theirs[k].astype(mx.float32)).sum()) for k in mine}
+
+
+def _rel_sums(mine: dict[str, Any], theirs: dict[str, Any]) -> tuple[Any, Any]:
+    """||mine - theirs||^2 and ||theirs||^2 over every tensor (summed in ``theirs``' order), unevaluated."""
+    gaps = squared_gaps(mine, theirs)
+    return sum(gaps[k][0] for k in theirs), sum(gaps[k][1] for k in theirs)
 
 
 def _rel(d: float, r: float) -> float:

@@ -26,7 +26,7 @@ from typing import Any
 
 from harness import schema
 from harness.rank.collective_mutations import measuring
-from harness.rank.defects import hypotheses, measure
+from harness.rank.defects import hypotheses, measure, squared_gaps
 from harness.scenario.job import ProbeJob
 from harness.schema import probe_path
 
@@ -148,8 +148,7 @@ def compare(step: int, loss: Any, grads: Any, tokens: int, ref: dict[str, Any]) 
     mine, theirs = dict(tree_flatten(grads)), ref["grads"]
     if mine.keys() != theirs.keys():
         raise ValueError(f"gradient names differ from the reference's ({sorted(mine.keys() ^ theirs.keys())[:3]})")
-    sq = {k: (mx.square(mine[k].astype(mx.float32) - theirs[k].astype(mx.float32)).sum(),
-              mx.square(theirs[k].astype(mx.float32)).sum()) for k in mine}
+    sq = squared_gaps(mine, theirs)
     mx.eval(sq)
     per = {k: (float(d), float(r)) for k, (d, r) in sq.items()}
     diff, norm = sum(d for d, _ in per.values()), sum(r for _, r in per.values())
