@@ -134,6 +134,30 @@ def test_quiet_select_watches_only_output_pipes() -> None:
         os.close(w)
 
 
+@pytest.mark.parametrize("pidfd", [True, False])
+def test_the_watchdogs_wait_ends_when_the_launch_ends_not_at_its_next_poll(pidfd: bool) -> None:
+    from harness.controller.watch import ExitWait
+
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    ended = ExitWait(proc)
+    try:
+        if not pidfd and ended.fd is not None:  # as where the system has no pidfd (macOS): Popen.wait
+            os.close(ended.fd)
+            ended.fd = None
+        assert pidfd == (ended.fd is not None) or not hasattr(os, "pidfd_open")
+        t0 = time.monotonic()
+        ended.sleep(0.3)  # the process lives: the whole wait
+        assert time.monotonic() - t0 >= 0.29 and proc.poll() is None
+        proc.stdin.close()  # the process ends
+        t0 = time.monotonic()
+        ended.sleep(30.0)
+        assert time.monotonic() - t0 < 10.0 and proc.wait(timeout=5) == 0
+    finally:
+        ended.close()
+        proc.kill()
+        proc.wait()
+
+
 @pytest.mark.parametrize(
     ("action", "expect"),
     [
