@@ -90,6 +90,7 @@ def prepare(cache: Path | None = None) -> Path | None:
             if done.returncode != 0:
                 os.unlink(tmp)
                 return None
+            os.chmod(tmp, 0o644)  # as MLX's own files there: readable by whoever shares the temp dir
             os.replace(tmp, out)
             key_file.write_text(key)
         return out
