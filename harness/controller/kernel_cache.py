@@ -65,9 +65,10 @@ def _key(include: Path, compiler: str) -> str:
 def prepare(cache: Path | None = None) -> Path | None:
     """Build the precompiled preamble into ``cache`` (MLX's kernel cache for ranks started here by
     default) unless it is there and current; returns its path, or None where there is none."""
-    compiler = shutil.which("g++")
-    include = include_dir()
-    if not sys.platform.startswith("linux") or compiler is None or include is None:
+    if not sys.platform.startswith("linux"):
+        return None
+    compiler, include = shutil.which("g++"), include_dir()
+    if compiler is None or include is None:
         return None
     try:
         cache = cache or cache_dir()
