@@ -141,10 +141,10 @@ def test_the_watchdogs_wait_ends_when_the_launch_ends_not_at_its_next_poll(pidfd
     proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
     ended = ExitWait(proc)
     try:
-        if not pidfd and ended.fd is not None:  # as where the system has no pidfd (macOS): Popen.wait
-            os.close(ended.fd)
-            ended.fd = None
-        assert pidfd == (ended.fd is not None) or not hasattr(os, "pidfd_open")
+        if pidfd and ended.fd is None:
+            pytest.skip("no pidfd here (macOS, an old kernel or a sandbox): the other case is the one that runs")
+        if not pidfd and ended.fd is not None:  # as where the system has no pidfd: Popen.wait
+            ended.close()
         t0 = time.monotonic()
         ended.sleep(0.3)  # the process lives: the whole wait
         assert time.monotonic() - t0 >= 0.29 and proc.poll() is None

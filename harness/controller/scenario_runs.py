@@ -59,8 +59,7 @@ def run_plan(
     run on ``cluster``'s hosts when given. Outcomes come back in file order, the floor runs last."""
     s = plan.scenario
     jobs = prepare_jobs(plan)
-    if cluster is None:
-        kernel_cache.prepared()  # before any run's clock starts
+    kernel_cache.prepared()  # before any run's clock starts (a cluster's hosts keep caches of their own)
     outcomes: dict[str, RunOutcome] = {}
     workspace = Path(tempfile.mkdtemp(prefix=f"mlx-ddp-harness-{s.name}-"))
     try:

@@ -130,14 +130,18 @@ class ExitWait:
 
     def __init__(self, proc: subprocess.Popen):
         self.proc = proc
+        self.poller: select.poll | None = None
         try:
             self.fd: int | None = os.pidfd_open(proc.pid)
-        except (AttributeError, OSError):  # macOS, an old kernel, or a process already reaped
+        except (AttributeError, OSError):  # macOS, an old kernel or a sandbox, or a process already reaped
             self.fd = None
+        else:
+            self.poller = select.poll()  # no limit on the descriptor's number, as select() has
+            self.poller.register(self.fd, select.POLLIN)
 
     def sleep(self, seconds: float) -> None:
-        if self.fd is not None:
-            select.select([self.fd], [], [], seconds)
+        if self.poller is not None:
+            self.poller.poll(seconds * 1000)
             return
         try:
             self.proc.wait(timeout=seconds)
@@ -147,7 +151,7 @@ class ExitWait:
     def close(self) -> None:
         if self.fd is not None:
             os.close(self.fd)
-            self.fd = None
+            self.fd, self.poller = None, None
 
 
 def kill_group(launch: Launch, pids: dict[int, int] | None = None, timeout: float = 10.0) -> list[int | str]:
