@@ -13,6 +13,7 @@ import pytest
 
 from harness.controller.ledgers import compare, read_ledger
 from harness.controller.scenario_runs import run_plan
+from harness.controller.watch import STACK_DUMP_WAIT_S
 from harness.rank.ledger import Ledger
 from harness.scenario import load_scenario
 from harness.scenario.plan import plan_scenario
@@ -125,4 +126,6 @@ def test_a_planted_desync_is_named_in_the_failure_and_the_result(tmp_path: Path,
         assert text in line, line
     assert out.collectives["agree"] == (defect == "stopped_rank")
     print(f"{defect}: named {took:.2f} s after the last progress event (no-progress limit {NO_PROGRESS_S} s): {line}")
-    assert took <= NO_PROGRESS_S + 2, took
+    # at the no-progress limit, not the wall's (240 s): the limit, the stacks' dump (at most STACK_DUMP_WAIT_S)
+    # and 3 s for a loaded machine (beside the rest of the suite on 2 cores it once took 7.07 s; alone 5.3 to 6.8)
+    assert took <= NO_PROGRESS_S + STACK_DUMP_WAIT_S + 3, took
