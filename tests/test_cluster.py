@@ -246,9 +246,11 @@ def test_a_link_that_goes_down_mid_run_ends_it_within_the_no_progress_limit(sim:
     scenario = LINK_DOWN
     tmp = tmp_path / "controller-tmp"
     tmp.mkdir()
+    # its ranks yield while they wait (as above): through the 10 s without progress, both would poll
+    # a core each of the machine the simulated hosts share
     proc = subprocess.Popen([sys.executable, "-m", "harness", "run", str(scenario), "--hostfile", str(hostfile),
                              "--progress", "off"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PATH": sim.path_env["PATH"], "TMPDIR": str(tmp)})
+                            env={**os.environ, "PATH": sim.path_env["PATH"], "TMPDIR": str(tmp), ring_yield.VAR: "on"})
     try:
         deadline = time.monotonic() + 120
         while True:  # rank 1's events come back from its host as it trains
