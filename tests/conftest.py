@@ -27,6 +27,7 @@ os.environ.setdefault("MLX_DDP_HARNESS_RANK_BUDGET", str((os.cpu_count() or 1) +
 os.environ.setdefault("MLX_DDP_HARNESS_WARM_RANKS", os.path.join(
     os.environ.get("TMPDIR", "/tmp"), f"mlx-ddp-harness-warm-{os.getpid()}"))
 EXAMPLE = REPO / "examples" / "ddp_train.py"
+WORKER_DIR = REPO / "examples" / "cpp_worker"
 
 # A small, fast scenario body; tests add [[runs]] and override keys as they need.
 SMALL = """
@@ -155,6 +156,22 @@ def shared_run(tmp_path_factory: pytest.TempPathFactory) -> SharedRun:
     """``shared_run(*run_args)``: ``SharedRun``, in a directory every xdist worker of this session sees."""
     base = tmp_path_factory.getbasetemp()
     return SharedRun((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared-runs")
+
+
+@pytest.fixture(scope="session")
+def worker() -> Path:
+    """The C++ worker, built against the mlx wheel of this interpreter (skipped without g++); one
+    build for all xdist workers, the others wait for it."""
+    import fcntl
+    import shutil
+
+    if shutil.which("g++") is None:
+        pytest.skip("g++ is not installed: the C++ worker cannot be built")
+    (WORKER_DIR / "build").mkdir(exist_ok=True)
+    with open(WORKER_DIR / "build" / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        subprocess.run(["bash", str(WORKER_DIR / "build.sh"), sys.executable], check=True, timeout=300)
+    return WORKER_DIR / "build" / "worker"
 
 
 @pytest.fixture

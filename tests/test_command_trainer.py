@@ -5,11 +5,8 @@ what the worker writes, and the worker's own collective ledger naming a planted 
 
 from __future__ import annotations
 
-import fcntl
 import json
 import re
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -19,23 +16,7 @@ import pytest
 from harness import schema
 from harness.controller.ledgers import compare, read_ledger
 from harness.rank.protocol import problem
-from tests.conftest import REPO, cli, script_scenario
-
-WORKER_DIR = REPO / "examples" / "cpp_worker"
-
-
-@pytest.fixture(scope="module")
-def worker() -> Path:
-    """The C++ worker, built against the mlx wheel of this interpreter (skipped without g++)."""
-    import shutil
-
-    if shutil.which("g++") is None:
-        pytest.skip("g++ is not installed: the C++ worker cannot be built")
-    (WORKER_DIR / "build").mkdir(exist_ok=True)
-    with open(WORKER_DIR / "build" / ".lock", "w") as lock:  # one build for all xdist workers; the rest wait
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        subprocess.run(["bash", str(WORKER_DIR / "build.sh"), sys.executable], check=True, timeout=300)
-    return WORKER_DIR / "build" / "worker"
+from tests.conftest import REPO, WORKER_DIR, cli, script_scenario
 
 
 @pytest.mark.ranks

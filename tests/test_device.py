@@ -14,8 +14,7 @@ import pytest
 from harness.controller.devices import Accelerators, BackendRefused, DeviceRefused, plan_backend, plan_device
 from harness.rank import device_check as dc
 from harness.scenario import ScenarioError, parse_scenario, with_device
-from tests.conftest import SMALL, cli
-from tests.test_command_trainer import WORKER_DIR, worker  # noqa: F401 - the C++ worker's fixture
+from tests.conftest import SMALL, WORKER_DIR, cli
 
 H100 = Accelerators("cuda", 2, "NVIDIA H100 80GB HBM3")
 M3 = Accelerators("metal", 1, "Apple M3 Max")
@@ -186,7 +185,7 @@ def test_a_device_that_computes_wrong_fails_every_rank_in_one_line(tmp_path: Pat
 
 
 @pytest.mark.ranks
-def test_the_cpp_worker_is_given_the_cpu_and_runs_there(worker: Path, tmp_path: Path) -> None:  # noqa: F811
+def test_the_cpp_worker_is_given_the_cpu_and_runs_there(worker: Path, tmp_path: Path) -> None:
     body = (WORKER_DIR / "cpp_worker.toml").read_text().replace('path = "build/worker"', f'path = "{worker}"')
     body = body.replace('[[runs]]\nname = "ddp4"\nworld_size = 4\n', "")
     body = body.replace('optimizer = "sgd"', 'optimizer = "sgd"\ndevice = "cpu"')

@@ -237,7 +237,7 @@ print(json.dumps([m for m in sys.argv[5:] if m in sys.modules]))
                                                 ("examples/cpp_worker/cpp_worker.toml", "jsonschema"),
                                                 ("scenarios/unsloth_parity.toml", "mlx_lm.utils")])
 def test_a_server_imports_what_its_trainers_ranks_import_later_and_a_cold_rank_does_not(
-        tmp_path: Path, scenario: str, later: str) -> None:
+        tmp_path: Path, scenario: str, later: str, request: pytest.FixtureRequest) -> None:
     """A script's or an executable's rank imports jsonschema when it checks its first protocol
     record, unsloth-zoo's rank 0 mlx-lm's saving utilities at its final save: a warm-start server
     imports them beforehand (its forked ranks pay for neither), a cold rank only when it gets there."""
@@ -245,6 +245,8 @@ def test_a_server_imports_what_its_trainers_ranks_import_later_and_a_cold_rank_d
 
     if "unsloth" in scenario:
         needs_unsloth()
+    if "cpp_worker" in scenario:
+        request.getfixturevalue("worker")  # the scenario names the built worker
     path = REPO / scenario
     found = {}
     (tmp_path / "tmp").mkdir()
