@@ -16,11 +16,12 @@ REPO = Path(__file__).resolve().parents[1]
 # drawing them is most of the controller's CPU in a small run, and tests/test_report.py and
 # tests/test_gates.py check them.
 os.environ.setdefault("MLX_DDP_HARNESS_PLOTS", "off")
-# Two rank slots more than the cores: a DDP run's ranks wait on each other between their steps, and
+# Four rank slots more than the cores: a DDP run's ranks wait on each other between their steps, and
 # some tests' ranks mostly wait (a slowed trainer, a slow link, a hang), so with the budget at the
 # cores a core sits idle while the other xdist worker's launch queues for it (docs/development.md).
-# Tests of the budget set their own.
-os.environ.setdefault("MLX_DDP_HARNESS_RANK_BUDGET", str((os.cpu_count() or 1) + 2))
+# With four more, the widest launch of the tests (4 ranks) goes beside a 2-rank one: at two more it
+# waited out a hang's no-progress limit or a whole gate, with a core idle. Tests of the budget set their own.
+os.environ.setdefault("MLX_DDP_HARNESS_RANK_BUDGET", str((os.cpu_count() or 1) + 4))
 # Local CPU ranks start forked from a process that has done their imports (warm starts,
 # ``harness.controller.warm_ranks``): a rank's imports are most of a short test run's CPU. Set
 # once in the first pytest process, so xdist's workers share the servers; ended at session end.
