@@ -73,3 +73,39 @@ def test_an_interrupted_run_keeps_its_partial_logs_marked_and_leaves_nothing(tmp
     assert not run_dir.exists() and not list(tmp.glob("mlx-ddp-harness-*"))  # no temporary directory left
     assert ranks and not [pid for pid in ranks if psutil.pid_exists(pid)
                           and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+
+
+@pytest.mark.ranks
+def test_ctrl_c_while_floor_runs_go_side_by_side_stops_them_all(tmp_path: Path) -> None:
+    """A scenario's floor runs (here ``single``'s twins of 2 and 4 ranks) go side by side on the CPU;
+    a Ctrl-C in their midst stops every one of them, each kept and marked, nothing left."""
+    path = write_scenario(tmp_path, "floors", (1, 2, 4), steps=150)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    out = tmp_path / "o"
+    p = subprocess.Popen([sys.executable, "-m", "harness", "run", str(path), "--out", str(out), "--progress", "off"],
+                         cwd=REPO, env={**os.environ, "TMPDIR": str(tmp)}, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.monotonic() + 480
+    training: list[Path] = []
+    while time.monotonic() < deadline and len(training) < 2 and p.poll() is None:  # two runs train at once
+        training = [f.parent for f in tmp.glob("mlx-ddp-harness-run-*/rank0.events.jsonl")
+                    if '"step": 2' in f.read_text()]
+        time.sleep(0.05)
+    if len(training) < 2:
+        p.terminate()
+        pytest.fail(f"no two runs trained at once: {p.communicate(timeout=60)}")
+    names = {json.loads((d / "job.json").read_text())["run"] for d in training}
+    ranks = [e["pid"] for d in training for line in (d / "rank0.events.jsonl").read_text().splitlines()
+             if (e := json.loads(line))["kind"] == "start"]
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130, err
+    assert names == {"twin2", "twin4"}, names  # the floor runs, not declared ones
+    for name in names:
+        marker = (out / "runs" / "floors" / name / "INTERRUPTED").read_text()
+        assert marker.startswith(f"run {name!r} was interrupted (Ctrl-C)"), marker
+    assert not list(tmp.glob("mlx-ddp-harness-*"))  # no run directory, no workspace left
+    assert ranks and not [pid for pid in ranks if psutil.pid_exists(pid)
+                          and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]

@@ -41,6 +41,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -287,9 +288,11 @@ def claimed(claims: list[tuple[int, str]]) -> str:
     return "; ".join(f"{format_size(n)} by {h}" for n, h in claims) or "none"
 
 
-def hold(ranks: int, what: str = "a launch", poll_s: float = 0.05, memory_bytes: int = 0) -> RankSlots:
+def hold(ranks: int, what: str = "a launch", poll_s: float = 0.05, memory_bytes: int = 0,
+         stop: Callable[[], None] | None = None) -> RankSlots:
     """Wait until ``ranks`` slots (at most the budget, less those ``held_here``) are free and
-    ``memory_bytes`` fit the memory budget beside the live claims, and take them."""
+    ``memory_bytes`` fit the memory budget beside the live claims, and take them. ``stop`` is
+    called between looks: what it raises ends the wait, taking nothing."""
     size = budget()
     want = min(ranks, size) - min(held_here(), size)
     memory_bytes = max(0, int(memory_bytes))
@@ -337,5 +340,7 @@ def hold(ranks: int, what: str = "a launch", poll_s: float = 0.05, memory_bytes:
                           f"{format_size(mem.bytes)} ({mem.source}); claimed: {claimed(claims)}",
                           file=sys.stderr, flush=True)
             time.sleep(poll_s)
+            if stop is not None:
+                stop()
     finally:
         _drop_ticket(ticket)

@@ -6,6 +6,7 @@ import shutil
 import signal
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from harness.controller.ledgers import desync
 from harness.controller.memory_guard import MemoryLimits
 from harness.controller.outcome import RunOutcome, WatchReport
 from harness.controller.progress import Observer, ProgressFeed, RunProgress
+from harness.controller.side_by_side import Cancelled
 from harness.controller.watch import kill_group, watch
 from harness.scenario.job import Job, TrainJob
 
@@ -74,6 +76,8 @@ def moved(final: dict[str, Any] | None, start_path: Path) -> float | None:
 
 
 def _why(e: BaseException) -> str:
+    if isinstance(e, Cancelled):  # the controller's main thread was interrupted while this run went beside
+        return _why(e.cause)
     if isinstance(e, KeyboardInterrupt):
         return "Ctrl-C"
     if isinstance(e, SystemExit) and isinstance(e.code, int) and e.code > 128:
@@ -103,6 +107,7 @@ def execute(
     memory: MemoryLimits | None = None,
     cluster: Cluster | None = None,
     sync_dirs: tuple[Path, ...] = (),
+    stop: Callable[[], None] | None = None,
 ) -> RunOutcome:
     """Launch ``job`` on ``world_size`` ranks and return what happened.
 
@@ -112,6 +117,8 @@ def execute(
     ``memory``: hard memory limits the watchdog enforces while the run goes. ``cluster``: hosts
     a run of more than one rank runs on (``cluster``'s docstring), ``sync_dirs`` the local
     directories its job names that the hosts read from and write to (the scenario's workspace).
+    ``stop``: called while the run queues and at each poll of its watchdog; what it raises stops
+    the run as an interruption does (``side_by_side``).
     """
     on_cluster = cluster is not None and world_size > 1
     scenario_name = job.scenario.name if job.scenario is not None else ""
@@ -126,7 +133,7 @@ def execute(
         feed.poll(False)  # queued
         # the watchdog starts once the ranks do; ranks on cluster hosts take no slots here
         expected = 0 if on_cluster else world_size * int(job.memory.get("expected_rank_bytes") or 0)
-        slots = rank_budget.hold(0 if on_cluster else world_size, f"run {name!r}", memory_bytes=expected)
+        slots = rank_budget.hold(0 if on_cluster else world_size, f"run {name!r}", memory_bytes=expected, stop=stop)
     except ValueError as e:
         raise LaunchError(str(e)) from e
     run_dir: Path | None = None
@@ -134,10 +141,13 @@ def execute(
         run_dir = Path(tempfile.mkdtemp(prefix="mlx-ddp-harness-run-"))
         meter = CpuMeter()
         t_start = time.monotonic()
+        if stop is not None:
+            stop()
         started = _launch(name, job, world_size, backend, run_dir, cluster if on_cluster else None, sync_dirs)
         feed.start(run_dir)
         try:
-            report = watch(started, wall_s, no_progress_s, meter, feed, memory, rank_budget.NeighbourMeter(slots))
+            report = watch(started, wall_s, no_progress_s, meter, feed, memory, rank_budget.NeighbourMeter(slots),
+                           stop)
         except BaseException as e:  # interrupted: leave no process behind, keep what the ranks wrote
             kill_group(started)
             if keep_to is not None:

@@ -1,7 +1,8 @@
-"""Launch every run of a scenario's plan (``harness.scenario.plan``) one after another, in the
-plan's order: the reference first (at its step-local probe steps it records its parameters and
-gradient into the workspace, and the runs compared with it read them there), then the other
-runs in file order, then the floor runs.
+"""Launch every run of a scenario's plan (``harness.scenario.plan``) in the plan's order: the
+reference first (at its step-local probe steps it records its parameters and gradient into the
+workspace, and the runs compared with it read them there), then the other runs in file order,
+one after another, then the floor runs, which read nothing from each other: on the CPU one a core
+at once (``side_by_side``), on a GPU one after another.
 
 Runs of one scenario share a checkpoint workspace: each run that writes checkpoints gets its
 own directory there, and a run that resumes from an earlier run reads that run's directory.
@@ -14,17 +15,20 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
 from harness.cluster_spec import Cluster
 from harness.controller import kernel_cache
+from harness.controller.devices import DeviceRefused, plan_device
 from harness.controller.inputs import prepare_jobs
 from harness.controller.memory_guard import MemoryLimits
 from harness.controller.outcome import RankOutcome, RunOutcome, WatchReport
-from harness.controller.progress import Observer
+from harness.controller.progress import Observer, RunProgress
 from harness.controller.run_job import execute
-from harness.scenario.plan import ScenarioPlan
+from harness.controller.side_by_side import Cancel, run_side_by_side, width
+from harness.scenario.plan import PlannedRun, ScenarioPlan
 from harness.schema import NO_STEPS
 
 KEEP_FROM_CHECKPOINTS = ("manifest.json", "trainer.json")
@@ -42,6 +46,27 @@ def _keep_checkpoints(workspace: Path, dest: Path, whole: bool) -> None:
             target = dest / f.relative_to(workspace)
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(f, target)
+
+
+def _floors_at_once(floors: list[PlannedRun]) -> int:
+    """Floor runs on the CPU go one a core at once (``side_by_side``); on a GPU, one at a time:
+    they would share one device and its memory."""
+    try:
+        on_cpu = all(plan_device(str(r.job.device.get("asked") or "auto"))[0] == "cpu" for r in floors)
+    except DeviceRefused:
+        on_cpu = False
+    return width(len(floors)) if on_cpu else 1
+
+
+def _one_at_a_time(observer: Observer) -> Observer:
+    """``observer`` called by one run's thread at a time."""
+    lock = threading.Lock()
+
+    def shown(p: RunProgress) -> None:
+        with lock:
+            observer(p)
+
+    return shown
 
 
 def run_plan(
@@ -62,27 +87,38 @@ def run_plan(
     kernel_cache.prepared()  # before any run's clock starts (a cluster's hosts keep caches of their own)
     outcomes: dict[str, RunOutcome] = {}
     workspace = Path(tempfile.mkdtemp(prefix=f"mlx-ddp-harness-{s.name}-"))
+    floors = plan.floor_runs
+    at_once = _floors_at_once(floors)
+    shown = _one_at_a_time(progress) if progress is not None and at_once > 1 else progress
+
+    def launch(run: PlannedRun, stop: Callable[[], None] | None = None) -> RunOutcome:
+        outcome = execute(
+            run.name,
+            jobs[run.name].in_workspace(workspace),
+            run.spec.world_size,
+            backend=run.spec.backend or backend,
+            wall_s=s.limits.wall_s,
+            no_progress_s=s.limits.no_progress_s,
+            keep_to=artifacts / run.name if artifacts else None,
+            progress=shown,
+            memory=MemoryLimits.from_scenario(s.limits, s.checks),
+            cluster=cluster,
+            sync_dirs=(workspace,),
+            stop=stop,
+        )
+        if run.floor is not None:
+            outcome.floor = run.floor.description
+        kind = run.trainer.kind
+        if run.trainer.external and outcome.failure and f"trainer {kind}" not in outcome.failure:
+            outcome.failure = f"trainer {kind}: {outcome.failure}"  # name the trainer under test
+        return outcome
+
+    def launch_floor(name: str, cancel: Cancel) -> RunOutcome:
+        return launch(next(r for r in floors if r.name == name), cancel.check)
+
     try:
-        for k, run in enumerate(plan.runs):
-            outcome = execute(
-                run.name,
-                jobs[run.name].in_workspace(workspace),
-                run.spec.world_size,
-                backend=run.spec.backend or backend,
-                wall_s=s.limits.wall_s,
-                no_progress_s=s.limits.no_progress_s,
-                keep_to=artifacts / run.name if artifacts else None,
-                progress=progress,
-                memory=MemoryLimits.from_scenario(s.limits, s.checks),
-                cluster=cluster,
-                sync_dirs=(workspace,),
-            )
-            if run.floor is not None:
-                outcome.floor = run.floor.description
-            kind = run.trainer.kind
-            if run.trainer.external and outcome.failure and f"trainer {kind}" not in outcome.failure:
-                outcome.failure = f"trainer {kind}: {outcome.failure}"  # name the trainer under test
-            outcomes[run.name] = outcome
+        for k, run in enumerate(plan.declared):
+            outcomes[run.name] = outcome = launch(run)
             if on_run:
                 on_run(outcome)
             if k == 0 and run.spec.expect_error is None and NO_STEPS in (outcome.failure or "\n").splitlines()[0]:
@@ -94,6 +130,8 @@ def run_plan(
                     if on_run:
                         on_run(outcomes[rest.name])
                 break
+        if not all(r.name in outcomes for r in floors):  # they read only the declared runs' workspace
+            outcomes.update(run_side_by_side([r.name for r in floors], launch_floor, on_done=on_run, at_once=at_once))
         if artifacts:
             _keep_checkpoints(workspace, artifacts, keep_checkpoints)
     finally:

@@ -16,6 +16,7 @@ import select
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -190,12 +191,13 @@ def kill_group(launch: Launch, pids: dict[int, int] | None = None, timeout: floa
 
 def watch(launch: Launch, wall_s: float, no_progress_s: float, meter: CpuMeter,
           feed: ProgressFeed | None = None, memory: MemoryLimits | None = None,
-          neighbours: NeighbourMeter | None = None) -> WatchReport:
+          neighbours: NeighbourMeter | None = None, stop: Callable[[], None] | None = None) -> WatchReport:
     """Block until the run ends or a limit fires; always leaves the process group empty. ``meter``
     (started before the launch) measures the CPUs meanwhile, ``neighbours`` the other launches;
     ``feed`` is told of each poll; ``memory``: the hard limits enforced meanwhile (the machine's
     share alone when ``None``). The run's wall time, and its limit, count from the meter's start:
-    the launch itself (and a warm-start server's imports it waited for) is part of the run."""
+    the launch itself (and a warm-start server's imports it waited for) is part of the run.
+    ``stop`` is called at each poll: what it raises leaves here as an interruption does."""
     t0 = meter.t0
     last_mark, last_progress = _progress_mark(launch), time.monotonic()
     failed_since: float | None = None
@@ -208,6 +210,8 @@ def watch(launch: Launch, wall_s: float, no_progress_s: float, meter: CpuMeter,
     try:
         while launch.proc.poll() is None:
             ended.sleep(POLL_S)
+            if stop is not None:
+                stop()
             now = time.monotonic()
             mark = _progress_mark(launch)
             if feed is not None:
