@@ -77,14 +77,17 @@ def test_an_interrupted_run_keeps_its_partial_logs_marked_and_leaves_nothing(tmp
 
 @pytest.mark.ranks
 def test_ctrl_c_while_floor_runs_go_side_by_side_stops_them_all(tmp_path: Path) -> None:
-    """A scenario's floor runs (here ``single``'s twins of 2 and 4 ranks) go side by side on the CPU;
-    a Ctrl-C in their midst stops every one of them, each kept and marked, nothing left."""
-    path = write_scenario(tmp_path, "floors", (1, 2, 4), steps=150)
+    """A scenario's floor runs (here ``single``'s twin of 2 ranks and its rerun) go side by side on the
+    CPU; a Ctrl-C in their midst stops every one of them, each kept and marked, nothing left."""
+    again = '\n[[runs]]\nname = "again"\nworld_size = 1\ncompare_to = "single"\n'  # judged against a rerun
+    path = write_scenario(tmp_path, "floors", (1, 2), steps=40, extra=again)
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     out = tmp_path / "o"
+    # rank slots of its own: beside other tests' launches the second floor run could wait for one
+    slots = {"MLX_DDP_HARNESS_RANK_DIR": str(tmp_path / "slots"), "MLX_DDP_HARNESS_RANK_BUDGET": "4"}
     p = subprocess.Popen([sys.executable, "-m", "harness", "run", str(path), "--out", str(out), "--progress", "off"],
-                         cwd=REPO, env={**os.environ, "TMPDIR": str(tmp)}, stdout=subprocess.PIPE,
+                         cwd=REPO, env={**os.environ, "TMPDIR": str(tmp), **slots}, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True,
                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 480
@@ -102,7 +105,7 @@ def test_ctrl_c_while_floor_runs_go_side_by_side_stops_them_all(tmp_path: Path) 
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=60)
     assert p.returncode == 130, err
-    assert names == {"twin2", "twin4"}, names  # the floor runs, not declared ones
+    assert names == {"twin2", "single_rerun"}, names  # the floor runs, not declared ones
     for name in names:
         marker = (out / "runs" / "floors" / name / "INTERRUPTED").read_text()
         assert marker.startswith(f"run {name!r} was interrupted (Ctrl-C)"), marker
