@@ -196,9 +196,11 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests that launch ranks first, each module's in its order, the rest after: under ``-n`` the
-    last tests to run are short ones, so no worker ends its share long before the other."""
-    items.sort(key=lambda item: item.get_closest_marker("ranks") is None)
+    """Modules with tests that launch ranks first, each whole and in its order (its module fixtures
+    made once), the rest after: under ``-n`` the last tests to run are short ones, so no worker
+    ends its share long before the other."""
+    launching = {item.module for item in items if item.get_closest_marker("ranks") is not None}
+    items.sort(key=lambda item: item.module not in launching)
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -117,7 +117,7 @@ def run_plan(
         return launch(next(r for r in floors if r.name == name), cancel.check)
 
     try:
-        for k, run in enumerate(plan.declared):
+        for k, run in enumerate(r for r in plan.runs if r.floor is None):  # launch order: the reference first
             outcomes[run.name] = outcome = launch(run)
             if on_run:
                 on_run(outcome)
@@ -130,8 +130,13 @@ def run_plan(
                     if on_run:
                         on_run(outcomes[rest.name])
                 break
-        if not all(r.name in outcomes for r in floors):  # they read only the declared runs' workspace
+        if at_once > 1 and not all(r.name in outcomes for r in floors):  # they read only the declared runs'
             outcomes.update(run_side_by_side([r.name for r in floors], launch_floor, on_done=on_run, at_once=at_once))
+        for run in floors:  # one at a time (a GPU's), here as the declared runs go
+            if run.name not in outcomes:
+                outcomes[run.name] = launch(run)
+                if on_run:
+                    on_run(outcomes[run.name])
         if artifacts:
             _keep_checkpoints(workspace, artifacts, keep_checkpoints)
     finally:

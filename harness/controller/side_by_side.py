@@ -5,10 +5,11 @@ a thread of its own, as many at once as the machine has cores: each still takes 
 The main thread alone is interrupted (Ctrl-C, or SIGTERM raised as ``SystemExit``). It then sets
 a ``Cancel`` that each run's watchdog checks at every poll: each running run is stopped as an
 interrupted run is (its ranks killed, what they wrote kept and marked), a run still queued for
-slots starts nothing, and the main thread raises what interrupted it once every launched run has
-ended. A run that raises (a launch that failed) cancels the rest the same way, and its error is
-raised. Outcomes are handed on in the order given, whatever order the runs end in.
-"""
+slots starts nothing, and the main thread raises what interrupted it once every run's thread has
+ended (a second Ctrl-C meanwhile does not cut that wait short). A run that raises (a launch that
+failed) cancels the rest the same way, and its error is raised. Outcomes are handed on in the
+order given, whatever order the runs end in. One run at a time needs none of this: the caller
+runs those in its own thread (``scenario_runs``)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,6 @@ import threading
 from collections.abc import Callable, Sequence
 
 from harness.controller.outcome import RunOutcome
-
-JOIN_S = 30.0  # the longest wait for a stopped run's threads (a stop kills, then waits up to 10 s)
 
 
 class Cancelled(Exception):
@@ -75,16 +74,18 @@ def run_side_by_side(
             try:
                 done.put((name, launch(name, cancel), None))
             except BaseException as e:  # noqa: BLE001 - handed to the main thread, which raises it
+                if not isinstance(e, Cancelled):
+                    cancel.set(e)  # no other worker starts another run meanwhile
                 done.put((name, None, e))
 
-    threads = [threading.Thread(target=worker, name=f"run-{k}", daemon=True)
-               for k in range(at_once or width(len(names)))]
-    for t in threads:
-        t.start()
+    threads: list[threading.Thread] = []
     outcomes: dict[str, RunOutcome] = {}
     error: BaseException | None = None
     told = 0
     try:
+        for k in range(at_once or width(len(names))):
+            threads.append(threading.Thread(target=worker, name=f"run-{k}"))
+            threads[-1].start()
         while len(outcomes) < len(names) and error is None:
             name, outcome, raised = done.get()
             if raised is not None:
@@ -99,7 +100,11 @@ def run_side_by_side(
         error = e
     if error is not None:
         cancel.set(error)
-        for t in threads:  # a run stops within a poll of its watchdog; one queued for slots may wait on
-            t.join(JOIN_S)
+        while any(t.is_alive() for t in threads):  # each run stops within a poll of its watchdog or its
+            try:  # slot queue, kills its ranks and removes its directory
+                for t in threads:
+                    t.join()
+            except BaseException:  # noqa: BLE001 - a second Ctrl-C: the runs are being stopped already
+                continue
         raise error
     return outcomes
