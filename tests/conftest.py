@@ -199,8 +199,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Modules with tests that launch ranks first, each whole and in its order (its module fixtures
     made once), the rest after: under ``-n`` the last tests to run are short ones, so no worker
     ends its share long before the other."""
-    launching = {item.module for item in items if item.get_closest_marker("ranks") is not None}
-    items.sort(key=lambda item: item.module not in launching)
+    launching = {getattr(item, "module", None) for item in items if item.get_closest_marker("ranks") is not None}
+    items.sort(key=lambda item: getattr(item, "module", None) not in launching)
 
 
 @pytest.hookimpl(optionalhook=True)

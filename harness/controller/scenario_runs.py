@@ -113,8 +113,10 @@ def run_plan(
             outcome.failure = f"trainer {kind}: {outcome.failure}"  # name the trainer under test
         return outcome
 
+    by_name = {r.name: r for r in floors}
+
     def launch_floor(name: str, cancel: Cancel) -> RunOutcome:
-        return launch(next(r for r in floors if r.name == name), cancel.check)
+        return launch(by_name[name], cancel.check)
 
     try:
         for k, run in enumerate(r for r in plan.runs if r.floor is None):  # launch order: the reference first
@@ -131,7 +133,7 @@ def run_plan(
                         on_run(outcomes[rest.name])
                 break
         if at_once > 1 and not all(r.name in outcomes for r in floors):  # they read only the declared runs'
-            outcomes.update(run_side_by_side([r.name for r in floors], launch_floor, on_done=on_run, at_once=at_once))
+            outcomes.update(run_side_by_side(list(by_name), launch_floor, on_done=on_run, at_once=at_once))
         for run in floors:  # one at a time (a GPU's), here as the declared runs go
             if run.name not in outcomes:
                 outcomes[run.name] = launch(run)
