@@ -215,15 +215,6 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     return WorkStealingScheduling(config, log)
 
 
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """``-n auto``: one worker more than the cores. Tests wait part of their time (a hang's
-    no-progress limit, a slowed trainer, ranks sleeping on a slow link): with a worker per core,
-    15 % of the cores sat idle in a fresh-clone run; with one more, 5 %. The rank budget above
-    still caps the ranks at once (docs/development.md)."""
-    return (os.cpu_count() or 1) + 1
-
-
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """The first pytest process (not an xdist worker) ends the warm-start servers it set up."""
     import shutil

@@ -156,6 +156,19 @@ def test_killing_a_warm_client_kills_its_rank(tmp_path: Path, monkeypatch: pytes
     wait_for(lambda: not alive(pid), timeout=5)
 
 
+def _signal_state(pid: int) -> str:
+    """Each thread's pending, blocked and caught signals (Linux), for a failure's message."""
+    out = []
+    for task in sorted(Path(f"/proc/{pid}/task").glob("*")):
+        try:
+            fields = dict(line.split(":\t", 1) for line in (task / "status").read_text().splitlines() if ":\t" in line)
+        except OSError:
+            continue
+        out.append(f"{task.name} {fields.get('Name', '?').strip()}: " + " ".join(
+            f"{k} {fields.get(k, '?').strip()}" for k in ("SigPnd", "ShdPnd", "SigBlk", "SigCgt")))
+    return "; ".join(out) or "none"
+
+
 def test_a_signal_reaches_the_rank_and_the_client_ends_as_the_rank_did(tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     proc, run_dir, pid = client(tmp_path, monkeypatch)
@@ -164,7 +177,8 @@ def test_a_signal_reaches_the_rank_and_the_client_ends_as_the_rank_did(tmp_path:
         wait_for(lambda: "most recent call first" in (run_dir / "rank0.stderr").read_text(), timeout=10)
     except AssertionError as e:  # what the rank and its client were doing then
         raise AssertionError(f"{e}: client exit {proc.poll()}, rank alive {alive(pid)}, rank stderr "
-                             f"{(run_dir / 'rank0.stderr').read_text()[-2000:]!r}") from None
+                             f"{(run_dir / 'rank0.stderr').read_text()[-2000:]!r}, signal state: client "
+                             f"{_signal_state(proc.pid)}; rank {_signal_state(pid)}") from None
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=10) == -signal.SIGTERM
     assert not alive(pid)
