@@ -40,6 +40,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from harness import main_thread_signal
+
 TICK_S = 0.05
 CHUNK = 1 << 20  # bytes of one file per message
 KILL_WAIT_S = 5.0
@@ -240,7 +242,7 @@ class Agent:
             pid = self.pids.get(int(r))
             if pid and int(r) not in self.ended:
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, getattr(signal, req["sig"]))
+                    main_thread_signal.send(pid, getattr(signal, req["sig"]))
                     sent.append(int(r))
         return {"sent": sent}
 

@@ -4,13 +4,13 @@ agent reports). The watchdog and the session never ask which one they hold."""
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 from typing import TYPE_CHECKING, Protocol
 
 import psutil
 
+from harness import main_thread_signal
 from harness.controller.memory_guard import MemoryLimits, RankMemory, over_limit
 from harness.controller.progress import after_step
 
@@ -71,7 +71,7 @@ class LocalProcesses:
         reached = []
         for r, pid in pids.items():
             try:
-                os.kill(pid, getattr(signal, sig))
+                main_thread_signal.send(pid, getattr(signal, sig))
                 reached.append(r)
             except ProcessLookupError:
                 pass

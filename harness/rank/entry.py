@@ -154,8 +154,8 @@ def main(argv: list[str]) -> int:
         tempfile.tempdir = None
     faulthandler.enable()
     # The watchdog's SIGUSR1 dumps the main thread's stack (the trainer's loop). Not every
-    # thread's: dumping a thread while it runs can crash the rank (faulthandler's own caveat),
-    # and the rank's sampler thread blocks the signal, so it reaches the main thread.
+    # thread's: dumping a thread while it runs can crash the rank (faulthandler's own caveat).
+    # It is sent to the main thread (harness.main_thread_signal), and the sampler thread blocks it.
     faulthandler.register(signal.SIGUSR1, all_threads=False)
     run_dir = Path(argv[0])
     rank = int(os.environ.get("MLX_RANK", "0"))

@@ -15,6 +15,18 @@ import sys
 RELAYED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
 
+def main_thread_signal():  # noqa: ANN201 - harness/main_thread_signal.py, loaded by path once a signal comes
+    import importlib.util
+
+    if "main_thread_signal" not in sys.modules:
+        path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "main_thread_signal.py")
+        spec = importlib.util.spec_from_file_location("main_thread_signal", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules["main_thread_signal"] = module
+    return sys.modules["main_thread_signal"]
+
+
 def cold(run_dir: str) -> None:
     os.execv(sys.executable, [sys.executable, "-m", "harness.rank", run_dir])
 
@@ -50,7 +62,7 @@ def main() -> None:
     def relay(sig: int, _frame: object) -> None:
         if rank_pid:
             try:
-                os.kill(rank_pid, sig)
+                main_thread_signal().send(rank_pid, sig)
             except ProcessLookupError:
                 pass
         else:
