@@ -66,7 +66,9 @@ def test_a_bad_row_seen_by_one_rank_stops_every_rank(scenario_dir: Path) -> None
     lines = [json.dumps(r) for r in rows]
     lines[5] = json.dumps({"prompt": "no completion"})  # row 5 belongs to rank 1 of 2 (ordered plan)
     (scenario_dir / "rows.jsonl").write_text("\n".join(lines) + "\n")
-    path = write_scenario(scenario_dir, "badrow", world_sizes=(2,))
+    # the failing rank writes its record last (as on a loaded machine): every rank waits for every record
+    delay = '\n[[faults]]\nrank = 1\nstep = 1\nphase = "record"\naction = "delay"\n'
+    path = write_scenario(scenario_dir, "badrow", world_sizes=(2,), extra=delay)
     path.write_text(path.read_text().replace("rows = 21", 'source = "jsonl"\npath = "rows.jsonl"\nrows = 12'))
     out = train(path, "ddp2")
     assert not out.ok

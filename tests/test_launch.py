@@ -20,6 +20,7 @@ import pytest
 
 from harness.controller.launch import write_hostfile
 from harness.controller.run_job import execute
+from harness.controller.watch import GONE_GRACE_S, LAUNCH_END_GRACE_S, gone_stops_the_run
 from harness.scenario import FaultSpec
 from harness.scenario.job import AllSumJob
 
@@ -301,3 +302,15 @@ def test_the_ring_yield_library_passes_every_result_and_error_through(tmp_path: 
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     assert p.stdout.split() == ["eagain", "abcd", "True"]
+
+
+def test_ranks_gone_without_a_result_stop_the_run_only_where_a_peer_may_wait_for_them() -> None:
+    # a peer still runs: one that exited 0 stops the run at once, others after the grace
+    assert gone_stops_the_run({1}, 10.0, 10.0, exited_0=True, all_ended=False)
+    assert not gone_stops_the_run({1}, 10.0, 10.0 + GONE_GRACE_S / 2, exited_0=False, all_ended=False)
+    assert gone_stops_the_run({1}, 10.0, 10.0 + GONE_GRACE_S, exited_0=False, all_ended=False)
+    # every rank ended (a rank died and mlx.launch stopped the other): nothing waits, mlx.launch is let exit
+    assert not gone_stops_the_run({0, 1}, 10.0, 10.0 + 2 * GONE_GRACE_S, exited_0=False, all_ended=True)
+    assert not gone_stops_the_run({1}, 10.0, 10.0 + GONE_GRACE_S, exited_0=True, all_ended=True)
+    assert gone_stops_the_run({0, 1}, 10.0, 10.0 + LAUNCH_END_GRACE_S, exited_0=False, all_ended=True)
+    assert not gone_stops_the_run(set(), 10.0, 100.0, exited_0=False, all_ended=True)

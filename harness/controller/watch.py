@@ -35,6 +35,7 @@ STACK_DUMP_WAIT_S = 1.5  # the longest wait for the ranks' stack dumps
 STACK_SETTLE_S = 0.2  # a dump is complete once its stderr file stops growing this long
 PEER_GRACE_S = 10.0
 GONE_GRACE_S = 0.5  # mlx.launch ends a run itself when a rank exits non-zero; this long to do so
+LAUNCH_END_GRACE_S = 5.0  # every rank has ended: mlx.launch has only to exit (slower on a loaded machine)
 
 
 class RankEvents:
@@ -72,6 +73,18 @@ def _gone(launch: Launch, pids: dict[int, int], exits: dict[int, int | None]) ->
     """Ranks whose process is gone without having written a result (``RankProcesses.gone``)."""
     missing = [r for r in range(launch.world_size) if not schema.result_path(launch.run_dir, r).exists()]
     return launch.ranks.gone(missing, pids, exits)
+
+
+def gone_stops_the_run(gone: set[int], since: float, now: float, exited_0: bool, all_ended: bool) -> bool:
+    """Whether ranks gone without a result (since ``since``) stop the run now: where a peer may
+    still wait for them, at once for one that exited 0 (mlx.launch ends no run for it), else after
+    ``GONE_GRACE_S``; where every rank has ended nothing waits, and mlx.launch is given
+    ``LAUNCH_END_GRACE_S`` to exit before the watchdog calls it a limit."""
+    if not gone:
+        return False
+    if all_ended:
+        return now - since >= LAUNCH_END_GRACE_S
+    return exited_0 or now - since >= GONE_GRACE_S
 
 
 def _rank_failed(launch: Launch) -> bool:
@@ -229,7 +242,9 @@ def watch(launch: Launch, wall_s: float, no_progress_s: float, meter: CpuMeter,
                 failed_since = now
             over = launch.ranks.over_memory(seen.ranks, memory, machine_mb)
             exited_0 = any(exits.get(r) == 0 for r in gone)  # mlx.launch will not end the run for these
-            if gone and (exited_0 or now - gone_since >= GONE_GRACE_S):
+            all_ended = bool(gone) and len(seen.pids) == launch.world_size and not any(
+                launch.ranks.running(r, pid) for r, pid in seen.pids.items())
+            if gone_since is not None and gone_stops_the_run(gone, gone_since, now, exited_0, all_ended):
                 report.limit = "rank_gone"
                 report.limit_detail = (f"rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, sorted(gone)))} "
                                        f"gone without a result, the others stopped at once")

@@ -124,10 +124,22 @@ class Coordinator:
         """Stop this rank for agreed ``failures`` (rank -> what it was doing and its error)."""
         if self.rank in failures:
             cause = self.pending.error if self.pending is not None else None
-            raise RankFailure(f"rank {self.rank} failed while {failures[self.rank]}") from cause
-        first = min(failures)
-        others = f" (and ranks {sorted(set(failures) - {first})})" if len(failures) > 1 else ""
-        raise PeerFailure(f"a peer rank failed: rank {first} failed while {failures[first]}{others}")
+            error: ReportedFailure = RankFailure(f"rank {self.rank} failed while {failures[self.rank]}")
+        else:
+            cause, first = None, min(failures)
+            others = f" (and ranks {sorted(set(failures) - {first})})" if len(failures) > 1 else ""
+            error = PeerFailure(f"a peer rank failed: rank {first} failed while {failures[first]}{others}")
+        error.after_record = self.settle  # type: ignore[attr-defined]
+        raise error from cause
+
+    def settle(self) -> None:
+        """One more all-sum, once this rank wrote its result for an agreed failure: every rank has
+        then written its own before any exits (the first rank to exit non-zero has mlx.launch stop
+        the others, and a cause stopped before its record would be named only by its peers)."""
+        import mlx.core as mx
+
+        if self.world_size > 1:
+            mx.eval(mx.distributed.all_sum(mx.array(0), group=self.group))
 
     def gather(self, values: list[float]) -> list[list[float]]:
         """Every rank's ``values`` (float32, the same length on every rank), on every rank."""

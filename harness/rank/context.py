@@ -85,6 +85,7 @@ RETURNED = {
 
 
 ALLOCATE_CHUNK_MB = 32
+RECORD_DELAY_S = 2.0  # the ``delay`` fault of the ``record`` phase
 _HELD: list[Any] = []  # what an ``allocate`` fault holds for the rest of the process
 
 

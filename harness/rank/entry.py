@@ -23,7 +23,7 @@ from typing import Any
 from harness import schema
 from harness.rank import device_check, memory_share, ring_arrival
 from harness.rank.collective_mutations import CollectiveMutation
-from harness.rank.context import RankContext, ReportedFailure
+from harness.rank.context import RECORD_DELAY_S, RankContext, ReportedFailure
 from harness.rank.ledger import Ledger
 from harness.rank.ledger import enabled as ledger_enabled
 from harness.rank.memory import MemorySampler, accelerator, device_baseline_kind, peak_rss_bytes
@@ -165,6 +165,8 @@ def main(argv: list[str]) -> int:
     share: memory_share.MemoryShare | None = None
     ledger: Ledger | None = None
     code = 0
+    settle: Any = None  # an agreed failure's last collective, once the result is written (consensus)
+    job: Any = None
     try:
         job = job_from_json(schema.read_json(run_dir / schema.JOB_FILE))
         result["job"] = job.kind
@@ -219,6 +221,7 @@ def main(argv: list[str]) -> int:
         error = str(e) if isinstance(e, ReportedFailure) else f"{type(e).__name__}: {e}"
         result.update(status="error", error=error, traceback=traceback.format_exc(), **getattr(e, "result_fields", {}))
         traceback.print_exc()
+        settle = getattr(e, "after_record", None)
     if share is not None:
         result["memory_share"] = share.to_json()
     if sampler is not None:
@@ -227,5 +230,12 @@ def main(argv: list[str]) -> int:
     events.close()
     if ledger is not None:
         ledger.uninstall()
+    if any(f.rank == rank and f.phase == "record" for f in getattr(job, "faults", ())):
+        time.sleep(RECORD_DELAY_S)  # the ``delay`` fault: a rank slow to write its result
     schema.write_json_atomic(schema.result_path(run_dir, rank), schema.stamp(result))
+    if settle is not None:
+        try:
+            settle()
+        except Exception:  # noqa: BLE001 - a peer already gone: the record is written, the exit stands
+            pass
     return code

@@ -11,8 +11,9 @@ ARCHS = TEXT_ARCHS + VLM_ARCHS
 DTYPES = ("float32", "bfloat16", "float16")
 BACKENDS = ("ring", "nccl", "mpi", "jaccl")
 FAULT_ACTIONS = ("raise", "exit", "sigkill", "segfault", "hang", "exit0", "stop", "compile_error",
-                 "truncate", "corrupt", "delete", "stale_view", "allocate", "wrong_result")
-FAULT_PHASES = ("fetch", "step", "update", "eval", "checkpoint", "resume", "save", "device_check")
+                 "truncate", "corrupt", "delete", "stale_view", "allocate", "wrong_result", "delay")
+FAULT_PHASES = ("fetch", "step", "update", "eval", "checkpoint", "resume", "save", "device_check",
+                "record")
 DAMAGE_ACTIONS = ("truncate", "corrupt", "delete")
 CHECKPOINT_FILES = ("model.safetensors", "optimizer.safetensors", "trainer.json", "manifest.json")
 DATA_FORMATS = ("auto", "text", "prompt_completion", "chat")

@@ -175,6 +175,8 @@ def _validate_fault(f: FaultSpec, where: str, src: str) -> None:
     require(f.action != "allocate" or f.mb > 0, src, f"{where}.mb", "allocate needs the MB to allocate (> 0)")
     require((f.action == "wrong_result") == (f.phase == "device_check"), src, f"{where}.action",
             "wrong_result is the device_check phase's one action, and that phase's only one")
+    require((f.action == "delay") == (f.phase == "record"), src, f"{where}.action",
+            "delay is the record phase's one action, and that phase's only one")
 
 
 def _validate_trainer_spec(t: TrainerSpec, src: str, at: str) -> None:

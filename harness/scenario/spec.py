@@ -270,7 +270,9 @@ class FaultSpec:
     compiled step fail to trace (eager still works). In the ``checkpoint`` phase a kill happens
     mid-write (after the first file); ``truncate``, ``corrupt`` and ``delete`` damage ``file`` of
     the checkpoint just written, as failing storage would. In the ``resume`` phase (``step``: the
-    checkpoint's step) ``stale_view`` makes the rank miss the newest checkpoint.
+    checkpoint's step) ``stale_view`` makes the rank miss the newest checkpoint. In the ``record``
+    phase (``step`` not used) ``delay`` makes the rank write its result ``RECORD_DELAY_S`` late, as
+    a rank slowed by a loaded machine would.
     """
 
     rank: int
