@@ -8,7 +8,9 @@ under the harness, on the same model, rows, batch and process count, alternating
 - **script**: bare is ``examples/ddp_train.py``'s ``main`` in a process of its own, its session
   (``BareSession``) building the same model, rows and optimizer, its ``run.probe`` and
   ``run.finish`` doing nothing and ``run.step`` taking a timestamp; under the harness it is the
-  script as shipped.
+  script as shipped. Both sides run it through ``timed_script.py``, which times the session's
+  calls: a second table splits each side's step into the script's own time and the time inside
+  ``run.probe`` and ``run.step`` (under the harness, all the harness does in the script's step).
 - **mlx-vlm**: bare is ``mlx_vlm.trainer.Trainer(model, VLMTrainingArgs(...), train_dataset=rows,
   optimizer=..., prepared=True, training_callback=..., seed=...).train()`` with its own SFT task and
   batch iterator and its defaults (``steps_per_report`` 10), on the qwen2_vl and prepared image rows
@@ -33,8 +35,9 @@ Both sides are timed alike, by the wall clock between the end of optimizer step 
 the end of the last step, on rank 0 (bare: a timestamp taken where mlx-lm and mlx-vlm report,
 every 10 steps, or at every step of the script and unsloth-zoo; under the harness: its ``step``
 events' times), over the global supervised tokens trained in between. Each of ``--repeats`` rounds
-runs bare then under the harness; the table gives every repeat, the best of each side and their
-ratio (harness / bare).
+runs both sides, bare first in even rounds and under the harness first in odd ones (whatever the
+order costs falls on both sides alike); the table gives every repeat, the best of each side and
+their ratio (harness / bare).
 
 usage: python benchmarks/observer_effect.py [--model cpu3m|gpu044b]
                                             [--trainers mlx_lm,script,unsloth_zoo,mlx_vlm]
@@ -57,6 +60,9 @@ from tabulate import tabulate
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import timed_script  # noqa: E402
 
 # model config overrides (of the tiny qwen3), dtype, inputs per row, rows per step (one process)
 MODELS: dict[str, tuple[dict[str, Any], str, int, int]] = {
@@ -79,7 +85,7 @@ VLM_MODELS: dict[str, tuple[dict[str, Any], str, int, int]] = {
                 "bfloat16", 448, 8),
 }
 TRAINERS = {"mlx_lm": 'trainer = { kind = "mlx_lm" }\n',
-            "script": f'trainer = {{ kind = "script", path = "{REPO / "examples" / "ddp_train.py"}" }}\n',
+            "script": f'trainer = {{ kind = "script", path = "{REPO / "benchmarks" / "timed_script.py"}" }}\n',
             "unsloth_zoo": 'trainer = { kind = "unsloth_zoo" }\n',
             "mlx_vlm": 'trainer = { kind = "mlx_vlm" }\n'}
 VISION = {"mlx_vlm"}  # trainers of a vision-language model: a scenario of their own (its [model] and [data])
@@ -268,21 +274,17 @@ class BareSession:
 
 
 def bare_script(path: Path, run: str, out: Path) -> None:
-    """``examples/ddp_train.py``'s ``main`` in a process of its own, given a ``BareSession``."""
-    import importlib.util
-
+    """``examples/ddp_train.py``'s ``main`` (through ``timed_script.py``) in a process of its own,
+    given a ``BareSession``."""
     from harness.rank import script_session
     from harness.scenario import load_scenario
     from harness.scenario.plan import plan_scenario
 
     s = plan_scenario(load_scenario(path)).run(run).eff
-    spec = importlib.util.spec_from_file_location("ddp_train", REPO / "examples" / "ddp_train.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
     with tempfile.TemporaryDirectory() as d:
         bare = BareSession(s, Path(d))
         script_session.activate(bare)  # type: ignore[arg-type]
-        script.main()
+        timed_script.main()
     out.write_text(json.dumps(bare.marks))
 
 
@@ -349,6 +351,10 @@ def main() -> None:
         return
     trainers = a.trainers.split(",")
     with tempfile.TemporaryDirectory() as d:
+        times = Path(d) / "times"  # timed_script.py's rows, of both sides (their processes inherit the variable)
+        times.mkdir()
+        os.environ[timed_script.TIMES_VAR] = str(times)
+        split: dict[str, list[tuple[float, float]]] = {"bare": [], "harness": []}
         paths = {}  # each trainer's scenario: one for the text trainers, one for the vision-language ones
         for group in ([t for t in trainers if t not in VISION], [t for t in trainers if t in VISION]):
             if group:
@@ -356,15 +362,21 @@ def main() -> None:
                 path.write_text(scenario_text(a.model, group, a.steps))
                 paths.update(dict.fromkeys(group, path))
         rates: dict[str, dict[str, list[float]]] = {t: {"bare": [], "harness": [], "reported": []} for t in trainers}
-        for _ in range(a.repeats):
+        for i in range(a.repeats):
             for t in trainers:
-                marks = Path(d) / f"{t}.marks.json"
-                subprocess.run([sys.executable, __file__, "--bare", str(paths[t]), t, str(marks)], check=True,
-                               env=bare_env(), stdout=subprocess.DEVNULL)
-                rates[t]["bare"].append(window_rate(json.loads(marks.read_text()), a.first)[0])
-                marks_h = harnessed(paths[t], t)
-                rates[t]["harness"].append(window_rate(marks_h, a.first)[0])
-                rates[t]["reported"].append(reported_rate(marks_h, a.first))
+                for side in ("bare", "harness") if i % 2 == 0 else ("harness", "bare"):
+                    if side == "bare":
+                        marks = Path(d) / f"{t}.marks.json"
+                        subprocess.run([sys.executable, __file__, "--bare", str(paths[t]), t, str(marks)], check=True,
+                                       env=bare_env(), stdout=subprocess.DEVNULL)
+                        rates[t]["bare"].append(window_rate(json.loads(marks.read_text()), a.first)[0])
+                    else:
+                        marks_h = harnessed(paths[t], t)
+                        rates[t]["harness"].append(window_rate(marks_h, a.first)[0])
+                        rates[t]["reported"].append(reported_rate(marks_h, a.first))
+                    for f in sorted(times.glob(f"{side}-*.json")):  # the script's, just written
+                        split[side].append(timed_script.split(json.loads(f.read_text()), a.first))
+                        f.unlink()
     rows = []
     for t in trainers:
         bare, under = rates[t]["bare"], rates[t]["harness"]
@@ -374,9 +386,15 @@ def main() -> None:
                      ", ".join(f"{u / b:.3f}" for b, u in zip(bare, under, strict=True)),
                      ", ".join(f"{r:.0f}" for r in said), f"{max(said) / max(bare):.3f}x"])
     print(f"model {a.model}, 1 process, steps {a.steps}, timed after step {a.first}, {a.repeats} repeats "
-          f"(bare then under the harness, in turn)")
+          f"(both sides in turn, bare first in even repeats)")
     print(tabulate(rows, headers=["trainer", "bare tok/s", "under the harness tok/s", "best / best",
                                   "per repeat", "the harness's own figure tok/s", "its best / bare best"]))
+    if split["harness"]:
+        print("\nthe script's step, ms per step over the same window, per repeat: its own time / inside run.probe "
+              "and run.step")
+        print(tabulate([[side, ", ".join(f"{own * 1e3:.1f}" for own, _ in split[side]),
+                         ", ".join(f"{calls * 1e3:.3f}" for _, calls in split[side])] for side in ("bare", "harness")],
+                       headers=["side", "the script's own", "inside the session's calls"]))
 
 
 if __name__ == "__main__":
