@@ -67,6 +67,7 @@ class HostLink:
         self.memory_bytes = 0  # the host's memory, as its agent said
         self.closed = threading.Event()
         self.error = ""
+        self.unanswered = ""  # why ``close`` got no answer (``RemoteRanks.finish``)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
@@ -150,11 +151,18 @@ class HostLink:
                 raise ClusterError(f"host {self.name}: could not write {local}: {r.get('error')}")
 
     def close(self, timeout: float = 30.0) -> dict[str, Any]:
-        """Finish the agent (kill its ranks, last files, remove the host's directory)."""
+        """Finish the agent (kill its ranks, last files, remove the host's directory); where it
+        gives no answer, ``unanswered`` says what is known of why."""
+        reply: dict[str, Any] = {}
         try:
-            reply = self.request("finish", timeout=timeout) if self.proc.poll() is None else {}
-        except ClusterError:
-            reply = {}
+            if self.proc.poll() is None:
+                reply = self.request("finish", timeout=timeout)
+            else:
+                last = self._last_error()
+                self.unanswered = (f"its SSH session had ended with exit code {self.proc.returncode}"
+                                   + (f" ({last})" if last else ""))
+        except ClusterError as e:
+            self.unanswered = str(e)
         try:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
@@ -358,7 +366,8 @@ class RemoteRanks:
             t.join()
         for name, reply in self.finished.items():
             if not reply:
-                left.append(f"{name}:unknown (its agent did not answer)")
+                why = self.links[name].unanswered
+                left.append(f"{name}:unknown (its agent did not answer{': ' + why if why else ''})")
                 continue
             left += [f"{name}:{pid}" for pid in reply.get("survivors", [])]
             if not reply.get("removed", True):
