@@ -69,6 +69,27 @@ def test_job_paths_are_rewritten_to_the_hosts_mirror_only_at_path_boundaries() -
                    "c": {"d": "/w/m/data/rows.jsonl"}, "e": 3}
 
 
+def test_an_agent_that_gives_no_answer_at_the_end_is_reported_with_what_is_known_of_why(tmp_path: Path) -> None:
+    """The run's end asks each host's agent to finish; one whose session ended says its exit code and
+    last stderr line, one that stays silent the request's error (stand-in agents: not DDP)."""
+    from harness.cluster_spec import LOCAL
+    from harness.controller.remote import HostLink
+
+    ended = tmp_path / "ended-python"
+    ended.write_text("#!/bin/sh\necho 'agent: cannot start here' >&2\nexit 3\n")
+    silent = tmp_path / "silent-python"
+    silent.write_text("#!/bin/sh\nexec sleep 3\n")  # ends soon after close() stops waiting for it
+    for f in (ended, silent):
+        f.chmod(0o755)
+    link = HostLink(0, ClusterHost(LOCAL, [LOCAL]), str(ended))
+    link.proc.wait(timeout=10)
+    assert link.close() == {}
+    assert link.unanswered == "its SSH session had ended with exit code 3 (agent: cannot start here)"
+    link = HostLink(0, ClusterHost(LOCAL, [LOCAL]), str(silent))
+    assert link.close(timeout=0.5) == {}
+    assert link.unanswered == f"host {LOCAL}: its agent did not answer 'finish'"
+
+
 @pytest.mark.ranks
 def test_a_run_on_a_cluster_of_this_machine_goes_through_the_agent_and_leaves_nothing(tmp_path: Path) -> None:
     """127.0.0.1 is the one host mlx.launch starts without SSH: the agent path runs anywhere."""
