@@ -274,8 +274,7 @@ class BareSession:
 
 
 def bare_script(path: Path, run: str, out: Path) -> None:
-    """``examples/ddp_train.py``'s ``main`` (through ``timed_script.py``) in a process of its own,
-    given a ``BareSession``."""
+    """``examples/ddp_train.py``'s ``main`` (via ``timed_script.py``) alone, given a ``BareSession``."""
     from harness.rank import script_session
     from harness.scenario import load_scenario
     from harness.scenario.plan import plan_scenario
@@ -351,8 +350,7 @@ def main() -> None:
         return
     trainers = a.trainers.split(",")
     with tempfile.TemporaryDirectory() as d:
-        times = Path(d) / "times"  # timed_script.py's rows, of both sides (their processes inherit the variable)
-        times.mkdir()
+        (times := Path(d) / "times").mkdir()  # timed_script.py's rows (both sides' processes inherit the variable)
         os.environ[timed_script.TIMES_VAR] = str(times)
         split: dict[str, list[tuple[float, float]]] = {"bare": [], "harness": []}
         paths = {}  # each trainer's scenario: one for the text trainers, one for the vision-language ones

@@ -31,8 +31,9 @@ def _tgkill() -> Any:
 
 def send(pid: int, sig: int) -> None:
     """``sig`` to ``pid``'s main thread (its thread id is the process's id), else to ``pid``;
-    raises ``ProcessLookupError`` where the process is gone, as ``os.kill`` does."""
+    raises ``ProcessLookupError`` where the process is gone, as ``os.kill`` does. A process whose
+    main thread ended while others run (never a Python rank) would not take it."""
     tgkill = _tgkill() if sys.platform.startswith("linux") else None
     if tgkill is not None and tgkill(int(pid), int(pid), int(sig)) == 0:
         return
-    os.kill(pid, sig)  # no tgkill, or the main thread ended before its process: the process's
+    os.kill(pid, sig)  # no tgkill, or it failed (the process is gone: os.kill says so as ever)

@@ -70,24 +70,27 @@ def test_job_paths_are_rewritten_to_the_hosts_mirror_only_at_path_boundaries() -
 
 
 def test_an_agent_that_gives_no_answer_at_the_end_is_reported_with_what_is_known_of_why(tmp_path: Path) -> None:
-    """The run's end asks each host's agent to finish; one whose session ended says its exit code and
-    last stderr line, one that stays silent the request's error (stand-in agents: not DDP)."""
+    """The run's end asks each host's agent to finish; one that had ended says its exit code and last
+    stderr line, one that stays silent how long it was waited for (stand-in agents: not DDP)."""
     from harness.cluster_spec import LOCAL
-    from harness.controller.remote import HostLink
+    from harness.controller.remote import HostLink, RemoteRanks
 
     ended = tmp_path / "ended-python"
     ended.write_text("#!/bin/sh\necho 'agent: cannot start here' >&2\nexit 3\n")
     silent = tmp_path / "silent-python"
-    silent.write_text("#!/bin/sh\nexec sleep 3\n")  # ends soon after close() stops waiting for it
+    silent.write_text("#!/bin/sh\nexec sleep 3\n")  # ends soon after the finish stops waiting for it
     for f in (ended, silent):
         f.chmod(0o755)
-    link = HostLink(0, ClusterHost(LOCAL, [LOCAL]), str(ended))
-    link.proc.wait(timeout=10)
-    assert link.close() == {}
-    assert link.unanswered == "its SSH session had ended with exit code 3 (agent: cannot start here)"
-    link = HostLink(0, ClusterHost(LOCAL, [LOCAL]), str(silent))
+    host = ClusterHost(LOCAL, [LOCAL])
+    hosts = RemoteRanks(Cluster([host]), [0])
+    hosts.links[0] = HostLink(0, host, str(ended))
+    hosts.links[0].proc.wait(timeout=10)
+    assert hosts.links[0].closed.wait(10)  # its stderr read to the end
+    assert hosts.finish() == [f"{LOCAL}:unknown (its agent did not answer: it had ended with exit code 3 "
+                              f"(agent: cannot start here))"]
+    link = HostLink(0, host, str(silent))
     assert link.close(timeout=0.5) == {}
-    assert link.unanswered == f"host {LOCAL}: its agent did not answer 'finish'"
+    assert link.unanswered == "no answer to 'finish' within 0.5 s"
 
 
 @pytest.mark.ranks

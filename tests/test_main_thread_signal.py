@@ -25,7 +25,7 @@ def other_thread():
 def main_thread():
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
     print("blocked", flush=True)
-    time.sleep(1.0)
+    sys.stdin.readline()  # until the parent has sent the signal
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
     time.sleep(0.2)
 
@@ -36,10 +36,11 @@ main_thread()
 
 def dumped_stack(send) -> str:  # noqa: ANN001
     """The child's stderr after ``send(pid, SIGUSR1)`` while its main thread blocks the signal."""
-    child = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child = subprocess.Popen([sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
     assert child.stdout is not None and child.stdout.readline() == "blocked\n"
     send(child.pid, signal.SIGUSR1)
-    _, err = child.communicate(timeout=30)
+    _, err = child.communicate("sent\n", timeout=30)
     assert child.returncode == 0, err
     return err
 
@@ -56,4 +57,4 @@ def test_a_gone_process_is_a_lookup_error_as_with_os_kill() -> None:
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
     with pytest.raises(ProcessLookupError):
-        main_thread_signal.send(child.pid, signal.SIGUSR1)
+        main_thread_signal.send(child.pid, 0)

@@ -159,10 +159,10 @@ class HostLink:
                 reply = self.request("finish", timeout=timeout)
             else:
                 last = self._last_error()
-                self.unanswered = (f"its SSH session had ended with exit code {self.proc.returncode}"
-                                   + (f" ({last})" if last else ""))
-        except ClusterError as e:
-            self.unanswered = str(e)
+                self.unanswered = f"it had ended with exit code {self.proc.returncode}" + (f" ({last})" if last else "")
+        except ClusterError:
+            last = self._last_error()
+            self.unanswered = f"no answer to 'finish' within {timeout:g} s" + (f" ({last})" if last else "")
         try:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
@@ -364,10 +364,11 @@ class RemoteRanks:
             threads.append(t)
         for t in threads:
             t.join()
-        for name, reply in self.finished.items():
+        for link in self.links.values():
+            name, reply = link.name, self.finished.get(link.name)
             if not reply:
-                why = self.links[name].unanswered
-                left.append(f"{name}:unknown (its agent did not answer{': ' + why if why else ''})")
+                why = f": {link.unanswered}" if link.unanswered else ""
+                left.append(f"{name}:unknown (its agent did not answer{why})")
                 continue
             left += [f"{name}:{pid}" for pid in reply.get("survivors", [])]
             if not reply.get("removed", True):

@@ -246,8 +246,9 @@ def watch(launch: Launch, wall_s: float, no_progress_s: float, meter: CpuMeter,
                 launch.ranks.running(r, pid) for r, pid in seen.pids.items())
             if gone_since is not None and gone_stops_the_run(gone, gone_since, now, exited_0, all_ended):
                 report.limit = "rank_gone"
-                report.limit_detail = (f"rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, sorted(gone)))} "
-                                       f"gone without a result, the others stopped at once")
+                ranks = f"rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, sorted(gone)))} gone without a result"
+                report.limit_detail = (f"{ranks}, and mlx.launch still running {LAUNCH_END_GRACE_S:g} s after every "
+                                       f"rank ended" if all_ended else f"{ranks}, the others stopped at once")
             elif over:
                 report.limit, report.limit_detail = "memory", over
             elif now - t0 > wall_s:
