@@ -78,6 +78,19 @@ def test_a_bad_row_seen_by_one_rank_stops_every_rank(scenario_dir: Path) -> None
     assert_clean(out)
 
 
+def test_a_stop_every_rank_agrees_on_is_named_by_every_rank(scenario_dir: Path) -> None:
+    """Prompts longer than ``max_seq_len`` leave no supervised token: every rank stops with the same
+    line, even where one writes its record late (each waits for every record before it exits)."""
+    delay = '\n[[faults]]\nrank = 1\nstep = 1\nphase = "record"\naction = "delay"\n'
+    path = write_scenario(scenario_dir, "zero", world_sizes=(2,), extra=delay)
+    path.write_text(path.read_text().replace("rows = 21", 'rows = 21\nformat = "prompt_completion"\nmax_seq_len = 16'))
+    out = train(path, "ddp2")
+    assert not out.ok
+    assert out.failure.splitlines() == [f"rank {r} failed: step 1: the global batch has zero supervised tokens "
+                                        "across all 2 ranks" for r in (0, 1)], out.failure
+    assert_clean(out)
+
+
 def test_side_effects_happen_on_rank_0_only_and_diagnostics_are_complete(scenario_dir: Path,
                                                                          tmp_path: Path) -> None:
     path = with_eval(write_scenario(scenario_dir, "effects", world_sizes=(2,)))

@@ -109,6 +109,7 @@ def test_ctrl_c_while_floor_runs_go_side_by_side_stops_them_all(tmp_path: Path) 
     names = {json.loads((d / "job.json").read_text())["run"] for d in training}
     ranks = [e["pid"] for d in training for line in (d / "rank0.events.jsonl").read_text().splitlines()
              if (e := json.loads(line))["kind"] == "start"]
+    sent = time.time()
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=60)
     assert p.returncode == 130, err
@@ -122,6 +123,9 @@ def test_ctrl_c_while_floor_runs_go_side_by_side_stops_them_all(tmp_path: Path) 
             marked.append(name)
         else:  # it ended between the look above and the Ctrl-C (a loaded machine): kept whole, as a run that ended
             assert json.loads((kept / "rank0.result.json").read_text())["status"] == "ok", name
+            ends = [e["time"] for line in (kept / "rank0.events.jsonl").read_text().splitlines()
+                    if (e := json.loads(line))["kind"] == "end"]
+            assert ends and ends[0] < sent, (name, ends, sent)  # before the Ctrl-C, not a run that ignored it
     assert marked, names
     assert not list(tmp.glob("mlx-ddp-harness-*"))  # no run directory, no workspace left
     assert ranks and not [pid for pid in ranks if psutil.pid_exists(pid)

@@ -132,6 +132,13 @@ class Coordinator:
         error.after_record = self.settle  # type: ignore[attr-defined]
         raise error from cause
 
+    def stop_all(self, message: str) -> AgreedStop:
+        """The stop every rank raises for a condition all of them saw alike (``raise
+        coord.stop_all(...)``); each settles after writing its result, as for an agreed failure."""
+        error = AgreedStop(message)
+        error.after_record = self.settle  # type: ignore[attr-defined]
+        return error
+
     def settle(self) -> None:
         """One more all-sum, once this rank wrote its result for an agreed failure: every rank has
         then written its own before any exits (the first rank to exit non-zero has mlx.launch stop

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from harness.rank.consensus import AgreedStop, Coordinator
+from harness.rank.consensus import Coordinator
 from harness.trainers.reference.batching import EvalShare, collate
 from harness.trainers.reference.step import loss_fn
 
@@ -46,7 +46,7 @@ def evaluate(model: Any, share: EvalShare, pad_id: int, coord: Coordinator, step
     agreed = coord.agree([out[1] if out else 0])
     tokens = agreed.values[0]
     if tokens == 0:
-        raise AgreedStop(f"eval after step {step}: zero supervised tokens across all {coord.world_size} ranks")
+        raise coord.stop_all(f"eval after step {step}: zero supervised tokens across all {coord.world_size} ranks")
     loss_sum = out[0] if out else mx.array(0.0, dtype=mx.float32)
     loss = float((mx.distributed.all_sum(loss_sum, group=coord.group) / tokens).item())
     return {

@@ -22,7 +22,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from harness.rank.consensus import AgreedStop
 from harness.scenario import Scenario
 from harness.trainers.reference import checkpoint
 from harness.trainers.reference.checkpoint import FORMAT, CheckpointError
@@ -179,7 +178,7 @@ def open_checkpoint(ctx: Any, coord: Any, s: Scenario) -> tuple[dict[str, Any], 
     coord.agree()
     seen = coord.exchange(ck.identity)
     if len(set(seen)) > 1:
-        raise AgreedStop("ranks resolved different checkpoints (every rank must see the same files): "
+        raise coord.stop_all("ranks resolved different checkpoints (every rank must see the same files): "
                          + "; ".join(f"rank {r}: {text}" for r, text in enumerate(seen)))
 
     def read() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:

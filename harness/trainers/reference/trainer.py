@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.rank import step_probe
-from harness.rank.consensus import AgreedStop, Coordinator, RankFailure
+from harness.rank.consensus import Coordinator, RankFailure
 from harness.rank.context import RankContext
 from harness.rank.effects import MainRankEffects
 from harness.rank.models import build_model, param_digest
@@ -246,7 +246,8 @@ class Trainer:
                 break
             tokens = agreed.values[0]
             if tokens == 0:
-                raise AgreedStop(f"step {step}: the global batch has zero supervised tokens across all {self.N} ranks")
+                raise coord.stop_all(f"step {step}: the global batch has zero supervised tokens across all "
+                                     f"{self.N} ranks")
             counts = (tokens, sum(b.tokens for b in micros) if micros else 0)
             probe_s = self.probes.run(self, step, micros, counts) if step in self.probes.steps else 0.0
             fault = ctx.maybe_fault("step", step)
