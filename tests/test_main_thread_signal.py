@@ -22,10 +22,18 @@ def other_thread():
     while True:
         time.sleep(0.01)
 
+def sent_to_the_process():  # SIGUSR1 sent to the process, not yet taken by a thread (ShdPnd: the shared queue)
+    with open("/proc/self/status") as f:
+        pending = next(int(line.split()[1], 16) for line in f if line.startswith("ShdPnd:"))
+    return bool(pending & (1 << (signal.SIGUSR1 - 1)))
+
 def main_thread():
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
     print("blocked", flush=True)
     sys.stdin.readline()  # until the parent has sent the signal
+    deadline = time.monotonic() + 30  # one sent to the process waits for a thread that does not block it to
+    while sent_to_the_process() and time.monotonic() < deadline:  # run (a loaded machine): unblocking
+        time.sleep(0.001)  # now would hand it to this thread
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
     time.sleep(0.2)
 
