@@ -205,8 +205,8 @@ def compile_harness() -> None:
     controller. Up-to-date bytecode is left as it is."""
     import compileall
 
-    if sys.dont_write_bytecode:
-        compileall.compile_dir(REPO / "harness", quiet=1)
+    if sys.dont_write_bytecode and os.access(REPO / "harness", os.W_OK):
+        compileall.compile_dir(REPO / "harness", quiet=2)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -236,8 +236,14 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     worker a core, 14 % of the cores sat idle in a fresh-clone run; with one more, 5 %. The rank
     budget above still caps the ranks at once. ``PYTEST_XDIST_AUTO_NUM_WORKERS`` decides where
     set, as in xdist's own answer (docs/development.md)."""
-    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS", "").strip():
-        return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
+    asked = os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS", "").strip()
+    if asked:
+        try:
+            return int(asked)
+        except ValueError:
+            import warnings
+
+            warnings.warn(f"PYTEST_XDIST_AUTO_NUM_WORKERS={asked!r} is not a number: ignored", stacklevel=1)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return cores + 1
 

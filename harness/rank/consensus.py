@@ -140,7 +140,7 @@ class Coordinator:
         return error
 
     def settle(self) -> None:
-        """One more all-sum, once this rank wrote its result for an agreed failure: every rank has
+        """One more all-sum, once this rank wrote its result for an agreed failure or stop: every rank has
         then written its own before any exits (the first rank to exit non-zero has mlx.launch stop
         the others, and a cause stopped before its record would be named only by its peers)."""
         import mlx.core as mx

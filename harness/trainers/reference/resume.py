@@ -179,7 +179,7 @@ def open_checkpoint(ctx: Any, coord: Any, s: Scenario) -> tuple[dict[str, Any], 
     seen = coord.exchange(ck.identity)
     if len(set(seen)) > 1:
         raise coord.stop_all("ranks resolved different checkpoints (every rank must see the same files): "
-                         + "; ".join(f"rank {r}: {text}" for r, text in enumerate(seen)))
+                             + "; ".join(f"rank {r}: {text}" for r, text in enumerate(seen)))
 
     def read() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
         checkpoint.verify(ck)
