@@ -125,9 +125,10 @@ def test_ctrl_c_while_floor_runs_go_side_by_side_stops_them_all(tmp_path: Path) 
             assert json.loads((kept / "rank0.result.json").read_text())["status"] == "ok", name
             ends = [e["time"] for line in (kept / "rank0.events.jsonl").read_text().splitlines()
                     if (e := json.loads(line))["kind"] == "end"]
-            # before the Ctrl-C took effect (the controller's handler, a moment after it was sent), not a
-            # run that ignored it: that one would have trained 38 steps more, over a second
-            assert ends and ends[0] < sent + 0.25, (name, ends, sent)
+            # by the time the Ctrl-C took effect: the controller's handler, then each run's watchdog at its
+            # next poll (a run ended 0.22 s after the signal on a loaded machine); a Ctrl-C that no run
+            # heeded would leave none marked (below)
+            assert ends and ends[0] < sent + 1.0, (name, ends, sent)
     assert marked, names
     assert not list(tmp.glob("mlx-ddp-harness-*"))  # no run directory, no workspace left
     assert ranks and not [pid for pid in ranks if psutil.pid_exists(pid)
