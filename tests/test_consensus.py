@@ -89,6 +89,18 @@ def test_a_stop_every_rank_agrees_on_is_named_by_every_rank(scenario_dir: Path) 
     assert out.failure.splitlines() == [f"rank {r} failed: step 1: the global batch has zero supervised tokens "
                                         "across all 2 ranks" for r in (0, 1)], out.failure
     assert_clean(out)
+    # the same at an eval: rows that train, eval rows whose prompts leave no answer token
+    rows = [json.dumps({"prompt": f"q{i} ", "completion": f"a{i}"}) for i in range(12)]
+    (scenario_dir / "rows.jsonl").write_text("\n".join(rows) + "\n")
+    (scenario_dir / "eval.jsonl").write_text(json.dumps({"prompt": "x" * 40, "completion": "yy"}) + "\n")
+    path = with_eval(write_scenario(scenario_dir, "zero_eval", world_sizes=(2,), extra=delay))
+    path.write_text(path.read_text().replace("rows = 21", 'source = "jsonl"\npath = "rows.jsonl"\nrows = 12\n'
+                                             'max_seq_len = 16\neval_path = "eval.jsonl"'))
+    out = train(path, "ddp2")
+    assert not out.ok
+    assert out.failure.splitlines() == [f"rank {r} failed: eval after step 2: zero supervised tokens across all 2 "
+                                        "ranks" for r in (0, 1)], out.failure
+    assert_clean(out)
 
 
 def test_side_effects_happen_on_rank_0_only_and_diagnostics_are_complete(scenario_dir: Path,
