@@ -204,9 +204,10 @@ def compile_harness() -> None:
     would otherwise compile every harness module it imports from source, about 70 ms of CPU per
     controller. Up-to-date bytecode is left as it is."""
     import compileall
+    import py_compile
 
-    if sys.dont_write_bytecode and os.access(REPO / "harness", os.W_OK):
-        compileall.compile_dir(REPO / "harness", quiet=2)
+    if sys.dont_write_bytecode and os.access(REPO / "harness", os.W_OK):  # timestamped, as imports write them
+        compileall.compile_dir(REPO / "harness", quiet=2, invalidation_mode=py_compile.PycInvalidationMode.TIMESTAMP)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
