@@ -129,14 +129,14 @@ class Coordinator:
             cause, first = None, min(failures)
             others = f" (and ranks {sorted(set(failures) - {first})})" if len(failures) > 1 else ""
             error = PeerFailure(f"a peer rank failed: rank {first} failed while {failures[first]}{others}")
-        error.after_record = self.settle  # type: ignore[attr-defined]
+        error.after_record = self.settle
         raise error from cause
 
     def stop_all(self, message: str) -> AgreedStop:
         """The stop every rank raises for a condition all of them saw alike (``raise
         coord.stop_all(...)``); each settles after writing its result, as for an agreed failure."""
         error = AgreedStop(message)
-        error.after_record = self.settle  # type: ignore[attr-defined]
+        error.after_record = self.settle
         return error
 
     def settle(self) -> None:

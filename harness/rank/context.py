@@ -9,6 +9,7 @@ import os
 import signal
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,8 @@ from harness.scenario.job import Job
 
 class ReportedFailure(RuntimeError):
     """An error whose message already names the rank and the cause; written to the result as is."""
+
+    after_record: Callable[[], None] | None = None  # called once the rank's result is written (rank.entry)
 
 
 @dataclass
