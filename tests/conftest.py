@@ -201,8 +201,8 @@ def pytest_configure(config: pytest.Config) -> None:
 def compile_harness() -> None:
     """Write the harness's bytecode where Python would not (``PYTHONDONTWRITEBYTECODE``, set on
     some CI images): each of the session's hundreds of controller, launcher and rank processes
-    would otherwise compile every harness module it imports from source, about 70 ms of CPU per
-    controller. Up-to-date bytecode is left as it is."""
+    would otherwise compile every harness module it imports from source (``python -m harness
+    --help``: 0.19 to 0.23 CPU-s so, 0.16 to 0.17 with bytecode). Up-to-date bytecode is left as it is."""
     import compileall
     import py_compile
 
