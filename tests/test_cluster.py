@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -73,7 +74,8 @@ def test_an_agent_that_gives_no_answer_at_the_end_is_reported_with_what_is_known
     """The run's end asks each host's agent to finish; one that had ended says its exit code and last
     stderr line, one that stays silent how long it was waited for (stand-in agents: not DDP)."""
     from harness.cluster_spec import LOCAL
-    from harness.controller.remote import HostLink, RemoteRanks
+    from harness.controller.host_link import HostLink
+    from harness.controller.remote import RemoteRanks
 
     ended = tmp_path / "ended-python"
     ended.write_text("#!/bin/sh\necho 'agent: cannot start here' >&2\nexit 3\n")
@@ -86,8 +88,10 @@ def test_an_agent_that_gives_no_answer_at_the_end_is_reported_with_what_is_known
     hosts.links[0] = HostLink(0, host, str(ended))
     hosts.links[0].proc.wait(timeout=10)
     assert hosts.links[0].closed.wait(10)  # its stderr read to the end
-    assert hosts.finish() == [f"{LOCAL}:unknown (its agent did not answer: it had ended with exit code 3 "
-                              f"(agent: cannot start here))"]
+    left = hosts.finish()
+    assert len(left) == 1 and left[0].startswith(f"{LOCAL}:unknown (its agent did not answer: it had ended with exit "
+                                                 f"code 3, "), left
+    assert left[0].endswith(" s after it started (agent: cannot start here))"), left
     link = HostLink(0, host, str(silent))
     assert link.close(timeout=0.5) == {}
     assert link.unanswered == "no answer to 'finish' within 0.5 s"
@@ -352,6 +356,56 @@ def test_a_cluster_section_runs_a_scenario_whose_data_the_hosts_lack(sim: SimHos
         for f in hidden.iterdir():
             f.unlink()
         hidden.rmdir()
+    assert_nothing_left(sim)
+
+
+@needs_hosts
+@pytest.mark.ranks
+@pytest.mark.mlx_ddp_world_size(2)
+def test_an_agent_whose_link_is_lost_mid_run_is_taken_over_and_the_run_kept(sim: SimHosts, hostfile: Path,
+                                                                           tmp_path: Path) -> None:
+    """Host 0's agent hangs (stopped) and its SSH link ends while the ranks train: nothing more of
+    rank 0 comes back through it, and it cannot clean up. At the run's end a second agent on that
+    host ends the first, sends what rank 0 wrote since, kills what is left and removes the run's
+    directory: the run is whole and passes, saying so; nothing stays on the host."""
+    import psutil
+
+    scenario = tmp_path / "lost_link.toml"
+    text = LINK_DOWN.read_text()
+    for part, by in (("steps = 2000\n", "steps = 60\n"), ('name = "link_down"', 'name = "lost_link"')):
+        assert part in text, part
+        text = text.replace(part, by)
+    scenario.write_text(text)
+    tmp = tmp_path / "controller-tmp"
+    tmp.mkdir()
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "harness", "run", str(scenario), "--hostfile", str(hostfile),
+                             "--out", str(out), "--progress", "off"], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PATH": sim.path_env["PATH"], "TMPDIR": str(tmp)})
+    a = sim.hosts[0].ssh_addr
+    try:
+        deadline = time.monotonic() + 120
+        while not any('"kind": "step"' in f.read_text() for f in tmp.glob("mlx-ddp-harness-run-*/rank0.events.jsonl")):
+            assert proc.poll() is None and time.monotonic() < deadline, "the run did not start training"
+            time.sleep(0.05)
+        agents = [int(p.split()[0]) for p in sim.processes(0) if "host_agent" in p]
+        assert len(agents) == 1, sim.processes(0)
+        os.kill(agents[0], signal.SIGSTOP)  # it neither answers nor sees its link end
+        links = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                 if "host_agent" in " ".join(p.cmdline()) and a in p.cmdline()]
+        assert len(links) == 1, links
+        links[0].kill()
+        stdout, stderr = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-2000:]
+    run = runs_of(out / "result.json")["ddp2"]
+    assert run["ok"] and run["steps"] == 60, run
+    note = f"run ddp2: host {a}: its agent's link was lost (it had ended with exit code -9, "
+    assert note in stdout and "a second agent took over and it finished the run there" in stdout, stdout[-3000:]
+    assert run["notes"] and run["notes"][0].startswith(note[len("run ddp2: "):]), run["notes"]
     assert_nothing_left(sim)
 
 

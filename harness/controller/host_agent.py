@@ -18,9 +18,13 @@ never imports MLX: it starts in a fraction of a second. It
 - ``signal``: signals ranks (stack dumps); ``reach``: whether this host reaches the others'
   addresses (why a run stopped progressing);
 - ``finish``, or the end of its input (the controller or the SSH link is gone): kills the ranks
-  still running, sends the last files, removes the run's directory and mlx.launch's pidfiles,
-  releases the ports (and the lease directory, when no other run holds a lease there) and
-  exits. Nothing of the run stays on the host.
+  still running (those it knows the pids of, and any process working in the run's directory),
+  sends the last files, removes the run's directory and mlx.launch's pidfiles, releases the
+  ports (and the lease directory, when no other run holds a lease there) and exits. Nothing of
+  the run stays on the host. Why it ended goes to its stderr, which the controller reads;
+- ``adopt``: takes over a run whose agent's link was lost (``remote``), so that it can be
+  finished: its directory, its ranks' pids and, where given, the files the controller already
+  has (``Mirror.resume``).
 """
 
 from __future__ import annotations
@@ -41,9 +45,10 @@ from pathlib import Path
 from typing import Any
 
 from harness import main_thread_signal
+from harness.controller.host_mirror import Mirror, sha256_of
 
+AGENT_MODULE = "harness.controller.host_agent"
 TICK_S = 0.05
-CHUNK = 1 << 20  # bytes of one file per message
 KILL_WAIT_S = 5.0
 REACH_PORT = 9  # discard: a host that answers at all (even refusing) is reachable
 
@@ -76,69 +81,17 @@ def versions() -> dict[str, Any]:
             "hostname": socket.gethostname(), "executable": sys.executable}
 
 
-def sha256_of(path: Path) -> str | None:
-    try:
-        h = hashlib.sha256()
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(CHUNK), b""):
-                h.update(block)
-        return h.hexdigest()
-    except OSError:
-        return None
-
-
-class Mirror:
-    """Sends the growth of every file under the watched directories; a file replaced (a new
-    inode, as atomic writes do) or shrunk is sent again whole."""
-
-    def __init__(self, root: Path, dirs: list[str]):
-        self.root, self.dirs = root, [Path(d) for d in dirs]
-        self.sent: dict[Path, tuple[int, int]] = {}  # path -> (inode, bytes sent)
-
-    def scan(self, send: Any) -> None:
-        for d in self.dirs:
-            if not d.is_dir():
-                continue
-            for dirpath, _, files in os.walk(d):
-                for name in files:
-                    if name.startswith("."):
-                        continue  # a file being written under a temporary name
-                    self._send_file(Path(dirpath) / name, send)
-
-    def _send_file(self, path: Path, send: Any) -> None:
-        try:
-            st = path.stat()
-        except OSError:
-            return
-        inode, done = self.sent.get(path, (None, 0))
-        offset = done if inode == st.st_ino and st.st_size >= done else 0
-        if inode == st.st_ino and offset == st.st_size:
-            return
-        try:
-            with open(path, "rb") as f:
-                f.seek(offset)
-                while True:
-                    data = f.read(CHUNK)
-                    if not data and offset > 0:
-                        break
-                    send({"op": "file", "path": str(path.relative_to(self.root)), "offset": offset,
-                          "data": base64.b64encode(data).decode()})
-                    offset += len(data)
-                    if not data or len(data) < CHUNK:
-                        break
-        except OSError:
-            return
-        self.sent[path] = (st.st_ino, offset)
-
-
 class Agent:
     def __init__(self) -> None:
         self.root: Path | None = None
         self.lease: Any = None
         self.mirror: Mirror | None = None
         self.pids: dict[int, int] = {}
+        self.handles: dict[int, Any] = {}  # rank -> its psutil.Process, made when its pid was read
         self.ended: set[int] = set()
         self.out: Any = sys.stdout
+        self.why = "running"  # why it ended, as its last stderr line says
+        self.adopted = False  # it took over a run another agent started (``op_adopt``)
 
     def send(self, msg: dict[str, Any]) -> None:
         if self.out is None:
@@ -146,8 +99,9 @@ class Agent:
         try:
             self.out.write(json.dumps(msg) + "\n")
             self.out.flush()
-        except (BrokenPipeError, OSError):
-            self.out = None  # the controller is gone: clean up all the same
+        except OSError as e:  # the controller is gone: clean up all the same
+            self.out = None
+            self.why = f"its output failed ({type(e).__name__}: {e})"
 
     # requests ------------------------------------------------------------------------------
     def op_hello(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -182,8 +136,9 @@ class Agent:
     def op_setup(self, req: dict[str, Any]) -> dict[str, Any]:
         root = Path(req["root"])
         root.mkdir(mode=0o700, parents=True, exist_ok=False)
-        self.root = root
+        self.root = root.resolve()  # as the mirror's paths are (macOS's /tmp is /private/tmp)
         (root / "pids").mkdir()
+        (root / "pids" / "agent").write_text(str(os.getpid()))  # for an agent that takes the run over
         (root / "tmp").mkdir()  # the launcher's and MLX's temporary files
         return {"ok": True}
 
@@ -236,6 +191,33 @@ class Agent:
         self.mirror = Mirror(self.root, [str(self._inside(d)) for d in req["dirs"]])
         return {"ok": True}
 
+    def op_adopt(self, req: dict[str, Any]) -> dict[str, Any]:
+        """Take over the run at ``root`` that another agent held (its link was lost): what it had
+        not yet finished, this one finishes. ``found`` is false where that agent already had
+        (the directory is gone); ``known``: the files the controller has (``Mirror.resume``)."""
+        root = Path(req["root"])
+        if not (root / "pids").is_dir():
+            return {"ok": True, "found": False}
+        self.root = root.resolve()
+        self.adopted = True
+        self._end_agent(root / "pids" / "agent")
+        self._read_pids()
+        self.mirror = Mirror(root, [str(self._inside(d)) for d in req.get("dirs", [])])
+        resumed = self.mirror.resume(req.get("known") or {})
+        return {"ok": True, "found": True, "resumed": resumed}
+
+    @staticmethod
+    def _end_agent(pidfile: Path) -> None:
+        """Kill the agent that held the run (silent, stopped or hung), so that it cannot act on
+        the run later; a pid that is no agent's now is left alone."""
+        import psutil
+
+        with contextlib.suppress(psutil.Error, OSError, ValueError):
+            p = psutil.Process(int(pidfile.read_text()))
+            if p.pid != os.getpid() and AGENT_MODULE in " ".join(p.cmdline()):
+                p.kill()
+                p.wait(KILL_WAIT_S)
+
     def op_signal(self, req: dict[str, Any]) -> dict[str, Any]:
         sent = []
         for r in req["ranks"]:
@@ -257,9 +239,17 @@ class Agent:
     def _read_pids(self) -> None:
         if self.root is None:
             return
+        import psutil
+
         for f in (self.root / "pids").glob("rank*"):
             with contextlib.suppress(ValueError, OSError):
-                self.pids.setdefault(int(f.name[4:]), int(f.read_text().strip()))
+                rank, pid = int(f.name[4:]), int(f.read_text().strip())
+                if rank not in self.pids:
+                    self.pids[rank] = pid
+                    try:  # the process itself: a pid reused after the rank ended is never signalled
+                        self.handles[rank] = psutil.Process(pid)
+                    except psutil.Error:
+                        self.ended.add(rank)
 
     def _launcher_files(self) -> list[Path]:
         """mlx.launch's pidfiles for this run's ranks on this host: it makes one per rank with
@@ -287,8 +277,8 @@ class Agent:
             rss, alive = None, False
             if r not in self.ended:
                 try:
-                    p = psutil.Process(pid)
-                    alive = p.status() != psutil.STATUS_ZOMBIE
+                    p = self.handles[r]
+                    alive = p.is_running() and p.status() != psutil.STATUS_ZOMBIE
                     rss = p.memory_info().rss if alive else None
                 except psutil.Error:
                     alive = False
@@ -296,6 +286,21 @@ class Agent:
                 self.ended.add(r)
             out[str(r)] = {"pid": pid, "alive": alive, "rss": rss}
         return out
+
+    def _working_here(self) -> list[Any]:
+        """Processes other than this one whose working directory is in the run's directory: the
+        ranks' shells and what a rank started, whichever agent recorded their pids."""
+        import psutil
+
+        if self.root is None:
+            return []
+        root = str(self.root.resolve())
+        found = []
+        for p in psutil.process_iter(["cwd"]):
+            cwd = p.info.get("cwd") or ""
+            if p.pid != os.getpid() and (cwd == root or cwd.startswith(root + os.sep)):
+                found.append(p)
+        return found
 
     def tick(self) -> None:
         self._read_pids()
@@ -310,9 +315,9 @@ class Agent:
 
         self._read_pids()
         live = []
-        for pid in self.pids.values():
+        ranks = [p for r, p in self.handles.items() if r not in self.ended]
+        for p in {p.pid: p for p in [*ranks, *self._working_here()]}.values():
             with contextlib.suppress(psutil.Error):
-                p = psutil.Process(pid)
                 p.kill()
                 live.append(p)
         _, alive = psutil.wait_procs(live, timeout=KILL_WAIT_S)
@@ -326,11 +331,12 @@ class Agent:
         if self.root is not None:
             shutil.rmtree(self.root, ignore_errors=True)
             removed = not self.root.exists()
-        if self.lease is not None:
+        if self.lease is not None or self.adopted:  # an adopted run's lease died with its agent
             from harness.controller.ports import drop_idle_lease_dir
 
-            self.lease.release()
-            self.lease = None
+            if self.lease is not None:
+                self.lease.release()
+                self.lease = None
             drop_idle_lease_dir()
         self.root = None
         return {"survivors": survivors, "removed": removed}
@@ -343,6 +349,7 @@ class Agent:
             if ready:
                 chunk = os.read(fd, 1 << 16)
                 if not chunk:
+                    self.why = "its input ended (the controller or its SSH link is gone)"
                     self.finish()
                     return
                 buf += chunk
@@ -351,6 +358,7 @@ class Agent:
                     req = json.loads(line)
                     op = req["op"]
                     if op == "finish":
+                        self.why = "asked to finish"
                         self.send({"id": req.get("id"), **self.finish()})
                         return
                     try:
@@ -371,9 +379,13 @@ def main() -> int:
     agent = Agent()
     try:
         agent.serve()
-    except BaseException:
+    except BaseException as e:
+        agent.why = (f"signal {signal.Signals(e.code - 128).name}" if isinstance(e, SystemExit)
+                     and isinstance(e.code, int) and e.code > 128 else f"{type(e).__name__}: {e}")
         agent.finish()
         raise
+    finally:
+        print(f"agent: ended: {agent.why}", file=sys.stderr, flush=True)
     return 0
 
 

@@ -70,7 +70,7 @@ class RunOutcome:
     params: dict[str, Any] | None = None
     moved: float | None = None  # how far training moved rank 0's parameters, relative (``run_job.moved``)
     artifacts: Path | None = None
-    notes: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what happened around its ranks (``RankProcesses.notes``)
     floor: str | None = None  # a noise-floor run the harness added: what it computes
     backend_reason: str | None = None  # why the harness chose another backend than the usual one
     ring_yield: str | None = None  # its ranks yielded a core while they waited, and why (``controller.ring_yield``)

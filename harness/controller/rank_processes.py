@@ -42,6 +42,9 @@ class RankProcesses(Protocol):
     def finish(self) -> list[int | str]:
         """Stop what is left of the ranks' hosts' side; what survived (``host:pid``)."""
 
+    def notes(self) -> list[str]:
+        """What the run should say of where its ranks ran (a host's agent link lost, taken over)."""
+
 
 def alive(pid: int) -> bool:
     try:
@@ -81,6 +84,9 @@ class LocalProcesses:
         return None
 
     def finish(self) -> list[int | str]:
+        return []
+
+    def notes(self) -> list[str]:
         return []
 
 
@@ -129,3 +135,6 @@ class HostProcesses:
 
     def finish(self) -> list[int | str]:
         return list(self.hosts.finish())
+
+    def notes(self) -> list[str]:
+        return list(self.hosts.notes)

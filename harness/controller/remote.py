@@ -13,163 +13,19 @@ the end kill what is left and remove the host's directory and port lease.
 
 from __future__ import annotations
 
-import base64
-import itertools
-import json
-import queue
 import random
 import secrets
-import subprocess
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.cluster_spec import LOCAL, Cluster, ClusterError, ClusterHost
-from harness.controller.host_agent import sha256_of
+from harness.cluster_spec import Cluster, ClusterError
+from harness.controller.host_link import HostLink, RankState
+from harness.controller.host_mirror import sha256_of
 
-AGENT = "harness.controller.host_agent"
-REPLY_TIMEOUT_S = 60.0
-SSH_OPTIONS = ("-o", "BatchMode=yes", "-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=3")
 PORT_TRIES = 20
-SHIP_CHUNK = 4 << 20
 MAX_SHIP_FILES = 10_000
-
-
-def agent_command(host: ClusterHost, python: str) -> list[str]:
-    """How the controller starts the agent on ``host`` (no SSH for mlx.launch's local name)."""
-    cmd = [python, "-m", AGENT]
-    return cmd if host.ssh == LOCAL else ["ssh", *SSH_OPTIONS, host.ssh, " ".join(cmd)]
-
-
-@dataclass
-class RankState:
-    pid: int | None = None
-    alive: bool = False
-    rss: int | None = None
-
-
-class HostLink:
-    """One agent: requests and replies, and the files and process states it streams."""
-
-    def __init__(self, index: int, host: ClusterHost, python: str, allowed: list[Path] | None = None):
-        self.index, self.host = index, host
-        self.root: str = ""  # the run's directory on the host
-        self.allowed = allowed or []  # local directories that files from the host may be written under
-        self.proc = subprocess.Popen(agent_command(host, python), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, start_new_session=True)
-        self._ids = itertools.count(1)
-        self._replies: dict[int, queue.Queue] = {}
-        self._lock = threading.Lock()
-        self.ranks: dict[int, RankState] = {}
-        self.procs_at = 0.0  # when the last process report came
-        self.memory_bytes = 0  # the host's memory, as its agent said
-        self.closed = threading.Event()
-        self.error = ""
-        self.unanswered = ""  # why ``close`` got no answer (``RemoteRanks.finish``)
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    @property
-    def name(self) -> str:
-        return self.host.ssh
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            try:
-                msg = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if msg.get("op") == "file":
-                self._write_file(msg)
-            elif msg.get("op") == "procs":
-                self.ranks = {int(r): RankState(v.get("pid"), bool(v.get("alive")), v.get("rss"))
-                              for r, v in msg["ranks"].items()}
-                self.procs_at = time.monotonic()
-            elif msg.get("id") in self._replies:
-                self._replies[msg["id"]].put(msg)
-        if self.proc.stderr is not None:
-            self.error = self.proc.stderr.read().decode(errors="replace").strip()
-        self.closed.set()
-        for q in self._replies.values():
-            q.put(None)
-
-    def _write_file(self, msg: dict[str, Any]) -> None:
-        rel = msg["path"]
-        if not rel.startswith("m/"):
-            return
-        local = Path("/" + rel[2:])
-        if not any(d == local or d in local.parents for d in self.allowed):
-            return  # only the run's own directories come back
-        local.parent.mkdir(parents=True, exist_ok=True)
-        data = base64.b64decode(msg["data"])
-        with open(local, "r+b" if msg["offset"] and local.exists() else "wb") as f:
-            f.seek(msg["offset"])
-            f.write(data)
-            f.truncate()
-
-    def request(self, op: str, timeout: float = REPLY_TIMEOUT_S, **fields: Any) -> dict[str, Any]:
-        rid = next(self._ids)
-        q: queue.Queue = queue.Queue()
-        self._replies[rid] = q
-        try:
-            with self._lock:
-                assert self.proc.stdin is not None
-                self.proc.stdin.write((json.dumps({"op": op, "id": rid, **fields}) + "\n").encode())
-                self.proc.stdin.flush()
-            reply = q.get(timeout=timeout) if not self.closed.is_set() else None
-        except (BrokenPipeError, OSError, queue.Empty):
-            reply = None
-        finally:
-            self._replies.pop(rid, None)
-        if reply is None:
-            raise ClusterError(f"host {self.name}: its agent did not answer {op!r}"
-                               + (f" ({self._last_error()})" if self._last_error() else ""))
-        return reply
-
-    def _last_error(self) -> str:
-        if self.proc.poll() is not None:
-            self.closed.wait(0.5)  # its stderr, read to the end
-        return self.error.splitlines()[-1] if self.error else ""
-
-    def relative(self, local: Path | str) -> str:
-        """Where a local path is mirrored on the host, inside the run's directory there."""
-        return f"m{Path(local)}"
-
-    def remote(self, local: Path | str) -> str:
-        """Where a local path is mirrored on the host."""
-        return f"{self.root}/{self.relative(local)}"
-
-    def put(self, local: Path, data: bytes) -> None:
-        """Write ``data`` at ``local``'s place on the host, in chunks."""
-        for offset in range(0, max(len(data), 1), SHIP_CHUNK):
-            r = self.request("put", path=self.relative(local), offset=offset,
-                             data=base64.b64encode(data[offset:offset + SHIP_CHUNK]).decode())
-            if not r.get("ok"):
-                raise ClusterError(f"host {self.name}: could not write {local}: {r.get('error')}")
-
-    def close(self, timeout: float = 30.0) -> dict[str, Any]:
-        """Finish the agent (kill its ranks, last files, remove the host's directory); where it
-        gives no answer, ``unanswered`` says what is known of why."""
-        reply: dict[str, Any] = {}
-        try:
-            if self.proc.poll() is None:
-                reply = self.request("finish", timeout=timeout)
-            else:
-                last = self._last_error()
-                self.unanswered = f"it had ended with exit code {self.proc.returncode}" + (f" ({last})" if last else "")
-        except ClusterError:
-            last = self._last_error()
-            self.unanswered = f"no answer to 'finish' within {timeout:g} s" + (f" ({last})" if last else "")
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self._reader.join(timeout=5)
-        return reply
 
 
 def _strings(obj: Any) -> list[str]:
@@ -211,6 +67,8 @@ class RemoteRanks:
     placement: list[int]  # rank -> host index
     links: dict[int, HostLink] = field(default_factory=dict)
     finished: dict[str, Any] = field(default_factory=dict)
+    watched: list[Path] = field(default_factory=list)  # local directories the agents send files back to
+    notes: list[str] = field(default_factory=list)  # what the run should say of its hosts (a link lost)
 
     def host_of(self, rank: int) -> str:
         return self.cluster.hosts[self.placement[rank]].ssh
@@ -220,6 +78,7 @@ class RemoteRanks:
 
     def start_agents(self, run_dir: Path, sync_dirs: list[Path]) -> None:
         token = secrets.token_hex(4)
+        self.watched = [run_dir, *sync_dirs]
         for h in sorted(set(self.placement)):
             link = HostLink(h, self.cluster.hosts[h], self.cluster.python, [run_dir, *sync_dirs])
             link.root = f"{self.cluster.workdir.rstrip('/')}/mlx-ddp-harness-{token}"
@@ -351,15 +210,19 @@ class RemoteRanks:
 
     def finish(self) -> list[str]:
         """Stop every agent: its ranks killed, last files back, its directory removed; survivors
-        as ``host:pid`` (and hosts whose directory could not be removed)."""
+        as ``host:pid`` (and hosts whose directory could not be removed). Where an agent gives no
+        answer (its link lost), a second agent on that host takes the run over and finishes it."""
         left: list[str] = []
         threads = []
 
-        def close(link: HostLink) -> None:
-            self.finished[link.name] = link.close()
+        def close(h: int, link: HostLink) -> None:
+            reply = link.close()
+            if not reply:
+                reply = self._take_over(h, link)
+            self.finished[link.name] = reply
 
-        for link in self.links.values():
-            t = threading.Thread(target=close, args=(link,))
+        for h, link in self.links.items():
+            t = threading.Thread(target=close, args=(h, link))
             t.start()
             threads.append(t)
         for t in threads:
@@ -374,3 +237,29 @@ class RemoteRanks:
             if not reply.get("removed", True):
                 left.append(f"{name}:files")
         return left
+
+    def _take_over(self, h: int, lost: HostLink) -> dict[str, Any]:
+        """Finish the run on ``lost``'s host through a new agent: the files the first did not
+        send, its ranks and anything working in the run's directory killed, the directory removed.
+        Its reply, or ``{}`` (``lost.unanswered`` then says both agents' silence)."""
+        if not lost.root:
+            return {}
+        link = HostLink(h, lost.host, self.cluster.python, lost.allowed)
+        known = {}  # what came back before the link was lost: the new agent sends the rest
+        for f in (f for d in self.watched if d.is_dir() for f in _files(d)):
+            digest = sha256_of(f)
+            if digest is not None:
+                known[link.relative(f)] = [f.stat().st_size, digest]
+        try:
+            took = link.request("adopt", root=lost.root, dirs=[link.relative(d) for d in self.watched], known=known)
+            reply = link.close() if took.get("ok") else {}
+        except ClusterError:
+            reply = {}
+        if not reply:
+            link.close()
+            lost.unanswered += f"; nor did a second agent ({link.unanswered or 'its adopt failed'})"
+            return {}
+        found = "it finished the run there" if took.get("found") else "the run's directory there was already gone"
+        self.notes.append(f"host {lost.name}: its agent's link was lost ({lost.unanswered}); a second agent "
+                          f"took over and {found}")
+        return reply

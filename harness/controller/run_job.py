@@ -256,4 +256,5 @@ def _summarize(name: str, run_dir: Path, started: launcher.Launch, report: Watch
         moved=moved(params, schema.start_params_path(run_dir)),
         hosts=[str(started.ranks.host_of(r)) for r in range(world_size)] if started.ranks.remote else None,
         collectives=collectives,
+        notes=started.ranks.notes(),
     )

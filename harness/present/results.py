@@ -91,6 +91,7 @@ def run_summary(run: RunOutcome, planned: PlannedRun, ref: RunOutcome | None) ->
         "global_batch": train.global_batch,
         "ranks": [rank_summary(o, run.hosts[o.rank] if run.hosts else None) for o in run.ranks],
         "hosts": run.hosts,
+        "notes": run.notes,
         "collectives": run.collectives,
         "artifacts": str(run.artifacts) if run.artifacts else None,
         "expect_error": spec.expect_error or (f"{spec.mutation}: a rank killed" if spec.fails_by_design else None),

@@ -372,6 +372,7 @@ def scenario_text(scenario: dict[str, Any], fmt: str = "plain") -> str:
     if scenario.get("kind") == "throughput" and width_warnings(scenario):
         parts.append("\n".join(width_warnings(scenario)))
     placed = [f"run {r['name']} across hosts: {host_ranks(r['hosts'])}" for r in scenario["runs"] if r.get("hosts")]
+    placed += [f"run {r['name']}: {note}" for r in scenario["runs"] for note in r.get("notes") or []]
     if placed:
         parts.append("\n".join(placed))
     if mutation_rows(scenario):
