@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -95,6 +96,57 @@ def test_an_agent_that_gives_no_answer_at_the_end_is_reported_with_what_is_known
     link = HostLink(0, host, str(silent))
     assert link.close(timeout=0.5) == {}
     assert link.unanswered == "no answer to 'finish' within 0.5 s"
+
+
+def _agent_with_a_run(tmp_path: Path) -> tuple[Any, Any, Path]:
+    """An agent on this machine (no SSH) holding a run's directory, as at a run's start."""
+    from harness.cluster_spec import LOCAL
+    from harness.controller.host_link import HostLink
+    from harness.controller.remote import RemoteRanks
+
+    host = ClusterHost(LOCAL, [LOCAL])
+    link = HostLink(0, host, sys.executable)
+    root = tmp_path / "mlx-ddp-harness-run"
+    assert link.request("setup", root=str(root))["ok"]
+    link.root = str(root)
+    hosts = RemoteRanks(Cluster([host]), [0], finish_timeout_s=2.0)
+    hosts.links[0] = link
+    return hosts, link, root
+
+
+def test_a_hung_agent_is_ended_by_a_second_that_kills_what_works_in_the_runs_directory(tmp_path: Path) -> None:
+    """The first agent is stopped (it cannot answer); a process it never recorded works in the run's
+    directory. The second agent ends the first, kills that process and removes the directory
+    (stand-in processes: the agents' protocol, not DDP)."""
+    import psutil
+
+    hosts, first, root = _agent_with_a_run(tmp_path)
+    worker = subprocess.Popen(["sleep", "60"], cwd=root / "tmp")
+    os.kill(first.proc.pid, signal.SIGSTOP)
+    try:
+        assert hosts.finish() == []
+        assert worker.wait(timeout=5) == -signal.SIGKILL
+        assert not root.exists() and not psutil.pid_exists(first.proc.pid)
+        assert hosts.notes == [f"host {first.name}: its agent gave no answer at the end (no answer to 'finish' "
+                               f"within 2 s); a second agent took over and it finished the run there"]
+    finally:
+        worker.kill()
+        first.proc.kill()
+
+
+def test_an_agent_whose_link_ended_is_checked_by_a_second_that_finds_the_run_finished(tmp_path: Path) -> None:
+    """The first agent's input ends before the run's end: it cleans up by itself and says why on
+    stderr. The second agent finds the directory gone; the run is not failed for it."""
+    hosts, first, root = _agent_with_a_run(tmp_path)
+    assert first.proc.stdin is not None
+    first.proc.stdin.close()
+    assert first.proc.wait(timeout=10) == 0
+    assert hosts.finish() == [] and not root.exists()
+    assert len(hosts.notes) == 1 and hosts.notes[0].startswith(
+        f"host {first.name}: its agent gave no answer at the end (it had ended with exit code 0, "), hosts.notes
+    assert hosts.notes[0].endswith(" s after it started (agent: ended: its input ended (the controller or its SSH "
+                                   "link is gone))); a second agent took over and the run's directory there was "
+                                   "already gone"), hosts.notes
 
 
 @pytest.mark.ranks
@@ -403,7 +455,7 @@ def test_an_agent_whose_link_is_lost_mid_run_is_taken_over_and_the_run_kept(sim:
     assert proc.returncode == 0, stdout[-3000:] + stderr[-2000:]
     run = runs_of(out / "result.json")["ddp2"]
     assert run["ok"] and run["steps"] == 60, run
-    note = f"run ddp2: host {a}: its agent's link was lost (it had ended with exit code -9, "
+    note = f"run ddp2: host {a}: its agent gave no answer at the end (it had ended with exit code -9, "
     assert note in stdout and "a second agent took over and it finished the run there" in stdout, stdout[-3000:]
     assert run["notes"] and run["notes"][0].startswith(note[len("run ddp2: "):]), run["notes"]
     assert_nothing_left(sim)

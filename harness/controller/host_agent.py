@@ -92,6 +92,7 @@ class Agent:
         self.out: Any = sys.stdout
         self.why = "running"  # why it ended, as its last stderr line says
         self.adopted = False  # it took over a run another agent started (``op_adopt``)
+        self.run_path: str | None = None  # the run's directory, resolved, kept once removed
 
     def send(self, msg: dict[str, Any]) -> None:
         if self.out is None:
@@ -137,6 +138,7 @@ class Agent:
         root = Path(req["root"])
         root.mkdir(mode=0o700, parents=True, exist_ok=False)
         self.root = root.resolve()  # as the mirror's paths are (macOS's /tmp is /private/tmp)
+        self.run_path = str(self.root)
         (root / "pids").mkdir()
         (root / "pids" / "agent").write_text(str(os.getpid()))  # for an agent that takes the run over
         (root / "tmp").mkdir()  # the launcher's and MLX's temporary files
@@ -195,11 +197,11 @@ class Agent:
         """Take over the run at ``root`` that another agent held (its link was lost): what it had
         not yet finished, this one finishes. ``found`` is false where that agent already had
         (the directory is gone); ``known``: the files the controller has (``Mirror.resume``)."""
-        root = Path(req["root"])
+        root = Path(req["root"]).resolve()
+        self.adopted, self.run_path = True, str(root)
         if not (root / "pids").is_dir():
             return {"ok": True, "found": False}
-        self.root = root.resolve()
-        self.adopted = True
+        self.root = root
         self._end_agent(root / "pids" / "agent")
         self._read_pids()
         self.mirror = Mirror(root, [str(self._inside(d)) for d in req.get("dirs", [])])
@@ -216,7 +218,7 @@ class Agent:
             p = psutil.Process(int(pidfile.read_text()))
             if p.pid != os.getpid() and AGENT_MODULE in " ".join(p.cmdline()):
                 p.kill()
-                p.wait(KILL_WAIT_S)
+                p.wait(KILL_WAIT_S)  # until reaped: its port lease is stale only then
 
     def op_signal(self, req: dict[str, Any]) -> dict[str, Any]:
         sent = []
@@ -292,13 +294,13 @@ class Agent:
         ranks' shells and what a rank started, whichever agent recorded their pids."""
         import psutil
 
-        if self.root is None:
+        root = self.run_path
+        if root is None:
             return []
-        root = str(self.root.resolve())
         found = []
         for p in psutil.process_iter(["cwd"]):
-            cwd = p.info.get("cwd") or ""
-            if p.pid != os.getpid() and (cwd == root or cwd.startswith(root + os.sep)):
+            cwd = p.info.get("cwd") or ""  # Linux: "<path> (deleted)" once the directory is removed
+            if p.pid != os.getpid() and (cwd in (root, f"{root} (deleted)") or cwd.startswith(root + os.sep)):
                 found.append(p)
         return found
 
@@ -320,8 +322,7 @@ class Agent:
             with contextlib.suppress(psutil.Error):
                 p.kill()
                 live.append(p)
-        _, alive = psutil.wait_procs(live, timeout=KILL_WAIT_S)
-        survivors = [p.pid for p in alive]
+        survivors = [p.pid for p in _wait_ended(live, KILL_WAIT_S)]
         if self.mirror is not None:
             self.mirror.scan(self.send)
         removed = True
@@ -367,6 +368,25 @@ class Agent:
                         reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
                     self.send({"id": req.get("id"), **reply})
             self.tick()
+
+
+def _wait_ended(procs: list[Any], timeout: float) -> list[Any]:
+    """Wait until each process is gone or a zombie (one whose parent has yet to reap it has
+    ended all the same); those still running after ``timeout``."""
+    import psutil
+
+    def running(p: Any) -> bool:
+        try:
+            return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    deadline = time.monotonic() + timeout
+    while True:
+        left = [p for p in procs if running(p)]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(TICK_S)
 
 
 def _exit(signum: int, frame: Any) -> None:

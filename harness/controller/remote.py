@@ -68,6 +68,7 @@ class RemoteRanks:
     links: dict[int, HostLink] = field(default_factory=dict)
     finished: dict[str, Any] = field(default_factory=dict)
     watched: list[Path] = field(default_factory=list)  # local directories the agents send files back to
+    finish_timeout_s: float = 30.0  # how long an agent's answer to ``finish`` is waited for
     notes: list[str] = field(default_factory=list)  # what the run should say of its hosts (a link lost)
 
     def host_of(self, rank: int) -> str:
@@ -216,7 +217,7 @@ class RemoteRanks:
         threads = []
 
         def close(h: int, link: HostLink) -> None:
-            reply = link.close()
+            reply = link.close(self.finish_timeout_s)
             if not reply:
                 reply = self._take_over(h, link)
             self.finished[link.name] = reply
@@ -252,14 +253,14 @@ class RemoteRanks:
                 known[link.relative(f)] = [f.stat().st_size, digest]
         try:
             took = link.request("adopt", root=lost.root, dirs=[link.relative(d) for d in self.watched], known=known)
-            reply = link.close() if took.get("ok") else {}
+            reply = link.close(self.finish_timeout_s) if took.get("ok") else {}
         except ClusterError:
             reply = {}
         if not reply:
-            link.close()
+            link.close(self.finish_timeout_s)
             lost.unanswered += f"; nor did a second agent ({link.unanswered or 'its adopt failed'})"
             return {}
         found = "it finished the run there" if took.get("found") else "the run's directory there was already gone"
-        self.notes.append(f"host {lost.name}: its agent's link was lost ({lost.unanswered}); a second agent "
-                          f"took over and {found}")
+        self.notes.append(f"host {lost.name}: its agent gave no answer at the end ({lost.unanswered}); a second "
+                          f"agent took over and {found}")
         return reply
