@@ -252,7 +252,8 @@ class RemoteRanks:
             if digest is not None:
                 known[link.relative(f)] = [f.stat().st_size, digest]
         try:
-            took = link.request("adopt", root=lost.root, dirs=[link.relative(d) for d in self.watched], known=known)
+            took = link.request("adopt", timeout=self.finish_timeout_s, root=lost.root,
+                                dirs=[link.relative(d) for d in self.watched], known=known)
             reply = link.close(self.finish_timeout_s) if took.get("ok") else {}
         except ClusterError:
             reply = {}
