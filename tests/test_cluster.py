@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
@@ -96,6 +97,28 @@ def test_an_agent_that_gives_no_answer_at_the_end_is_reported_with_what_is_known
     link = HostLink(0, host, str(silent))
     assert link.close(timeout=0.5) == {}
     assert link.unanswered == "no answer to 'finish' within 0.5 s"
+
+
+def test_a_mirror_taken_over_sends_only_what_the_controller_lacks(tmp_path: Path) -> None:
+    """A file whose first bytes the controller holds (same digest) continues from there; one whose
+    prefix differs (rewritten since) or that the controller lacks is sent whole."""
+    from harness.controller.host_mirror import Mirror, sha256_of
+
+    d = tmp_path / "m" / "run"
+    d.mkdir(parents=True)
+    (d / "grown.jsonl").write_bytes(b"step 1\nstep 2\n")
+    (d / "rewritten.json").write_bytes(b'{"status": "ok"}')
+    (d / "new.txt").write_bytes(b"new")
+    known = {"m/run/grown.jsonl": [7, sha256_of(d / "grown.jsonl", 7)],
+             "m/run/rewritten.json": [4, "0" * 64]}  # what the controller held is not this file's start
+    mirror = Mirror(tmp_path, [str(d)])
+    assert mirror.resume(known) == 1
+    sent: list[dict] = []
+    mirror.scan(sent.append)
+    got = {m["path"]: (m["offset"], base64.b64decode(m["data"])) for m in sent}
+    assert got == {"m/run/grown.jsonl": (7, b"step 2\n"), "m/run/rewritten.json": (0, b'{"status": "ok"}'),
+                   "m/run/new.txt": (0, b"new")}
+    assert sha256_of(d / "new.txt", 4) is None  # shorter than the prefix asked: no digest
 
 
 def _agent_with_a_run(tmp_path: Path) -> tuple[Any, Any, Path]:

@@ -44,7 +44,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from harness import main_thread_signal
+from harness.controller import host_cleanup
 from harness.controller.host_mirror import Mirror, sha256_of
 
 AGENT_MODULE = "harness.controller.host_agent"
@@ -87,12 +90,12 @@ class Agent:
         self.lease: Any = None
         self.mirror: Mirror | None = None
         self.pids: dict[int, int] = {}
-        self.handles: dict[int, Any] = {}  # rank -> its psutil.Process, made when its pid was read
+        self.rank_procs: dict[int, Any] = {}  # rank -> its psutil.Process, made when its pid was read
         self.ended: set[int] = set()
         self.out: Any = sys.stdout
         self.why = "running"  # why it ended, as its last stderr line says
         self.adopted = False  # it took over a run another agent started (``op_adopt``)
-        self.run_path: str | None = None  # the run's directory, resolved, kept once removed
+        self.run_dir: str | None = None  # the run's directory (``root``) resolved, kept once removed
 
     def send(self, msg: dict[str, Any]) -> None:
         if self.out is None:
@@ -102,12 +105,11 @@ class Agent:
             self.out.flush()
         except OSError as e:  # the controller is gone: clean up all the same
             self.out = None
-            self.why = f"its output failed ({type(e).__name__}: {e})"
+            if self.why == "running":
+                self.why = f"its output failed ({type(e).__name__}: {e})"
 
     # requests ------------------------------------------------------------------------------
     def op_hello(self, req: dict[str, Any]) -> dict[str, Any]:
-        import psutil
-
         return {**versions(), "memory_bytes": psutil.virtual_memory().total, "cpus": os.cpu_count()}
 
     def op_backends(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -138,7 +140,7 @@ class Agent:
         root = Path(req["root"])
         root.mkdir(mode=0o700, parents=True, exist_ok=False)
         self.root = root.resolve()  # as the mirror's paths are (macOS's /tmp is /private/tmp)
-        self.run_path = str(self.root)
+        self.run_dir = str(self.root)
         (root / "pids").mkdir()
         (root / "pids" / "agent").write_text(str(os.getpid()))  # for an agent that takes the run over
         (root / "tmp").mkdir()  # the launcher's and MLX's temporary files
@@ -194,31 +196,20 @@ class Agent:
         return {"ok": True}
 
     def op_adopt(self, req: dict[str, Any]) -> dict[str, Any]:
-        """Take over the run at ``root`` that another agent held (its link was lost): what it had
-        not yet finished, this one finishes. ``found`` is false where that agent already had
-        (the directory is gone); ``known``: the files the controller has (``Mirror.resume``)."""
+        """Take over the run at ``root`` that another agent held (it gave no answer): what that
+        one had not finished, this one finishes. It ends that agent first. ``found`` is false
+        where the directory is gone; ``known``: the files the controller has (``Mirror.resume``)."""
         root = Path(req["root"]).resolve()
-        self.adopted, self.run_path = True, str(root)
-        if not (root / "pids").is_dir():
+        self.adopted, self.run_dir = True, str(root)
+        if not root.is_dir():
             return {"ok": True, "found": False}
         self.root = root
-        self._end_agent(root / "pids" / "agent")
+        host_cleanup.end_agent(root / "pids" / "agent", AGENT_MODULE, KILL_WAIT_S)
+        with contextlib.suppress(OSError):
+            (root / "pids" / "agent").write_text(str(os.getpid()))
         self._read_pids()
         self.mirror = Mirror(root, [str(self._inside(d)) for d in req.get("dirs", [])])
-        resumed = self.mirror.resume(req.get("known") or {})
-        return {"ok": True, "found": True, "resumed": resumed}
-
-    @staticmethod
-    def _end_agent(pidfile: Path) -> None:
-        """Kill the agent that held the run (silent, stopped or hung), so that it cannot act on
-        the run later; a pid that is no agent's now is left alone."""
-        import psutil
-
-        with contextlib.suppress(psutil.Error, OSError, ValueError):
-            p = psutil.Process(int(pidfile.read_text()))
-            if p.pid != os.getpid() and AGENT_MODULE in " ".join(p.cmdline()):
-                p.kill()
-                p.wait(KILL_WAIT_S)  # until reaped: its port lease is stale only then
+        return {"ok": True, "found": True, "resumed": self.mirror.resume(req.get("known") or {})}
 
     def op_signal(self, req: dict[str, Any]) -> dict[str, Any]:
         sent = []
@@ -241,45 +232,27 @@ class Agent:
     def _read_pids(self) -> None:
         if self.root is None:
             return
-        import psutil
-
         for f in (self.root / "pids").glob("rank*"):
             with contextlib.suppress(ValueError, OSError):
                 rank, pid = int(f.name[4:]), int(f.read_text().strip())
-                if rank not in self.pids:
-                    self.pids[rank] = pid
-                    try:  # the process itself: a pid reused after the rank ended is never signalled
-                        self.handles[rank] = psutil.Process(pid)
-                    except psutil.Error:
-                        self.ended.add(rank)
-
-    def _launcher_files(self) -> list[Path]:
-        """mlx.launch's pidfiles for this run's ranks on this host: it makes one per rank with
-        ``mktemp`` in the login shell's temporary directory (this agent's, as both come over SSH)
-        holding the pid of the shell that became the rank's, and removes it only when it kills."""
-        if self.root is None:
-            return []
-        shells = set()
-        for f in (self.root / "pids").glob("shell*"):
-            with contextlib.suppress(OSError):
-                shells.add(f.read_text().strip())
-        tmp = Path(os.environ.get("TMPDIR") or "/tmp")
-        found = []
-        for f in tmp.glob("tmp.*"):
-            with contextlib.suppress(OSError):
-                if f.is_file() and f.stat().st_size < 32 and f.read_text().strip() in shells:
-                    found.append(f)
-        return found
+                if rank in self.pids:
+                    continue
+                self.pids[rank] = pid
+                # the process itself, so that a pid reused after the rank ended is never signalled
+                # (an adopted run's pidfiles are old: their processes must predate them)
+                proc = host_cleanup.process_of(f) if self.adopted else _process(pid)
+                if proc is None:
+                    self.ended.add(rank)
+                else:
+                    self.rank_procs[rank] = proc
 
     def _procs(self) -> dict[str, Any]:
-        import psutil
-
         out = {}
         for r, pid in self.pids.items():
             rss, alive = None, False
             if r not in self.ended:
                 try:
-                    p = self.handles[r]
+                    p = self.rank_procs[r]
                     alive = p.is_running() and p.status() != psutil.STATUS_ZOMBIE
                     rss = p.memory_info().rss if alive else None
                 except psutil.Error:
@@ -288,21 +261,6 @@ class Agent:
                 self.ended.add(r)
             out[str(r)] = {"pid": pid, "alive": alive, "rss": rss}
         return out
-
-    def _working_here(self) -> list[Any]:
-        """Processes other than this one whose working directory is in the run's directory: the
-        ranks' shells and what a rank started, whichever agent recorded their pids."""
-        import psutil
-
-        root = self.run_path
-        if root is None:
-            return []
-        found = []
-        for p in psutil.process_iter(["cwd"]):
-            cwd = p.info.get("cwd") or ""  # Linux: "<path> (deleted)" once the directory is removed
-            if p.pid != os.getpid() and (cwd in (root, f"{root} (deleted)") or cwd.startswith(root + os.sep)):
-                found.append(p)
-        return found
 
     def tick(self) -> None:
         self._read_pids()
@@ -313,20 +271,14 @@ class Agent:
 
     def finish(self) -> dict[str, Any]:
         """Kill the ranks left, send the last files, remove everything of the run."""
-        import psutil
-
         self._read_pids()
-        live = []
-        ranks = [p for r, p in self.handles.items() if r not in self.ended]
-        for p in {p.pid: p for p in [*ranks, *self._working_here()]}.values():
-            with contextlib.suppress(psutil.Error):
-                p.kill()
-                live.append(p)
-        survivors = [p.pid for p in _wait_ended(live, KILL_WAIT_S)]
+        ranks = [p for r, p in self.rank_procs.items() if r not in self.ended]
+        working = host_cleanup.working_in(self.run_dir) if self.run_dir else []
+        survivors = host_cleanup.kill_all([*ranks, *working], KILL_WAIT_S)
         if self.mirror is not None:
             self.mirror.scan(self.send)
         removed = True
-        for f in self._launcher_files():
+        for f in host_cleanup.launcher_files(self.root / "pids") if self.root is not None else []:
             with contextlib.suppress(OSError):
                 f.unlink()
         if self.root is not None:
@@ -370,23 +322,20 @@ class Agent:
             self.tick()
 
 
-def _wait_ended(procs: list[Any], timeout: float) -> list[Any]:
-    """Wait until each process is gone or a zombie (one whose parent has yet to reap it has
-    ended all the same); those still running after ``timeout``."""
-    import psutil
+def _process(pid: int) -> Any:
+    try:
+        return psutil.Process(pid)
+    except psutil.Error:
+        return None
 
-    def running(p: Any) -> bool:
-        try:
-            return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-        except psutil.Error:
-            return False
 
-    deadline = time.monotonic() + timeout
-    while True:
-        left = [p for p in procs if running(p)]
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(TICK_S)
+def _why(e: BaseException) -> str:
+    """What ended the agent, as its last stderr line says (``_exit``: a signal)."""
+    code = e.code if isinstance(e, SystemExit) else None
+    if isinstance(code, int) and code > 128:
+        with contextlib.suppress(ValueError):
+            return f"signal {signal.Signals(code - 128).name}"
+    return f"{type(e).__name__}: {e}"
 
 
 def _exit(signum: int, frame: Any) -> None:
@@ -400,12 +349,12 @@ def main() -> int:
     try:
         agent.serve()
     except BaseException as e:
-        agent.why = (f"signal {signal.Signals(e.code - 128).name}" if isinstance(e, SystemExit)
-                     and isinstance(e.code, int) and e.code > 128 else f"{type(e).__name__}: {e}")
+        agent.why = _why(e)
         agent.finish()
         raise
     finally:
-        print(f"agent: ended: {agent.why}", file=sys.stderr, flush=True)
+        with contextlib.suppress(OSError):
+            print(f"agent: ended: {agent.why}", file=sys.stderr, flush=True)
     return 0
 
 

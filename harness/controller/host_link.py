@@ -5,6 +5,7 @@ the files and process states the agent streams back (``remote`` runs a run's hos
 from __future__ import annotations
 
 import base64
+import contextlib
 import itertools
 import json
 import queue
@@ -23,10 +24,10 @@ SSH_OPTIONS = ("-o", "BatchMode=yes", "-o", "ServerAliveInterval=5", "-o", "Serv
 SHIP_CHUNK = 4 << 20
 
 
-def agent_command(host: ClusterHost, python: str) -> list[str]:
+def agent_command(host: ClusterHost, python: str, ssh_options: tuple[str, ...] = ()) -> list[str]:
     """How the controller starts the agent on ``host`` (no SSH for mlx.launch's local name)."""
     cmd = [python, "-m", AGENT_MODULE]
-    return cmd if host.ssh == LOCAL else ["ssh", *SSH_OPTIONS, host.ssh, " ".join(cmd)]
+    return cmd if host.ssh == LOCAL else ["ssh", *SSH_OPTIONS, *ssh_options, host.ssh, " ".join(cmd)]
 
 
 @dataclass
@@ -39,12 +40,14 @@ class RankState:
 class HostLink:
     """One agent: requests and replies, and the files and process states it streams."""
 
-    def __init__(self, index: int, host: ClusterHost, python: str, allowed: list[Path] | None = None):
+    def __init__(self, index: int, host: ClusterHost, python: str, allowed: list[Path] | None = None,
+                 ssh_options: tuple[str, ...] = ()):
         self.index, self.host = index, host
-        self.root: str = ""  # the run's directory on the host
+        self.root: str = ""  # the run's directory on the host, once its agent made it
         self.allowed = allowed or []  # local directories that files from the host may be written under
-        self.proc = subprocess.Popen(agent_command(host, python), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, start_new_session=True)
+        self.received: dict[Path, int] = {}  # local file -> its size as the agent's messages left it
+        self.proc = subprocess.Popen(agent_command(host, python, ssh_options), stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
         self._ids = itertools.count(1)
         self._replies: dict[int, queue.Queue] = {}
         self._lock = threading.Lock()
@@ -82,7 +85,7 @@ class HostLink:
         if self.proc.stderr is not None:
             self.error = self.proc.stderr.read().decode(errors="replace").strip()
         self.closed.set()
-        for q in self._replies.values():
+        for q in list(self._replies.values()):
             q.put(None)
 
     def _write_file(self, msg: dict[str, Any]) -> None:
@@ -98,6 +101,7 @@ class HostLink:
             f.seek(msg["offset"])
             f.write(data)
             f.truncate()
+        self.received[local] = msg["offset"] + len(data)
 
     def request(self, op: str, timeout: float = REPLY_TIMEOUT_S, **fields: Any) -> dict[str, Any]:
         rid = next(self._ids)
@@ -150,18 +154,25 @@ class HostLink:
             pass
         if not reply:
             self.unanswered = self._why_silent(timeout)
+        self.end()
+        return reply
+
+    def end(self) -> None:
+        """End the link without asking anything more (its agent finishes on its input's end)."""
+        with contextlib.suppress(OSError):
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
         try:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
         self._reader.join(timeout=5)
-        return reply
 
     def _why_silent(self, timeout: float) -> str:
         """Why a request to finish got no answer: the link had closed (when, the exit code of the
         SSH client or agent, its last stderr line), or the agent stayed silent."""
-        if not self.closed.wait(0.5):
+        if not self.closed.wait(5.0 if self.proc.poll() is not None else 0.5):  # its stderr read to the end
             return f"no answer to 'finish' within {timeout:g} s"
         try:
             code = self.proc.wait(timeout=2)

@@ -25,6 +25,7 @@ from harness.controller.host_link import HostLink, RankState
 from harness.controller.host_mirror import sha256_of
 
 PORT_TRIES = 20
+TAKE_OVER_S = 30.0  # how long a second agent (``RemoteRanks._take_over``) may take to connect, adopt, finish
 MAX_SHIP_FILES = 10_000
 
 
@@ -80,20 +81,20 @@ class RemoteRanks:
     def start_agents(self, run_dir: Path, sync_dirs: list[Path]) -> None:
         token = secrets.token_hex(4)
         self.watched = [run_dir, *sync_dirs]
+        root = f"{self.cluster.workdir.rstrip('/')}/mlx-ddp-harness-{token}"
         for h in sorted(set(self.placement)):
-            link = HostLink(h, self.cluster.hosts[h], self.cluster.python, [run_dir, *sync_dirs])
-            link.root = f"{self.cluster.workdir.rstrip('/')}/mlx-ddp-harness-{token}"
-            self.links[h] = link
+            self.links[h] = HostLink(h, self.cluster.hosts[h], self.cluster.python, [run_dir, *sync_dirs])
         for link in self.links.values():
             hello = link.request("hello")
             if "harness" not in hello:
                 raise ClusterError(f"host {link.name}: {hello.get('error', 'no answer to hello')}")
             link.memory_bytes = int(hello.get("memory_bytes") or 0)
-            made = link.request("setup", root=link.root)
+            made = link.request("setup", root=root)
             if not made.get("ok"):
                 shared = " (hosts that share a filesystem need workdirs of their own)" if "exists" in str(
                     made.get("error")) else ""
-                raise ClusterError(f"host {link.name}: cannot make {link.root}: {made.get('error')}{shared}")
+                raise ClusterError(f"host {link.name}: cannot make {root}: {made.get('error')}{shared}")
+            link.root = root
 
     def ring_yield(self, backend: str) -> str | None:
         """Each host's agent links the yielding library where the ranks placed on its host fill
@@ -240,26 +241,29 @@ class RemoteRanks:
         return left
 
     def _take_over(self, h: int, lost: HostLink) -> dict[str, Any]:
-        """Finish the run on ``lost``'s host through a new agent: the files the first did not
-        send, its ranks and anything working in the run's directory killed, the directory removed.
-        Its reply, or ``{}`` (``lost.unanswered`` then says both agents' silence)."""
+        """Finish the run on ``lost``'s host through a second agent: the first ended, the files it
+        did not send, the ranks and anything working in the run's directory killed, the directory
+        removed. Its reply, or ``{}`` (``lost.unanswered`` then says why neither finished it)."""
         if not lost.root:
-            return {}
-        link = HostLink(h, lost.host, self.cluster.python, lost.allowed)
-        known = {}  # what came back before the link was lost: the new agent sends the rest
-        for f in (f for d in self.watched if d.is_dir() for f in _files(d)):
-            digest = sha256_of(f)
+            return {}  # it never made the run's directory
+        link = HostLink(h, lost.host, self.cluster.python, lost.allowed, ("-o", f"ConnectTimeout={TAKE_OVER_S:g}"))
+        known = {}  # what came back before the first went silent: the second sends the rest
+        for f, size in lost.received.items():
+            digest = sha256_of(f, size)
             if digest is not None:
-                known[link.relative(f)] = [f.stat().st_size, digest]
+                known[link.relative(f)] = [size, digest]
         try:
-            took = link.request("adopt", timeout=self.finish_timeout_s, root=lost.root,
+            took = link.request("adopt", timeout=TAKE_OVER_S, root=lost.root,
                                 dirs=[link.relative(d) for d in self.watched], known=known)
-            reply = link.close(self.finish_timeout_s) if took.get("ok") else {}
-        except ClusterError:
-            reply = {}
+        except ClusterError as e:
+            took = {"ok": False, "error": str(e)}
+        if not took.get("ok"):
+            link.end()
+            lost.unanswered += f"; nor could a second agent take it over ({took.get('error')})"
+            return {}
+        reply = link.close(TAKE_OVER_S)
         if not reply:
-            link.close(self.finish_timeout_s)
-            lost.unanswered += f"; nor did a second agent ({link.unanswered or 'its adopt failed'})"
+            lost.unanswered += f"; a second agent took it over but gave no answer either ({link.unanswered})"
             return {}
         found = "it finished the run there" if took.get("found") else "the run's directory there was already gone"
         self.notes.append(f"host {lost.name}: its agent gave no answer at the end ({lost.unanswered}); a second "
