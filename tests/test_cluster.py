@@ -447,7 +447,7 @@ def test_an_agent_whose_link_is_lost_mid_run_is_taken_over_and_the_run_kept(sim:
 
     scenario = tmp_path / "lost_link.toml"
     text = LINK_DOWN.read_text()
-    for part, by in (("steps = 2000\n", "steps = 60\n"), ('name = "link_down"', 'name = "lost_link"')):
+    for part, by in (("steps = 2000\n", "steps = 30\n"), ('name = "link_down"', 'name = "lost_link"')):
         assert part in text, part
         text = text.replace(part, by)
     scenario.write_text(text)
@@ -471,13 +471,15 @@ def test_an_agent_whose_link_is_lost_mid_run_is_taken_over_and_the_run_kept(sim:
                  if "host_agent" in " ".join(p.cmdline()) and a in p.cmdline()]
         assert len(links) == 1, links
         links[0].kill()
+        # rank 0 had most of its steps to go: its result (and events since) can only come through the second agent
+        assert not any(tmp.glob("mlx-ddp-harness-run-*/rank0.result.json"))
         stdout, stderr = proc.communicate(timeout=180)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, stdout[-3000:] + stderr[-2000:]
     run = runs_of(out / "result.json")["ddp2"]
-    assert run["ok"] and run["steps"] == 60, run
+    assert run["ok"] and run["steps"] == 30, run
     note = f"run ddp2: host {a}: its agent gave no answer at the end (it had ended with exit code -9, "
     assert note in stdout and "a second agent took over and it finished the run there" in stdout, stdout[-3000:]
     assert run["notes"] and run["notes"][0].startswith(note[len("run ddp2: "):]), run["notes"]
