@@ -113,7 +113,7 @@ class HostLink:
                 self.proc.stdin.write((json.dumps({"op": op, "id": rid, **fields}) + "\n").encode())
                 self.proc.stdin.flush()
             reply = q.get(timeout=timeout) if not self.closed.is_set() else None
-        except (BrokenPipeError, OSError, queue.Empty):
+        except (OSError, ValueError, queue.Empty):  # ValueError: its input already closed (``end``)
             reply = None
         finally:
             self._replies.pop(rid, None)
@@ -154,16 +154,17 @@ class HostLink:
             pass
         if not reply:
             self.unanswered = self._why_silent(timeout)
-        self.end()
+        self.end(5.0 if reply else 0.5)  # one that gave no answer is not waited for again
         return reply
 
-    def end(self) -> None:
-        """End the link without asking anything more (its agent finishes on its input's end)."""
+    def end(self, wait_s: float = 5.0) -> None:
+        """End the link without asking anything more (its agent finishes on its input's end);
+        kill the SSH client (or local agent) that has not ended ``wait_s`` after."""
         with contextlib.suppress(OSError):
             if self.proc.stdin is not None:
                 self.proc.stdin.close()
         try:
-            self.proc.wait(timeout=5)
+            self.proc.wait(timeout=wait_s)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()

@@ -8,7 +8,8 @@ the host lacks (or holds with other content) are shipped, and what the ranks wri
 run's directory and the scenario's workspace comes back, as it grows, to the same local paths.
 So the watchdog, collection and judgement read the same protocol files they read for a local
 run. The agents report each rank's process state and RSS, signal ranks for stack dumps, and at
-the end kill what is left and remove the host's directory and port lease.
+the end kill what is left and remove the host's directory and port lease; where one gives no
+answer then, a second agent on its host takes the run over and does it (``_take_over``).
 """
 
 from __future__ import annotations
