@@ -22,9 +22,9 @@ never imports MLX: it starts in a fraction of a second. It
   sends the last files, removes the run's directory and mlx.launch's pidfiles, releases the
   ports (and the lease directory, when no other run holds a lease there) and exits. Nothing of
   the run stays on the host. Why it ended goes to its stderr, which the controller reads;
-- ``adopt``: takes over a run whose agent's link was lost (``remote``), so that it can be
-  finished: its directory, its ranks' pids and, where given, the files the controller already
-  has (``Mirror.resume``).
+- ``adopt``: takes over a run whose agent gave no answer at its end (``remote``), so that it
+  can be finished: its directory, its ranks' pids and, where given, the files the controller
+  already has (``Mirror.resume``).
 """
 
 from __future__ import annotations
