@@ -251,12 +251,10 @@ class Agent:
         for r, pid in self.pids.items():
             rss, alive = None, False
             if r not in self.ended:
-                try:
-                    p = self.rank_procs[r]
-                    alive = p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+                p = self.rank_procs[r]
+                alive = host_cleanup.running(p)
+                with contextlib.suppress(psutil.Error):
                     rss = p.memory_info().rss if alive else None
-                except psutil.Error:
-                    alive = False
             if not alive:
                 self.ended.add(r)
             out[str(r)] = {"pid": pid, "alive": alive, "rss": rss}

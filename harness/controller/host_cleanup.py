@@ -49,16 +49,17 @@ def working_in(run_dir: str) -> list[psutil.Process]:
     return found
 
 
+def running(p: psutil.Process) -> bool:
+    """Whether the process is still the one it was and has not ended (a zombie, one whose parent
+    has yet to reap it, has ended all the same)."""
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 def wait_ended(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
-    """Wait until each process is gone or a zombie (one whose parent has yet to reap it has
-    ended all the same); those still running after ``timeout``."""
-
-    def running(p: psutil.Process) -> bool:
-        try:
-            return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-        except psutil.Error:
-            return False
-
+    """Wait until each process has ended (``running``); those still running after ``timeout``."""
     deadline = time.monotonic() + timeout
     while True:
         left = [p for p in procs if running(p)]
