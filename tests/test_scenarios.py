@@ -349,7 +349,7 @@ def _external(runs: dict, checks: dict, compared: tuple[str, ...], kind: str, re
         n = max(runs[name]["world_size"], 2)
         draws = [f"{ref}_split{n}", f"{ref}_split{n}_s2", f"{ref}_split{n}_s3"]
         for k, draw in enumerate(draws):
-            assert runs[draw]["floor"].endswith(f"each batch in {n} row chunks, their rows reversed; "
+            assert runs[draw]["floor"].endswith(f"each batch in {n} row chunks as ranks hold them; "
                                                 f"rounding draw {k + 1} of 3"), runs[draw]["floor"]
         assert f"the largest of {', '.join(draws)}'s" in checks[("loss_parity", name)]["derivation"]
         assert runs[name]["trainer"] == kind

@@ -217,7 +217,7 @@ int main(int argc, char** argv) {
       mx::save_safetensors(out_dir + "/start.safetensors", {{"embed.weight", params[0]}, {"out.weight", params[1]}});
     }
     event(events, "\"kind\": \"start\", \"rank\": " + std::to_string(group.rank()) + ", \"world_size\": " +
-                      std::to_string(world) + ", \"digest\": \"" + digest(params) + "\"");
+                      std::to_string(world) + ", \"digest\": \"" + digest(params) + "\", \"dtype\": \"float32\"");
 
     std::vector<mx::array> leaked;
     Ledger ledger;

@@ -38,8 +38,9 @@ class Check:
     measured pass does not ("XPASS"). On a run with an injected bug, a failure is the check
     catching it (``caught``). A check that cannot be measured on this run (``applicable`` false,
     for example step-local parity on a run that executed no probe step) is reported as "n/a",
-    never as a pass. ``floor`` is the measured noise floor a limit was derived from, and
-    ``derivation`` says how the limit was derived. An expected failure is judged with its
+    never as a pass; one without the power to see a defect, from a start that was compared, is
+    "INCONCLUSIVE" (``inconclusive``: it counts as neither). ``floor`` is the measured noise floor a
+    limit was derived from, and ``derivation`` says how the limit was derived. An expected failure is judged with its
     behaviour (``harness.judge.behaviours``)."""
 
     name: str
@@ -56,7 +57,8 @@ class Check:
     expected_state: str | None = None  # of an expected failure: "shown", "gone" or "inconclusive"
     power: float | None = None  # the smallest deviation it could detect, in its value's units
     precision: str | None = None  # what the compared runs computed at (dtype, TF32)
-    no_power: bool = False  # failed because it could not have seen a defect (``harness.judge.power``)
+    no_power: bool = False  # could not have seen a defect (``harness.judge.power``): failed, or ``inconclusive``
+    inconclusive: bool = False  # without power, from a start that was compared: neither pass nor fail
     noise: float | None = None  # a trajectory's floor runs' own largest deviation (``floor`` adds the absolute floor)
     defect: str | None = None  # the known DDP defect a failed step-local check matches (``harness.judge.defects``)
 
@@ -69,6 +71,8 @@ class Check:
             return "n/a"
         if self.caught:
             return "caught"
+        if self.inconclusive:
+            return "INCONCLUSIVE"
         if self.xfail is None:
             return "pass" if self.passed else "FAIL"
         return {"gone": "XPASS", "inconclusive": "inconclusive"}.get(self.expected_state or "", "xfail")

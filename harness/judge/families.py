@@ -74,7 +74,7 @@ def mutation_caught(run: RunOutcome, mutation: str, checks: list[Check], margin:
     """A run with an injected bug passes this check when another check failed by ``margin`` or
     more (value / limit; an exact criterion that failed counts as infinitely clear). Its failed
     checks are marked as catching it."""
-    failed = [c for c in checks if not c.passed]
+    failed = [c for c in checks if not c.passed and not c.no_power]  # a check without power catches nothing
     for c in failed:
         c.caught = c.passed = True
     finite = sorted((c for c in failed if math.isfinite(c.margin)), key=lambda c: c.margin, reverse=True)

@@ -6,14 +6,14 @@ their own weights (a script that never seeds its model) differ from the start by
 defect would, their floor grows just as large, and every limit derived from it passes anything.
 So a comparison first checks the start (``start_parity``: the replica digest before the first
 step of the reference, of every rank of the compared run and of its floor runs), and then each
-trajectory check's power: floor runs that differ from the reference so much that the limit they
-make (``floor_ratio`` x their largest deviation) is as large as what training itself moved (the
-loss over the steps compared; the parameters, ``||final - start|| / ||final||`` as rank 0
-measured it) would pass a run that never trained, and the check is reported as a failure, "no
-power", never a pass (nor an expected failure's behaviour shown: ``harness.judge.behaviours``
-leaves such a check failed). A limit that only the absolute floor (the rounding of one value in
-the model's dtype) lifts that high is the dtype's, not noise: the check passes, saying what it
-could not see.
+trajectory check's power: a check has power where its limit is at most half of what training
+itself moved (``POWER_FRACTION``; the loss over the steps compared; the parameters,
+``||final - start|| / ||final||`` as rank 0 measured it). One without power, whether its limit comes
+from floor runs that drifted that far or from the absolute floor (the rounding of one value in the
+dtype), is never a pass: where every run was shown to start from the reference's parameters it is
+INCONCLUSIVE (``Check.inconclusive``), saying why and what would give it power; where the starts
+differ or could not be compared it fails, "no power". Neither shows an expected failure's behaviour
+(``harness.judge.behaviours`` leaves such a check alone) nor catches a planted defect.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from harness.controller.outcome import RunOutcome
-from harness.judge.checks import Check
+from harness.judge.checks import Check, precision_label
 from harness.scenario.checks import CheckName
 from harness.scenario.names import DEFECTS_DESCRIBED
 
@@ -74,9 +74,26 @@ def loss_signal(base: RunOutcome, steps: int) -> float | None:
     return max(abs(x - losses[0]) for x in losses) if losses else None
 
 
+POWER_FRACTION = 0.5  # a trajectory check has power where its limit is at most this share of what training moved
+
+
+def _lacks_power(c: Check, base: str, signal: float, what: str, precision: str) -> str:
+    """Why ``c``, whose limit is more than ``POWER_FRACTION`` of ``signal``, cannot decide, and what would let it."""
+    from_noise = c.limit * c.noise / c.floor if c.floor and c.noise is not None else 0.0
+    if from_noise > POWER_FRACTION * signal:
+        cause = (f"the floor runs (the same mathematics in another rounding) drifted from {base} so far that the limit "
+                 f"they make, {from_noise:.3g}, is more than half of what {what} ({signal:.3g})")
+    else:
+        cause = (f"its limit, {c.limit:.3g}, set by the absolute floor (the rounding of one value at {precision}), is "
+                 f"more than half of what {what} ({signal:.3g})")
+    return (f"{cause}: rounding at {precision} grew over these steps about as far as training moved, so a defect "
+            f"of that size could not be told from it; more steps or a larger learning rate (training moving further), "
+            f"or float32, would give it power")
+
+
 def judge_power(checks: list[Check], run: RunOutcome, base: RunOutcome, start: Check) -> list[Check]:
-    """The trajectory checks that passed without power turned into failures saying why: runs
-    that start apart (``start``), or a limit as large as what ``base``'s training moved."""
+    """The trajectory checks that passed without power (the module docstring): INCONCLUSIVE where
+    ``start`` showed every run starting from ``base``'s parameters, a failure otherwise."""
     compared = len(run.result().get("losses") or [])
     loss, param, evals = TRAJECTORIES
     signals = {loss: (loss_signal(base, compared), f"{base.name}'s loss moved in training"),
@@ -84,6 +101,7 @@ def judge_power(checks: list[Check], run: RunOutcome, base: RunOutcome, start: C
     signals[evals] = (loss_signal(base, len(base.result().get("losses") or [])), signals[loss][1])
     if base.moved is None:  # where the start is unknown: a relative L2 of 1 admits parameters of zero
         signals[param] = (1.0, f"{base.name}'s own norm (relative L2 1: the limit admits zero parameters)")
+    precision = precision_label(run, base)
     for c in checks:
         if c.name not in TRAJECTORIES or not c.passed:
             continue
@@ -91,15 +109,14 @@ def judge_power(checks: list[Check], run: RunOutcome, base: RunOutcome, start: C
             c.passed, c.no_power, c.detail = False, True, f"{NO_POWER}: {SEED_IT}; {c.detail}"
             continue
         signal, what = signals[c.name]
-        if c.floor is None or c.noise is None or not signal or not isinstance(c.limit, int | float):
+        if not signal or not isinstance(c.limit, int | float) or c.limit <= POWER_FRACTION * signal:
             continue
-        from_noise = c.limit * c.noise / c.floor if c.floor > 0 else 0.0  # floor_ratio x the floor runs' deviation
-        if from_noise >= signal:
-            c.passed, c.no_power = False, True
-            c.detail = (f"{NO_POWER}: the floor runs differ from {base.name} so much that the limit they make, "
-                        f"{from_noise:.3g}, is as large as {what} ({signal:.3g}): a run that never trained would "
-                        f"pass; are the runs seeded alike and their data order fixed?; {c.detail}")
-        elif c.limit >= signal:
-            c.detail += (f"; its limit, set by the absolute floor (the rounding of one value), is as large as {what} "
-                         f"({signal:.3g}): it could not see a defect smaller than that")
+        why = _lacks_power(c, base.name, signal, what, precision)
+        c.no_power = True
+        if start.applicable:
+            c.inconclusive, c.detail = True, f"{NO_POWER}: {why}; {c.detail}"
+        else:
+            c.passed = False
+            c.detail = (f"{NO_POWER}: {why}; and {start.detail.removeprefix('not applicable: ')}, so the runs may not "
+                        f"start alike either: a run that never trained could pass; {c.detail}")
     return checks

@@ -289,7 +289,7 @@ class CheckItem(ScenarioItem):
                                      if v is not None]
             if not c.applicable:
                 pytest.skip(c.detail)
-            if c.result == "inconclusive":
+            if c.result in ("inconclusive", "INCONCLUSIVE"):
                 pytest.skip(c.detail)
             measured_pass = (not c.passed) if c.xfail is not None else c.passed
             if not measured_pass:

@@ -21,12 +21,14 @@ from harness.present.tables import (
     runs_title,
 )
 
+OVERALL = {0: "PASSED", 4: "INCONCLUSIVE"}  # by exit code; every other one is a failure
+
 
 def markdown(doc: dict[str, Any], plots: dict[str, list[tuple[str, Path]]] | None = None) -> str:
     """The report: environment, then per scenario its tables and (when written) its plots."""
     env = doc["environment"]
     lines = ["# mlx-ddp-harness report", "",
-             f"Overall: **{'PASSED' if doc['passed'] else 'FAILED'}** (exit code {doc['exit_code']})", "",
+             f"Overall: **{OVERALL.get(doc['exit_code'], 'FAILED')}** (exit code {doc['exit_code']})", "",
              "## Environment", ""]
     lines += [f"- {k}: {v}" for k, v in env.items()]
     for s in doc["scenarios"]:

@@ -15,7 +15,7 @@ from harness.scenario.plan import PlannedRun, ScenarioPlan
 from harness.scenario.trainers import TrainerInfo, trainer_info
 
 EXIT_PASS, EXIT_CHECK_FAILED, EXIT_BAD_INPUT, EXIT_INFRA = 0, 1, 2, 3
-EXIT_INCONCLUSIVE = 4  # gate: no gate failed, but a paired speed test ran out of pairs undecided
+EXIT_INCONCLUSIVE = 4  # run: no check failed, one could not decide; gate: a paired speed test ran out of pairs
 
 
 def per_rank_batch(global_batch: int, world_size: int) -> str:
@@ -167,7 +167,8 @@ def scenario_summary(plan: ScenarioPlan, runs: list[RunOutcome], checks: list[Ch
     s = plan.scenario
     ref = next((r for r in runs if r.name == s.checks.reference), None)
     infra = [r for r in runs if not r.ok and not plan.run(r.name).spec.fails_by_design]
-    status = "error" if infra else ("passed" if all(c.passed for c in checks) else "failed")
+    status = "error" if infra else ("failed" if not all(c.passed for c in checks) else
+                                    "inconclusive" if any(c.inconclusive for c in checks) else "passed")
     return {
         "name": s.name,
         "path": s.path,
@@ -215,7 +216,7 @@ def merge_repeats(reps: list[dict[str, Any]]) -> dict[str, Any]:
     first = reps[0]
     if len(reps) == 1:
         return first
-    order = ("passed", "failed", "error")
+    order = ("passed", "inconclusive", "failed", "error")
     merged = dict(first, repeats=len(reps), checks=list(first["checks"]),
                   status=max((r["status"] for r in reps), key=order.index))
     merged["passed"] = merged["status"] == "passed"
@@ -238,7 +239,9 @@ def exit_code(scenarios: list[dict[str, Any]]) -> int:
     statuses = {s["status"] for s in scenarios}
     if "error" in statuses:
         return EXIT_INFRA
-    return EXIT_CHECK_FAILED if "failed" in statuses else EXIT_PASS
+    if "failed" in statuses:
+        return EXIT_CHECK_FAILED
+    return EXIT_INCONCLUSIVE if "inconclusive" in statuses else EXIT_PASS
 
 
 def document(scenarios: list[dict[str, Any]], skipped: list[dict[str, Any]] | None = None) -> dict[str, Any]:
@@ -285,12 +288,19 @@ def summary_lines(doc: dict[str, Any], out: Path | None) -> list[str]:
     status = Counter(s["status"] for s in doc["scenarios"])
     outcomes = Counter(c["result"] for s in doc["scenarios"] for c in s["checks"])
     names = {"pass": "passed", "caught": "mutations caught", "xfail": "expected failures shown", "n/a": "n/a",
-             "FAIL": "FAILED", "XPASS": "XPASS (expected failure gone)", "inconclusive": "inconclusive"}
+             "FAIL": "FAILED", "XPASS": "XPASS (expected failure gone)", "inconclusive": "inconclusive",
+             "INCONCLUSIVE": "INCONCLUSIVE (no power)"}
     checks = ", ".join(f"{outcomes[k]} {v}" for k, v in names.items() if outcomes[k])
     scenarios = len(doc["scenarios"])
     lines = [f"summary: {scenarios} scenario{'s' if scenarios != 1 else ''}: {status['passed']} passed, "
-             f"{status['failed']} failed, {status['error']} with a run that did not complete; "
+             f"{status['failed']} failed, "
+             + (f"{status['inconclusive']} inconclusive, " if status["inconclusive"] else "")
+             + f"{status['error']} with a run that did not complete; "
              f"checks: {checks or 'none'}; exit {doc['exit_code']}"]
+    for sc in doc["scenarios"]:
+        for c in sc["checks"]:
+            if c["result"] == "INCONCLUSIVE":
+                lines.append(f"inconclusive: {sc['name']}: {c['name']} ({c['run']}): {c['detail'].split('; vs ')[0]}")
     skipped = doc.get("skipped") or []
     if skipped:
         what = [s["scenario"] + ("" if s["whole"] else " (some runs)") for s in skipped]

@@ -53,7 +53,8 @@ class ScenarioResult:
     """A judged scenario: its runs (floor runs included), its checks, and where its artifacts are."""
 
     name: str
-    status: str  # "passed", "failed" (a check failed) or "error" (a run crashed or hung)
+    status: str  # "passed", "inconclusive" (no check failed, one could not decide), "failed" or "error" (a run
+    # crashed or hung)
     runs: dict[str, RunResult]
     checks: list[Any]  # harness.judge.checks.Check
     table: str

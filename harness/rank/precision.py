@@ -9,10 +9,27 @@ UNIT_ROUNDOFF = {"float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11}
 TF32_SEEN = 2.0**-16  # a float32 matmul rounding its operands coarser than this rounds them to TF32 (2^-11)
 
 
-def measure_precision(dtype: str) -> dict[str, Any]:
-    """The precision this device computes the model's dtype at: the dtype's unit roundoff, and
-    the largest relative error of multiplying random values by the identity matrix, which is
-    exact unless the matmul rounds its operands (TF32 rounds float32 to 10 mantissa bits)."""
+def coarsest_dtype(*trees: Any) -> str | None:
+    """The floating dtype of coarsest rounding among the arrays of ``trees`` (parameter trees,
+    frozen weights included): what a forward and backward through them compute in. A bfloat16
+    base under float32 LoRA adapters is a bfloat16 computation. None where no array is floating."""
+    from mlx.utils import tree_flatten
+
+    names = {str(v.dtype).rsplit(".", 1)[-1] for tree in trees for _, v in tree_flatten(tree) if hasattr(v, "dtype")}
+    return coarsest(n for n in names if n in UNIT_ROUNDOFF)
+
+
+def coarsest(names: Any) -> str | None:
+    """Of dtype names, the one that rounds coarsest (None for none)."""
+    return max(names, key=UNIT_ROUNDOFF.__getitem__, default=None)
+
+
+def measure_precision(dtype: str, declared: str | None = None) -> dict[str, Any]:
+    """The precision this device computes ``dtype`` (the dtype the ranks were seen computing in)
+    at: the dtype's unit roundoff, and the largest relative error of multiplying random values by
+    the identity matrix, which is exact unless the matmul rounds its operands (TF32 rounds float32
+    to 10 mantissa bits). ``declared``: the scenario's ``[model] dtype``, named in the label where
+    it is not the dtype seen."""
     import mlx.core as mx
     import numpy as np
 
@@ -22,6 +39,9 @@ def measure_precision(dtype: str) -> dict[str, Any]:
     a, b = np.array(x.astype(mx.float32)), np.array(y.astype(mx.float32))
     u_matmul = float(np.max(np.abs(a - b) / np.maximum(np.abs(a), np.finfo(np.float32).tiny)))
     tf32 = dtype == "float32" and u_matmul > TF32_SEEN
+    label = f"{dtype}, TF32 matmuls" if tf32 else dtype
+    if declared is not None and declared != dtype:
+        label += f" (seen; [model] dtype says {declared})"
     return {"dtype": dtype, "u_dtype": UNIT_ROUNDOFF[dtype], "u_matmul": u_matmul,
             "u_in": max(UNIT_ROUNDOFF[dtype], u_matmul), "device": str(mx.default_device()), "tf32": tf32,
-            "label": f"{dtype}, TF32 matmuls" if tf32 else dtype}
+            "label": label, "declared": declared or dtype}

@@ -104,9 +104,12 @@ class Feed:
                           step_time_s=e.get("step_time_s"), digest=e.get("digest"))
         elif e["kind"] == "eval":
             self.rep.eval(e["step"], e["loss"], e["tokens"])
-        elif e["kind"] == "start" and "digest" in e:
-            saved = self.path.parent / FILES["start_params"]
-            self.rep.starting(digest=e["digest"], saved=saved if saved.exists() else None)
+        elif e["kind"] == "start":
+            if "dtype" in e:
+                self.rep.saw_dtype(e["dtype"])
+            if "digest" in e:
+                saved = self.path.parent / FILES["start_params"]
+                self.rep.starting(digest=e["digest"], saved=saved if saved.exists() else None)
 
 
 def exit_words(code: int) -> str:

@@ -97,6 +97,7 @@ class StepReporter:
         self.probe_offered = False  # the trainer called ``probe`` (at any step)
         self.widths: list[int | None] = []  # per step: the widest batch's input width (``width``)
         self.step_width: int | None = None
+        self.dtype_seen: str | None = None  # the coarsest dtype the trainer was seen computing in (``saw_dtype``)
 
     @property
     def steps(self) -> int:
@@ -115,6 +116,13 @@ class StepReporter:
             self.starting(params)
         self.ctx.phase("train")
         self.t_start = self.t_last = time.perf_counter()
+
+    def saw_dtype(self, dtype: str | None) -> None:
+        """The trainer computes in ``dtype`` (``harness.rank.precision.coarsest_dtype``): the
+        coarsest seen is the precision its result reports and its limits follow."""
+        from harness.rank.precision import coarsest
+
+        self.dtype_seen = coarsest(d for d in (self.dtype_seen, dtype) if d)
 
     def starting(self, params: Any = None, digest: str | None = None, saved: Any = None) -> None:
         """Training starts from ``params`` (or parameters of ``digest``, kept by rank 0 in the
@@ -268,7 +276,7 @@ class StepReporter:
             if self.stream is not None else {"streaming": False, "bytes_held": self.data_bytes},
             "rss_step_peak_bytes": self.rss_peak,
             "seed_used": self.s.seed,
-            "precision": measure_precision(self.s.model.dtype),
+            "precision": measure_precision(self.dtype_seen or self.s.model.dtype, self.s.model.dtype),
             **rng_changes(self.rng_before),
             "probes": self.probes.records if self.probes.mode else None,
             "from_rank0": self.from_rank0,

@@ -47,9 +47,9 @@ class Session:
         """``model`` itself; in the noise-floor run, with its forward computing each batch in
         ``split_rows`` row chunks (the same logits; the rounding of that many ranks). Training
         is taken to start from its parameters as they are now (``start``)."""
-        from harness.rank.split_floor import split_floor, split_text_model
+        from harness.rank.split_floor import is_split, split_floor, split_text_model
 
-        if (plan := split_floor(self._ctx.job, self.seed)) is not None:
+        if (plan := split_floor(self._ctx.job, self.seed)) is not None and not is_split(model):
             split_text_model(model, plan)
         self.start(model.parameters())
         return model
@@ -61,12 +61,14 @@ class Session:
         import mlx.core as mx
 
         from harness.rank.models import tree_digest
+        from harness.rank.precision import coarsest_dtype
 
         mx.eval(params)  # on every rank alike: weights that are a collective's result must not be computed on one
         digest = tree_digest(params)
         if self.rank == 0 and self._ctx.job.keep_start:  # the run the others are compared with
             self._out.params(params, "start_params")
-        self._out.event("start", rank=self.rank, world_size=self.world_size, digest=digest)
+        dtype = {"dtype": d} if (d := coarsest_dtype(params)) else {}
+        self._out.event("start", rank=self.rank, world_size=self.world_size, digest=digest, **dtype)
         self.started = True
         self._pump()
 
@@ -105,6 +107,10 @@ class Session:
 
             return [tuple(args)] if canonical(tuple(args)) else None
 
+        if step == 1 or step in self._rep.probes.steps:  # the model it computes with, frozen weights included
+            from harness.rank.precision import coarsest_dtype
+
+            self._rep.saw_dtype(coarsest_dtype(model.parameters()))
         self._rep.probe(step, model, compute, micros)
 
     def step(self, step: int, loss: float, tokens: int, tokens_local: int, lr: float | None = None,

@@ -1,10 +1,20 @@
 """The split forward of a noise-floor run (``harness.scenario.runs``'s *split* runs): the model computes
-each batch in N row chunks, each chunk's rows in reverse order, and the gradient of its output is
-rounded once more, as N ranks compute it. Used by the external trainers' adapters and by a
-script's session (``harness.api``)."""
+each batch in N row chunks, as N ranks hold them, and each chunk's contribution to every trainable
+parameter's gradient is rounded once more in that gradient's own dtype, as N ranks' all-reduce
+rounds the sum of their partial gradients. Used by the external trainers' adapters and by a
+script's session (``harness.api``).
+
+What the floor changes is what data parallelism changes, and no more: the batch shapes the kernels
+see, the grouping of the gradient's sum into per-rank partial sums, and the rounding of that sum in
+the dtype the gradients are reduced in. It leaves the activations' gradients alone: a correct N-rank
+trainer's ranks compute each row's loss gradient as one process does, so rounding those (in the model's
+dtype, 2^-8 for bfloat16) would make a floor far larger than any correct run's deviation.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,11 +22,10 @@ from harness.scenario.job import TrainJob
 
 
 def chunk_rows(rows: int, n: int) -> list[list[int]]:
-    """``n`` contiguous chunks of ``rows`` rows (sizes differ by at most one; none empty), each
-    listed in reverse order."""
+    """``rows`` rows dealt into ``n`` chunks as most trainers shard a batch (row i to chunk i mod n:
+    sizes differ by at most one, none empty), each in ascending order."""
     n = max(1, min(n, rows))
-    cuts = [rows * k // n for k in range(n + 1)]
-    return [list(range(stop - 1, start - 1, -1)) for start, stop in zip(cuts[:-1], cuts[1:], strict=True)]
+    return [list(range(k, rows, n)) for k in range(n)]
 
 
 def take_rows(args: tuple[Any, ...], kwargs: dict[str, Any], rows: int, picked: list[int]
@@ -50,9 +59,9 @@ def split_floor(job: TrainJob, seed: int) -> SplitFloor | None:
 
 
 def rounded_gradient(x: Any, key: Any) -> Any:
-    """``x`` itself; its gradient rounded once more, as each rank's own loss rounds it: every
-    element times 1 +- u/2 (u the dtype's unit in the last place), the signs drawn from ``key``
-    (an explicit key: MLX's global RNG is not touched)."""
+    """``x`` itself; its gradient rounded once more in its own dtype: every element times 1 +- u/2
+    (u the dtype's unit in the last place), computed in float32 and rounded back, the signs drawn
+    from ``key`` (an explicit key: MLX's global RNG is not touched)."""
     import mlx.core as mx
 
     @mx.custom_function
@@ -62,21 +71,42 @@ def rounded_gradient(x: Any, key: Any) -> Any:
     @same.vjp
     def _(primals: Any, cotangent: Any, output: Any) -> Any:
         half = float(mx.finfo(cotangent.dtype).eps) / 2
-        signs = mx.random.bernoulli(0.5, cotangent.shape, key=key).astype(cotangent.dtype) * 2 - 1
-        return (cotangent * (1 + half * signs),)
+        signs = mx.random.bernoulli(0.5, cotangent.shape, key=key).astype(mx.float32) * 2 - 1
+        return ((cotangent.astype(mx.float32) * (1 + half * signs)).astype(cotangent.dtype),)
 
     return same(x)
 
 
+@contextmanager
+def rounded_parameter_gradients(module: Any, key: Any) -> Iterator[None]:
+    """Within it, ``module``'s trainable parameters are ``rounded_gradient`` identities of
+    themselves (a key each, split from ``key``): the gradient one call contributes to each is
+    rounded once more. The parameters themselves are put back on leaving."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    flat = tree_flatten(module.trainable_parameters())
+    if not flat:
+        yield
+        return
+    keys = mx.random.split(key, len(flat))
+    module.update(tree_unflatten([(name, rounded_gradient(p, keys[i])) for i, (name, p) in enumerate(flat)]))
+    try:
+        yield
+    finally:
+        module.update(tree_unflatten(flat))
+
+
 def split_forward(model: Any, plan: SplitFloor, take: Any = take_rows) -> None:
     """A split floor run of an external trainer: the model's forward computes each batch in
-    ``plan.rows`` contiguous chunks of rows, each with its rows in reverse order (the shapes of
-    that many ranks' batches, the gradient summed from that many partial products as the ranks
-    sum it, and another summation order inside each), and returns the logits of every row in the
-    original order, their gradient rounded once more (``rounded_gradient``, a key per call from
-    the seed and ``plan.sample``), as each rank's own loss rounds it: the same mathematics as one
-    forward on the whole batch, only its rounding differs. ``take(args, kwargs, rows, picked)``
-    cuts a call's arguments. The class is swapped, so the parameter tree keeps its names."""
+    ``plan.rows`` chunks of rows (``chunk_rows``: the shapes of that many ranks' batches, each
+    parameter's gradient summed from that many partial products as the ranks' all-reduce sums
+    them), each chunk's gradient contribution to every trainable parameter rounded once more in its
+    dtype (``rounded_parameter_gradients``, a key per call and chunk from the seed and
+    ``plan.sample``: each sample another draw of that rounding), and returns the logits of every
+    row in the original order: the same mathematics as one forward on the whole batch, only its
+    rounding differs. ``take(args, kwargs, rows, picked)`` cuts a call's arguments. The class is
+    swapped, so the parameter tree keeps its names."""
     import mlx.core as mx
 
     base = type(model)
@@ -84,16 +114,26 @@ def split_forward(model: Any, plan: SplitFloor, take: Any = take_rows) -> None:
 
     def call(self: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
         rows = inputs.shape[0]
-        outs = []
-        for picked in chunk_rows(rows, plan.rows):
-            a, kw = take((inputs, *args), kwargs, rows, picked)
-            out = base.__call__(self, *a, **kw)
-            outs.append(getattr(out, "logits", out)[::-1])
+        chunks = chunk_rows(rows, plan.rows)
         calls[0] += 1
-        key = mx.random.key((plan.seed * 1000 + plan.sample) * 1_000_003 + calls[0])
-        return rounded_gradient(mx.concatenate(outs, axis=0), key)
+        keys = mx.random.split(mx.random.key((plan.seed * 1000 + plan.sample) * 1_000_003 + calls[0]), len(chunks))
+        outs = []
+        for k, picked in enumerate(chunks):
+            a, kw = take((inputs, *args), kwargs, rows, picked)
+            with rounded_parameter_gradients(self, keys[k]):
+                out = base.__call__(self, *a, **kw)
+            outs.append(getattr(out, "logits", out))
+        where = [0] * rows  # row i's position in the chunks' concatenation
+        for at, i in enumerate(i for picked in chunks for i in picked):
+            where[i] = at
+        return mx.concatenate(outs, axis=0)[mx.array(where)]
 
-    model.__class__ = type(f"Split{base.__name__}", (base,), {"__call__": call})
+    model.__class__ = type(f"Split{base.__name__}", (base,), {"__call__": call, "split_floor": True})
+
+
+def is_split(model: Any) -> bool:
+    """Whether ``model`` (or its transformer body) computes split already (``split_forward``)."""
+    return any(getattr(type(m), "split_floor", False) for m in (model, getattr(model, "model", None)))
 
 
 def split_text_model(model: Any, plan: SplitFloor) -> Any:

@@ -14,10 +14,10 @@ far the same mathematics drifts when only its float rounding changes:
   the only difference a correct trainer may show is the device's run-to-run variation;
 - a *split* run of B for X, for a trainer under test that cannot emulate ranks in one process
   (an external trainer, ``harness.scenario.trainers``): B in one process, the trainer untouched, the
-  model's forward computing each batch in X's N row chunks, each chunk's rows in reverse order
-  (N ranks' shapes and N partial sums of each gradient, as N ranks compute them, in another
-  order; 2 chunks for a run of one process), the gradient of its output rounded once more, as
-  each rank's own loss rounds it. The trainer's loss and gradient are those of the whole batch,
+  model's forward computing each batch in X's N row chunks as N ranks hold them (N ranks' shapes
+  and N partial sums of each gradient; 2 chunks for a run of one process), each chunk's share of
+  every parameter's gradient rounded once more in the gradient's dtype, as the ranks' all-reduce
+  rounds it (``harness.rank.split_floor``). The trainer's loss and gradient are those of the whole batch,
   as in B: only their rounding differs. A trainer that computes another objective across ranks
   is not reproduced by it. Where rounding alone puts a trajectory after several steps is a
   random draw whose size varies tenfold from draw to draw (chaotic growth), and a split run
@@ -81,7 +81,7 @@ class FloorRun:
             return f"{self.base} run again (the device's run-to-run variation)"
         if self.kind == "split":
             return (f"{self.base}'s settings in one process, the model computing each batch in {self.emulate} "
-                    f"row chunks, their rows reversed; rounding draw {self.sample + 1} of {SPLIT_SAMPLES}")
+                    f"row chunks as ranks hold them; rounding draw {self.sample + 1} of {SPLIT_SAMPLES}")
         steps = f"{self.grad_accum} micro-step{'s' if self.grad_accum > 1 else ''} each"
         ranks = "1 rank's shard" if self.emulate == 1 else f"{self.emulate} ranks' shards"
         mode = {None: "", "off": ", eager", "best_effort": ", compiled"}[self.compile]
