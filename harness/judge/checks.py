@@ -13,7 +13,7 @@ from typing import Any
 
 from harness.controller.outcome import RunOutcome
 from harness.scenario import RunSpec, Scenario, TrainerSpec
-from harness.scenario.checks import MEMORY, CheckName, families
+from harness.scenario.checks import MEMORY, STEP_LOCAL, CheckName, families
 from harness.scenario.trainers import TrainerInfo
 
 MB = 1024 * 1024
@@ -100,23 +100,38 @@ class Check:
         return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in d.items()}
 
 
-def precision_label(*runs: RunOutcome) -> str:
-    """What the ranks of ``runs`` computed at (``harness.rank.precision``), e.g. "float32" or
-    "float32, TF32 matmuls"; several labels joined when the runs differ."""
-    labels = dict.fromkeys(str(((o.result or {}).get("precision") or {}).get("label", "unknown"))
+def computed_at(result: dict[str, Any], probes: bool = False) -> dict[str, Any]:
+    """The precision a rank's ``result`` computed at: its training's, or (``probes``) its step-local
+    probes', which compute in float32 where the training's dtype is narrower and every probe of
+    the rank says it did (``harness.rank.step_probe.in_float32``)."""
+    prec = result.get("precision") or {}
+    records = result.get("probes") or []
+    if probes and prec.get("probe") and records and all(r.get("dtype") == "float32" for r in records):
+        return prec["probe"]
+    return prec
+
+
+def precision_label(*runs: RunOutcome, probes: bool = False) -> str:
+    """What the ranks of ``runs`` computed at (``harness.rank.precision``; ``probes``: their
+    step-local probes), e.g. "float32" or "float32, TF32 matmuls"; several labels joined when the
+    runs differ."""
+    labels = dict.fromkeys(str(computed_at(o.result or {}, probes).get("label", "unknown"))
                            for run in runs for o in run.ranks)
-    return " / ".join(labels)
+    label = " / ".join(labels)
+    if probes and label != (trained := precision_label(*runs)):
+        label += f" (probes; training {trained})"
+    return label
 
 
 def with_power(checks: list[Check], run: RunOutcome, base: RunOutcome) -> list[Check]:
     """Each check that carries power (its family's ``powered``: the step-local and trajectory
     checks) carries it (the smallest deviation it could detect: its limit, in its value's units)
     and the precision the compared runs used."""
-    label = precision_label(run, base)
+    label, probed = precision_label(run, base), precision_label(run, base, probes=True)
     powered = {n for f in families() for n in f.powered}
     for c in checks:
         if c.name in powered:
-            c.precision = label
+            c.precision = probed if c.name in STEP_LOCAL else label
             c.power = float(c.limit) if isinstance(c.limit, int | float) else None
     return checks
 

@@ -24,7 +24,7 @@ trainer's) is several runs, draws of the rounding; its floor is their largest de
 point (``Floor.largest``): one draw's size varies tenfold. The absolute floor is the
 rounding of one value (a loss: its float32 accumulation over T tokens, ``rounding_ulps`` x
 2^-24 x ceil(log2 T), relative; parameters: their storage in the model dtype,
-``rounding_ulps`` x u_dtype x stored roundings), so a floor run that happens to match bitwise
+``rounding_ulps`` x u_dtype), so a floor run that happens to match bitwise
 does not demand bitwise equality. A resume at the same world
 size is judged against a rerun of its target over the whole run: a rerun that is bitwise equal
 on a CPU means the device is deterministic, and the resume must then be bitwise too (on a GPU a
@@ -40,7 +40,7 @@ from typing import Any
 
 from harness.controller.outcome import RunOutcome
 from harness.controller.run_job import param_delta
-from harness.judge.checks import Check, listed
+from harness.judge.checks import Check, computed_at, listed
 from harness.judge.defects import name_defect
 from harness.scenario.checks import STEP_LOCAL, CheckName
 from harness.scenario.plan import ScenarioPlan
@@ -68,24 +68,28 @@ class Rounding:
 
     @property
     def storage(self) -> float:
-        """Rounding values stored in the model dtype (parameters), relative."""
-        return self.ulps * self.u_dtype * self.stored
+        """Rounding each value once as the model dtype stores it (parameters), relative. The
+        gradient's stored partial sums (``stored``) do not enter: they reach the parameters only
+        through the optimizer, which the floor run measures."""
+        return self.ulps * self.u_dtype
 
     def formula(self, length: int) -> str:
         return (f"{self.ulps:g} x (2^-24 x ceil(log2 {length}) + {self.u:.3g} x {self.stored}) "
                 f"= {self.relative(length):.3g} relative")
 
 
-def rounding(plan: ScenarioPlan, *runs: RunOutcome) -> Rounding:
-    """The rounding model of comparing ``runs``: the coarsest unit roundoff any rank measured,
-    and the most stored roundings (micro-steps plus all-reduce levels) of any of them."""
+def rounding(plan: ScenarioPlan, *runs: RunOutcome, probes: bool = False) -> Rounding:
+    """The rounding model of comparing ``runs`` (``probes``: their step-local probes): the
+    coarsest unit roundoff any rank measured, and the most stored roundings (micro-steps plus
+    all-reduce levels) of any of them."""
     u, u_dtype, stored = U_ACC, U_ACC, 1
     for run in runs:
         results = [o.result or {} for o in run.ranks]
         accum = plan.run(run.name).eff.train.grad_accum
         n = run.world_size * int(results[0].get("emulate") or 1)
-        u = max([u, *(float((r.get("precision") or {}).get("u_in", U_ACC)) for r in results)])
-        u_dtype = max([u_dtype, *(float((r.get("precision") or {}).get("u_dtype", U_ACC)) for r in results)])
+        precs = [computed_at(r, probes) for r in results]
+        u = max([u, *(float(p.get("u_in", U_ACC)) for p in precs)])
+        u_dtype = max([u_dtype, *(float(p.get("u_dtype", U_ACC)) for p in precs)])
         stored = max(stored, accum + math.ceil(math.log2(n)))
     return Rounding(plan.scenario.checks.rounding_ulps, u, stored, u_dtype)
 
@@ -122,7 +126,7 @@ def step_local(run: RunOutcome, ref: RunOutcome, plan: ScenarioPlan, floor: RunO
     if got != expected:
         why = f"probed steps {listed(got)}, expected {listed(expected)}"
         return [Check(n, run.name, False, None, None, why) for n in STEP_LOCAL]
-    model = rounding(plan, run, ref)
+    model = rounding(plan, run, ref, probes=True)
     steps = [rec["step"] for rec in per_rank[0]]
     tokens = max(abs(rec["tokens"] - rec["tokens_ref"]) for recs in per_rank for rec in recs)
     token_check = Check(CheckName.step_token_parity, run.name, tokens == 0, tokens, 0,

@@ -45,3 +45,13 @@ def measure_precision(dtype: str, declared: str | None = None) -> dict[str, Any]
     return {"dtype": dtype, "u_dtype": UNIT_ROUNDOFF[dtype], "u_matmul": u_matmul,
             "u_in": max(UNIT_ROUNDOFF[dtype], u_matmul), "device": str(mx.default_device()), "tf32": tf32,
             "label": label, "declared": declared or dtype}
+
+
+def rank_precision(seen: str, declared: str | None = None) -> dict[str, Any]:
+    """A rank's ``precision`` record: what it computed training at (``measure_precision``) and,
+    where that is narrower than float32, under ``probe`` what its step-local probes compute at
+    (``harness.rank.step_probe.in_float32``)."""
+    out = measure_precision(seen, declared)
+    if seen != "float32":
+        out["probe"] = measure_precision("float32")
+    return out

@@ -245,7 +245,7 @@ class StepReporter:
         every = self.s.train.digest_every
         self.digests = {k: v for k, v in self.digests.items() if k == self.done or (every and k % every == 0)}
         self.digests[last] = tree_digest(params)
-        from harness.rank.precision import measure_precision
+        from harness.rank.precision import rank_precision
 
         lrs = self.history["learning_rates"]
         self.finished = schema.train_result(**{
@@ -276,7 +276,7 @@ class StepReporter:
             if self.stream is not None else {"streaming": False, "bytes_held": self.data_bytes},
             "rss_step_peak_bytes": self.rss_peak,
             "seed_used": self.s.seed,
-            "precision": measure_precision(self.dtype_seen or self.s.model.dtype, self.s.model.dtype),
+            "precision": rank_precision(self.dtype_seen or self.s.model.dtype, self.s.model.dtype),
             **rng_changes(self.rng_before),
             "probes": self.probes.records if self.probes.mode else None,
             "from_rank0": self.from_rank0,

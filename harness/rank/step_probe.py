@@ -13,14 +13,18 @@ untouched: parameters, optimizer state, data position, MLX's global RNG key and 
 state are what they were before the probe, and the probe's time is not counted in the step's.
 
 Optimizer amplification cannot enter these figures, so the judge holds them to a limit derived
-from floating-point rounding alone.
+from floating-point rounding alone. A model that computes in a narrower dtype (bfloat16, float16;
+frozen weights included) is probed in float32 (``in_float32``): its parameters, exact in float32,
+are cast up for the probe and put back after it, so a defect in the reduction is seen at float32's
+rounding rather than hidden under bfloat16's; each record says the dtype it computed in.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +33,24 @@ from harness.rank.collective_mutations import measuring
 from harness.rank.defects import hypotheses, measure, squared_gaps
 from harness.scenario.job import ProbeJob
 from harness.schema import probe_path
+
+
+@contextmanager
+def in_float32(model: Any) -> Iterator[str]:
+    """Within it, ``model``'s floating parameters narrower than float32 are float32 (their values
+    exact); yields the dtype a probe computes in. The parameters are put back on leaving."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    saved = model.parameters()
+    if not any(v.dtype in (mx.bfloat16, mx.float16) for _, v in tree_flatten(saved)):
+        yield "float32"
+        return
+    model.set_dtype(mx.float32)
+    try:
+        yield "float32"
+    finally:
+        model.update(saved)
 
 
 class Probes:
@@ -44,10 +66,11 @@ class Probes:
         """Probe ``step`` on trainer ``t``; returns the seconds it took."""
         start = time.perf_counter()
         if self.mode == "record":
-            loss, grads, _ = t.global_gradient(step, micros, counts, None, update=False)
+            with in_float32(t.model) as dtype:
+                loss, grads, _ = t.global_gradient(step, micros, counts, None, update=False)
             t.coord.attempt("probe", step, t.effects.probe, probe_path(self.dir, step), t.model, grads,
                             {"step": step, "loss": float(loss.item()), "tokens": counts[0], "world_size": t.N})
-            self.records.append({"step": step, "loss": float(loss.item()), "tokens": counts[0]})
+            self.records.append({"step": step, "loss": float(loss.item()), "tokens": counts[0], "dtype": dtype})
         else:
             self.records.append(self._compare(t, step, micros, counts))
         self.records[-1]["probe_s"] = time.perf_counter() - start
@@ -70,28 +93,30 @@ class Probes:
         key = mx.random.state[0].tolist()  # MLX's global RNG, as the step will find it
         if self.mode == "record":
             try:
-                loss, grads, tokens = compute()
-                mx.eval(loss, grads)
+                with in_float32(model) as dtype:
+                    loss, grads, tokens = compute()
+                    mx.eval(loss, grads)
             finally:
                 restore_key(key)
             if rank == 0:
                 write_probe(probe_path(self.dir, step), model, grads, {"step": step, "loss": float(loss.item()),
                                                                        "tokens": int(tokens), "world_size": world_size})
-            self.records.append({"step": step, "loss": float(loss.item()), "tokens": int(tokens)})
+            self.records.append({"step": step, "loss": float(loss.item()), "tokens": int(tokens), "dtype": dtype})
         else:
             ref = read_probe(probe_path(self.dir, step))
             saved = model.parameters()
             model.update(tree_unflatten(list(ref["params"].items())))
             try:
-                loss, grads, tokens = compute()
-                mx.eval(loss, grads)
-                rows = micros() if micros is not None and self.mode == "compare" else None
-                with measuring():  # the harness's own collectives: a collective mutation leaves them alone
-                    found = hypotheses(model, rows, rank, world_size) if rows else None
+                with in_float32(model) as dtype:
+                    loss, grads, tokens = compute()
+                    mx.eval(loss, grads)
+                    rows = micros() if micros is not None and self.mode == "compare" else None
+                    with measuring():  # the harness's own collectives: a collective mutation leaves them alone
+                        found = hypotheses(model, rows, rank, world_size) if rows else None
             finally:
                 model.update(saved)
                 restore_key(key)
-            self.records.append(compare(step, loss, grads, int(tokens), ref))
+            self.records.append({**compare(step, loss, grads, int(tokens), ref), "dtype": dtype})
             if found is not None:
                 self.records[-1]["defects"] = measure(found, loss, grads, int(tokens), ref)
         self.records[-1]["probe_s"] = time.perf_counter() - start
@@ -106,15 +131,18 @@ class Probes:
         saved, state = t.model.parameters(), t.semantics.state()
         if ref is not None:
             t.model.update(tree_unflatten(list(ref["params"].items())))
-        loss, grads, _ = t.global_gradient(step, micros, counts, None, update=False)
-        found = None
-        if self.mode == "compare":  # a floor run's (``ProbeJob``) would be read by no check
-            with measuring():
-                found = hypotheses(t.model, [batch_micro(b.arrays()) for b in micros], t.ctx.rank, t.N)
+        with in_float32(t.model) as dtype:
+            loss, grads, _ = t.global_gradient(step, micros, counts, None, update=False)
+            found = None
+            if self.mode == "compare":  # a floor run's (``ProbeJob``) would be read by no check
+                with measuring():
+                    found = hypotheses(t.model, [batch_micro(b.arrays()) for b in micros], t.ctx.rank, t.N)
         t.semantics.set_state(state)
         t.model.update(saved)
         record = t.coord.attempt("probe", step, compare, step, loss, grads, counts[0], ref)
         t.coord.agree()
+        if record is not None:
+            record["dtype"] = dtype
         if record is not None and ref is not None and found is not None:
             record["defects"] = measure(found, loss, grads, counts[0], ref)
         return record

@@ -38,7 +38,7 @@ from harness.rank.context import RankContext
 from harness.rank.effects import MainRankEffects
 from harness.rank.models import build_model, param_digest
 from harness.rank.optimizer import build_optimizer
-from harness.rank.precision import measure_precision
+from harness.rank.precision import rank_precision
 from harness.rank.reporter import global_rng_states, rng_changes
 from harness.trainers.reference import resume
 from harness.trainers.reference.batching import LocalBatch, collate, uneven_last
@@ -222,7 +222,7 @@ class Trainer:
                               self.semantics.init_seed(self.s.seed), self.data.vision)
         coord.agree()
         self.model, self.config = built
-        self.precision = measure_precision(self.s.model.dtype)
+        self.precision = rank_precision(self.s.model.dtype)
         self.optimizer = build_optimizer(spec, self.semantics.learning_rate(spec.learning_rate))
         self.runner = LocalStep(self.model, self.optimizer, spec, self.semantics)
         if loaded:
