@@ -48,6 +48,13 @@ def main():
     grad_fn = nn.value_and_grad(model, token_loss_sum)
     order = np.random.default_rng(run.seed).permutation(len(rows))  # a local RNG: the same order everywhere
 
+    def global_loss_and_grad(inputs, targets, mask):
+        """The step's global loss, all-reduced gradient and supervised tokens, from this rank's rows."""
+        tokens = mx.distributed.all_sum(mask.sum(), group=group)  # the global batch's supervised tokens
+        loss_sum, grads = grad_fn(model, inputs, targets, mask)
+        grads = global_gradient(grads, tokens, group)
+        return mx.distributed.all_sum(loss_sum, group=group) / tokens, grads, tokens
+
     width = max(len(ids) for ids, _ in rows) - 1
     for step in range(1, run.steps + 1):
         picked = [rows[order[((step - 1) * run.global_batch + i) % len(rows)]] for i in range(run.global_batch)]
@@ -59,10 +66,10 @@ def main():
             inputs[i, :n], targets[i, :n], mask[i, :n] = ids[:-1], ids[1:], supervised[1:]
         inputs, targets, mask = mx.array(inputs), mx.array(targets), mx.array(mask)
 
-        tokens = mx.distributed.all_sum(mask.sum(), group=group)  # the global batch's supervised tokens
-        loss_sum, grads = grad_fn(model, inputs, targets, mask)
-        grads = global_gradient(grads, tokens, group)
-        loss = mx.distributed.all_sum(loss_sum, group=group) / tokens
+        # step-local parity: at the steps the harness probes, it calls the step's function at the
+        # reference run's parameters (and puts the model's own back); at the others it returns at once
+        run.probe(step, model, global_loss_and_grad, inputs, targets, mask)
+        loss, grads, tokens = global_loss_and_grad(inputs, targets, mask)
         optimizer.update(model, grads)
         mx.eval(model.parameters(), optimizer.state, loss, tokens)
         # 4. the step: global loss, global and local supervised tokens, and the parameters after it

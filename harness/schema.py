@@ -230,6 +230,7 @@ class TrainResult(_TrainRequired, total=False):
     history_start: int
     from_rank0: dict[str, Any] | None  # figures every rank took from rank 0, and why
     global_rng_changed: list[str]  # the global RNGs training changed ("numpy", "mlx")
+    param_count_frozen: int  # the frozen parameters beside the trained ones (a LoRA run's base), where known
 
 
 def _keys_problem(record: dict[str, Any], *types: Any, closed: bool = True) -> str | None:

@@ -43,6 +43,11 @@ PLANTED = {  # what a user might have written instead, and the defect the harnes
         return mx.distributed.all_sum(loss_sum, group=group) / tokens, grads, tokens
 """, None),
     "same_rows": (REDUCTION, "        mine = [rows[i] for i in batch[0::size]]\n"),
+    "rank_scaled": (LOCAL + """        from mlx.optimizers import clip_grad_norm  # each rank clips its own gradient: too early
+        grads, _ = clip_grad_norm(scaled(grads, size / tokens), 1e-3)
+        grads = nn.average_gradients(grads, group=group)
+        return mx.distributed.all_sum(loss_sum, group=group) / tokens, grads, tokens
+""", None),
 }
 
 
@@ -80,6 +85,16 @@ def test_each_defect_planted_in_a_script_is_named_and_a_correct_script_names_non
             print(f"{defect}: {c['name']}: {c['detail']}")
             assert c["defect"] == defect, (defect, c["detail"])
             assert "matches: " in c["detail"] and "against a limit of" in c["detail"]
+
+
+def test_a_learning_rate_off_by_one_factor_is_named_for_it() -> None:
+    from harness.judge.checks import lr_scaled
+
+    ref = [1e-3 * (k + 1) / 4 for k in range(4)]
+    assert lr_scaled([2 * x for x in ref], ref, 2, 2.4e-7) == "learning rate x world size 2"
+    assert lr_scaled([x / 4 for x in ref], ref, 4, 2.4e-7) == "learning rate / world size 4"
+    assert lr_scaled([3 * x for x in ref], ref, 2, 2.4e-7) == "learning rate x 3 at every step"
+    assert lr_scaled([x * (1 + k) for k, x in enumerate(ref)], ref, 2, 2.4e-7) is None  # another schedule
 
 
 def test_a_trajectory_failure_says_which_seam_would_name_its_defect() -> None:

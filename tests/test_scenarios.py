@@ -61,9 +61,11 @@ def _run(name: str, out: Path, shared_run: SharedRun) -> tuple[dict[str, Any], d
         p = cli("run", str(REPO / "scenarios" / f"{name}.toml"), "--out", str(out))
     else:  # the power scenario's run, read for the shipped scenario's runs
         p, out = shared_run(str(POWER / f"{name}.toml"))
-    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
+    undecided = name in INCONCLUSIVE
+    assert p.returncode == (4 if undecided else 0), p.stdout[-4000:] + p.stderr[-2000:]
     (s,) = json.loads((out / "result.json").read_text())["scenarios"]
-    assert s["status"] == "passed" and all(c["passed"] for c in s["checks"])
+    assert s["status"] == ("inconclusive" if undecided else "passed") and all(c["passed"] for c in s["checks"])
+    assert {c["name"] for c in s["checks"] if c["result"] == "INCONCLUSIVE"} <= INCONCLUSIVE.get(name, set())
     runs = {r["name"]: r for r in s["runs"] if shared is None or r["name"] in shared}
     checks = {(c["name"], c["run"]): c for c in s["checks"] if shared is None or c["run"] in shared}
     assert shared is None or set(runs) == set(shared)
@@ -72,6 +74,11 @@ def _run(name: str, out: Path, shared_run: SharedRun) -> tuple[dict[str, Any], d
             assert c["derivation"], c
             assert c["value"] * MARGIN <= c["limit"] or c["value"] == c["limit"] == 0, c
     return s, runs, checks
+
+
+# LoRA adapters trained a few AdamW steps on a tiny model with random weights: rounding grows
+# chaotically over the steps about as far as training moves the adapters (docs/parity.md#power)
+INCONCLUSIVE = {"mlx_lm_lora": {"param_parity"}, "unsloth_seed_table": {"param_parity"}}
 
 
 def compile_modes(runs: dict, checks: dict, out: Path) -> None:
@@ -382,9 +389,11 @@ def mlx_lm_parity(runs: dict, checks: dict, out: Path) -> None:
 
 def mlx_lm_lora(runs: dict, checks: dict, out: Path) -> None:
     _external(runs, checks, ("ddp2",), "mlx_lm")
-    for check in (*STEP_LOCAL, "param_parity"):
+    for check in (*STEP_LOCAL, "loss_parity"):
         assert checks[(check, "ddp2")]["result"] == "pass", check
-    assert "lora_" in checks[("param_parity", "ddp2")]["detail"]  # the adapter weights are compared
+    param = checks[("param_parity", "ddp2")]  # the adapters, by the update they make (lora_a @ lora_b)
+    assert param["result"] == "INCONCLUSIVE" and ".lora_a @ lora_b" in param["detail"], param
+    assert param["detail"].startswith("no power: the floor runs (the same mathematics in another rounding) drifted")
     assert runs["single"]["param_count"] < 30_000  # the trainable (LoRA) parameters only
 
 
@@ -528,10 +537,12 @@ def unsloth_default_order(runs: dict, checks: dict, out: Path) -> None:
 
 def unsloth_seed_table(runs: dict, checks: dict, out: Path) -> None:
     _external(runs, checks, ("ddp2",), "unsloth_zoo")
-    for check in ("loss_parity", "param_parity"):
-        assert checks[(check, "ddp2")]["result"] == "pass"
+    assert checks[("loss_parity", "ddp2")]["result"] == "pass"
     assert checks[("global_rng_untouched", "ddp2")]["result"] == "n/a"  # LoRA: mlx-lm seeds MLX's RNG
-    assert "lora_" in checks[("param_parity", "ddp2")]["detail"]
+    param = checks[("param_parity", "ddp2")]  # bfloat16 LoRA adapters moved 1.4 % in 8 steps: no power
+    assert param["result"] == "INCONCLUSIVE" and ".lora_a @ lora_b" in param["detail"], param
+    # the limit follows the adapters' own float32 storage, not the base's bfloat16 (once 0.31)
+    assert param["limit"] < 0.05, param
     assert runs["ddp2"]["compile"]["scope"] == "local-grad"
 
 
@@ -558,6 +569,31 @@ def script_example(runs: dict, checks: dict, out: Path) -> None:
                                                                   "saves = true")
 
 
+def _bf16(runs: dict, checks: dict, compared: tuple[str, ...]) -> None:
+    """A scenario in bfloat16: every rank computed in it (its limits follow), the step-local probes
+    in float32, and each trajectory check passed with power (a limit at most half of what training
+    moved: INCONCLUSIVE otherwise)."""
+    for name in compared:
+        assert all(r["precision"]["dtype"] == "bfloat16" for r in (runs[name]["ranks"])), runs[name]["ranks"]
+        for check in ("step_loss_parity", "step_grad_parity"):
+            c = checks[(check, name)]
+            assert c["result"] == "pass" and c["precision"] == "float32 (probes; training bfloat16)", c
+            assert c["limit"] < 1e-5  # float32's rounding: a mean of means (0.13) is 10^4 limits away
+        for check in ("loss_parity", "param_parity"):
+            c = checks[(check, name)]
+            assert c["result"] == "pass" and c["precision"] == "bfloat16" and not c["no_power"], c
+
+
+def bf16_parity(runs: dict, checks: dict, out: Path) -> None:
+    _bf16(runs, checks, ("ddp2",))
+    assert checks[("eval_parity", "ddp2")]["result"] == "pass"
+
+
+def script_bf16(runs: dict, checks: dict, out: Path) -> None:
+    _external(runs, checks, ("ddp2", "ddp4"), "script")
+    _bf16(runs, checks, ("ddp2", "ddp4"))
+
+
 SPECIFIC: dict[str, Callable[[dict, dict, Path], None]] = {
     f.__name__: f for f in (compile_modes, failure_consensus, early_stop, streaming, response_only, grad_accum,
                             chat_jsonl, resume_parity, resume_after_kill, resume_validation, vlm_parity,
@@ -565,7 +601,8 @@ SPECIFIC: dict[str, Callable[[dict, dict, Path], None]] = {
                             guide_throughput, prose_parity, mutations, mlx_lm_parity, mlx_lm_lora,
                             mlx_lm_mean_of_means, mlx_lm_resume, mlx_vlm_parity, mlx_vlm_mean_of_means, unsloth_parity,
                             unsloth_compiled, unsloth_tail_padding, unsloth_default_order, unsloth_seed_table,
-                            unsloth_streaming, trainer_throughput, script_example, memory_runaway, speed_gate)
+                            unsloth_streaming, trainer_throughput, script_example, memory_runaway, speed_gate,
+                            bf16_parity, script_bf16)
 }
 
 

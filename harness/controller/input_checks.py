@@ -39,10 +39,13 @@ def _files(s: Scenario) -> Iterator[tuple[DataSpec, str, Path, int | None]]:
                 yield d, key, Path(path), limit
 
 
-def check_text_rows(s: Scenario) -> None:
+def check_text_rows(s: Scenario) -> list[str]:
+    """Refuse bad JSONL rows; returns a line for each file whose rows ``max_seq_len`` cuts
+    (``cut_rows``)."""
     from harness.data.sources import Encoder, jsonl_rows
     from harness.data.tokenizers import ByteTokenizer
 
+    notes = []
     for d, key, path, limit in _files(s):
         if path.is_dir():
             raise ScenarioError(f"{s.path}: [data].{key}: {path} is a directory, not a JSONL file")
@@ -56,6 +59,32 @@ def check_text_rows(s: Scenario) -> None:
         if not rows:
             raise ScenarioError(f"{s.path}: [data].{key}: {path} has no rows")
         _check_count(s, key, path, limit, rows)
+        notes += cut_rows(s, d, key, path, limit, rows, encode.cut)
+    return notes
+
+
+def cut_rows(s: Scenario, d: DataSpec, key: str, path: Path, limit: int | None, rows: int,
+             cut: list[tuple[str, int]]) -> list[str]:
+    """The line saying how many rows of ``path`` are longer than ``max_seq_len`` and cut to it,
+    naming the first of them; counted in the scenario's tokens where its tokenizer is a local file
+    (``cut``: the byte tokenizer's count, exact for ``byte``, an upper bound for a BPE trained
+    from the rows, whose rows are not counted here)."""
+    from harness.data.sources import Encoder, jsonl_rows
+    from harness.data.tokenizers import FileTokenizer
+
+    if d.tokenizer.startswith("bpe:") or not cut:
+        return []
+    if d.tokenizer != "byte":
+        encode = Encoder(FileTokenizer(d.tokenizer), d)
+        for where, row in jsonl_rows(path, limit):
+            encode(where, row)
+        cut = encode.cut
+    if not cut:
+        return []
+    lines = ", ".join(where.rsplit(":", 1)[-1] for where, _ in cut[:5]) + (", ..." if len(cut) > 5 else "")
+    return [f"{s.name}: [data].{key}: {len(cut)} of {rows} rows of {path} are longer than max_seq_len = "
+            f"{d.max_seq_len} tokens and are cut to it (lines {lines}; the longest {max(n for _, n in cut)} "
+            f"tokens): raise [data] max_seq_len to train them whole"]
 
 
 def check_image_rows(s: Scenario) -> None:
@@ -115,5 +144,5 @@ def check_data_files(s: Scenario) -> list[str]:
     if s.model.vision:
         check_image_rows(s)
     else:
-        check_text_rows(s)
+        notes += check_text_rows(s)
     return notes

@@ -68,6 +68,7 @@ class RunOutcome:
     ranks: list[RankOutcome]
     watch: WatchReport
     params: dict[str, Any] | None = None
+    params_u: float | None = None  # the unit roundoff of the coarsest dtype ``params`` are stored in
     moved: float | None = None  # how far training moved rank 0's parameters, relative (``run_job.moved``)
     artifacts: Path | None = None
     notes: list[str] = field(default_factory=list)  # what happened around its ranks (``RankProcesses.notes``)

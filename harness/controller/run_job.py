@@ -20,6 +20,7 @@ from harness.controller.devices import BackendRefused, DeviceRefused, accelerato
 from harness.controller.ledgers import desync
 from harness.controller.memory_guard import MemoryLimits
 from harness.controller.outcome import RunOutcome, WatchReport
+from harness.controller.params import load_stored, moved
 from harness.controller.progress import Observer, ProgressFeed, RunProgress
 from harness.controller.side_by_side import Cancelled
 from harness.controller.watch import kill_group, watch
@@ -32,47 +33,6 @@ KEEP_SUFFIXES = (".events.jsonl", ".collectives.jsonl", ".result.json", ".warm.j
 
 class LaunchError(RuntimeError):
     """The ranks could not be started at all."""
-
-
-def _load_params(path: Path) -> dict[str, Any] | None:
-    if not path.exists():
-        return None
-    import mlx.core as mx
-    import numpy as np
-
-    return {k: np.array(v.astype(mx.float32)) for k, v in mx.load(str(path)).items()}
-
-
-def param_delta(a: dict[str, Any] | None, b: dict[str, Any] | None) -> tuple[float, float, str] | None:
-    """(||a - b|| / ||b|| over every parameter element, the largest |a - b| element, its tensor);
-    None where either is missing or they differ in names or shapes."""
-    import numpy as np
-
-    if a is None or b is None or a.keys() != b.keys():
-        return None
-    diff = norm = worst = 0.0
-    where = ""
-    for k in sorted(a):
-        x, y = a[k].astype(np.float64), b[k].astype(np.float64)
-        if x.shape != y.shape:
-            return None
-        d = x - y
-        diff, norm = diff + float(np.sum(d * d)), norm + float(np.sum(y * y))
-        big = float(np.max(np.abs(d))) if d.size else 0.0
-        if big > worst or not where:
-            worst, where = big, k
-    return (diff / norm) ** 0.5 if norm > 0 else 0.0, worst, where
-
-
-def moved(final: dict[str, Any] | None, start_path: Path) -> float | None:
-    """How far training moved rank 0's parameters: ||final - start|| / ||final|| over every
-    element of ``final`` (a LoRA run's final parameters are its adapters alone); None where rank
-    0 left no start (only the run others are compared with does: ``keep_start`` in its job)."""
-    start = _load_params(start_path)
-    if final is None or start is None or not final.keys() <= start.keys():
-        return None
-    got = param_delta({k: start[k] for k in final}, final)
-    return got[0] if got is not None and got[0] > 0 else None
 
 
 def _why(e: BaseException) -> str:
@@ -243,7 +203,7 @@ def _summarize(name: str, run_dir: Path, started: launcher.Launch, report: Watch
     if collectives is not None:  # which collective the ranks disagree on, or all wait in
         failure += "\n" + collectives["line"]
     feed.finish("ok" if failure is None else failure.splitlines()[0])
-    params = _load_params(schema.params_path(run_dir)) if failure is None else None
+    params, params_u = load_stored(schema.params_path(run_dir)) if failure is None else (None, None)
     return RunOutcome(
         name=name,
         world_size=world_size,
@@ -253,6 +213,7 @@ def _summarize(name: str, run_dir: Path, started: launcher.Launch, report: Watch
         ranks=ranks,
         watch=report,
         params=params,
+        params_u=params_u,
         moved=moved(params, schema.start_params_path(run_dir)),
         hosts=[str(started.ranks.host_of(r)) for r in range(world_size)] if started.ranks.remote else None,
         collectives=collectives,

@@ -177,6 +177,7 @@ class Encoder:
     def __init__(self, tok: Tokenizer, spec: DataSpec):
         self.tok, self.max_len, self.response_only = tok, spec.max_seq_len, spec.response_only
         self.form: str | None = None if spec.format == "auto" else spec.format
+        self.cut: list[tuple[str, int]] = []  # rows longer than ``max_len``: (where, their length in tokens)
 
     def pad_example(self) -> Example:
         return empty_example(self.tok.pad_id)
@@ -207,6 +208,8 @@ class Encoder:
             add(tok.encode(row["completion"]) + eos, True)
         else:
             self._chat(where, row["messages"], add, eos, everything)
+        if len(ids) > self.max_len:
+            self.cut.append((where, len(ids)))
         ids, sup = ids[: self.max_len], sup[: self.max_len]
         if len(ids) < 2:
             raise ValueError(f"{where}: fewer than two tokens")

@@ -158,8 +158,28 @@ def lr_schedule(run: RunOutcome, ref: RunOutcome) -> Check:
     worst = max(range(len(rel)), key=rel.__getitem__)
     where = f"worst at step {worst + 1} ({a[worst]:.6g} vs {b[worst]:.6g})"
     detail = f"vs {ref.name}: {len(a)} steps; " + ("identical at every step" if rel[worst] == 0 else where)
-    return Check(CheckName.lr_schedule, run.name, rel[worst] <= limit, rel[worst], limit, detail,
-                 derivation=f"relative, {LR_ULPS} float32 ulps: the same schedule evaluated at the same step")
+    passed = rel[worst] <= limit
+    scaled = None if passed else lr_scaled(a, b, run.world_size, limit)
+    if scaled:
+        detail += f"; matches: {scaled}"
+    return Check(CheckName.lr_schedule, run.name, passed, rel[worst], limit, detail,
+                 derivation=f"relative, {LR_ULPS} float32 ulps: the same schedule evaluated at the same step",
+                 defect="lr_times_world" if scaled and "x world size" in scaled else None)
+
+
+def lr_scaled(a: list[float], b: list[float], world_size: int, limit: float) -> str | None:
+    """What a learning rate ``a`` that is the reference's ``b`` times one factor at every step is
+    (None where the factor varies): "learning rate x world size N", "learning rate / world size N"
+    or "learning rate x F at every step"."""
+    ratios = [x / y for x, y in zip(a, b, strict=True) if y]
+    if not ratios or max(ratios) - min(ratios) > 2 * limit * max(abs(r) for r in ratios):
+        return None
+    f = ratios[0]
+    for name, want in ((f"learning rate x world size {world_size}", world_size),
+                       (f"learning rate / world size {world_size}", 1 / world_size)):
+        if world_size > 1 and abs(f - want) <= 2 * limit * want:
+            return name
+    return f"learning rate x {f:.4g} at every step"
 
 
 def ranks(n: int) -> str:

@@ -20,7 +20,9 @@ from harness.scenario.checks import CheckName
 from harness.scenario.names import DEFECTS_DESCRIBED as DESCRIBED
 
 PREFERRED = ("mean_of_means", "micro_means", "no_allreduce", "no_allreduce_global", "no_allreduce_scaled",
-             "not_divided_by_world", "local_token_count", "grad_times_world", "same_rows", "correct")
+             "not_divided_by_world", "local_token_count", "grad_times_world", "same_rows", "rank_scaled", "correct")
+FITTED = ("rank_scaled",)  # fitted to the trainer's own figure: named only where nothing fixed matches
+SCALES_APART = 1e-3  # ``rank_scaled`` is a defect only where its fitted factors differ by more than this
 N = CheckName
 TRAJECTORIES = (N.loss_parity, N.param_parity, N.eval_parity)
 FIGURES = {"loss": ("loss_rel", "loss"), "grad": ("grad_rel", "gradient")}
@@ -62,6 +64,12 @@ def _worst(recs: list[dict[str, Any]], name: str, field: str,
     return max(figures, key=lambda f: f[0])
 
 
+def _apart(recs: list[dict[str, Any]]) -> bool:
+    """Whether ``rank_scaled``'s fitted factors differ between ranks at some probe."""
+    return any(max(f) - min(f) > SCALES_APART * max(abs(x) for x in f)
+               for rec in recs if (f := rec["defects"]["rank_scaled"].get("scales")))
+
+
 def name_defect(per_rank: list[list[dict[str, Any]]], key: str, limit: Callable[[dict[str, Any]], float],
                 seam: str = SEAM) -> Diagnosis:
     """The known defect the probe records (``per_rank``: each rank's) match in figure ``key``
@@ -74,12 +82,17 @@ def name_defect(per_rank: list[list[dict[str, Any]]], key: str, limit: Callable[
     if unusable:
         return Diagnosis(None, f"no defect named: {unusable}")
     field, figure = FIGURES[key]
-    fits = {name: _worst(recs, name, field, limit) for name in PREFERRED if name in recs[0]["defects"]}
+    fits = {name: _worst(recs, name, field, limit) for name in PREFERRED
+            if all(name in rec["defects"] for rec in recs) and (name not in FITTED or key == "grad")}
     matched = [name for name, w in fits.items() if w[0] <= 1]
+    if "rank_scaled" in matched and not (set(matched) - {"rank_scaled", "correct"}) and _apart(recs):
+        scales = ", ".join(f"{a:.3g}" for a in recs[0]["defects"]["rank_scaled"]["scales"])
+        _, value, lim = fits["rank_scaled"]
+        return Diagnosis("rank_scaled", f"matches: {DESCRIBED['rank_scaled']}, the ranks' factors {scales}; "
+                                        f"{figure} {value:.2g} against a limit of {lim:.2g}")
+    matched = [name for name in matched if name not in FITTED]
     if not matched:
-        name, (_, value, lim) = min(fits.items(), key=lambda kv: kv[1][0])
-        return Diagnosis(None, f"no known defect matches its {figure} (closest: {DESCRIBED[name]}, "
-                               f"{value:.3g} against a limit of {lim:.3g})")
+        return Diagnosis(None, f"no known defect matches its {figure}")
     if "correct" in matched:  # right on the run's own rows: the rows are what differs
         best = "same_rows" if "same_rows" in matched else "correct"
         off = max(rec["defects"]["correct"]["ref_grad_rel"] for rec in recs)

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from harness.controller.outcome import RunOutcome
-from harness.controller.run_job import param_delta
+from harness.controller.params import param_delta
 from harness.judge.checks import Check, computed_at, listed
 from harness.judge.defects import name_defect
 from harness.scenario.checks import STEP_LOCAL, CheckName
@@ -346,6 +346,7 @@ def param_parity(run: RunOutcome, base: RunOutcome, floor: Floor, plan: Scenario
     value, biggest, where = got
     floors = floor.largest(lambda r: [d[0]] if (d := _param_delta(r, base)) is not None else None)
     model = rounding(plan, run, base)
-    absolute = [model.storage]
+    stored = [u for u in (run.params_u, base.params_u) if u is not None]
+    absolute = [model.ulps * max(stored) if stored else model.storage]  # as the compared parameters are stored
     what = "bitwise identical" if value == 0 else f"relative L2; largest element |delta| {biggest:.3g} in {where}"
     return _judge_series(name, run, base, ["the end"], [value], floors, absolute, floor, plan, what)

@@ -263,6 +263,8 @@ EXIT_CODES = """exit codes of run:
   1  a check failed
   2  bad input: one line naming the file, key or value, before anything starts
   3  a run did not complete: a rank crashed or hung, or the launch failed
+  4  inconclusive: no check failed, but a parity check had no power (its limit more than half of
+     what training moved); its line says why and what would give it power
 report exits 0; gate 1 on a regression, 4 when inconclusive (no gate failed, but a paired speed
 test reached --pairs undecided: neither pass nor fail, rerun with more pairs); doctor 1 when an
 essential check fails; any command exits 2 on bad input.

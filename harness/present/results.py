@@ -154,8 +154,10 @@ def model_label(s: Scenario, runs: list[RunOutcome]) -> str:
     """``arch size / seq`` as the seed's tables name a model (size from a run's parameter count);
     a script's or an executable's own model (no ``model_config`` reported) as theirs, not the scenario's."""
     r0 = next((r.result(0) for r in runs if r.ok), {})
-    count = r0.get("param_count")
+    count, frozen = r0.get("param_count"), r0.get("param_count_frozen")
     size = f" {count / 1e6:.2f}M" if count else ""
+    if count and frozen:  # a LoRA run: the base beside the adapters it trains
+        size = f" {frozen / 1e6:.2f}M base + {count / 1e6:.2f}M adapters"
     kind = (r0.get("trainer") or {}).get("kind") or s.trainer.kind  # the trainer that ran it
     info = trainer_info(kind)
     if (info.script or info.command) and r0.get("model_config") is None:

@@ -96,6 +96,10 @@ def lora_lines(info: TrainerInfo) -> list[str]:
     """The ``[trainer]`` keys of a LoRA fine-tune (scenarios/mlx_lm_lora.toml's values)."""
     note = info.lora_layers_note or "the last N transformer layers get adapters (-1: every layer)"
     layers = f"lora_layers = -1    # {note}"
+    if info.script:
+        return ['fine_tune = "lora"  # run.model() returns the model frozen, with LoRA adapters: train',
+                "#                      model.trainable_parameters() and hand them to run.step and run.finish",
+                "lora_rank = 8", "lora_scale = 20.0", layers]
     return ['fine_tune = "lora"  # only the adapters train (and parity compares them)',
             "lora_rank = 8", "lora_scale = 20.0", layers]
 

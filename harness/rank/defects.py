@@ -25,7 +25,14 @@ not_divided_by_world   sum over ranks of S_r / T_r, G_r / T_r      T
 local_token_count      sum S / T_r, sum G / T_r                    T
 grad_times_world       sum S / T, N x sum G / T                    T
 same_rows              S_0 / T_0, G_0 / T_0 (rank 0's rows)        N x T_0
+rank_scaled            sum S / T, sum a_r G_r / T, the a_r fitted  T
+                       to the trainer's gradient (least squares)
 =====================  ==========================================  ==========
+
+``rank_scaled`` is the signature of a gradient each rank scales by a factor of its own before the
+all-reduce (each rank clipping its own gradient): the trainer's gradient, projected on the span of
+the ranks' G_r / T, is within the limit of it, with factors a_r that differ (``measure`` fits them;
+every rank's G_r is all-gathered for it, up to ``GATHER_BYTES``).
 
 A rank's own token count T_r (rank 0's for ``same_rows``, and a micro-batch's) divides as
 max(T_r, 1), as trainers guard it (the reference's ``mean_of_means`` mutation does): a rank
@@ -41,6 +48,7 @@ import math
 from typing import Any
 
 BUCKET_BYTES = 256 << 20  # the most one all-sum of a probe carries: its concatenation is a copy
+GATHER_BYTES = 256 << 20  # the most the ranks' gradients gathered for ``rank_scaled`` may hold
 
 
 def canonical(args: tuple[Any, ...]) -> bool:
@@ -113,9 +121,10 @@ def sum_over_ranks(trees: list[Any], world_size: int, group: Any = None) -> list
 
 
 def hypotheses(model: Any, micros: list[tuple[Any, ...]], rank: int, world_size: int) -> dict[str, tuple]:
-    """Each hypothesis's (loss, gradient tree, tokens) on this rank (module docstring)."""
+    """Each hypothesis's (loss, gradient tree, tokens) on this rank (module docstring);
+    ``rank_scaled``'s gradient is the list of every rank's G_r / T, fitted in ``measure``."""
     import mlx.core as mx
-    from mlx.utils import tree_map
+    from mlx.utils import tree_flatten, tree_map
 
     def mine_or_zero(x: Any) -> Any:
         return tree_map(lambda a: a if rank == 0 else a * 0, x)
@@ -147,8 +156,32 @@ def hypotheses(model: Any, micros: list[tuple[Any, ...]], rank: int, world_size:
     micro = (sum_ms / m, over(sum_mg, m), big_t)
     if m.item() > n:  # with one micro-batch a rank, the same as mean_of_means
         out["micro_means"] = micro
+    grad_bytes = sum(a.nbytes for _, a in tree_flatten(g))
+    if world_size > 1 and grad_bytes * world_size <= GATHER_BYTES:  # every rank's G_r / T, for ``rank_scaled``
+        slots = [tree_map(lambda a, k=k: a / big_t if k == rank else mx.zeros_like(a), g) for k in range(world_size)]
+        out["rank_scaled"] = (big_s / big_t, sum_over_ranks(slots, world_size), big_t)
     mx.eval(out)
     return out
+
+
+def fitted(parts: list[Any], grads: dict[str, Any]) -> tuple[dict[str, Any], list[float]]:
+    """The combination sum a_r parts[r] nearest ``grads`` (least squares over every tensor, in
+    float64 on the host), and the factors a_r."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx.utils import tree_flatten
+
+    flat = [dict(tree_flatten(p)) for p in parts]
+    gram = [[mx.sum(flat[i][k].astype(mx.float32) * flat[j][k].astype(mx.float32)) for k in grads]
+            for i in range(len(parts)) for j in range(len(parts))]
+    proj = [[mx.sum(flat[i][k].astype(mx.float32) * grads[k].astype(mx.float32)) for k in grads]
+            for i in range(len(parts))]
+    mx.eval(gram, proj)
+    n = len(parts)
+    b = np.array([sum(float(x.item()) for x in row) for row in gram]).reshape(n, n)
+    a = np.array([sum(float(x.item()) for x in row) for row in proj])
+    scales = np.linalg.lstsq(b, a, rcond=None)[0].tolist()
+    return {k: sum(scales[i] * flat[i][k] for i in range(n)) for k in grads}, scales
 
 
 def squared_gaps(mine: dict[str, Any], theirs: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
@@ -180,7 +213,12 @@ def measure(found: dict[str, tuple], loss: Any, grads: Any, tokens: int, ref: di
 
     mine = dict(tree_flatten(grads))
     lazy: dict[str, Any] = {"loss": loss}
+    scales = None
     for name, (h_loss, h_grads, h_tokens) in found.items():
+        if name == "rank_scaled":
+            if any(dict(tree_flatten(p)).keys() != mine.keys() for p in h_grads):
+                continue
+            h_grads, scales = fitted(h_grads, mine)
         theirs = dict(tree_flatten(h_grads))
         if theirs.keys() != mine.keys():
             return {"unusable": f"the harness's gradient names differ from the trainer's "
@@ -192,10 +230,14 @@ def measure(found: dict[str, tuple], loss: Any, grads: Any, tokens: int, ref: di
     loss_f = float(lazy["loss"].item())
     out: dict[str, Any] = {}
     for name in found:
+        if name not in lazy:
+            continue
         h_loss, h_tokens, d, r = lazy[name]
         hl = float(h_loss.item())
         out[name] = {"loss_rel": abs(loss_f - hl) / abs(hl) if hl else (0.0 if loss_f == hl else math.inf),
                      "grad_rel": _rel(float(d.item()), float(r.item())), "tokens": int(round(float(h_tokens.item())))}
+    if scales is not None and "rank_scaled" in out:
+        out["rank_scaled"]["scales"] = scales
     out["correct"]["ref_grad_rel"] = _rel(*(float(x.item()) for x in lazy["ref"]))
     out["correct"]["ref_loss_rel"] = abs(float(c_loss.item()) - ref["loss"]) / abs(ref["loss"]) if ref["loss"] else 0.0
     return out

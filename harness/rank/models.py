@@ -104,3 +104,17 @@ def param_count(model: Any) -> int:
 
     params = model.parameters() if hasattr(model, "parameters") else model
     return sum(p.size for _, p in tree_flatten(params))
+
+
+def apply_lora(model: Any, s: Any) -> None:
+    """Freeze the model and adapt its last ``lora_layers`` blocks (all: -1) with mlx-lm's LoRA.
+    mlx-lm draws the LoRA weights from MLX's global RNG, so it is seeded with the scenario seed
+    first (the same weights on every rank)."""
+    import mlx.core as mx
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    mx.random.seed(s.seed)
+    t = s.trainer
+    model.freeze()
+    layers = t.lora_layers if t.lora_layers > 0 else len(model.layers)
+    linear_to_lora_layers(model, layers, {"rank": t.lora_rank, "scale": t.lora_scale, "dropout": 0.0})

@@ -98,6 +98,7 @@ class StepReporter:
         self.widths: list[int | None] = []  # per step: the widest batch's input width (``width``)
         self.step_width: int | None = None
         self.dtype_seen: str | None = None  # the coarsest dtype the trainer was seen computing in (``saw_dtype``)
+        self.frozen_count: int | None = None  # the model's frozen parameters (``saw_model``)
 
     @property
     def steps(self) -> int:
@@ -116,6 +117,14 @@ class StepReporter:
             self.starting(params)
         self.ctx.phase("train")
         self.t_start = self.t_last = time.perf_counter()
+
+    def saw_model(self, model: Any) -> None:
+        """The trainer computes with ``model``: its dtype (``saw_dtype``) and its frozen parameters
+        (a LoRA run's base), which the run table shows beside the trained ones."""
+        from harness.rank.precision import coarsest_dtype
+
+        self.saw_dtype(coarsest_dtype(model.parameters()))
+        self.frozen_count = param_count(model) - param_count(model.trainable_parameters())
 
     def saw_dtype(self, dtype: str | None) -> None:
         """The trainer computes in ``dtype`` (``harness.rank.precision.coarsest_dtype``): the
@@ -280,6 +289,7 @@ class StepReporter:
             **rng_changes(self.rng_before),
             "probes": self.probes.records if self.probes.mode else None,
             "from_rank0": self.from_rank0,
+            **({"param_count_frozen": self.frozen_count} if self.frozen_count else {}),
             **(extra or {}),
         })
         return self.finished

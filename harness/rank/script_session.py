@@ -34,23 +34,37 @@ class Session:
         self.split_rows: int = int(ctx.job.split_rows or 1)
         self.run_dir: Path = Path(ctx.run_dir)
 
-    def model(self) -> Any:
-        """The scenario's ``[model]``, with seeded weights (the same on every rank)."""
+    def model(self, loss_scale: str = "global") -> Any:
+        """The scenario's ``[model]``, with seeded weights (the same on every rank); with
+        ``[trainer] fine_tune = "lora"``, frozen, with mlx-lm's LoRA adapters on its last
+        ``lora_layers`` blocks (the adapters are what trains: ``model.trainable_parameters()``).
+        ``loss_scale``: as ``split``'s."""
         from harness.data.tokenizers import load_tokenizer
-        from harness.rank.models import build_model
+        from harness.rank.models import apply_lora, build_model
 
         model, self.model_config = build_model(self.scenario.model, load_tokenizer(self.scenario.data).vocab_size,
                                                self.seed)
-        return self.split(model)
+        if self.scenario.trainer.fine_tune == "lora":
+            apply_lora(model, self.scenario)
+        return self.split(model, loss_scale)
 
-    def split(self, model: Any) -> Any:
+    def split(self, model: Any, loss_scale: str = "global") -> Any:
         """``model`` itself; in the noise-floor run, with its forward computing each batch in
         ``split_rows`` row chunks (the same logits; the rounding of that many ranks). Training
-        is taken to start from its parameters as they are now (``start``)."""
+        is taken to start from its parameters as they are now (``start``). ``loss_scale``:
+        "global" where each rank scales its loss as one process does (a token sum, or a sum over
+        the global token count, divided after the all-reduce or before the gradient alike),
+        "rank" where each rank divides its loss by its own token count before the gradient (its
+        ranks then round every activation's gradient apart, and the floor does too)."""
+        from harness.rank.context import ReportedFailure
         from harness.rank.split_floor import is_split, split_floor, split_text_model
 
-        if (plan := split_floor(self._ctx.job, self.seed)) is not None and not is_split(model):
+        if loss_scale not in ("global", "rank"):
+            raise ReportedFailure(f"{self._rep.name}: run.split's loss_scale is {loss_scale!r}: \"global\" or \"rank\"")
+        plan = split_floor(self._ctx.job, self.seed, outputs=loss_scale == "rank")
+        if plan is not None and not is_split(model):
             split_text_model(model, plan)
+        self._rep.saw_model(model)
         self.start(model.parameters())
         return model
 
@@ -108,9 +122,7 @@ class Session:
             return [tuple(args)] if canonical(tuple(args)) else None
 
         if step == 1 or step in self._rep.probes.steps:  # the model it computes with, frozen weights included
-            from harness.rank.precision import coarsest_dtype
-
-            self._rep.saw_dtype(coarsest_dtype(model.parameters()))
+            self._rep.saw_model(model)
         self._rep.probe(step, model, compute, micros)
 
     def step(self, step: int, loss: float, tokens: int, tokens_local: int, lr: float | None = None,

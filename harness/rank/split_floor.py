@@ -1,14 +1,17 @@
 """The split forward of a noise-floor run (``harness.scenario.runs``'s *split* runs): the model computes
 each batch in N row chunks, as N ranks hold them, and each chunk's contribution to every trainable
 parameter's gradient is rounded once more in that gradient's own dtype, as N ranks' all-reduce
-rounds the sum of their partial gradients. Used by the external trainers' adapters and by a
+rounds the sum of their partial gradients; for a trainer whose ranks scale their loss by their own
+token count (``SplitFloor.outputs``), the gradient of each chunk's output is rounded once more too, in
+its dtype, as each rank's own scale rounds it. Used by the external trainers' adapters and by a
 script's session (``harness.api``).
 
 What the floor changes is what data parallelism changes, and no more: the batch shapes the kernels
 see, the grouping of the gradient's sum into per-rank partial sums, and the rounding of that sum in
-the dtype the gradients are reduced in. It leaves the activations' gradients alone: a correct N-rank
-trainer's ranks compute each row's loss gradient as one process does, so rounding those (in the model's
-dtype, 2^-8 for bfloat16) would make a floor far larger than any correct run's deviation.
+the dtype the gradients are reduced in. Where the ranks scale their loss as one process does (a sum
+over the global token count), it leaves the activations' gradients alone: each rank computes each
+row's loss gradient as one process does, so rounding those (in the model's dtype, 2^-8 for bfloat16)
+would make a floor far larger than any correct run's deviation.
 """
 
 from __future__ import annotations
@@ -50,12 +53,18 @@ class SplitFloor:
     rows: int
     sample: int = 0
     seed: int = 0
+    outputs: bool = False  # round each chunk's output gradient too (its ranks scale their own loss)
 
 
-def split_floor(job: TrainJob, seed: int) -> SplitFloor | None:
-    """The job's split floor plan; None outside a split floor run."""
+def split_floor(job: TrainJob, seed: int, outputs: bool | None = None) -> SplitFloor | None:
+    """The job's split floor plan; None outside a split floor run. ``outputs``: whether the
+    ranks scale their own loss (default: as the trainer's record says, ``rank_loss_scale``)."""
+    from harness.scenario.trainers import trainer_info
+
     rows = job.split_rows
-    return SplitFloor(rows, job.split_sample, seed) if rows > 1 else None
+    if outputs is None:
+        outputs = trainer_info(job.scenario.trainer.kind).rank_loss_scale is not None
+    return SplitFloor(rows, job.split_sample, seed, outputs) if rows > 1 else None
 
 
 def rounded_gradient(x: Any, key: Any) -> Any:
@@ -103,10 +112,11 @@ def split_forward(model: Any, plan: SplitFloor, take: Any = take_rows) -> None:
     parameter's gradient summed from that many partial products as the ranks' all-reduce sums
     them), each chunk's gradient contribution to every trainable parameter rounded once more in its
     dtype (``rounded_parameter_gradients``, a key per call and chunk from the seed and
-    ``plan.sample``: each sample another draw of that rounding), and returns the logits of every
-    row in the original order: the same mathematics as one forward on the whole batch, only its
-    rounding differs. ``take(args, kwargs, rows, picked)`` cuts a call's arguments. The class is
-    swapped, so the parameter tree keeps its names."""
+    ``plan.sample``: each sample another draw of that rounding), with ``plan.outputs`` the gradient
+    of each chunk's output too, and returns the logits of every row in the original order: the same
+    mathematics as one forward on the whole batch, only its rounding differs. ``take(args, kwargs,
+    rows, picked)`` cuts a call's arguments. The class is swapped, so the parameter tree keeps its
+    names."""
     import mlx.core as mx
 
     base = type(model)
@@ -120,9 +130,10 @@ def split_forward(model: Any, plan: SplitFloor, take: Any = take_rows) -> None:
         outs = []
         for k, picked in enumerate(chunks):
             a, kw = take((inputs, *args), kwargs, rows, picked)
-            with rounded_parameter_gradients(self, keys[k]):
-                out = base.__call__(self, *a, **kw)
-            outs.append(getattr(out, "logits", out))
+            params_key, out_key = mx.random.split(keys[k])
+            with rounded_parameter_gradients(self, params_key):
+                out = getattr(out := base.__call__(self, *a, **kw), "logits", out)
+            outs.append(rounded_gradient(out, out_key) if plan.outputs else out)
         where = [0] * rows  # row i's position in the chunks' concatenation
         for at, i in enumerate(i for picked in chunks for i in picked):
             where[i] = at

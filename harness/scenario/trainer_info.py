@@ -85,6 +85,7 @@ class TrainerInfo:
     eval_batch_note: str | None = None
     lora_layers_note: str | None = None
     feeds_rows: str | None = None
+    rank_loss_scale: str | None = None
 
     def __post_init__(self) -> None:
         if self.models not in MODELS:

@@ -28,6 +28,7 @@ TRAINER = TrainerInfo(
     cpu_collectives="mlx-lm's trainer all-sums its reported losses and token counts on the CPU stream",
     saves="mlx-lm's trainer saves its adapter file on rank 0 after the last step", hides=NO_TORCH,
     package="mlx-lm", entry="mlx_lm.tuner.trainer.train",
+    rank_loss_scale="each rank's loss is its own token mean (the mean of the ranks' means)",
     feeds_rows="the adapter calls its iterate_batches with the group it is given",
     # as scenarios/mlx_lm_mean_of_means.toml records it
     known_behaviour=("mlx-lm's loss and gradient are the mean of the ranks' mean losses, not weighted by tokens "

@@ -36,11 +36,11 @@ from pathlib import Path
 from typing import Any
 
 from harness.rank.context import RankContext, ReportedFailure
+from harness.rank.models import apply_lora
 from harness.rank.reporter import StepReporter
 from harness.rank.split_floor import split_floor, split_text_model
 from harness.scenario import Scenario
 from harness.scenario.checks import CheckName
-from harness.trainers.common import apply_lora
 from harness.trainers.mlx_lm import TRAINER
 
 TITLE = TRAINER.entry
@@ -325,6 +325,7 @@ def run(ctx: RankContext) -> dict[str, Any]:
 
     if lora:
         apply_lora(model, s)
+    rep.saw_model(model)  # its dtype, frozen weights included, and a LoRA run's base
     accum = t.grad_accum
     end = ctx.job.stop_after or t.steps
     if ctx.job.resume is not None:

@@ -39,6 +39,7 @@ TRAINER = TrainerInfo(
     saves="mlx-vlm's trainer saves its adapter file on rank 0 after the last step", hides=NO_TORCH,
     package="mlx-vlm", entry="mlx_vlm.trainer.Trainer", eval_batch_note=EVAL_BATCH, lora_layers_note=LORA_LAYERS,
     feeds_rows="the adapter calls its iterate_vlm_batches, which takes the rank it shards for",
+    rank_loss_scale="each rank's loss is its own token mean (its gradient the mean of the ranks')",
     # as scenarios/mlx_vlm_mean_of_means.toml records it
     known_behaviour=("mlx-vlm's gradient is the mean of the ranks' mean-loss gradients, not weighted by tokens "
                      "(mlx-vlm 0.7.10)",

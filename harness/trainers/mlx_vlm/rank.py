@@ -257,6 +257,7 @@ def run(ctx: RankContext) -> dict[str, Any]:
     model, config = build_model(s.model, rows.vocab_size, s.seed, vision)
     if lora:
         add_lora(model, s)
+    rep.saw_model(model)  # its dtype, frozen weights included, and a LoRA run's base
     if (plan := split_floor(ctx.job, s.seed)) is not None:
         split_forward(model, plan, take_vlm_rows)
     saves = Path(ctx.run_dir) / f"rank{ctx.rank}.mlx_vlm"

@@ -32,4 +32,5 @@ TRAINER = TrainerInfo(
     cpu_collectives="unsloth-zoo's MLX trainer all-sums its losses, token and row counts on the CPU stream",
     saves="unsloth-zoo's trainer saves its final adapters (or model) on rank 0",
     package="unsloth_zoo", requires="unsloth_zoo", install="pip install --no-deps 'unsloth_zoo>=2026.10.9'",
-    entry="unsloth_zoo.mlx.trainer.MLXTrainer")
+    entry="unsloth_zoo.mlx.trainer.MLXTrainer",
+    rank_loss_scale="each micro-batch's loss is its own token mean, its gradient weighted by its tokens after")

@@ -323,9 +323,8 @@ def run(ctx: RankContext) -> dict[str, Any]:
     from unsloth_zoo.mlx.trainer import MLXTrainer
 
     from harness.data.rows import load_rows
-    from harness.rank.models import build_model
+    from harness.rank.models import apply_lora, build_model
     from harness.rank.split_floor import split_floor, split_text_model
-    from harness.trainers.common import apply_lora
 
     s = ctx.job.scenario
     lora = s.trainer.fine_tune == "lora"
@@ -348,6 +347,7 @@ def run(ctx: RankContext) -> dict[str, Any]:
     model, config = build_model(s.model, rows.vocab_size, s.seed)
     if lora:
         apply_lora(model, s)
+    rep.saw_model(model)  # its dtype, frozen weights included, and a LoRA run's base
     if plan is not None:
         split_text_model(model, plan)
     out = Path(ctx.run_dir) / f"rank{ctx.rank}.unsloth_zoo"

@@ -1,0 +1,118 @@
+"""Verdicts in bfloat16, in pure logic: a trajectory check without power is INCONCLUSIVE where the
+runs were shown to start alike and a failure where they were not; a scenario with one is
+INCONCLUSIVE (exit 4); the split floor deals rows to chunks as ranks hold them; the dtype a rank
+computes in is the coarsest of its weights'. Real ranks: tests/test_scenarios.py and
+tests/test_defect_naming.py."""
+
+from __future__ import annotations
+
+from harness.controller.outcome import RankOutcome, RunOutcome, WatchReport
+from harness.judge.checks import Check
+from harness.judge.power import judge_power
+from harness.present.results import EXIT_CHECK_FAILED, EXIT_INCONCLUSIVE, EXIT_PASS, exit_code, summary_lines
+
+PRECISION = {"dtype": "bfloat16", "label": "bfloat16", "u_in": 2.0**-8, "u_dtype": 2.0**-8}
+
+
+def outcome(name: str, losses: list[float], moved: float | None = 0.4) -> RunOutcome:
+    result = {"losses": losses, "precision": PRECISION}
+    return RunOutcome(name, 1, None, True, None, [RankOutcome(0, 0, False, result, [], "")], WatchReport(1.0, 0),
+                      moved=moved)
+
+
+def trajectory(limit: float, noise: float | None = None) -> Check:
+    """A passing loss_parity whose limit is 10 x max(noise, an absolute floor of 1e-3)."""
+    floor = max(noise or 0.0, 1e-3)
+    return Check("loss_parity", "ddp2", True, 0.01, limit, "vs single: 4 steps", floor=floor,
+                 noise=noise)
+
+
+def start(applicable: bool = True, passed: bool = True) -> Check:
+    detail = "3 starts equal to single's, bitwise" if applicable else "not applicable: ddp2 never said what " \
+                                                                       "training starts from"
+    return Check("start_parity", "ddp2", passed, 0, 0, detail, applicable=applicable)
+
+
+def judged(check: Check, start_check: Check, moved_loss: float = 1.0) -> Check:
+    run, base = outcome("ddp2", [5.0, 4.5, 4.2, 4.0]), outcome("single", [5.0, 5.0 - moved_loss / 2, 5.0 - moved_loss])
+    (out,) = judge_power([check], run, base, start_check)
+    return out
+
+
+def test_a_limit_over_half_of_what_training_moved_is_inconclusive_from_a_compared_start() -> None:
+    c = judged(trajectory(limit=0.6, noise=0.06), start())
+    assert c.result == "INCONCLUSIVE" and c.passed and c.inconclusive and c.no_power
+    assert c.detail.startswith("no power: the floor runs (the same mathematics in another rounding) drifted")
+    assert "more steps or a larger learning rate" in c.detail and "seeded" not in c.detail
+    lifted = judged(trajectory(limit=0.6), start())  # the absolute floor alone set it: inconclusive too
+    assert lifted.result == "INCONCLUSIVE" and "set by the absolute floor" in lifted.detail
+
+
+def test_a_limit_at_most_half_has_power_and_passes() -> None:
+    c = judged(trajectory(limit=0.5, noise=0.05), start())
+    assert c.result == "pass" and not c.no_power
+
+
+def test_without_a_compared_start_a_check_without_power_fails() -> None:
+    c = judged(trajectory(limit=0.6, noise=0.06), start(applicable=False))
+    assert c.result == "FAIL" and not c.passed and c.no_power
+    assert "so the runs may not start alike either" in c.detail
+    apart = judged(trajectory(limit=0.01, noise=0.001), start(passed=False))  # with power, but starts differ
+    assert apart.result == "FAIL" and "seed the model" in apart.detail
+
+
+def test_a_scenario_with_an_inconclusive_check_exits_4_unless_another_failed() -> None:
+    assert exit_code([{"status": "passed"}, {"status": "inconclusive"}]) == EXIT_INCONCLUSIVE == 4
+    assert exit_code([{"status": "failed"}, {"status": "inconclusive"}]) == EXIT_CHECK_FAILED
+    assert exit_code([{"status": "passed"}]) == EXIT_PASS
+    c = judged(trajectory(limit=0.6, noise=0.06), start()).to_dict()
+    doc = {"scenarios": [{"name": "s", "status": "inconclusive", "checks": [c]}], "exit_code": 4}
+    lines = summary_lines(doc, None)
+    assert lines[0].startswith("summary: 1 scenario: 0 passed, 0 failed, 1 inconclusive, ")
+    assert "1 INCONCLUSIVE (no power)" in lines[0] and lines[0].endswith("exit 4")
+    assert lines[1].startswith("inconclusive: s: loss_parity (ddp2): no power: ")
+
+
+def test_the_split_floor_deals_rows_as_ranks_hold_them() -> None:
+    from harness.rank.split_floor import chunk_rows
+
+    assert chunk_rows(5, 2) == [[0, 2, 4], [1, 3]]
+    assert chunk_rows(3, 4) == [[0], [1], [2]]  # no chunk empty
+    assert chunk_rows(4, 1) == [[0, 1, 2, 3]]
+
+
+def test_the_dtype_seen_is_the_coarsest_of_the_weights_frozen_ones_included() -> None:
+    import mlx.core as mx
+
+    from harness.rank.precision import coarsest_dtype, measure_precision
+
+    lora = {"base": mx.zeros((2, 2), dtype=mx.bfloat16), "adapter": mx.zeros((2,), dtype=mx.float32),
+            "ids": mx.zeros((2,), dtype=mx.int32)}
+    assert coarsest_dtype(lora) == "bfloat16"
+    assert coarsest_dtype({"w": mx.zeros((1,))}) == "float32"
+    assert coarsest_dtype({"ids": mx.zeros((1,), dtype=mx.int32)}) is None
+    assert measure_precision("bfloat16", "float32")["label"] == "bfloat16 (seen; [model] dtype says float32)"
+    assert measure_precision("float32", "float32")["label"] == "float32"
+
+
+def test_lora_adapters_are_compared_by_the_update_they_make() -> None:
+    import numpy as np
+
+    from harness.controller import params
+
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((6, 2)), rng.standard_normal((2, 5))
+    m = np.array([[2.0, 1.0], [0.5, 3.0]])  # another basis of the rank dimension: the same product
+    ref = {"l.lora_a": a, "l.lora_b": b, "norm": np.ones(3)}
+    turned = {"l.lora_a": a @ m, "l.lora_b": np.linalg.solve(m, b), "norm": np.ones(3)}
+    value, _, _ = params.param_delta(turned, ref)
+    assert value < 1e-12
+    moved = dict(ref, **{"l.lora_b": b * 1.01})
+    value, biggest, where = params.param_delta(moved, ref)
+    assert abs(value - 0.01 * np.linalg.norm(a @ b) / np.sqrt(np.sum((a @ b) ** 2) + 3)) < 1e-9
+    assert where == "l.lora_a @ lora_b" and biggest > 0
+    old, params.PRODUCT_ELEMENTS = params.PRODUCT_ELEMENTS, 0  # the r x r traces give the same distance
+    try:
+        assert abs(params.param_delta(moved, ref)[0] - value) < 1e-9
+    finally:
+        params.PRODUCT_ELEMENTS = old
