@@ -38,9 +38,12 @@ def variant(src: str, seed: int, dtype: str | None, where: Path) -> str:
     """The scenario's TOML for one seed (and ``dtype`` as its ``[model] dtype``, where given);
     relative paths are made absolute, as they were relative to the original's folder."""
     out, n = re.subn(r"(?m)^seed\s*=.*$", f"seed = {seed}", src, count=1)
+    if not n:  # a scenario that extends another: its own seed
+        out, n = re.subn(r"(?m)^\[scenario\]\s*$", f"[scenario]\nseed = {seed}", src, count=1)
     if not n:
-        raise SystemExit("the scenario has no [scenario] seed line to replace")
-    out = re.sub(r'(?m)^(path\s*=\s*")([^/"][^"]*)"', lambda m: f'{m.group(1)}{(where / m.group(2)).resolve()}"', out)
+        raise SystemExit("the scenario has no [scenario] table to set its seed in")
+    out = re.sub(r'(?m)^((?:path|extends)\s*=\s*")([^/"][^"]*)"',
+                 lambda m: f'{m.group(1)}{(where / m.group(2)).resolve()}"', out)
     if dtype is not None:
         out = re.sub(r"(?m)^dtype\s*=.*\n", "", out)
         out, n = re.subn(r"(?m)^\[model\]\s*$", f'[model]\ndtype = "{dtype}"', out, count=1)

@@ -221,11 +221,18 @@ def test_a_throughput_starter_runs_as_written(tmp_path: Path) -> None:
 def test_lora_and_throughput_flags_are_refused_where_they_cannot_apply(tmp_path: Path) -> None:
     (tmp_path / "rows.jsonl").write_text('{"text": "a row"}\n{"text": "another row"}\n')
     for args, message in ((("--lora",), "error: --lora: the harness's reference DDP trainer has no LoRA; the trainer "
-                                        "kinds with LoRA: mlx_lm, mlx_vlm, unsloth_zoo (--trainer KIND)"),
-                          (("--lora", "--script", "rows.jsonl"), "error: --lora: a user's training script (reporting "
-                                                                 "through harness.api) has no LoRA"),
+                                        "kinds with LoRA: mlx_lm, mlx_vlm, unsloth_zoo, script (--trainer KIND)"),
+                          (("--lora", "--command", "rows.jsonl"), "error: --lora: any executable reporting through "
+                                                                  "the rank protocol has no LoRA"),
                           (("--throughput", "--eval-data", "rows.jsonl"), "error: --eval-data: a throughput scenario "
                                                                           "times training only")):
         p = cli("new", "a.toml", *args, cwd=tmp_path)
         assert p.returncode == 2 and _one_line(p.stderr).startswith(message), (args, p.stderr)
     assert sorted(f.name for f in tmp_path.iterdir()) == ["rows.jsonl"]
+    # a script's LoRA: run.model() adds the adapters, which the script trains and hands over
+    (tmp_path / "train.py").write_text("from harness import api\n")
+    p = cli("new", "lora.toml", "--script", "train.py", "--lora", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    text = (tmp_path / "lora.toml").read_text()
+    assert 'fine_tune = "lora"  # run.model() returns the model frozen, with LoRA adapters' in text
+    assert "model.trainable_parameters() and hand them to run.step and run.finish" in text

@@ -211,7 +211,7 @@ UNSLOTH = 'kind = "unsloth_zoo"'
     ('kind = "script"\npath = "t.py"\nsaves = "yes"', "", "[trainer].saves: expected bool | None, got 'yes'"),
     ('kind = "mlx_lm"\nsaves = false', "", "[trainer].saves: only a 'script' trainer declares its saves"),
     ('kind = "reference"\nfine_tune = "lora"', "", "[trainer].fine_tune: LoRA is an option of the 'mlx_lm', "
-                                                    "'mlx_vlm', 'unsloth_zoo' trainers"),
+                                                    "'mlx_vlm', 'unsloth_zoo', 'script' trainers"),
     ('kind = "mlx_vlm"', "", "[model].arch: the mlx_vlm trainer trains vision-language models (qwen2_vl, paligemma)"),
     ('kind = "mlx_vlm"', '[model]\narch = "qwen2_vl"\n[data]\nsource = "images"\n[train]\ncompile = "best_effort"\n',
      "[[runs]][0].train.compile: mlx-vlm compiles its whole step or not at all"),

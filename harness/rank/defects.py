@@ -132,10 +132,15 @@ def hypotheses(model: Any, micros: list[tuple[Any, ...]], rank: int, world_size:
     n = float(world_size)
     s, t, g, ms, mg = _pieces(model, micros)
     own = mx.maximum(t, 1.0)  # a rank's own token count as a divisor: a rank without tokens adds 0, not 0/0
-    # every rank issues the same collectives whatever its own micro-batch count (an uneven split)
-    m, big_s, big_t, big_g, mean_s, mean_g, s0, t0, g0, sum_ms, sum_mg = sum_over_ranks(
+    grad_bytes = sum(a.nbytes for _, a in tree_flatten(g))
+    gather = world_size > 1 and grad_bytes * world_size <= GATHER_BYTES  # every rank's G_r, for ``rank_scaled``
+    slots = [tree_map(lambda a, k=k: a if k == rank else mx.zeros_like(a), g) for k in range(world_size)] \
+        if gather else []
+    # every rank issues the same collectives whatever its own micro-batch count (an uneven split), in one
+    # all-sum per dtype
+    m, big_s, big_t, big_g, mean_s, mean_g, s0, t0, g0, sum_ms, sum_mg, *each = sum_over_ranks(
         [mx.array(float(len(micros))), s, t, g, s / own, tree_map(lambda a: a / own, g),
-         mine_or_zero(s), mine_or_zero(t), mine_or_zero(g), ms, mg], world_size)
+         mine_or_zero(s), mine_or_zero(t), mine_or_zero(g), ms, mg, *slots], world_size)
 
     first = mx.maximum(t0, 1.0)  # rank 0's own token count, as a divisor
 
@@ -156,31 +161,29 @@ def hypotheses(model: Any, micros: list[tuple[Any, ...]], rank: int, world_size:
     micro = (sum_ms / m, over(sum_mg, m), big_t)
     if m.item() > n:  # with one micro-batch a rank, the same as mean_of_means
         out["micro_means"] = micro
-    grad_bytes = sum(a.nbytes for _, a in tree_flatten(g))
-    if world_size > 1 and grad_bytes * world_size <= GATHER_BYTES:  # every rank's G_r / T, for ``rank_scaled``
-        slots = [tree_map(lambda a, k=k: a / big_t if k == rank else mx.zeros_like(a), g) for k in range(world_size)]
-        out["rank_scaled"] = (big_s / big_t, sum_over_ranks(slots, world_size), big_t)
+    if each:
+        out["rank_scaled"] = (big_s / big_t, [over(x, big_t) for x in each], big_t)
     mx.eval(out)
     return out
 
 
 def fitted(parts: list[Any], grads: dict[str, Any]) -> tuple[dict[str, Any], list[float]]:
-    """The combination sum a_r parts[r] nearest ``grads`` (least squares over every tensor, in
-    float64 on the host), and the factors a_r."""
+    """The combination sum a_r parts[r] nearest ``grads`` (least squares over every tensor, the
+    inner products in float64 on the host: float32 sums of a gradient's size would misplace the
+    factors by more than the check's limit), and the factors a_r."""
     import mlx.core as mx
     import numpy as np
     from mlx.utils import tree_flatten
 
     flat = [dict(tree_flatten(p)) for p in parts]
-    gram = [[mx.sum(flat[i][k].astype(mx.float32) * flat[j][k].astype(mx.float32)) for k in grads]
-            for i in range(len(parts)) for j in range(len(parts))]
-    proj = [[mx.sum(flat[i][k].astype(mx.float32) * grads[k].astype(mx.float32)) for k in grads]
-            for i in range(len(parts))]
-    mx.eval(gram, proj)
     n = len(parts)
-    b = np.array([sum(float(x.item()) for x in row) for row in gram]).reshape(n, n)
-    a = np.array([sum(float(x.item()) for x in row) for row in proj])
-    scales = np.linalg.lstsq(b, a, rcond=None)[0].tolist()
+    gram, proj = np.zeros((n, n)), np.zeros(n)
+    for k in grads:
+        vs = [np.array(f[k].astype(mx.float32), dtype=np.float64).ravel() for f in flat]
+        g = np.array(grads[k].astype(mx.float32), dtype=np.float64).ravel()
+        gram += np.array([[a @ b for b in vs] for a in vs])
+        proj += np.array([a @ g for a in vs])
+    scales = np.linalg.lstsq(gram, proj, rcond=None)[0].tolist()
     return {k: sum(scales[i] * flat[i][k] for i in range(n)) for k in grads}, scales
 
 
