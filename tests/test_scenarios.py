@@ -78,7 +78,7 @@ def _run(name: str, out: Path, shared_run: SharedRun) -> tuple[dict[str, Any], d
 
 # LoRA adapters trained a few AdamW steps on a tiny model with random weights: rounding grows
 # chaotically over the steps about as far as training moves the adapters (docs/parity.md#power)
-INCONCLUSIVE = {"mlx_lm_lora": {"param_parity"}, "unsloth_seed_table": {"param_parity"}}
+INCONCLUSIVE = {"mlx_lm_lora": {"param_parity"}}
 
 
 def compile_modes(runs: dict, checks: dict, out: Path) -> None:
@@ -542,10 +542,10 @@ def unsloth_seed_table(runs: dict, checks: dict, out: Path) -> None:
     _external(runs, checks, ("ddp2",), "unsloth_zoo")
     assert checks[("loss_parity", "ddp2")]["result"] == "pass"
     assert checks[("global_rng_untouched", "ddp2")]["result"] == "n/a"  # LoRA: mlx-lm seeds MLX's RNG
-    param = checks[("param_parity", "ddp2")]  # bfloat16 LoRA adapters moved 1.4 % in 8 steps: no power
-    assert param["result"] == "INCONCLUSIVE" and ".lora_a @ lora_b" in param["detail"], param
-    # the limit follows the adapters' own float32 storage, not the base's bfloat16 (once 0.31)
-    assert param["limit"] < 0.05, param
+    # the bfloat16 LoRA adapters, by the update they make: their factors moved 1.4 % in 8 steps, where the
+    # absolute floor of bfloat16 storage once set the limit (0.31); the update moved all of its length
+    param = checks[("param_parity", "ddp2")]
+    assert param["result"] == "pass" and ".lora_a @ lora_b" in param["detail"] and param["limit"] <= 0.5, param
     assert runs["ddp2"]["compile"]["scope"] == "local-grad"
 
 
