@@ -91,7 +91,8 @@ def test_the_dtype_seen_is_the_coarsest_of_the_weights_frozen_ones_included() ->
     assert coarsest_dtype(lora) == "bfloat16"
     assert coarsest_dtype({"w": mx.zeros((1,))}) == "float32"
     assert coarsest_dtype({"ids": mx.zeros((1,), dtype=mx.int32)}) is None
-    assert measure_precision("bfloat16", "float32")["label"] == "bfloat16 (seen; [model] dtype says float32)"
+    label = measure_precision("bfloat16", "float32")["label"]
+    assert label == "bfloat16 (seen in the weights; [model] dtype is float32)"
     assert measure_precision("float32", "float32")["label"] == "float32"
 
 
@@ -116,3 +117,15 @@ def test_lora_adapters_are_compared_by_the_update_they_make() -> None:
         assert abs(params.param_delta(moved, ref)[0] - value) < 1e-9
     finally:
         params.PRODUCT_ELEMENTS = old
+
+
+def test_expert_stacked_lora_factors_are_compared_element_by_element() -> None:
+    import numpy as np
+
+    from harness.controller import params
+
+    rng = np.random.default_rng(1)  # mlx-lm's LoRASwitchLinear: lora_a (E, r, in), lora_b (E, out, r)
+    ref = {"moe.lora_a": rng.standard_normal((4, 2, 6)), "moe.lora_b": rng.standard_normal((4, 5, 2))}
+    other = {k: v * 1.01 for k, v in ref.items()}
+    value, _, where = params.param_delta(other, ref)
+    assert abs(value - 0.01) < 1e-9 and where in ref

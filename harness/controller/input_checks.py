@@ -59,7 +59,10 @@ def check_text_rows(s: Scenario) -> list[str]:
         if not rows:
             raise ScenarioError(f"{s.path}: [data].{key}: {path} has no rows")
         _check_count(s, key, path, limit, rows)
-        notes += cut_rows(s, d, key, path, limit, rows, encode.cut)
+        try:
+            notes += cut_rows(s, d, key, path, limit, rows, encode.cut)
+        except ValueError as e:  # a row the scenario's tokenizer cannot take, as its ranks would find
+            raise ScenarioError(str(e)) from e
     return notes
 
 

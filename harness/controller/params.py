@@ -33,14 +33,17 @@ def load_stored(path: Path) -> tuple[dict[str, Any] | None, float | None]:
     return {k: np.array(v.astype(mx.float32)) for k, v in arrays.items()}, max(units, default=None)
 
 
-def _parts(names: set[str]) -> Iterator[tuple[str, tuple[str, ...]]]:
-    """(label, keys) per compared part: a LoRA layer's factor pair as one, every other tensor alone."""
+def _parts(params: dict[str, Any]) -> Iterator[tuple[str, tuple[str, ...]]]:
+    """(label, keys) per compared part: a LoRA layer's factor pair as one (2-D factors, ``lora_a``
+    in x r and ``lora_b`` r x out, as mlx-lm's ``LoRALinear`` holds them), every other tensor alone
+    (an expert-stacked pair of an MoE layer too)."""
     paired = set()
-    for k in sorted(names):
-        if k.endswith(LORA[0]) and (b := k[: -len(LORA[0])] + LORA[1]) in names:
-            paired |= {k, b}
-            yield k[: -len(LORA[0])] + ".lora_a @ lora_b", (k, b)
-    for k in sorted(names - paired):
+    for k in sorted(params):
+        a, b = params[k], params.get(k[: -len(LORA[0])] + LORA[1]) if k.endswith(LORA[0]) else None
+        if b is not None and a.ndim == b.ndim == 2 and a.shape[1] == b.shape[0]:
+            paired |= {k, k[: -len(LORA[0])] + LORA[1]}
+            yield k[: -len(LORA[0])] + ".lora_a @ lora_b", (k, k[: -len(LORA[0])] + LORA[1])
+    for k in sorted(params.keys() - paired):
         yield k, (k,)
 
 
@@ -76,7 +79,7 @@ def param_delta(a: dict[str, Any] | None, b: dict[str, Any] | None) -> tuple[flo
         return None
     diff = norm = worst = 0.0
     where = ""
-    for label, keys in _parts(set(a)):
+    for label, keys in _parts(b):
         d, n, big = _gaps(tuple(a[k].astype(np.float64) for k in keys), tuple(b[k].astype(np.float64) for k in keys))
         diff, norm = diff + d, norm + n
         if big is not None and (big > worst or not where):

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from harness.controller.outcome import RunOutcome
+from harness.dtypes import UNIT_ROUNDOFF, coarsest
 from harness.scenario import RunSpec, Scenario, TrainerSpec
 from harness.scenario.checks import MEMORY, STEP_LOCAL, CheckName, families
 from harness.scenario.trainers import TrainerInfo
@@ -102,13 +103,18 @@ class Check:
 
 def computed_at(result: dict[str, Any], probes: bool = False) -> dict[str, Any]:
     """The precision a rank's ``result`` computed at: its training's, or (``probes``) its step-local
-    probes', which compute in float32 where the training's dtype is narrower and every probe of
-    the rank says it did (``harness.rank.step_probe.in_float32``)."""
+    probes', which compute in float32 where the training's dtype is narrower
+    (``harness.rank.step_probe.in_float32``) unless the trainer cast down inside its step: each
+    probe says the dtype its loss and gradient came out in, and the coarsest is what they computed at."""
     prec = result.get("precision") or {}
     records = result.get("probes") or []
-    if probes and prec.get("probe") and records and all(r.get("dtype") == "float32" for r in records):
+    seen = coarsest(r.get("dtype") for r in records) if probes and records else None
+    if seen is None or seen == prec.get("dtype"):
+        return prec
+    if seen == "float32" and prec.get("probe"):
         return prec["probe"]
-    return prec
+    u = UNIT_ROUNDOFF[seen]  # coarser than its training: a reduction in a narrower dtype
+    return {"dtype": seen, "u_dtype": u, "u_in": max(u, float(prec.get("u_matmul") or 0.0)), "label": seen}
 
 
 def precision_label(*runs: RunOutcome, probes: bool = False) -> str:

@@ -85,7 +85,7 @@ def name_defect(per_rank: list[list[dict[str, Any]]], key: str, limit: Callable[
     fits = {name: _worst(recs, name, field, limit) for name in PREFERRED
             if all(name in rec["defects"] for rec in recs) and (name not in FITTED or key == "grad")}
     matched = [name for name, w in fits.items() if w[0] <= 1]
-    if "rank_scaled" in matched and not (set(matched) - {"rank_scaled", "correct"}) and _apart(recs):
+    if matched == ["rank_scaled"] and _apart(recs):  # all factors 1 fit where "correct" does
         scales = ", ".join(f"{a:.3g}" for a in recs[0]["defects"]["rank_scaled"]["scales"])
         _, value, lim = fits["rank_scaled"]
         return Diagnosis("rank_scaled", f"matches: {DESCRIBED['rank_scaled']}, the ranks' factors {scales}; "

@@ -169,8 +169,10 @@ def scenario_summary(plan: ScenarioPlan, runs: list[RunOutcome], checks: list[Ch
     s = plan.scenario
     ref = next((r for r in runs if r.name == s.checks.reference), None)
     infra = [r for r in runs if not r.ok and not plan.run(r.name).spec.fails_by_design]
+    planted = {r.name for r in plan.declared if r.spec.mutation}  # a planted defect is judged as caught or not
+    undecided = any(c.inconclusive and c.run not in planted for c in checks)
     status = "error" if infra else ("failed" if not all(c.passed for c in checks) else
-                                    "inconclusive" if any(c.inconclusive for c in checks) else "passed")
+                                    "inconclusive" if undecided else "passed")
     return {
         "name": s.name,
         "path": s.path,

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-UNIT_ROUNDOFF = {"float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11}
+from harness.dtypes import UNIT_ROUNDOFF, coarsest
+
 TF32_SEEN = 2.0**-16  # a float32 matmul rounding its operands coarser than this rounds them to TF32 (2^-11)
 
 
@@ -16,12 +17,7 @@ def coarsest_dtype(*trees: Any) -> str | None:
     from mlx.utils import tree_flatten
 
     names = {str(v.dtype).rsplit(".", 1)[-1] for tree in trees for _, v in tree_flatten(tree) if hasattr(v, "dtype")}
-    return coarsest(n for n in names if n in UNIT_ROUNDOFF)
-
-
-def coarsest(names: Any) -> str | None:
-    """Of dtype names, the one that rounds coarsest (None for none)."""
-    return max(names, key=UNIT_ROUNDOFF.__getitem__, default=None)
+    return coarsest(names)
 
 
 def measure_precision(dtype: str, declared: str | None = None) -> dict[str, Any]:
@@ -41,7 +37,7 @@ def measure_precision(dtype: str, declared: str | None = None) -> dict[str, Any]
     tf32 = dtype == "float32" and u_matmul > TF32_SEEN
     label = f"{dtype}, TF32 matmuls" if tf32 else dtype
     if declared is not None and declared != dtype:
-        label += f" (seen; [model] dtype says {declared})"
+        label += f" (seen in the weights; [model] dtype is {declared})"
     return {"dtype": dtype, "u_dtype": UNIT_ROUNDOFF[dtype], "u_matmul": u_matmul,
             "u_in": max(UNIT_ROUNDOFF[dtype], u_matmul), "device": str(mx.default_device()), "tf32": tf32,
             "label": label, "declared": declared or dtype}

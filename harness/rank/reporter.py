@@ -129,7 +129,7 @@ class StepReporter:
     def saw_dtype(self, dtype: str | None) -> None:
         """The trainer computes in ``dtype`` (``harness.rank.precision.coarsest_dtype``): the
         coarsest seen is the precision its result reports and its limits follow."""
-        from harness.rank.precision import coarsest
+        from harness.dtypes import coarsest
 
         self.dtype_seen = coarsest(d for d in (self.dtype_seen, dtype) if d)
 

@@ -57,13 +57,15 @@ class Session:
         "rank" where each rank divides its loss by its own token count before the gradient (its
         ranks then round every activation's gradient apart, and the floor does too)."""
         from harness.rank.context import ReportedFailure
-        from harness.rank.split_floor import is_split, split_floor, split_text_model
+        from harness.rank.split_floor import is_split, rounded_outputs, split_floor, split_text_model
 
         if loss_scale not in ("global", "rank"):
             raise ReportedFailure(f"{self._rep.name}: run.split's loss_scale is {loss_scale!r}: \"global\" or \"rank\"")
         plan = split_floor(self._ctx.job, self.seed, outputs=loss_scale == "rank")
         if plan is not None and not is_split(model):
             split_text_model(model, plan)
+        elif plan is not None and plan.outputs:  # split already (by run.model()): its loss scale said now
+            rounded_outputs(model)
         self._rep.saw_model(model)
         self.start(model.parameters())
         return model

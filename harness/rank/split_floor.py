@@ -112,7 +112,8 @@ def split_forward(model: Any, plan: SplitFloor, take: Any = take_rows) -> None:
     parameter's gradient summed from that many partial products as the ranks' all-reduce sums
     them), each chunk's gradient contribution to every trainable parameter rounded once more in its
     dtype (``rounded_parameter_gradients``, a key per call and chunk from the seed and
-    ``plan.sample``: each sample another draw of that rounding), with ``plan.outputs`` the gradient
+    ``plan.sample``: each sample another draw of that rounding; a float32 gradient's upper draw,
+    1 + 2^-24, rounds to 1, so there only the lower draws move it), with ``plan.outputs`` the gradient
     of each chunk's output too, and returns the logits of every row in the original order: the same
     mathematics as one forward on the whole batch, only its rounding differs. ``take(args, kwargs,
     rows, picked)`` cuts a call's arguments. The class is swapped, so the parameter tree keeps its
@@ -123,6 +124,7 @@ def split_forward(model: Any, plan: SplitFloor, take: Any = take_rows) -> None:
     calls = [0]
 
     def call(self: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        plan = type(self).split_plan  # ``rounded_outputs`` may turn its output rounding on after the split
         rows = inputs.shape[0]
         chunks = chunk_rows(rows, plan.rows)
         calls[0] += 1
@@ -139,12 +141,22 @@ def split_forward(model: Any, plan: SplitFloor, take: Any = take_rows) -> None:
             where[i] = at
         return mx.concatenate(outs, axis=0)[mx.array(where)]
 
-    model.__class__ = type(f"Split{base.__name__}", (base,), {"__call__": call, "split_floor": True})
+    model.__class__ = type(f"Split{base.__name__}", (base,), {"__call__": call, "split_floor": True,
+                                                               "split_plan": plan})
 
 
 def is_split(model: Any) -> bool:
     """Whether ``model`` (or its transformer body) computes split already (``split_forward``)."""
     return any(getattr(type(m), "split_floor", False) for m in (model, getattr(model, "model", None)))
+
+
+def rounded_outputs(model: Any) -> None:
+    """A model split already (``split_text_model``) rounds each chunk's output gradient too from now on."""
+    import dataclasses
+
+    for m in (model, getattr(model, "model", None)):
+        if getattr(type(m), "split_floor", False):
+            type(m).split_plan = dataclasses.replace(type(m).split_plan, outputs=True)
 
 
 def split_text_model(model: Any, plan: SplitFloor) -> Any:

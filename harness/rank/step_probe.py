@@ -35,20 +35,28 @@ from harness.scenario.job import ProbeJob
 from harness.schema import probe_path
 
 
+def computed_in(*trees: Any) -> str:
+    """The dtype a probe computed in: the coarsest of its loss's and gradient's (a trainer that
+    casts down inside its step, or reduces in bfloat16, computed in that)."""
+    from harness.rank.precision import coarsest_dtype
+
+    return coarsest_dtype(*trees) or "float32"
+
+
 @contextmanager
-def in_float32(model: Any) -> Iterator[str]:
+def in_float32(model: Any) -> Iterator[None]:
     """Within it, ``model``'s floating parameters narrower than float32 are float32 (their values
-    exact); yields the dtype a probe computes in. The parameters are put back on leaving."""
+    exact). The parameters are put back on leaving."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
     saved = model.parameters()
     if not any(v.dtype in (mx.bfloat16, mx.float16) for _, v in tree_flatten(saved)):
-        yield "float32"
+        yield
         return
     model.set_dtype(mx.float32)
     try:
-        yield "float32"
+        yield
     finally:
         model.update(saved)
 
@@ -66,8 +74,9 @@ class Probes:
         """Probe ``step`` on trainer ``t``; returns the seconds it took."""
         start = time.perf_counter()
         if self.mode == "record":
-            with in_float32(t.model) as dtype:
+            with in_float32(t.model):
                 loss, grads, _ = t.global_gradient(step, micros, counts, None, update=False)
+            dtype = computed_in(loss, grads)
             t.coord.attempt("probe", step, t.effects.probe, probe_path(self.dir, step), t.model, grads,
                             {"step": step, "loss": float(loss.item()), "tokens": counts[0], "world_size": t.N})
             self.records.append({"step": step, "loss": float(loss.item()), "tokens": counts[0], "dtype": dtype})
@@ -93,11 +102,12 @@ class Probes:
         key = mx.random.state[0].tolist()  # MLX's global RNG, as the step will find it
         if self.mode == "record":
             try:
-                with in_float32(model) as dtype:
+                with in_float32(model):
                     loss, grads, tokens = compute()
                     mx.eval(loss, grads)
             finally:
                 restore_key(key)
+            dtype = computed_in(loss, grads)
             if rank == 0:
                 write_probe(probe_path(self.dir, step), model, grads, {"step": step, "loss": float(loss.item()),
                                                                        "tokens": int(tokens), "world_size": world_size})
@@ -107,9 +117,10 @@ class Probes:
             saved = model.parameters()
             model.update(tree_unflatten(list(ref["params"].items())))
             try:
-                with in_float32(model) as dtype:
+                with in_float32(model):
                     loss, grads, tokens = compute()
                     mx.eval(loss, grads)
+                    dtype = computed_in(loss, grads)
                     rows = micros() if micros is not None and self.mode == "compare" else None
                     with measuring():  # the harness's own collectives: a collective mutation leaves them alone
                         found = hypotheses(model, rows, rank, world_size) if rows else None
@@ -131,8 +142,9 @@ class Probes:
         saved, state = t.model.parameters(), t.semantics.state()
         if ref is not None:
             t.model.update(tree_unflatten(list(ref["params"].items())))
-        with in_float32(t.model) as dtype:
+        with in_float32(t.model):
             loss, grads, _ = t.global_gradient(step, micros, counts, None, update=False)
+            dtype = computed_in(loss, grads)
             found = None
             if self.mode == "compare":  # a floor run's (``ProbeJob``) would be read by no check
                 with measuring():
