@@ -167,10 +167,11 @@ def hypotheses(model: Any, micros: list[tuple[Any, ...]], rank: int, world_size:
     return out
 
 
-def fitted(parts: list[Any], grads: dict[str, Any]) -> tuple[dict[str, Any], list[float]]:
+def fitted(parts: list[Any], grads: dict[str, Any]) -> tuple[dict[str, Any], list[float]] | None:
     """The combination sum a_r parts[r] nearest ``grads`` (least squares over every tensor, the
     inner products in float64 on the host: float32 sums of a gradient's size would misplace the
-    factors by more than the check's limit), and the factors a_r."""
+    factors by more than the check's limit), and the factors a_r; None where no fit is had (a
+    gradient that is not finite)."""
     import mlx.core as mx
     import numpy as np
     from mlx.utils import tree_flatten
@@ -183,7 +184,12 @@ def fitted(parts: list[Any], grads: dict[str, Any]) -> tuple[dict[str, Any], lis
         g = np.array(grads[k].astype(mx.float32), dtype=np.float64).ravel()
         gram += np.array([[a @ b for b in vs] for a in vs])
         proj += np.array([a @ g for a in vs])
-    scales = np.linalg.lstsq(gram, proj, rcond=None)[0].tolist()
+    if not (np.isfinite(gram).all() and np.isfinite(proj).all()):
+        return None  # a gradient that is not finite fits no combination
+    try:
+        scales = np.linalg.lstsq(gram, proj, rcond=None)[0].tolist()
+    except np.linalg.LinAlgError:
+        return None
     return {k: sum(scales[i] * flat[i][k] for i in range(n)) for k in grads}, scales
 
 
@@ -221,7 +227,10 @@ def measure(found: dict[str, tuple], loss: Any, grads: Any, tokens: int, ref: di
         if name == "rank_scaled":
             if any(dict(tree_flatten(p)).keys() != mine.keys() for p in h_grads):
                 continue
-            h_grads, scales = fitted(h_grads, mine)
+            fit = fitted(h_grads, mine)
+            if fit is None:
+                continue
+            h_grads, scales = fit
         theirs = dict(tree_flatten(h_grads))
         if theirs.keys() != mine.keys():
             return {"unusable": f"the harness's gradient names differ from the trainer's "
