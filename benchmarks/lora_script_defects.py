@@ -67,6 +67,7 @@ def planted(name: str) -> str:
 
 def judged(d: Path, name: str, dtype: str) -> dict:
     """One script's scenario run in ``dtype``: its judged scenario."""
+    d.mkdir(parents=True, exist_ok=True)
     (d / "lora_train.py").write_text(planted(name))
     toml = SCENARIO.replace('path = "lora_train.py"', f'path = "{d / "lora_train.py"}"')
     toml = toml.replace('path = "../scenarios/data/chat.jsonl"', f'path = "{REPO / "scenarios/data/chat.jsonl"}"')
