@@ -135,7 +135,8 @@ def test_bad_resume_keys_are_named(scenario_dir: Path, patch: tuple[str, str], e
 def test_a_scenario_extends_another_with_its_own_name_and_tables_laid_over(tmp_path: Path) -> None:
     power = load_scenario(REPO / "scenarios" / "power" / "mlx_lm_lora.toml")
     base = load_scenario(REPO / "scenarios" / "mlx_lm_lora.toml")
-    assert (power.name, power.default, base.default) == ("mlx_lm_lora_power", True, True)
+    # the set a scenario is in is its own: mlx_lm_lora is in the full set, its power scenario in the power set's
+    assert (power.name, power.default, base.default, base.full) == ("mlx_lm_lora_power", True, False, True)
     assert power.seed == base.seed and power.model == base.model and power.train == base.train
     assert power.checks.reference == "single" and power.checks.mutations == "collectives"
     assert [(r.name, r.mutation) for r in power.runs] == [

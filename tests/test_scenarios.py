@@ -44,7 +44,7 @@ def shared_with_power(name: str) -> list[str] | None:
         out = {}
         for r in plan_scenario(load_scenario(path)).runs:
             job = r.job.to_json()
-            identity = ("name", "path", "description", "runs")
+            identity = ("name", "path", "description", "runs", "default", "full")  # which set it is in
             scenario = {k: v for k, v in job.pop("scenario").items() if k not in identity}
             scenario["checks"] = {k: v for k, v in scenario["checks"].items() if k != "mutations"}
             out[r.name] = ({**job, "scenario": scenario}, r.check_names)
