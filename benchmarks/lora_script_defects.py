@@ -53,7 +53,7 @@ PLANTED = {  # what a user might have written instead
     "rank_shuffle": [("np.random.default_rng(run.seed)", "np.random.default_rng(run.seed + rank)")],
 }
 NO_FLOORS = ('reference = "single"\n', 'reference = "single"\nnoise_floor = false\nloss_tolerance = 10.0\n'
-                                       'param_tolerance = 10.0\n')
+                                       'param_tolerance = 10.0\neval_tolerance = 10.0\n')
 
 
 def planted(name: str) -> str:
