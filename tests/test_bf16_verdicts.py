@@ -129,3 +129,21 @@ def test_expert_stacked_lora_factors_are_compared_element_by_element() -> None:
     other = {k: v * 1.01 for k, v in ref.items()}
     value, _, where = params.param_delta(other, ref)
     assert abs(value - 0.01) < 1e-9 and where in ref
+
+
+def test_a_training_that_diverged_is_named_for_it() -> None:
+    from harness.judge.parity import non_finite
+
+    nan, inf = float("nan"), float("inf")
+    assert non_finite((("ddp2", [1.0, 2.0]), ("single", [1.0, 2.0]))) is None
+    assert non_finite((("ddp2", [1.0, nan, nan]), ("single", [1.0, 2.0, 3.0]))) == \
+        "not finite: ddp2's loss is nan from step 2"
+    both = non_finite((("ddp2", [inf, nan]), ("single", [1.0, nan])), skip=4)
+    assert both == ("not finite: ddp2's loss is inf from step 5; single's loss is nan from step 6; the training "
+                    "diverges in one process too")
+    import numpy as np
+
+    from harness.controller.params import param_delta
+
+    value, _, where = param_delta({"w": np.array([1.0, np.nan])}, {"w": np.array([1.0, 2.0])})
+    assert np.isnan(value) and where == "w"  # not a distance of 0: NaN compared is no match

@@ -12,6 +12,7 @@ element.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -70,7 +71,8 @@ def _gaps(x: tuple[Any, ...], y: tuple[Any, ...]) -> tuple[float, float, float |
 def param_delta(a: dict[str, Any] | None, b: dict[str, Any] | None) -> tuple[float, float, str] | None:
     """(||a - b|| / ||b|| over every compared part, the largest |a - b| element, its part: a
     LoRA layer's adapters as the product of its factors, the module docstring); None where
-    either is missing or they differ in names or shapes."""
+    either is missing or they differ in names or shapes; NaN and the first part that is not finite
+    where one is not."""
     import numpy as np
 
     if a is None or b is None or a.keys() != b.keys():
@@ -81,6 +83,8 @@ def param_delta(a: dict[str, Any] | None, b: dict[str, Any] | None) -> tuple[flo
     where = ""
     for label, keys in _parts(b):
         d, n, big = _gaps(tuple(a[k].astype(np.float64) for k in keys), tuple(b[k].astype(np.float64) for k in keys))
+        if not (math.isfinite(d) and math.isfinite(n)):  # a training that diverged: no distance to judge
+            return math.nan, math.nan, label
         diff, norm = diff + d, norm + n
         if big is not None and (big > worst or not where):
             worst, where = big, label

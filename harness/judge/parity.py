@@ -280,6 +280,19 @@ def _judge_series(name: str, run: RunOutcome, base: RunOutcome, points: list[Any
                  noise=measured)
 
 
+def non_finite(series: tuple[tuple[str, list[float]], ...], skip: int = 0) -> str | None:
+    """Which runs' losses are not finite, from which step (None: every one is finite): a training
+    that diverged has no deviation to judge."""
+    firsts = [(who, skip + k + 1, x) for who, xs in series
+              for k, x in [next(((k, x) for k, x in enumerate(xs) if not math.isfinite(x)), (None, None))]
+              if k is not None]
+    if not firsts:
+        return None
+    said = "; ".join(f"{who}'s loss is {x} from step {step}" for who, step, x in firsts)
+    both = len(firsts) == len(series)
+    return f"not finite: {said}" + ("; the training diverges in one process too" if both else "")
+
+
 def loss_parity(run: RunOutcome, base: RunOutcome, floor: Floor, plan: ScenarioPlan, name: str = CheckName.loss_parity,
                 prefix: bool = False) -> Check:
     """Per-step global loss vs ``base`` (over ``run``'s steps when it stopped early by design, and
@@ -290,6 +303,9 @@ def loss_parity(run: RunOutcome, base: RunOutcome, floor: Floor, plan: ScenarioP
         b = b[: len(a)]
     if len(a) != len(b):
         return Check(name, run.name, False, None, None, f"vs {base.name}: {len(a)} vs {len(b)} steps")
+    diverged = non_finite(((run.name, a), (base.name, b)), skip)
+    if diverged:
+        return Check(name, run.name, False, None, None, f"vs {base.name}: {diverged}")
     deltas = [abs(x - y) for x, y in zip(a, b, strict=True)]
     floors = floor.largest(lambda r: [abs(x - y) for x, y in zip(_losses(r)[skip:], b, strict=False)])
     model = rounding(plan, run, base)
@@ -344,6 +360,9 @@ def param_parity(run: RunOutcome, base: RunOutcome, floor: Floor, plan: Scenario
     if got is None:
         return Check(name, run.name, False, None, None, f"vs {base.name}: final parameters missing or differ in shape")
     value, biggest, where = got
+    if math.isnan(value):
+        return Check(name, run.name, False, None, None, f"vs {base.name}: not finite: {where} holds values that "
+                                                        f"are not ({run.name}'s or {base.name}'s final parameters)")
     floors = floor.largest(lambda r: [d[0]] if (d := _param_delta(r, base)) is not None else None)
     model = rounding(plan, run, base)
     stored = [u for u in (run.params_u, base.params_u) if u is not None]
