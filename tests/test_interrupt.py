@@ -83,6 +83,21 @@ def _text(path: Path) -> str:
         return ""
 
 
+def _training(tmp: Path) -> dict[str, list[int]]:
+    """The runs in ``tmp`` past their step 2, each with its rank 0's pid, read at once: a run that ends
+    between the look and the read (its directory removed) is left out, to be looked for again."""
+    found = {}
+    for f in tmp.glob("mlx-ddp-harness-run-*/rank0.events.jsonl"):
+        try:
+            if '"step": 2' in _text(f):
+                events = [json.loads(line) for line in f.read_text().splitlines()]
+                found[json.loads((f.parent / "job.json").read_text())["run"]] = [
+                    e["pid"] for e in events if e["kind"] == "start"]
+        except (OSError, ValueError):
+            continue
+    return found
+
+
 @pytest.mark.ranks
 def test_ctrl_c_while_floor_runs_go_side_by_side_stops_them_all(tmp_path: Path) -> None:
     """A scenario's floor runs (here ``single``'s twin of 2 ranks and its rerun) go side by side on the
@@ -99,16 +114,15 @@ def test_ctrl_c_while_floor_runs_go_side_by_side_stops_them_all(tmp_path: Path) 
                          stderr=subprocess.PIPE, text=True,
                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 480
-    training: list[Path] = []
+    training: dict[str, list[int]] = {}  # run -> its rank 0's pids
     while time.monotonic() < deadline and len(training) < 2 and p.poll() is None:  # two runs train at once
-        training = [f.parent for f in tmp.glob("mlx-ddp-harness-run-*/rank0.events.jsonl") if '"step": 2' in _text(f)]
+        training = _training(tmp)
         time.sleep(0.05)
     if len(training) < 2:
         p.terminate()
         pytest.fail(f"no two runs trained at once: {p.communicate(timeout=60)}")
-    names = {json.loads((d / "job.json").read_text())["run"] for d in training}
-    ranks = [e["pid"] for d in training for line in (d / "rank0.events.jsonl").read_text().splitlines()
-             if (e := json.loads(line))["kind"] == "start"]
+    names = set(training)
+    ranks = [pid for pids in training.values() for pid in pids]
     sent = time.time()
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=60)
