@@ -302,8 +302,9 @@ def summary_lines(doc: dict[str, Any], out: Path | None) -> list[str]:
              + f"{status['error']} with a run that did not complete; "
              f"checks: {checks or 'none'}; exit {doc['exit_code']}"]
     for sc in doc["scenarios"]:
+        planted = {m["run"] for m in sc.get("mutations") or []}  # judged as caught or not, as the status judges them
         for c in sc["checks"]:
-            if c["result"] == "INCONCLUSIVE":
+            if c["result"] == "INCONCLUSIVE" and c["run"] not in planted:
                 lines.append(f"inconclusive: {sc['name']}: {c['name']} ({c['run']}): {c['detail'].split('; vs ')[0]}")
     skipped = doc.get("skipped") or []
     if skipped:
