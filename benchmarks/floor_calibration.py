@@ -42,7 +42,7 @@ def variant(src: str, seed: int, dtype: str | None, where: Path) -> str:
         out, n = re.subn(r"(?m)^\[scenario\]\s*$", f"[scenario]\nseed = {seed}", src, count=1)
     if not n:
         raise SystemExit("the scenario has no [scenario] table to set its seed in")
-    out = re.sub(r'(?m)^((?:path|extends)\s*=\s*")([^/"][^"]*)"',
+    out = re.sub(r'(?m)^((?:\w*path|extends)\s*=\s*")([^/"][^"]*)"',
                  lambda m: f'{m.group(1)}{(where / m.group(2)).resolve()}"', out)
     if dtype is not None:
         out = re.sub(r"(?m)^dtype\s*=.*\n", "", out)
@@ -52,14 +52,16 @@ def variant(src: str, seed: int, dtype: str | None, where: Path) -> str:
     return out
 
 
-def run_seed(path: Path, out: Path, env: dict[str, str]) -> dict[str, Any] | None:
-    """One scenario run's judged scenario (None where it wrote no result)."""
-    subprocess.run([sys.executable, "-m", "harness", "run", str(path), "--out", str(out), "--no-plots"],
-                   cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
+def run_seed(path: Path, out: Path, env: dict[str, str]) -> tuple[dict[str, Any] | None, str]:
+    """One scenario run's judged scenario (None where it wrote no result) and the run's last
+    line of output (why, where it wrote none)."""
+    done = subprocess.run([sys.executable, "-m", "harness", "run", str(path), "--out", str(out), "--no-plots"],
+                          cwd=REPO, env=env, capture_output=True, text=True, check=False)
+    said = (done.stderr.strip() or done.stdout.strip()).splitlines()
     try:
-        return json.loads((out / "result.json").read_text())["scenarios"][0]
+        return json.loads((out / "result.json").read_text())["scenarios"][0], said[-1] if said else ""
     except (OSError, ValueError, KeyError, IndexError):
-        return None
+        return None, said[-1] if said else f"exit {done.returncode}, no output"
 
 
 def rows_of(results: dict[str, list[dict[str, Any]]]) -> list[list[Any]]:
@@ -107,9 +109,10 @@ def main(argv: list[str] | None = None) -> int:
             path = keep / f"{dtype}-{seed}.toml"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(variant(src, seed, None if args.dtype_env else dtype, args.scenario.parent))
-            s = run_seed(path, keep / f"{dtype}-{seed}", env)
+            s, said = run_seed(path, keep / f"{dtype}-{seed}", env)
             if s is None or s["status"] == "error":
                 missing.append(f"{dtype} seed {seed}")
+                print(f"{dtype} seed {seed}: did not complete: {said}", file=sys.stderr, flush=True)
                 continue
             results.setdefault(dtype, []).append(s)
             print(f"{dtype} seed {seed}: {s['status']}", file=sys.stderr, flush=True)

@@ -1,10 +1,13 @@
 """Verdicts in bfloat16, in pure logic: a trajectory check without power is INCONCLUSIVE where the
 runs were shown to start alike and a failure where they were not; a scenario with one is
-INCONCLUSIVE (exit 4); the split floor deals rows to chunks as ranks hold them; the dtype a rank
-computes in is the coarsest of its weights'. Real ranks: tests/test_scenarios.py and
+INCONCLUSIVE (exit 4); the split floor deals rows to chunks as ranks hold them and carries an
+output's gradient at a rank's own loss scale; the dtype a rank computes in is the coarsest of its
+weights'. Real ranks: tests/test_scenarios.py and
 tests/test_defect_naming.py."""
 
 from __future__ import annotations
+
+import numpy as np
 
 from harness.controller.outcome import RankOutcome, RunOutcome, WatchReport
 from harness.judge.checks import Check
@@ -147,3 +150,51 @@ def test_a_training_that_diverged_is_named_for_it() -> None:
 
     value, _, where = param_delta({"w": np.array([1.0, np.nan])}, {"w": np.array([1.0, 2.0])})
     assert np.isnan(value) and where == "w"  # not a distance of 0: NaN compared is no match
+
+
+def _output_gradient(sizes: list[int], supervised: list[int], dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """The gradient of a loss (a supervised token sum over the call's total, as one process scales
+    it) at logits of ``sizes`` chunks of rows, plain and through ``rank_scaled_outputs``."""
+    import mlx.core as mx
+
+    from harness.rank.split_floor import rank_scaled_outputs
+
+    rows, width, vocab = sum(sizes), 6, 5
+    logits = mx.random.normal((rows, width, vocab), key=mx.random.key(3)).astype(getattr(mx, dtype))
+    mask = np.zeros((rows, width), np.float32)
+    at = 0
+    for size, n in zip(sizes, supervised, strict=True):
+        mask[at:at + size].reshape(-1)[:n] = 1  # n supervised positions in this chunk
+        at += size
+    mask_ = mx.array(mask)
+
+    def loss(x: mx.array) -> mx.array:
+        return ((mx.logsumexp(x.astype(mx.float32), axis=-1)) * mask_).sum() / mask_.sum()
+
+    def scaled(x: mx.array) -> mx.array:
+        return loss(rank_scaled_outputs(x, sizes))
+
+    plain = mx.grad(loss)(logits).astype(mx.float32)
+    ranked = mx.grad(scaled)(logits).astype(mx.float32)
+    return np.array(plain), np.array(ranked)
+
+
+def test_a_rank_scaled_output_gradient_is_exact_where_the_ranks_scale_is_a_power_of_two() -> None:
+    plain, ranked = _output_gradient([2, 2], [5, 5], "bfloat16")  # each chunk T / n = 2: exact on the ranks
+    assert np.array_equal(plain, ranked)
+
+
+def test_a_rank_scaled_output_gradient_rounds_where_the_ranks_scale_is_not() -> None:
+    plain, ranked = _output_gradient([2, 2, 2], [5, 3, 4], "bfloat16")  # T / n = 12/5, 4, 3
+    moved = np.abs(ranked - plain)[plain != 0] / np.abs(plain[plain != 0])
+    assert 0 < moved.max() <= 2 * 2.0**-8  # rounded, by at most two roundings of bfloat16
+    assert np.array_equal(ranked[2:4], plain[2:4])  # the chunk at scale 4 is exact
+
+
+def test_more_steps_are_not_offered_where_the_loss_levelled_off() -> None:
+    from harness.judge.power import remedy
+
+    levelled = remedy([5.5, 5.3, 5.2, 5.2, 5.15, 5.12, 5.1, 5.1])  # moved 0.35 by step 5, 0.4 in all
+    assert levelled.startswith("float32 would give it power; more steps would not") and "0.35" in levelled
+    falling = remedy([5.0, 4.6, 4.2, 3.8, 3.4, 3.0, 2.6, 2.2])
+    assert falling.startswith("more steps or a larger learning rate")

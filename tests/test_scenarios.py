@@ -72,13 +72,18 @@ def _run(name: str, out: Path, shared_run: SharedRun) -> tuple[dict[str, Any], d
     for c in checks.values():  # untuned criteria, and yet a clear pass: a margin of 3 or more
         if c["name"] in PARITY and c["result"] == "pass":
             assert c["derivation"], c
-            assert c["value"] * MARGIN <= c["limit"] or c["value"] == c["limit"] == 0, c
+            margin = THIN.get((name, c["name"]), MARGIN)
+            assert c["value"] * margin <= c["limit"] or c["value"] == c["limit"] == 0, c
     return s, runs, checks
 
 
 # LoRA adapters trained a few AdamW steps on a tiny model with random weights: rounding grows
 # chaotically over the steps about as far as training moves the adapters (docs/parity.md#power)
-INCONCLUSIVE = {"mlx_lm_lora": {"param_parity"}}
+INCONCLUSIVE: dict[str, set[str]] = {}
+# LoRA adapters (lora_b starting at zero, AdamW): in float32 their deviation over its floor spread
+# from 0.19 to 3.56 over 20 seeds (docs/parity.md#bfloat16), so a margin of 3 at one seed is not what
+# the floor promises there; the check's own limit (10 x the floor) is
+THIN = {("mlx_lm_lora", "param_parity"): 2}
 
 
 def compile_modes(runs: dict, checks: dict, out: Path) -> None:
@@ -395,8 +400,7 @@ def mlx_lm_lora(runs: dict, checks: dict, out: Path) -> None:
     for check in (*STEP_LOCAL, "loss_parity"):
         assert checks[(check, "ddp2")]["result"] == "pass", check
     param = checks[("param_parity", "ddp2")]  # the adapters, by the update they make (lora_a @ lora_b)
-    assert param["result"] == "INCONCLUSIVE" and ".lora_a @ lora_b" in param["detail"], param
-    assert param["detail"].startswith("no power: the floor runs (the same mathematics in another rounding) drifted")
+    assert param["result"] == "pass" and ".lora_a @ lora_b" in param["detail"] and not param["no_power"], param
     assert runs["single"]["param_count"] < 30_000  # the trainable (LoRA) parameters only
 
 
@@ -521,7 +525,7 @@ def unsloth_tail_padding(runs: dict, checks: dict, out: Path) -> None:
     _unsloth_known(runs, checks)
     for check in ("step_loss_parity", "step_grad_parity"):  # the reduction is right, the rows are not
         c = checks[(check, "ddp2")]
-        assert c["defect"] == "correct" and "the rows each rank reads differ" in c["detail"], c
+        assert c["defect"] == "other_rows" and "the rows each rank reads differ" in c["detail"], c
     single, ddp2 = runs["single"]["tokens_global_per_step"], runs["ddp2"]["tokens_global_per_step"]
     assert single[:5] == ddp2[:5] and single[5] < ddp2[5]  # the short 6th batch, padded under DDP
 

@@ -101,8 +101,8 @@ def name_defect(per_rank: list[list[dict[str, Any]]], key: str, limit: Callable[
                f"{off:.3g} from the reference's"
         if best == "same_rows":
             return Diagnosis(best, f"matches: {DESCRIBED[best]}, {rows}")
-        return Diagnosis(best, f"matches: {DESCRIBED['correct']} on the run's own rows, which are not the "
-                               f"reference's ({rows}): the rows each rank reads differ")
+        return Diagnosis("other_rows", f"matches: {DESCRIBED['correct']} on the run's own rows, which are not the "
+                                       f"reference's ({rows}): {DESCRIBED['other_rows']}")
     best = matched[0]
     _, value, lim = fits[best]
     also = [DESCRIBED[n] for n in matched[1:]]

@@ -77,7 +77,23 @@ def loss_signal(base: RunOutcome, steps: int) -> float | None:
 POWER_FRACTION = 0.5  # a trajectory check has power where its limit is at most this share of what training moved
 
 
-def _lacks_power(c: Check, base: str, signal: float, what: str, precision: str) -> str:
+LEVELLED = 1.25  # a loss that moved less than this times its first half's move over all its steps has levelled off
+
+
+def remedy(losses: list[float]) -> str:
+    """What would give a check without power power, from how the reference's ``losses`` moved:
+    where they levelled off in the second half of the steps, more steps would move them little
+    further while rounding keeps growing, so only float32 is named."""
+    half = len(losses) // 2
+    early = max((abs(x - losses[0]) for x in losses[: half + 1]), default=0.0)
+    whole = max((abs(x - losses[0]) for x in losses), default=0.0)
+    if half >= 2 and early > 0 and whole < LEVELLED * early:
+        return (f"float32 would give it power; more steps would not: the loss levelled off (it moved {early:.3g} in "
+                f"the first {half} steps and {whole:.3g} in all {len(losses)}) while rounding keeps growing")
+    return "more steps or a larger learning rate (training moving further), or float32, would give it power"
+
+
+def _lacks_power(c: Check, base: str, signal: float, what: str, precision: str, losses: list[float]) -> str:
     """Why ``c``, whose limit is more than ``POWER_FRACTION`` of ``signal``, cannot decide, and what would let it."""
     from_noise = c.limit * c.noise / c.floor if c.floor and c.noise is not None else 0.0
     if from_noise > POWER_FRACTION * signal:
@@ -87,8 +103,7 @@ def _lacks_power(c: Check, base: str, signal: float, what: str, precision: str) 
         cause = (f"its limit, {c.limit:.3g}, set by the absolute floor (the rounding of one value at {precision}), is "
                  f"more than half of what {what} ({signal:.3g})")
     return (f"{cause}: rounding at {precision} grew over these steps about as far as training moved, so a defect "
-            f"of that size could not be told from it; more steps or a larger learning rate (training moving further), "
-            f"or float32, would give it power")
+            f"of that size could not be told from it; {remedy(losses)}")
 
 
 def judge_power(checks: list[Check], run: RunOutcome, base: RunOutcome, start: Check) -> list[Check]:
@@ -113,7 +128,7 @@ def judge_power(checks: list[Check], run: RunOutcome, base: RunOutcome, start: C
             continue
         if not signal or not isinstance(c.limit, int | float) or c.limit <= POWER_FRACTION * signal:
             continue
-        why = _lacks_power(c, base.name, signal, what, precision)
+        why = _lacks_power(c, base.name, signal, what, precision, list(base.result().get("losses") or []))
         c.no_power = True
         if start.applicable:
             c.inconclusive, c.detail = True, f"{NO_POWER}: {why}; {c.detail}"

@@ -55,7 +55,7 @@ class Session:
         "global" where each rank scales its loss as one process does (a token sum, or a sum over
         the global token count, divided after the all-reduce or before the gradient alike),
         "rank" where each rank divides its loss by its own token count before the gradient (its
-        ranks then round every activation's gradient apart, and the floor does too)."""
+        ranks then carry every activation's gradient at their own scale, and the floor does too)."""
         from harness.rank.context import ReportedFailure
         from harness.rank.split_floor import is_split, rounded_outputs, split_floor, split_text_model
 

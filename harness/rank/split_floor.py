@@ -2,9 +2,9 @@
 each batch in N row chunks, as N ranks hold them, and each chunk's contribution to every trainable
 parameter's gradient is rounded once more in that gradient's own dtype, as N ranks' all-reduce
 rounds the sum of their partial gradients; for a trainer whose ranks scale their loss by their own
-token count (``SplitFloor.outputs``), the gradient of each chunk's output is rounded once more too, in
-its dtype, as each rank's own scale rounds it. Used by the external trainers' adapters and by a
-script's session (``harness.api``).
+token count (``SplitFloor.outputs``), the gradient of each chunk's output is carried at that rank's
+scale once, in its dtype, as the rank computes it (``rank_scaled_outputs``). Used by the external
+trainers' adapters and by a script's session (``harness.api``).
 
 What the floor changes is what data parallelism changes, and no more: the batch shapes the kernels
 see, the grouping of the gradient's sum into per-rank partial sums, and the rounding of that sum in
@@ -86,6 +86,36 @@ def rounded_gradient(x: Any, key: Any) -> Any:
     return same(x)
 
 
+def rank_scaled_outputs(x: Any, sizes: list[int]) -> Any:
+    """``x`` itself (the chunks' outputs, concatenated: ``sizes`` rows each); its gradient carried
+    at each chunk's own loss scale once, as a rank that divides its loss by its own token count
+    computes it: chunk k's gradient times T / n_k (n_k the positions it supervises, those whose
+    gradient is not all zero; T the call's), rounded in its dtype, and divided back. Where T / n_k
+    is a power of two (equal shares of 2 or 4 ranks) that is exact, as it is on the ranks;
+    otherwise the division rounds once more than a rank does."""
+    import mlx.core as mx
+
+    @mx.custom_function
+    def same(y: Any) -> Any:
+        return y
+
+    @same.vjp
+    def _(primals: Any, cotangent: Any, output: Any) -> Any:
+        bounds = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
+        parts = [cotangent[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+        supervised = [(p != 0).reshape(p.shape[0], -1, p.shape[-1]).any(axis=-1).sum().astype(mx.float32)
+                      for p in parts]
+        total = sum(supervised[1:], supervised[0])
+        scaled = []
+        for p, n in zip(parts, supervised, strict=True):
+            r = total / mx.maximum(n, 1)
+            own = (p.astype(mx.float32) * r).astype(p.dtype)  # the rank's gradient, rounded at its scale
+            scaled.append((own.astype(mx.float32) / r).astype(p.dtype))
+        return (mx.concatenate(scaled, axis=0),)
+
+    return same(x)
+
+
 @contextmanager
 def rounded_parameter_gradients(module: Any, key: Any) -> Iterator[None]:
     """Within it, ``module``'s trainable parameters are ``rounded_gradient`` identities of
@@ -114,7 +144,8 @@ def split_forward(model: Any, plan: SplitFloor, take: Any = take_rows) -> None:
     dtype (``rounded_parameter_gradients``, a key per call and chunk from the seed and
     ``plan.sample``: each sample another draw of that rounding; a float32 gradient's upper draw,
     1 + 2^-24, rounds to 1, so there only the lower draws move it), with ``plan.outputs`` the gradient
-    of each chunk's output too, and returns the logits of every row in the original order: the same
+    of each chunk's output carried at its rank's loss scale (``rank_scaled_outputs``), and returns
+    the logits of every row in the original order: the same
     mathematics as one forward on the whole batch, only its rounding differs. ``take(args, kwargs,
     rows, picked)`` cuts a call's arguments. The class is swapped, so the parameter tree keeps its
     names."""
@@ -132,14 +163,16 @@ def split_forward(model: Any, plan: SplitFloor, take: Any = take_rows) -> None:
         outs = []
         for k, picked in enumerate(chunks):
             a, kw = take((inputs, *args), kwargs, rows, picked)
-            params_key, out_key = mx.random.split(keys[k])
-            with rounded_parameter_gradients(self, params_key):
+            with rounded_parameter_gradients(self, keys[k]):
                 out = getattr(out := base.__call__(self, *a, **kw), "logits", out)
-            outs.append(rounded_gradient(out, out_key) if plan.outputs else out)
+            outs.append(out)
         where = [0] * rows  # row i's position in the chunks' concatenation
         for at, i in enumerate(i for picked in chunks for i in picked):
             where[i] = at
-        return mx.concatenate(outs, axis=0)[mx.array(where)]
+        joined = mx.concatenate(outs, axis=0)
+        if plan.outputs:
+            joined = rank_scaled_outputs(joined, [len(picked) for picked in chunks])
+        return joined[mx.array(where)]
 
     model.__class__ = type(f"Split{base.__name__}", (base,), {"__call__": call, "split_floor": True,
                                                                "split_plan": plan})
