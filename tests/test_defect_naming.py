@@ -43,6 +43,7 @@ PLANTED = {  # what a user might have written instead, and the defect the harnes
         return mx.distributed.all_sum(loss_sum, group=group) / tokens, grads, tokens
 """, None),
     "same_rows": (REDUCTION, "        mine = [rows[i] for i in batch[0::size]]\n"),
+    "other_rows": (REDUCTION, "        mine = [rows[(i + rank) % len(rows)] for i in batch[rank::size]]\n"),
     "rank_scaled": (LOCAL + """        from mlx.optimizers import clip_grad_norm  # each rank clips its own: too early
         grads, _ = clip_grad_norm(scaled(grads, size / tokens), 1e-3)
         grads = nn.average_gradients(grads, group=group)

@@ -325,7 +325,7 @@ def mutations(runs: dict, checks: dict, out: Path) -> None:
         assert finite and max(finite) >= 10, run
     assert all(c["result"] == "pass" for (_, r), c in checks.items() if r == "correct")
     named = {"mean_of_means": "mean_of_means", "sum_not_average": "grad_times_world", "same_shard": "same_rows",
-             "drop_uneven": "correct"}  # the reduction right, the rows not: the dropped micro-batch
+             "drop_uneven": "other_rows"}  # the reduction right, the rows not: the dropped micro-batch
     for bug, defect in named.items():
         grad = checks[("step_grad_parity", mutated[bug])]
         assert grad["defect"] == defect, (bug, grad["detail"])

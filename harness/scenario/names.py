@@ -70,7 +70,8 @@ DEFECTS_DESCRIBED = {
     "local_token_count": "the loss and gradient summed over the ranks but divided by the rank's own token count",
     "grad_times_world": "the gradient scaled by the world size",
     "same_rows": "every rank on the same rows (rank 0's)",
-    "other_rows": "the rows each rank reads differ from the reference's batch (a shuffle or shard of its own)",
+    "other_rows": "the rows each rank reads differ from the reference's batch (a shuffle or shard of its own, "
+                  "or rows dropped)",
     "rank_scaled": "each rank's gradient scaled by a factor of its own before the all-reduce (a gradient clipped "
                    "on each rank before it: clip the all-reduced gradient instead)",
     "lr_times_world": "the learning rate scaled by the world size",  # named by lr_schedule
