@@ -97,6 +97,17 @@ def test_the_dtype_seen_is_the_coarsest_of_the_weights_frozen_ones_included() ->
     label = measure_precision("bfloat16", "float32")["label"]
     assert label == "bfloat16 (seen in the weights; [model] dtype is float32)"
     assert measure_precision("float32", "float32")["label"] == "float32"
+    assert measure_precision("bfloat16")["label"] == "bfloat16"  # no [model] dtype declared: nothing disagrees
+
+
+def test_a_model_dtype_left_out_is_none_and_builds_float32() -> None:
+    from harness.rank.models import build_model
+    from harness.rank.precision import coarsest_dtype
+    from harness.scenario.spec import ModelSpec
+
+    assert ModelSpec().dtype is None  # a script's weights say their dtype
+    model, _ = build_model(ModelSpec(config={"num_hidden_layers": 1}), 64, 0)
+    assert coarsest_dtype(model.parameters()) == "float32"
 
 
 def test_lora_adapters_are_compared_by_the_update_they_make() -> None:
@@ -198,3 +209,16 @@ def test_more_steps_are_not_offered_where_the_loss_levelled_off() -> None:
     assert levelled.startswith("float32 would give it power; more steps would not") and "0.35" in levelled
     falling = remedy([5.0, 4.6, 4.2, 3.8, 3.4, 3.0, 2.6, 2.2])
     assert falling.startswith("more steps or a larger learning rate")
+
+
+def test_a_floor_that_diverged_where_the_run_did_not_is_named_and_judges_nothing() -> None:
+    from harness.judge.parity import Floor, _judge_series
+
+    nan = float("nan")
+    run, base = outcome("ddp2", [5.0, 4.5, 4.2]), outcome("single", [5.0, 4.5, 4.2])
+    floor_run = outcome("single_split2", [5.0, nan, nan])
+    c = _judge_series("loss_parity", run, base, ["step 1", "step 2", "step 3"], [0.0, 0.01, 0.02],
+                      [0.0, nan, nan], [1e-6] * 3, Floor(run=floor_run), None, "3 steps")  # type: ignore[arg-type]
+    assert not c.passed and c.limit is None
+    assert c.detail == ("vs single: the noise floor diverged where ddp2 did not (single_split2's loss is nan "
+                        "from step 2)")

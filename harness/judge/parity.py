@@ -256,6 +256,13 @@ def _judge_series(name: str, run: RunOutcome, base: RunOutcome, points: list[Any
         why = floor.missing or f"{floor.names} has fewer points than {run.name}"
         return Check(name, run.name, False, max(deltas, default=None), None, f"vs {base.name}: {why}",
                      derivation="no valid noise floor: the trajectory cannot be judged")
+    if not all(math.isfinite(f) for f in floors[: len(deltas)]):
+        said = non_finite(tuple((r.name, _losses(r)) for r in floor.runs if r is not None)) or \
+            f"{floor.names}'s deviation is not finite"
+        said = said.removeprefix("not finite: ").split("; the training diverges")[0]
+        why = f"the noise floor diverged where {run.name} did not ({said})"
+        return Check(name, run.name, False, max(deltas, default=None), None, f"vs {base.name}: {why}",
+                     derivation="no valid noise floor: the trajectory cannot be judged")
     ratio_limit = plan.scenario.checks.floor_ratio
     measured = max(floors[: len(deltas)], default=0.0)
     floors = [measured] * len(deltas)

@@ -270,7 +270,8 @@ def validate(s: Scenario, src: str) -> None:
     _validate_head(s, src)
     _validate_trainer(s, src)
     _one_of(s.model.arch, ARCHS, src, "[model].arch")
-    _one_of(s.model.dtype, DTYPES, src, "[model].dtype")
+    if s.model.dtype is not None:
+        _one_of(s.model.dtype, DTYPES, src, "[model].dtype")
     vision = s.model.vision
     _validate_data(s.data, src, "[data]", vision)
     _validate_train(s.train, s.data, src, "[train]")

@@ -42,7 +42,7 @@ class ModelSpec:
 
     arch: str = "qwen3"
     path: str | None = None
-    dtype: str = "float32"
+    dtype: str | None = None  # None: not declared (float32 where the harness builds the model; else the weights')
     config: dict[str, Any] = field(default_factory=dict)
 
     @property
