@@ -222,7 +222,7 @@ def expected_rank_bytes(s: Scenario, run: RunSpec) -> tuple[int, str]:
     if eff.model.path:  # the weights as stored (quantized ones included)
         weights = params * 2
     else:
-        b = DTYPE_BYTES.get(eff.model.dtype or "float32", 4)
+        b = DTYPE_BYTES.get(eff.model.built_dtype, 4)
         weights, how = params * b, f"{how} x {b} bytes"
     est = int(weights * copies * ESTIMATE_MARGIN) + ESTIMATE_FIXED_MB * MB
     return est, f"estimated: {how} x {copies} ({what}) x {ESTIMATE_MARGIN:g} + {ESTIMATE_FIXED_MB} MB"

@@ -58,7 +58,7 @@ def warm_up(job: Job) -> None:
     from harness.scenario.names import VLM_ARCHS
 
     model = job.scenario.model
-    dtype = getattr(mx, model.dtype or "float32", mx.float32)
+    dtype = getattr(mx, model.built_dtype, mx.float32)
     w = mx.ones((8, 8), dtype=dtype)
 
     def loss(w: Any) -> Any:

@@ -73,7 +73,7 @@ def build_model(spec: ModelSpec, vocab_size: int, seed: int, vision: Any = None)
         with placeholder_init():
             model = arch.Model(arch.ModelArgs.from_dict(config))
         seeded_init(model, seed)
-    dtype = getattr(mx, spec.dtype or "float32")
+    dtype = getattr(mx, spec.built_dtype)
     model.update(tree_map(lambda p: p.astype(dtype) if mx.issubdtype(p.dtype, mx.floating) else p,
                           model.parameters()))
     mx.eval(model.parameters())

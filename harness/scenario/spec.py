@@ -49,6 +49,11 @@ class ModelSpec:
     def vision(self) -> bool:
         return self.arch in VLM_ARCHS
 
+    @property
+    def built_dtype(self) -> str:
+        """The dtype the harness builds the model in: ``dtype``, float32 where it is left out."""
+        return self.dtype or "float32"
+
 
 @dataclass
 class DataSpec:

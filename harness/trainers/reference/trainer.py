@@ -222,7 +222,7 @@ class Trainer:
                               self.semantics.init_seed(self.s.seed), self.data.vision)
         coord.agree()
         self.model, self.config = built
-        self.precision = rank_precision(self.s.model.dtype or "float32")
+        self.precision = rank_precision(self.s.model.built_dtype)
         self.optimizer = build_optimizer(spec, self.semantics.learning_rate(spec.learning_rate))
         self.runner = LocalStep(self.model, self.optimizer, spec, self.semantics)
         if loaded:
