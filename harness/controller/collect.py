@@ -66,6 +66,26 @@ PEER_LOST = "connection to a peer was lost"
 PEER_FAILED = "a peer rank failed"
 
 
+def ended_early(o: RankOutcome, report: WatchReport) -> tuple[str, bool] | None:
+    """Why a rank ended before its run did, in a few words, and whether on its own (it raised,
+    exited or was killed by a fault: the step it was in is cut short) or as a consequence (its peer
+    was lost, mlx.launch stopped it); None where it finished, or the watchdog stopped it where it
+    stood. Its ledger may end before its peers' (``harness.controller.ledgers``)."""
+    if o.ok or o.killed:
+        return None
+    if o.result is not None and o.result.get("status") != "ok":
+        error = str(o.result.get("error", ""))
+        peer = PEER_LOST in error or error.startswith(PEER_FAILED)
+        return ("lost its peer", False) if peer else ("failed", True)
+    if o.result is None and report.limit and o.rank not in report.exited_early:
+        return None  # alive when the watchdog stopped the run
+    if o.exit_code == -15:
+        return "was stopped by mlx.launch", False
+    if o.exit_code not in (0, None):
+        return f"ended with {describe_exit(o.exit_code)}", True
+    return ("exited without a result", True) if o.result is None else None
+
+
 def failure_reason(ranks: list[RankOutcome], report: WatchReport) -> str | None:
     """One message per failing rank, the causes first and their consequences after.
 

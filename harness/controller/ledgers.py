@@ -1,9 +1,13 @@
-"""The desync finder: when a run fails or stops making progress, the ranks' collective ledgers
-(``harness.rank.ledger``) are compared and the first collective at which they differ is named
-(issued by some ranks only, or another op, shape, dtype or group size at the same sequence
-number), with each side's call site and the ranks behind it. Where the ledgers agree, it says so
-and names the collective every rank issued last: the one they are waiting in. Point-to-point
-calls (``send``, ``recv``, ``recv_like``) match each other: one rank sends what another receives.
+"""The desync finder: after every run of more than one rank, whether it passed, failed or stalled,
+the ranks' collective ledgers (``harness.rank.ledger``) are compared and the first collective at
+which they differ is named (issued by some ranks only, or another op, shape, dtype or group size at
+the same sequence number), with each side's call site and the ranks behind it. Where the ledgers
+agree, it says how many calls it compared and, for a run that stalled, names the collective every
+rank issued last: the one they are waiting in. A rank that ended on its own before the run did (it
+raised, exited or was killed, not by the watchdog) is compared up to its last record and named; a
+rank that finished had issued every call it would, so a call it lacks is a divergence (a collective
+issued after it finished). Point-to-point calls (``send``, ``recv``, ``recv_like``) match each
+other: one rank sends what another receives.
 An executable under the rank protocol may keep its own ledger in the same file, of versioned
 records (``harness/protocol/collective.schema.json``); a line of another version, or one that
 breaks the schema, ends that rank's ledger there, and the comparison says so.
@@ -75,34 +79,67 @@ def _ranks(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
-def compare(ledgers: dict[int, list[dict[str, Any]]]) -> dict[str, Any] | None:
-    """The first divergence of the ranks' ledgers, or where they all stand when they agree;
-    None without ledgers to compare."""
+def _lost_line(ledgers: dict[int, list[dict[str, Any]]], lost: dict[int, str]) -> str:
+    longest = max((len(e) for e in ledgers.values()), default=0)
+    said = [f"rank {r} {why} after #{len(ledgers[r]) - 1}" if ledgers[r] else f"rank {r} {why} before any call"
+            for r, why in sorted(lost.items()) if r in ledgers and len(ledgers[r]) < longest]
+    return f"; compared up to the last call of a rank that ended: {'; '.join(said)}" if said else ""
+
+
+def _side(rs: list[int], e: dict[str, Any] | None, ledgers: dict[int, list[dict[str, Any]]],
+          finished: set[int] | frozenset[int]) -> str:
+    """The ranks ``rs`` at a divergence: their call, or none (having finished: their last)."""
+    if e is None and set(rs) <= set(finished):
+        last = ledgers[rs[0]][-1] if ledgers[rs[0]] else None
+        return f"{_ranks(rs)}: no collective (finished; its last: {describe(last)})"
+    return f"{_ranks(rs)}: {describe(e)}"
+
+
+def compare(ledgers: dict[int, list[dict[str, Any]]], lost: dict[int, str] | None = None,
+            waiting: bool = True, finished: set[int] | frozenset[int] = frozenset()) -> dict[str, Any] | None:
+    """The first divergence of the ranks' ledgers, or how many calls they agree on; None without
+    ledgers to compare. ``lost``: ranks that ended before the run did (why, in a few words), each
+    compared up to its last record (named where that is before another rank's); ``waiting``: the
+    run stalled (the agreeing line names the call the ranks wait in); ``finished``: ranks that
+    completed (a call they lack is said so)."""
     if len(ledgers) < 2:
         return None
+    lost = lost or {}
     longest = max(len(entries) for entries in ledgers.values())
     for seq in range(longest):
-        at = {r: entries[seq] if seq < len(entries) else None for r, entries in sorted(ledgers.items())}
+        at = {r: entries[seq] if seq < len(entries) else None for r, entries in sorted(ledgers.items())
+              if seq < len(entries) or r not in lost}
+        if len(at) < 2:
+            break
         sides: dict[tuple[Any, ...] | None, list[int]] = {}
         for r, e in at.items():
             sides.setdefault(_key(e), []).append(r)
         if len(sides) > 1:
-            parts = [f"{_ranks(rs)}: {describe(at[rs[0]])}" for rs in sorted(sides.values())]
-            return {"agree": False, "seq": seq, "ranks": {str(r): e for r, e in at.items()},
-                    "line": f"collectives diverge at call #{seq}: " + "; ".join(parts)}
+            parts = [_side(rs, at[rs[0]], ledgers, finished) for rs in sorted(sides.values())]
+            return {"agree": False, "seq": seq, "compared": seq, "ranks": {str(r): e for r, e in at.items()},
+                    "lost": {str(r): why for r, why in lost.items()},
+                    "line": f"collectives diverge at call #{seq}: " + "; ".join(parts) + _lost_line(ledgers, lost)}
+    common = {"lost": {str(r): why for r, why in lost.items()}, "compared": longest}
     if longest == 0:
-        return {"agree": True, "seq": None, "ranks": {}, "line": "no rank issued a collective"}
-    last = {r: entries[-1] for r, entries in sorted(ledgers.items())}
-    first = next(iter(last.values()))
-    return {"agree": True, "seq": longest - 1, "ranks": {str(r): e for r, e in last.items()},
-            "line": f"collectives agree on every rank ({longest} calls); the last, #{longest - 1} "
-                    f"{describe(first)}, is where the ranks wait"}
+        return {"agree": True, "seq": None, "ranks": {}, **common, "line": "no rank issued a collective"}
+    last = {r: entries[-1] for r, entries in sorted(ledgers.items()) if entries}
+    first = last[max(last, key=lambda r: len(ledgers[r]))]
+    where = (f"; the last, #{longest - 1} {describe(first)}, is where the ranks wait" if waiting else "")
+    return {"agree": True, "seq": longest - 1, "ranks": {str(r): e for r, e in last.items()}, **common,
+            "line": f"collectives agree on every rank ({longest} calls){where}" + _lost_line(ledgers, lost)}
 
 
-def desync(run_dir: Path, world_size: int) -> dict[str, Any] | None:
-    """The finder's verdict on a run's ledgers (None where fewer than two ranks kept one); a
+def desync(run_dir: Path, world_size: int, lost: dict[int, str] | None = None, waiting: bool = True,
+           finished: set[int] | frozenset[int] = frozenset(), cut: dict[int, int] | None = None
+           ) -> dict[str, Any] | None:
+    """The finder's verdict on a run's ledgers (``compare``'s arguments; None for one rank); a
     ledger cut short by a line that is not a record is compared up to it, and its line says so
-    (in ``problems`` too)."""
+    (in ``problems`` too). ``cut``: ranks that ended on their own, with the last step each
+    completed: their calls of the step they ended in are left out (a failing rank's collectives
+    there are its failure's, not its training's). Ranks that kept no ledger are listed in
+    ``missing``; with fewer than two ledgers nothing is compared (``agree`` None)."""
+    if world_size < 2:
+        return None
     found: dict[int, list[dict[str, Any]]] = {}
     problems: list[str] = []
     for r in range(world_size):
@@ -111,7 +148,16 @@ def desync(run_dir: Path, world_size: int) -> dict[str, Any] | None:
             found[r] = checked[0]
             if checked[1] is not None:
                 problems.append(f"rank {r}'s ledger {checked[1]}: it is compared up to that line")
-    verdict = compare(found)
-    if verdict is not None and problems:
+    for r, step in (cut or {}).items():
+        if r in found:
+            found[r] = [e for e in found[r] if int(e.get("step") or 0) <= step]
+    missing = [r for r in range(world_size) if r not in found]
+    verdict = compare(found, lost, waiting, finished)
+    if verdict is None:
+        kept = f"only rank {next(iter(found))} kept a ledger" if found else "no rank kept a ledger"
+        return {"agree": None, "seq": None, "ranks": {}, "missing": missing, "compared": 0, "line": kept}
+    if missing:
+        verdict = {**verdict, "missing": missing}
+    if problems:
         verdict = {**verdict, "problems": problems, "line": verdict["line"] + "; " + "; ".join(problems)}
     return verdict

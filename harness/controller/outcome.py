@@ -80,7 +80,7 @@ class RunOutcome:
     device_reason: str | None = None  # why, where ``auto`` chose or the device check moved them
     queued_s: float = 0.0  # how long the launch waited for rank slots (``rank_budget``)
     hosts: list[str] | None = None  # rank -> the cluster host it ran on (``None``: this machine)
-    collectives: dict[str, Any] | None = None  # a failed run's ledgers compared (``harness.controller.ledgers``)
+    collectives: dict[str, Any] | None = None  # its ranks' ledgers compared (2+ ranks; ``controller.ledgers``)
 
     def result(self, rank: int = 0) -> dict[str, Any]:
         res = self.ranks[rank].result

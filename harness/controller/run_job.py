@@ -14,7 +14,7 @@ from harness import schema
 from harness.cluster_spec import Cluster, ClusterError
 from harness.controller import launch as launcher
 from harness.controller import rank_budget
-from harness.controller.collect import collect, failure_reason
+from harness.controller.collect import collect, ended_early, failure_reason
 from harness.controller.cpu_use import CpuMeter
 from harness.controller.devices import BackendRefused, DeviceRefused, accelerators, plan_backend, plan_device
 from harness.controller.ledgers import desync
@@ -199,8 +199,14 @@ def _summarize(name: str, run_dir: Path, started: launcher.Launch, report: Watch
     failure = failure_reason(ranks, report)
     # a rank that left no result, or a run stopped at a time limit, may have waited in a collective
     stuck = report.limit in ("no_progress", "wall") or any(o.result is None for o in ranks)
-    collectives = desync(run_dir, world_size) if failure is not None and stuck else None
-    if collectives is not None:  # which collective the ranks disagree on, or all wait in
+    # every run's ledgers compared: a divergence that did not hang is named too
+    ended = {o.rank: (why, o.last_step) for o in ranks if (why := ended_early(o, report))}
+    said = {r: f"{why} in step {step + 1}," if own else why for r, ((why, own), step) in ended.items()}
+    collectives = desync(run_dir, world_size, said,
+                         waiting=failure is not None and stuck, finished={o.rank for o in ranks if o.ok},
+                         cut={r: step for r, ((_, own), step) in ended.items() if own})
+    told = collectives is not None and collectives["agree"] is not None and (stuck or not collectives["agree"])
+    if failure is not None and told:  # which collective the ranks disagree on, or all wait in
         failure += "\n" + collectives["line"]
     feed.finish("ok" if failure is None else failure.splitlines()[0])
     params, params_u = load_stored(schema.params_path(run_dir)) if failure is None else (None, None)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from harness.controller.outcome import RunOutcome
 from harness.judge import checks as run_checks
 from harness.judge.checks import Check, with_power
+from harness.judge.collectives import collective_agreement
 from harness.judge.defects import TRAJECTORIES, unnamed_trajectory
 from harness.judge.floors import floors
 from harness.judge.parity import eval_parity, loss_parity, param_parity, step_local
@@ -115,6 +116,10 @@ def every_run(j: Judged) -> list[Check]:
             run_checks.replica_consistency(j.run), run_checks.ranks_agree(j.run),
             run_checks.rank0_side_effects(j.run, j.planned.eff.trainer, j.planned.trainer),
             run_checks.global_rng_untouched(j.run)]
+
+
+def collectives(j: Judged) -> list[Check]:
+    return [collective_agreement(j.run)]
 
 
 def expectations(j: Judged) -> list[Check]:

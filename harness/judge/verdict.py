@@ -9,6 +9,7 @@ from collections.abc import Callable
 from harness.controller.outcome import RunOutcome
 from harness.judge.behaviours import mark_expected_failures
 from harness.judge.checks import Check
+from harness.judge.collectives import point_to_divergence
 from harness.judge.families import Judged
 from harness.scenario.checks import CheckFamily
 from harness.scenario.plan import ScenarioPlan
@@ -65,4 +66,6 @@ def judge(plan: ScenarioPlan, runs: list[RunOutcome]) -> list[Check]:
             j.so_far += not_applicable(run, got) if run.ok else got
         checks += j.so_far
     mark_expected_failures(checks, s.checks.expected_failures)
+    for run in runs:
+        point_to_divergence([c for c in checks if c.run == run.name])
     return checks

@@ -94,6 +94,10 @@ def _every_run(s: Scenario, spec: RunSpec) -> list[str]:
     return list(EVERY_RUN)
 
 
+def _collectives(s: Scenario, spec: RunSpec) -> list[str]:
+    return [N.collective_agreement] if spec.world_size > 1 else []
+
+
 def _expectations(s: Scenario, spec: RunSpec) -> list[str]:
     return [n for n, v in ((N.compile_scope, spec.expect_compile_scope), (N.stop_step, spec.expect_stop_step))
             if v is not None]
@@ -139,6 +143,9 @@ BUILTIN = (  # in judging order
     CheckFamily("every_run", EVERY_RUN, _every_run, f"{JUDGES}:every_run",
                 "Every run: its tokens add up, its replicas stay identical, its ranks agree, its side effects "
                 "happen on rank 0 only, and training leaves the global RNGs untouched."),
+    CheckFamily("collectives", (N.collective_agreement,), _collectives, f"{JUDGES}:collectives",
+                "Every run of more than one rank: its ranks issued the same collectives (op, shape, dtype, group) "
+                "in the same order, or the first that differs is named with each side's call site and step."),
     CheckFamily("expectations", (N.compile_scope, N.stop_step), _expectations, f"{JUDGES}:expectations",
                 "Every rank reports what the run expects of it: its compile scope, the step it stopped at."),
     CheckFamily("resume", (N.resume_step, N.resume_loss_parity, N.resume_param_parity, N.resume_eval_parity,

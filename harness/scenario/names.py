@@ -96,6 +96,7 @@ class CheckName(StrEnum):
     token_accounting = auto()
     replica_consistency = auto()
     ranks_agree = auto()
+    collective_agreement = auto()
     rank0_side_effects = auto()
     global_rng_untouched = auto()
     compile_scope = auto()
