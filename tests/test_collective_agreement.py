@@ -20,9 +20,10 @@ TOKENS = "        tokens = mx.distributed.all_sum(mask.sum(), group=group)  # th
 FINISH = "    run.finish(model.parameters())  # 5. the final parameters, judged for parity\n"
 
 
-def _run(tmp_path: Path, name: str, old: str, new: str, world_sizes: tuple[int, ...]) -> tuple[dict, str, int]:
-    assert old in SCRIPT
-    path = script_scenario(tmp_path, SCRIPT.replace(old, new, 1), name, world_sizes=world_sizes, no_progress_s=20)
+def _run(tmp_path: Path, name: str, old: str, new: str, world_sizes: tuple[int, ...], script: str = SCRIPT
+         ) -> tuple[dict, str, int]:
+    assert old in script
+    path = script_scenario(tmp_path, script.replace(old, new, 1), name, world_sizes=world_sizes, no_progress_s=20)
     p = subprocess.run([sys.executable, "-m", "harness", "run", str(path), "--out", str(tmp_path / "out"),
                         "--progress", "off", "--no-plots"], capture_output=True, text=True, timeout=300)
     assert "Traceback" not in p.stderr, p.stderr
@@ -70,3 +71,60 @@ def test_a_collective_after_the_peer_finished_names_both_sides(tmp_path: Path) -
     assert f"rank 0: all_sum float32[3] at {site}" in line, line
     assert "rank 1: no collective (finished; its last: all_sum" in line, line
     assert line in run["failure"] and line in stdout
+
+
+FSDP = '''import mlx.core as mx
+import mlx.nn as nn
+
+from harness import api
+
+
+def main():
+    run = api.session()
+    group = mx.distributed.init()
+    mx.random.seed(run.seed)
+    model = run.split(nn.fully_shard(nn.Linear(8, 8), group=group))  # MLX's FSDP: gradients by sum_scatter
+    grad_fn = nn.value_and_grad(model, lambda m, x: m(x).sum())
+    optimizer = run.optimizer()
+    for step in range(1, run.steps + 1):
+        loss, grads = grad_fn(model, mx.ones((4, 8)))
+        optimizer.update(model, grads)
+        mx.eval(model.parameters(), loss)
+        run.step(step, loss.item(), 32, 16, lr=optimizer.learning_rate.item(), params=model.parameters())
+    run.finish(model.parameters())
+
+
+main()
+'''
+
+
+@pytest.mark.ranks
+def test_what_ring_lacks_is_probed_from_mlx() -> None:
+    from harness.controller.backend_ops import backend_ops
+
+    ops = backend_ops("ring")
+    assert isinstance(ops, dict), ops
+    assert ops["sum_scatter"] is not None and "sum_scatter" in ops["sum_scatter"], ops
+    assert all(ops[op] is None for op in ("all_sum", "all_gather", "all_max", "all_min", "send", "recv")), ops
+
+
+@pytest.mark.ranks
+def test_fsdp_on_ring_is_refused_before_launch_or_named_where_it_raises(tmp_path: Path) -> None:
+    path = script_scenario(tmp_path, FSDP, "fsdp", world_sizes=(2,), no_progress_s=20)
+    declared = tmp_path / "declared.toml"
+    needs = 'path = "fsdp.py"\ncollectives = ["sum_scatter"]\n'
+    declared.write_text(path.read_text().replace('path = "fsdp.py"\n', needs, 1))
+    p = subprocess.run([sys.executable, "-m", "harness", "run", str(declared), "--out", str(tmp_path / "refused")],
+                       capture_output=True, text=True, timeout=300)
+    said = (p.stdout + p.stderr).strip().splitlines()
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stdout + p.stderr
+    assert any("[trainer] collectives names sum_scatter" in x and "the ring backend lacks sum_scatter" in x
+               for x in said), said
+    assert not (tmp_path / "refused" / "runs").exists()  # nothing launched
+    # undeclared, it runs and raises there: the failure names the call, its site and the backend's lack
+    result, stdout, code = _run(tmp_path, "fsdp", "main()\n", "main()  # PLANTED\n", (2,), FSDP)
+    run = result["scenarios"][0]["runs"][0]
+    assert code == 3 and not run["ok"], run
+    assert "the ring backend lacks sum_scatter" in run["failure"] and "sum_scatter float32[" in run["failure"], \
+        run["failure"]
+    assert "in main" in run["failure"] or "distributed.py" in run["failure"], run["failure"]

@@ -61,11 +61,12 @@ def _run(name: str, out: Path, shared_run: SharedRun) -> tuple[dict[str, Any], d
         p = cli("run", str(REPO / "scenarios" / f"{name}.toml"), "--out", str(out))
     else:  # the power scenario's run, read for the shipped scenario's runs
         p, out = shared_run(str(POWER / f"{name}.toml"))
-    undecided = name in INCONCLUSIVE
-    assert p.returncode == (4 if undecided else 0), p.stdout[-4000:] + p.stderr[-2000:]
     (s,) = json.loads((out / "result.json").read_text())["scenarios"]
+    said = {c["name"] for c in s["checks"] if c["result"] == "INCONCLUSIVE"}
+    undecided = name in INCONCLUSIVE or bool(said)
+    assert said <= INCONCLUSIVE.get(name, set()) | MAY_NOT_DECIDE.get(name, set()), said
+    assert p.returncode == (4 if undecided else 0), p.stdout[-4000:] + p.stderr[-2000:]
     assert s["status"] == ("inconclusive" if undecided else "passed") and all(c["passed"] for c in s["checks"])
-    assert {c["name"] for c in s["checks"] if c["result"] == "INCONCLUSIVE"} <= INCONCLUSIVE.get(name, set())
     runs = {r["name"]: r for r in s["runs"] if shared is None or r["name"] in shared}
     checks = {(c["name"], c["run"]): c for c in s["checks"] if shared is None or c["run"] in shared}
     assert shared is None or set(runs) == set(shared)
@@ -80,6 +81,11 @@ def _run(name: str, out: Path, shared_run: SharedRun) -> tuple[dict[str, Any], d
 # LoRA adapters trained a few AdamW steps on a tiny model with random weights: rounding grows
 # chaotically over the steps about as far as training moves the adapters (docs/parity.md#power)
 INCONCLUSIVE: dict[str, set[str]] = {}
+# Decided on some CPUs and not on others: OpenBLAS picks its kernels by CPU, so the rounding differs,
+# and AdamW on LoRA adapters grows it chaotically (float32 INCONCLUSIVE in 9 of 20 seeds,
+# docs/parity.md#bfloat16): at the shipped seed the check passed on one machine and read INCONCLUSIVE
+# on an AMD EPYC. Either is allowed; a FAIL never is.
+MAY_NOT_DECIDE: dict[str, set[str]] = {"mlx_lm_lora": {"param_parity"}}
 # LoRA adapters (lora_b starting at zero, AdamW): in float32 their deviation over its floor spread
 # from 0.19 to 3.56 over 20 seeds (docs/parity.md#bfloat16), so a margin of 3 at one seed is not what
 # the floor promises there; the check's own limit (10 x the floor) is

@@ -46,17 +46,25 @@ def check_ledger(path: Path) -> tuple[list[dict[str, Any]], str | None] | None:
             e = json.loads(line)
         except json.JSONDecodeError:
             torn = n == len(lines) and not text.endswith("\n")
-            return out, None if torn else f"line {n} is not JSON"
+            return _applied(out), None if torn else f"line {n} is not JSON"
         if not isinstance(e, dict):
-            return out, f"line {n} is not a JSON object"
+            return _applied(out), f"line {n} is not a JSON object"
         if "protocol" in e:  # an executable's record, versioned
             why = schema.protocol_problem("collective", e)
             if why is not None:
-                return out, f"line {n} is not a protocol-{schema.COMMAND_PROTOCOL} collective record ({why})"
+                return _applied(out), f"line {n} is not a protocol-{schema.COMMAND_PROTOCOL} collective record ({why})"
         elif not isinstance(e.get("op"), str):
-            return out, f"line {n} names no op"
+            return _applied(out), f"line {n} names no op"
         out.append(e)
-    return out, None
+    return _applied(out), None
+
+
+def _applied(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A ledger with its retracted calls left out (``harness.rank.ledger.Ledger.on_event``)."""
+    gone = {seq for e in entries if e["op"] == "retract" for seq in e.get("retracts") or ()}
+    if not gone and all(e["op"] != "retract" for e in entries):
+        return entries
+    return [e for e in entries if e["op"] != "retract" and e.get("seq") not in gone]
 
 
 def describe(e: dict[str, Any] | None) -> str:

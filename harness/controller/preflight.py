@@ -34,17 +34,30 @@ def check_resume_sources(plan: ScenarioPlan) -> None:
             raise ScenarioError(f"{s.path}: [[runs]][{i}].resume_from: {e}") from e
 
 
-def check_backends(plan: ScenarioPlan, backend: str | None) -> None:
-    """Refuse, before anything runs, a run whose device or backend cannot run here."""
+def check_backends(plan: ScenarioPlan, backend: str | None) -> list[str]:
+    """Refuse, before anything runs, a run whose device or backend cannot run here, or whose
+    backend lacks a collective its trainer calls (``[trainer] collectives``); returns notes (a
+    backend whose collectives could not be probed)."""
+    from harness.controller.backend_ops import lacking_line, lacks
     from harness.controller.devices import BackendRefused, DeviceRefused, plan_backend, plan_device
 
+    notes: list[str] = []
     for run in plan.declared:
         try:
             device, _ = plan_device(run.eff.train.device)
-            plan_backend(run.spec.world_size, run.spec.backend or backend, cpu_collectives=run.trainer.cpu_collectives,
-                         device=device)
+            chosen, _ = plan_backend(run.spec.world_size, run.spec.backend or backend,
+                                     cpu_collectives=run.trainer.cpu_collectives, device=device)
         except (BackendRefused, DeviceRefused) as e:
             raise ScenarioError(f"{plan.scenario.path}: run {run.name}: {e}") from e
+        if chosen is None or run.spec.world_size < 2:
+            continue
+        missing, note = lacks(chosen, run.eff.trainer.collectives)
+        if missing:
+            raise ScenarioError(f"{plan.scenario.path}: run {run.name}: [trainer] collectives names "
+                                f"{', '.join(missing)}, which its backend cannot run: {lacking_line(chosen, missing)}")
+        if note and note not in notes:
+            notes.append(note)
+    return notes
 
 
 def preflight(plan: ScenarioPlan, backend: str | None, cluster: Cluster | None = None) -> list[str]:
@@ -56,13 +69,12 @@ def preflight(plan: ScenarioPlan, backend: str | None, cluster: Cluster | None =
     from harness.controller.rank_budget import budget
 
     check_resume_sources(plan)
-    if cluster is None:
-        check_backends(plan, backend)
+    notes = check_backends(plan, backend) if cluster is None else []
     try:
         ring_yield.mode()
         budget()
     except ValueError as e:
         raise ScenarioError(str(e)) from e
-    notes = check_data_files(plan.scenario)
+    notes += check_data_files(plan.scenario)
     check_launches(plan.scenario, cluster is not None)  # each run's expected memory fits the memory budget
     return notes

@@ -15,6 +15,10 @@ from harness.rank.context import RankContext
 
 
 def run(ctx: RankContext) -> dict[str, Any]:
+    if ctx.job.ops:  # which collectives the backend implements
+        from harness.rank import collective_probe
+
+        return collective_probe.run(ctx)
     import mlx.core as mx
 
     value, rounds, pause = ctx.job.value, ctx.job.rounds, ctx.job.pause_s

@@ -7,11 +7,12 @@ that each call appends one line to ``rank{r}.collectives.jsonl`` before it is is
 sequence number, op, shape, dtype, stream, group size, peer, the training step in progress and
 the call site (the first frame outside MLX and the harness, else outside MLX). Lines are flushed
 as they are written, so a rank that hangs or is killed inside a collective leaves its ledger up
-to that call. ``mx.compile`` is wrapped too: MLX runs a compiled function's Python only when it
-traces it, so its collectives are recorded then (with ``compiled``: the function and its call
-number) and every later call that does not trace records them again from that trace, so a compiled
-step's ledger reads like an eager one's. ``MLX_DDP_HARNESS_LEDGER=0`` in the controller's
-environment keeps no ledger (``enabled``; what it costs is measured by
+to that call (a call recorded while MLX built a lazy graph that was then dropped unevaluated is
+retracted by a later line, ``on_event``). ``mx.compile`` is wrapped too: MLX runs a compiled
+function's Python only when it traces it, so its collectives are recorded then (with
+``compiled``: the function and its call number) and every later call that does not trace records
+them again from that trace, so a compiled step's ledger reads like an eager one's.
+``MLX_DDP_HARNESS_LEDGER=0`` in the controller's environment keeps no ledger (``enabled``; what it costs is measured by
 ``benchmarks/ledger_overhead.py``). A run's collective mutation acts here too
 (``harness.rank.collective_mutations``). The controller compares the ranks' ledgers when a run
 fails or stops making progress (``harness.controller.ledgers``).
@@ -78,6 +79,7 @@ class Ledger:
         self._originals: dict[str, Any] = {}
         self._trace: list[dict[str, Any]] | None = None  # collectives of the trace in progress
         self._compiled: list[str] = []
+        self._recent: list[tuple[int, Any, bool]] = []  # (seq, step, compiled) of the step in progress
 
     def record(self, op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """Write the call's line; whether the run's collective mutation acts on it."""
@@ -114,6 +116,9 @@ class Ledger:
         with self._lock:
             entry["seq"] = self.seq
             self.seq += 1
+            if entry["op"] != "retract":  # the calls of the step in progress, for a retraction
+                self._recent = [r for r in self._recent if r[1] == entry.get("step")]
+                self._recent.append((entry["seq"], entry.get("step"), bool(entry.get("compiled"))))
             self._f.write(json.dumps(entry, separators=(",", ":")) + "\n")
 
     def compile(self, original: Any, fun: Any, *args: Any, **kwargs: Any) -> Any:
@@ -186,8 +191,17 @@ class Ledger:
 
     def on_event(self, kind: str, fields: dict[str, Any]) -> None:
         """Step 0 is start-up (the device check, the group's first exchanges); the ``start`` event
-        begins step 1, and a ``step`` event that ended step k begins step k + 1."""
-        if kind == "start":
+        begins step 1, and a ``step`` event that ended step k begins step k + 1. A
+        ``compile_fallback`` event (the reference trainer's agreed compile failure) retracts the
+        compiled calls of its step: their lazy graph was dropped unevaluated, so no backend saw
+        them (a ``retract`` line naming their sequence numbers)."""
+        if kind == "compile_fallback":
+            with self._lock:
+                dropped = [seq for seq, step, compiled in self._recent if compiled and step == fields.get("step")]
+            if dropped:
+                self._write({"op": "retract", "retracts": dropped, "step": fields.get("step"),
+                             "site": "compile fallback"})
+        elif kind == "start":
             self.step = max(self.step, 1)
         elif kind == "step" and isinstance(fields.get("step"), int):
             self.step = fields["step"] + 1

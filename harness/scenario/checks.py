@@ -235,11 +235,12 @@ def check_names() -> tuple[str, ...]:
 
 def run_rules(s: Scenario, spec: RunSpec) -> list[tuple[CheckFamily, list[str]]]:
     """The families that apply to one run, in order, with the checks (plain names) each gives it.
-    A run expected to fail gets the expected-failure check alone; one whose mutation kills a rank,
-    the mutation's."""
+    A run expected to fail gets the expected-failure check, one whose mutation kills a rank the
+    mutation's, each with ``collective_agreement`` where it has more than one rank."""
+    agreement = [(family("collectives"), [str(N.collective_agreement)])] if spec.world_size > 1 else []
     if spec.expect_error is not None:
-        return [(family(N.expected_failure), [str(N.expected_failure)])]
+        return [(family(N.expected_failure), [str(N.expected_failure)]), *agreement]
     if spec.fails_by_design:
-        return [(family("mutation"), [str(N.mutation_caught)])]
+        return [*agreement, (family("mutation"), [str(N.mutation_caught)])]
     return [(f, [str(n) for n in names]) for f in families()
             if f.name != N.expected_failure and (names := f.applies(s, spec))]

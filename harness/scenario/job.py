@@ -198,6 +198,7 @@ class AllSumJob:
     pause_s: float = 0.0
     elems: int | None = None
     faults: tuple[FaultSpec, ...] = ()  # a rank misbehaving between all-sums
+    ops: tuple[str, ...] = ()  # instead: each of these collectives tried once (``harness.rank.collective_probe``)
     world_size: int | None = None
     backend: str | None = None
     launched_at: float | None = None
@@ -214,13 +215,15 @@ class AllSumJob:
     def to_json(self) -> dict[str, Any]:
         out = {"kind": self.kind, **{k: v for k, v in dataclasses.asdict(self).items() if v is not None}}
         out["faults"] = [dataclasses.asdict(f) for f in self.faults]
-        return {k: v for k, v in out.items() if v != {}}
+        out["ops"] = list(self.ops)
+        return {k: v for k, v in out.items() if v != {} and (k != "ops" or v)}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> AllSumJob:
         known = {f.name for f in dataclasses.fields(cls)}
         _known(d, known, "all-sum job")
-        return cls(**{k: tuple(FaultSpec(**f) for f in v) if k == "faults" else v for k, v in d.items() if k in known})
+        return cls(**{k: tuple(FaultSpec(**f) for f in v) if k == "faults" else tuple(v) if k == "ops" else v
+                      for k, v in d.items() if k in known})
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,8 @@ VLM_ARCHS = ("qwen2_vl", "paligemma")
 ARCHS = TEXT_ARCHS + VLM_ARCHS
 DTYPES = ("float32", "bfloat16", "float16")
 BACKENDS = ("ring", "nccl", "mpi", "jaccl")
+# MLX's collectives (``mx.distributed``): which a backend implements is probed (``harness.controller.backend_ops``)
+COLLECTIVE_OPS = ("all_sum", "all_gather", "all_max", "all_min", "sum_scatter", "send", "recv")
 FAULT_ACTIONS = ("raise", "exit", "sigkill", "segfault", "hang", "exit0", "stop", "compile_error",
                  "truncate", "corrupt", "delete", "stale_view", "allocate", "wrong_result", "delay")
 FAULT_PHASES = ("fetch", "step", "update", "eval", "checkpoint", "resume", "save", "device_check",

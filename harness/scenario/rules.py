@@ -13,6 +13,7 @@ from harness.scenario.names import (
     BACKENDS,
     CHECKPOINT_FILES,
     COLLECTIVE_MUTATIONS,
+    COLLECTIVE_OPS,
     COMPILE_MODES,
     COMPILE_SCOPES,
     DAMAGE_ACTIONS,
@@ -189,6 +190,8 @@ def _validate_trainer_spec(t: TrainerSpec, src: str, at: str) -> None:
     require(takes_path or not t.args, src, f"{at}.args", "only a 'script' or 'command' trainer takes args")
     require(info.script or t.saves is None, src, f"{at}.saves",
             "only a 'script' trainer declares its saves (the others' are known)")
+    for op in t.collectives:
+        _one_of(op, COLLECTIVE_OPS, src, f"{at}.collectives")
     require(info.lora or t.fine_tune == "full", src, f"{at}.fine_tune",
             f"LoRA is an option of the {', '.join(map(repr, with_kind('lora')))} trainers")
     require(t.lora_rank > 0 and t.lora_scale > 0, src, f"{at}.lora_rank", "lora_rank and lora_scale must be positive")

@@ -22,7 +22,9 @@ class TrainerSpec:
     with ``lora_rank``, ``lora_scale`` and ``lora_layers`` adapted layers, -1: all). ``script``: a
     user's training script at ``path`` (run with ``args`` as its command line), reporting through
     ``harness.api``; ``saves = true`` declares that it saves on rank 0, which the judge then demands
-    (the other trainers' saves are known: ``harness.scenario.trainers.TrainerInfo.saves``)."""
+    (the other trainers' saves are known: ``harness.scenario.trainers.TrainerInfo.saves``).
+    ``collectives``: the collectives it calls beyond ``all_sum`` (``sum_scatter`` under
+    ``nn.fully_shard``); a run whose backend lacks one is refused before launch."""
 
     kind: str = "reference"
     path: str | None = None
@@ -32,6 +34,7 @@ class TrainerSpec:
     lora_scale: float = 20.0
     lora_layers: int = -1
     saves: bool | None = None
+    collectives: list[str] = field(default_factory=list)  # what it calls beyond all_sum (sum_scatter for FSDP)
 
 
 @dataclass
