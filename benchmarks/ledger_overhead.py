@@ -7,7 +7,8 @@ left out (compilation, warm-up). It prints, per scenario: the ledger's calls per
 median step time with and without it, their ratio with the repeats' range, and the ledger's own
 cost per call timed in-process (``record`` with the call-site walk and the flushed write) times
 its calls per step over the step time: the cost that side-by-side timings on a busy machine can
-only bound. ``--same`` runs both sides with the ledger on, to show that noise.
+only bound; and what the controller's comparison of the ranks' ledgers after each run
+(``collective_agreement``) took. ``--same`` runs both sides with the ledger on, to show that noise.
 
 usage: python benchmarks/ledger_overhead.py [SCENARIO.toml ...] [--repeats 3] [--skip 2] [--device D]
                                           [--same] [--json FILE]
@@ -33,6 +34,7 @@ sys.path.insert(0, str(REPO))
 
 from harness import schema  # noqa: E402
 from harness.controller.inputs import prepare_jobs  # noqa: E402
+from harness.controller.ledgers import desync  # noqa: E402
 from harness.controller.run_job import execute  # noqa: E402
 from harness.rank.ledger import SWITCH, Ledger  # noqa: E402
 from harness.scenario import load_scenario, with_device  # noqa: E402
@@ -62,8 +64,11 @@ def record_cost_s(calls: int = 20000) -> float:
     return took / calls
 
 
-def one_launch(path: Path, on: bool, keep: Path, skip: int, device: str | None = None) -> tuple[float, float]:
-    """Rank 0's median step time (s) and ledger calls per step of the scenario's first N-rank run."""
+def one_launch(path: Path, on: bool, keep: Path, skip: int, device: str | None = None
+               ) -> tuple[float, float, float]:
+    """Rank 0's median step time (s) and ledger calls per step of the scenario's first N-rank run,
+    and what comparing its ranks' ledgers took the controller after it (s; as every run's
+    ``collective_agreement`` does)."""
     s = load_scenario(path)
     plan = plan_scenario(with_device(s, device) if device else s)
     run = next(r for r in plan.runs if r.spec.world_size > 1 and r.floor is None)
@@ -78,7 +83,9 @@ def one_launch(path: Path, on: bool, keep: Path, skip: int, device: str | None =
              if e["kind"] == "step" and e.get("step_time_s") is not None]
     ledger = keep / "rank0.collectives.jsonl"
     calls = len(ledger.read_text().splitlines()) if ledger.exists() else 0
-    return statistics.median(times[skip:] or times), calls / max(len(times), 1)
+    t0 = time.perf_counter()
+    desync(keep, run.spec.world_size, waiting=False, finished=set(range(run.spec.world_size)))
+    return statistics.median(times[skip:] or times), calls / max(len(times), 1), time.perf_counter() - t0
 
 
 def main() -> int:
@@ -96,26 +103,28 @@ def main() -> int:
     rows, figures = [], []
     keep = Path(tempfile.mkdtemp(prefix="ledger-overhead-"))
     for path in paths:
-        on, off, calls = [], [], 0.0
+        on, off, calls, compare = [], [], 0.0, []
         for k in range(args.repeats):
             for first in ((True, False) if k % 2 == 0 else (False, True)):
-                step_s, n = one_launch(path, first or args.same, keep / f"{path.stem}-{k}-{int(first)}", args.skip,
-                                       args.device)
+                step_s, n, took = one_launch(path, first or args.same, keep / f"{path.stem}-{k}-{int(first)}",
+                                             args.skip, args.device)
                 (on if first else off).append(step_s)
                 calls = n if first else calls
+                compare += [took] if first else []
         ratios = [a / b for a, b in zip(on, off, strict=True)]
         ratio = statistics.median(on) / statistics.median(off)
         estimate = calls * per_call / statistics.median(off)
         figures.append({"scenario": path.stem, "calls_per_step": calls, "step_s_on": on, "step_s_off": off,
-                        "ratio": ratio, "record_s": per_call, "estimated_overhead": estimate})
+                        "ratio": ratio, "record_s": per_call, "estimated_overhead": estimate, "compare_s": compare})
         rows.append([path.stem, f"{calls:.1f}", f"{statistics.median(on) * 1e3:.1f}",
                      f"{statistics.median(off) * 1e3:.1f}",
-                     f"{ratio:.3f} ({min(ratios):.3f}-{max(ratios):.3f})", f"{estimate * 100:.3f} %"])
+                     f"{ratio:.3f} ({min(ratios):.3f}-{max(ratios):.3f})", f"{estimate * 100:.3f} %",
+                     f"{statistics.median(compare) * 1e3:.2f}"])
         print(rows[-1], flush=True)
     print(f"\nledger record: {per_call * 1e6:.1f} us per call; {args.repeats} repeats each side, alternating\n")
     print(tabulate(rows, headers=["scenario", "collectives/step", "step ms (ledger)",
                                   "step ms (ledger, again)" if args.same else "step ms (none)",
-                                  "ratio (range)", "record cost / step"]))
+                                  "ratio (range)", "record cost / step", "compare ms / run"]))
     if args.json:
         args.json.write_text(json.dumps({"record_s": per_call, "scenarios": figures}, indent=1) + "\n")
     return 0

@@ -7,6 +7,7 @@ alone. Planted in a user's script (``examples/minimal_script.py``)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -128,3 +129,15 @@ def test_fsdp_on_ring_is_refused_before_launch_or_named_where_it_raises(tmp_path
     assert "the ring backend lacks sum_scatter" in run["failure"] and "sum_scatter float32[" in run["failure"], \
         run["failure"]
     assert "in main" in run["failure"] or "distributed.py" in run["failure"], run["failure"]
+
+
+@pytest.mark.ranks
+def test_without_ledgers_the_check_is_na_never_a_pass(tmp_path: Path) -> None:
+    path = script_scenario(tmp_path, SCRIPT, "unrecorded", world_sizes=(2,), no_progress_s=20)
+    env = {**os.environ, "MLX_DDP_HARNESS_LEDGER": "0"}
+    p = subprocess.run([sys.executable, "-m", "harness", "run", str(path), "--out", str(tmp_path / "out"),
+                        "--progress", "off", "--no-plots"], capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    (s,) = json.loads((tmp_path / "out" / "result.json").read_text())["scenarios"]
+    (c,) = [c for c in s["checks"] if c["name"] == "collective_agreement"]
+    assert c["result"] == "n/a" and "no rank kept a collective ledger" in c["detail"], c

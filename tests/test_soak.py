@@ -14,6 +14,7 @@ import pytest
 from harness.controller import rank_budget
 from harness.judge.rates import Rate, binom_cdf, clopper_pearson, quantile
 from harness.present.cli import main
+from harness.rank.models import TINY
 from harness.scenario import ModelSpec
 from harness.scenario.job import JobError, SoakJob, SoakStop, job_from_json
 
@@ -86,15 +87,31 @@ def test_a_planted_hang_is_counted_named_and_relaunched_past(tmp_path: Path,
     assert (hang["kind"], hang["at_call"], hang["launch"], hang["planted"]) == ("hang", 101, 1, True)
     assert hang["detail"] == f"no progress from any rank for {WATCHDOG_S} s"
     ledgers = hang["collectives"]
-    assert ledgers["agree"] and ledgers["seq"] == 100  # every rank issued call 101 (seq 100) and waits in it
-    assert {r: (e["op"], e["shape"], e["step"]) for r, e in ledgers["ranks"].items()} == \
-        {"0": ("all_sum", [1024], 101), "1": ("all_sum", [1024], 101)}
-    assert "#100 all_sum float32[1024]" in hang["line"] and hang["line"].endswith("is where the ranks wait")
+    assert not ledgers["agree"] and ledgers["seq"] == 100  # rank 0 issued call 101 (seq 100) and waits in it
+    assert {r: e and (e["op"], e["shape"], e["step"]) for r, e in ledgers["ranks"].items()} == \
+        {"0": ("all_sum", [1024], 101), "1": None}
+    assert hang["stopped_answering"] == [1] and hang["line"].startswith("rank 1 stopped answering; "), hang["line"]
+    assert "#100: rank 0: all_sum float32[1024]" in hang["line"] and "rank 1: no collective (behind" in hang["line"]
     kept = Path(hang["files"])
     assert {f"rank{r}.collectives.jsonl" for r in range(2)} <= {p.name for p in kept.iterdir()}
     assert cell["rate"]["events"] == 1 and cell["rate"]["trials"] == 200
     out = capsys.readouterr().out
-    assert "hang (planted by --plant-hang) at call 101 (launch 1): collectives agree on every rank" in out
+    assert "hang (planted by --plant-hang) at call 101 (launch 1): rank 1 stopped answering" in out
+
+
+@pytest.mark.ranks
+def test_a_hang_planted_inside_a_gradient_shaped_round_names_its_call_and_rank(tmp_path: Path) -> None:
+    """A round of a model's gradient shapes: the planted call is named, not the round's first."""
+    config = tmp_path / "model.json"
+    config.write_text(json.dumps({**TINY["qwen3"], "vocab_size": 64}))
+    code = main(["soak", "--ranks", "2", "--model", str(config), "--out", str(tmp_path), "--streams", "cpu",
+                 "--calls", "60", "--watchdog", WATCHDOG_S, "--plant-hang", "1:37"])
+    doc = json.loads((tmp_path / "soak.json").read_text())
+    (cell,) = doc["cells"]
+    assert code == 1 and cell["arrays"] > 20 and cell["calls"] == 60, cell  # 37 falls inside the second round
+    (hang,) = cell["hangs"]
+    assert (hang["at_call"], hang["stopped_answering"]) == (37, [1]), hang
+    assert hang["line"].startswith("rank 1 stopped answering; collectives diverge at call #36: rank 0: all_sum")
 
 
 @pytest.mark.ranks

@@ -100,6 +100,8 @@ def _side(rs: list[int], e: dict[str, Any] | None, ledgers: dict[int, list[dict[
     if e is None and set(rs) <= set(finished):
         last = ledgers[rs[0]][-1] if ledgers[rs[0]] else None
         return f"{_ranks(rs)}: no collective (finished; its last: {describe(last)})"
+    if e is None:
+        return f"{_ranks(rs)}: no collective (behind: it issued none from here)"
     return f"{_ranks(rs)}: {describe(e)}"
 
 
@@ -124,7 +126,9 @@ def compare(ledgers: dict[int, list[dict[str, Any]]], lost: dict[int, str] | Non
             sides.setdefault(_key(e), []).append(r)
         if len(sides) > 1:
             parts = [_side(rs, at[rs[0]], ledgers, finished) for rs in sorted(sides.values())]
+            behind = [r for r, e in at.items() if e is None and r not in finished]
             return {"agree": False, "seq": seq, "compared": seq, "ranks": {str(r): e for r, e in at.items()},
+                    "behind": behind,
                     "lost": {str(r): why for r, why in lost.items()},
                     "line": f"collectives diverge at call #{seq}: " + "; ".join(parts) + _lost_line(ledgers, lost)}
     common = {"lost": {str(r): why for r, why in lost.items()}, "compared": longest}

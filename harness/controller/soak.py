@@ -70,10 +70,18 @@ class Stoppage:
 
     @property
     def line(self) -> str:
-        return (self.collectives or {}).get("line") or "no ledgers to compare"
+        said = (self.collectives or {}).get("line") or "no ledgers to compare"
+        return f"{self.who} stopped answering; {said}" if self.who else said
+
+    @property
+    def who(self) -> str | None:
+        """The ranks that stopped answering: those whose ledger is behind the others'."""
+        behind = (self.collectives or {}).get("behind") or []
+        return ("rank " if len(behind) == 1 else "ranks ") + ", ".join(map(str, behind)) if behind else None
 
     def to_json(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "line": self.line}
+        behind = (self.collectives or {}).get("behind")
+        return {**dataclasses.asdict(self), "line": self.line, "stopped_answering": behind}
 
 
 @dataclass

@@ -79,7 +79,7 @@ class Ledger:
         self._originals: dict[str, Any] = {}
         self._trace: list[dict[str, Any]] | None = None  # collectives of the trace in progress
         self._compiled: list[str] = []
-        self._recent: list[tuple[int, Any, bool]] = []  # (seq, step, compiled) of the step in progress
+        self._recent: list[tuple[int, Any, bool]] = []  # (seq, step, compiled) of the last step's compiled calls
 
     def record(self, op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """Write the call's line; whether the run's collective mutation acts on it."""
@@ -116,9 +116,10 @@ class Ledger:
         with self._lock:
             entry["seq"] = self.seq
             self.seq += 1
-            if entry["op"] != "retract":  # the calls of the step in progress, for a retraction
-                self._recent = [r for r in self._recent if r[1] == entry.get("step")]
-                self._recent.append((entry["seq"], entry.get("step"), bool(entry.get("compiled"))))
+            if entry.get("compiled"):  # the compiled calls of the step in progress, for a retraction
+                if self._recent and self._recent[-1][1] != entry.get("step"):
+                    self._recent = []
+                self._recent.append((entry["seq"], entry.get("step"), True))
             self._f.write(json.dumps(entry, separators=(",", ":")) + "\n")
 
     def compile(self, original: Any, fun: Any, *args: Any, **kwargs: Any) -> Any:

@@ -8,7 +8,9 @@ calls and time for the controller. A launch with a time limit (``seconds``, from
 round) agrees with the other ranks how many rounds fit: after rounds 1, 2, 4, 8, ..., and again
 when the agreed rounds are done, each rank estimates the rounds it can finish by then and the
 ranks take the smallest (one ``all_min`` of an int32[1], not a call), so that every rank stops
-after the same round.
+after the same round. A planted stop (``SoakJob.stop``) cuts its round short so that its call
+begins the next: the stopped rank's ledger then ends just before it, and the controller names
+that rank and that call.
 """
 
 from __future__ import annotations
@@ -62,10 +64,17 @@ def _agreed_rounds(ctx: RankContext, stream: Any, rounds: int, started: float, u
     return int(agreed.item())
 
 
-def _stop_here(ctx: RankContext, job: SoakJob, first: int, last: int) -> None:
-    """The planted hang: stop this rank when its round holds the stop's call."""
+def _cut_at_stop(job: SoakJob, first: int, k: int) -> int:
+    """The round's calls, cut short where the planted stop falls inside it (every rank alike), so
+    that the stop's call begins a round: the ranks complete every call before it."""
     stop = job.stop
-    if stop is not None and stop.rank == ctx.rank and first <= stop.call <= last:
+    return stop.call - first if stop is not None and first < stop.call < first + k else k
+
+
+def _stop_here(ctx: RankContext, job: SoakJob, first: int) -> None:
+    """The planted hang: stop this rank before it issues the stop's call (which begins this round)."""
+    stop = job.stop
+    if stop is not None and stop.rank == ctx.rank and first == stop.call:
         ctx.events.emit("fault", rank=ctx.rank, phase="soak", action="sigstop", call=stop.call)
         os.kill(os.getpid(), signal.SIGSTOP)
 
@@ -83,21 +92,20 @@ def run(ctx: RankContext) -> dict[str, Any]:
     ctx.phase("soak")  # progress for the watchdog: large gradients take a while to allocate
     width = len(grads)
     round_bytes = sum(g.nbytes for g in grads)
-    max_rounds = None if job.calls is None else -(-job.calls // width)
     timed: int | None = None  # the rounds the ranks agreed fit in the time
     done = rounds = 0
     next_plan, started = 1, time.time()
     until = started + (job.seconds or 0.0)
-    while max_rounds is None or rounds < max_rounds:
+    while job.calls is None or done < job.calls:
         if timed is not None and rounds >= timed:  # the agreed rounds are done: does another fit?
             timed = _agreed_rounds(ctx, stream, rounds, started, until)
             if rounds >= timed:
                 break
-        k = width if job.calls is None else min(width, job.calls - done)
         first = job.first_call + done + 1
+        k = _cut_at_stop(job, first, width if job.calls is None else min(width, job.calls - done))
         t0 = time.perf_counter()
+        _stop_here(ctx, job, first)
         out = [mx.distributed.all_sum(g, group=ctx.group, stream=stream) for g in grads[:k]]
-        _stop_here(ctx, job, first, first + k - 1)
         mx.eval(out)
         took = time.perf_counter() - t0
         done, rounds = done + k, rounds + 1
