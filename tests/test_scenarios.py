@@ -406,7 +406,9 @@ def mlx_lm_lora(runs: dict, checks: dict, out: Path) -> None:
     for check in (*STEP_LOCAL, "loss_parity"):
         assert checks[(check, "ddp2")]["result"] == "pass", check
     param = checks[("param_parity", "ddp2")]  # the adapters, by the update they make (lora_a @ lora_b)
-    assert param["result"] == "pass" and ".lora_a @ lora_b" in param["detail"] and not param["no_power"], param
+    assert ".lora_a @ lora_b" in param["detail"], param
+    # with power where this CPU's rounding allows it; else INCONCLUSIVE, saying so (MAY_NOT_DECIDE), never FAIL
+    assert (param["result"], param["no_power"]) in (("pass", False), ("INCONCLUSIVE", True)), param
     assert runs["single"]["param_count"] < 30_000  # the trainable (LoRA) parameters only
 
 

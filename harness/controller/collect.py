@@ -66,19 +66,24 @@ PEER_LOST = "connection to a peer was lost"
 PEER_FAILED = "a peer rank failed"
 
 
+STALLS = ("no_progress", "wall")  # watchdog limits that stop a run whose ranks were all there
+
+
 def ended_early(o: RankOutcome, report: WatchReport) -> tuple[str, bool] | None:
     """Why a rank ended before its run did, in a few words, and whether on its own (it raised,
     exited or was killed by a fault: the step it was in is cut short) or as a consequence (its peer
-    was lost, mlx.launch stopped it); None where it finished, or the watchdog stopped it where it
-    stood. Its ledger may end before its peers' (``harness.controller.ledgers``)."""
-    if o.ok or o.killed:
+    was lost, mlx.launch or the watchdog stopped it after another rank's end or over its memory);
+    None where it finished, or the watchdog stopped a stalled run where it stood. Its ledger may
+    end before its peers' (``harness.controller.ledgers``)."""
+    if o.ok:
         return None
+    stopped = o.killed or (o.result is None and report.limit and o.rank not in report.exited_early)
+    if stopped:  # alive when the watchdog stopped the run
+        return None if report.limit in STALLS else ("was stopped by the watchdog", False)
     if o.result is not None and o.result.get("status") != "ok":
         error = str(o.result.get("error", ""))
         peer = PEER_LOST in error or error.startswith(PEER_FAILED)
         return ("lost its peer", False) if peer else ("failed", True)
-    if o.result is None and report.limit and o.rank not in report.exited_early:
-        return None  # alive when the watchdog stopped the run
     if o.exit_code == -15:
         return "was stopped by mlx.launch", False
     if o.exit_code not in (0, None):

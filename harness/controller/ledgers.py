@@ -4,13 +4,15 @@ which they differ is named (issued by some ranks only, or another op, shape, dty
 the same sequence number), with each side's call site and the ranks behind it. Where the ledgers
 agree, it says how many calls it compared and, for a run that stalled, names the collective every
 rank issued last: the one they are waiting in. A rank that ended on its own before the run did (it
-raised, exited or was killed, not by the watchdog) is compared up to its last record and named; a
-rank that finished had issued every call it would, so a call it lacks is a divergence (a collective
-issued after it finished). Point-to-point calls (``send``, ``recv``, ``recv_like``) match each
-other: one rank sends what another receives.
-An executable under the rank protocol may keep its own ledger in the same file, of versioned
-records (``harness/protocol/collective.schema.json``); a line of another version, or one that
-breaks the schema, ends that rank's ledger there, and the comparison says so.
+raised, exited or was killed, not by the watchdog) is compared up to the last step it completed,
+and one that ended as a consequence (its peer lost, stopped after another rank's end) up to its
+last record; each is named where its ledger is shorter than the others'. A rank that finished had
+issued every call it would, so a call it lacks is a divergence (a collective issued after it
+finished). What this cannot see: a mismatched call in the very step a rank raised in.
+Point-to-point calls (``send``, ``recv``, ``recv_like``) match each other: one rank sends what
+another receives. An executable under the rank protocol may keep its own ledger in the same file,
+of versioned records (``harness/protocol/collective.schema.json``); a line of another version, or
+one that breaks the schema, ends that rank's ledger there, and the comparison says so.
 """
 
 from __future__ import annotations
@@ -160,6 +162,7 @@ def desync(run_dir: Path, world_size: int, lost: dict[int, str] | None = None, w
             found[r] = checked[0]
             if checked[1] is not None:
                 problems.append(f"rank {r}'s ledger {checked[1]}: it is compared up to that line")
+    last = {str(r): entries[-1] for r, entries in found.items() if entries}  # before any cut
     for r, step in (cut or {}).items():
         if r in found:
             found[r] = [e for e in found[r] if int(e.get("step") or 0) <= step]
@@ -167,7 +170,9 @@ def desync(run_dir: Path, world_size: int, lost: dict[int, str] | None = None, w
     verdict = compare(found, lost, waiting, finished)
     if verdict is None:
         kept = f"only rank {next(iter(found))} kept a ledger" if found else "no rank kept a ledger"
-        return {"agree": None, "seq": None, "ranks": {}, "missing": missing, "compared": 0, "line": kept}
+        return {"agree": None, "seq": None, "ranks": {}, "missing": missing, "compared": 0, "line": kept,
+                "last": last}
+    verdict = {**verdict, "last": last}
     if missing:
         verdict = {**verdict, "missing": missing}
     if problems:

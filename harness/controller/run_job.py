@@ -14,7 +14,6 @@ from harness import schema
 from harness.cluster_spec import Cluster, ClusterError
 from harness.controller import launch as launcher
 from harness.controller import rank_budget
-from harness.controller.backend_ops import lack_named
 from harness.controller.collect import collect, ended_early, failure_reason
 from harness.controller.cpu_use import CpuMeter
 from harness.controller.devices import BackendRefused, DeviceRefused, accelerators, plan_backend, plan_device
@@ -209,10 +208,6 @@ def _summarize(name: str, run_dir: Path, started: launcher.Launch, report: Watch
     told = collectives is not None and collectives["agree"] is not None and (stuck or not collectives["agree"])
     if failure is not None and told:  # which collective the ranks disagree on, or all wait in
         failure += "\n" + collectives["line"]
-    lack = None if failure is None or started.ranks.remote else \
-        lack_named(started.backend, run_dir, [r for r, ((_, own), _) in ended.items() if own])
-    if lack is not None:  # a rank raised in a collective its backend lacks
-        failure += "\n" + lack
     feed.finish("ok" if failure is None else failure.splitlines()[0])
     params, params_u = load_stored(schema.params_path(run_dir)) if failure is None else (None, None)
     return RunOutcome(

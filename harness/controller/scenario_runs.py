@@ -21,6 +21,7 @@ from pathlib import Path
 
 from harness.cluster_spec import Cluster
 from harness.controller import kernel_cache
+from harness.controller.backend_ops import lack_named
 from harness.controller.devices import DeviceRefused, plan_device
 from harness.controller.inputs import prepare_jobs
 from harness.controller.memory_guard import MemoryLimits
@@ -108,6 +109,10 @@ def run_plan(
         )
         if run.floor is not None:
             outcome.floor = run.floor.description
+        lack = lack_named(outcome.backend, outcome.ranks, outcome.collectives) \
+            if outcome.failure and cluster is None else None
+        if lack is not None:  # a rank raised in a collective its backend lacks
+            outcome.failure += "\n" + lack
         kind = run.trainer.kind
         if run.trainer.external and outcome.failure and f"trainer {kind}" not in outcome.failure:
             outcome.failure = f"trainer {kind}: {outcome.failure}"  # name the trainer under test

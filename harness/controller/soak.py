@@ -119,7 +119,8 @@ def is_hang(outcome: RunOutcome) -> bool:
     """Stopped for want of progress while every rank was still there and none had failed, once a
     rank had issued a collective (before any, the ranks were stuck starting: a failure)."""
     errors = [o for o in outcome.ranks if o.result is not None and o.result.get("status") != "ok"]
-    started = outcome.collectives is None or outcome.collectives.get("seq") is not None
+    c = outcome.collectives
+    started = c is None or c.get("agree") is None or c.get("seq") is not None  # no ledgers: cannot tell
     return outcome.watch.limit == "no_progress" and not outcome.watch.exited_early and not errors and started
 
 

@@ -18,10 +18,9 @@ def collective_agreement(run: RunOutcome) -> Check:
     name, c = CheckName.collective_agreement, run.collectives
     if c is None or c.get("agree") is None or c.get("missing"):
         missing = (c or {}).get("missing") or list(range(run.world_size))
-        who = "no rank" if len(missing) == run.world_size else \
-            ("rank " if len(missing) == 1 else "ranks ") + ", ".join(map(str, missing))
-        return Check(name, run.name, True, None, None, f"not applicable: {who} kept a collective ledger ({NO_LEDGER})",
-                     applicable=False)
+        said = "no rank kept a collective ledger" if len(missing) == run.world_size else \
+            ("rank " if len(missing) == 1 else "ranks ") + ", ".join(map(str, missing)) + " kept no collective ledger"
+        return Check(name, run.name, True, None, None, f"not applicable: {said} ({NO_LEDGER})", applicable=False)
     derivation = "exact: every rank's call at each sequence number has the same op, shape, dtype and group"
     if not c["agree"]:
         return Check(name, run.name, False, 1, 0, c["line"], derivation=derivation)

@@ -30,5 +30,10 @@ def _try(ctx: RankContext, op: str) -> str | None:
 
 
 def run(ctx: RankContext) -> dict[str, Any]:
-    ops = sorted(ctx.job.ops, key=lambda op: op in P2P)
-    return {"ops": {op: _try(ctx, op) for op in ops}}
+    """Each op's outcome, also as an event as it ends (a probe that hangs in an exchange still
+    tells what came before)."""
+    found: dict[str, str | None] = {}
+    for op in sorted(ctx.job.ops, key=lambda op: op in P2P):
+        found[op] = _try(ctx, op)
+        ctx.events.emit("collective_probe", rank=ctx.rank, op=op, error=found[op])
+    return {"ops": found}

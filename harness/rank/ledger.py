@@ -14,8 +14,8 @@ function's Python only when it traces it, so its collectives are recorded then (
 them again from that trace, so a compiled step's ledger reads like an eager one's.
 ``MLX_DDP_HARNESS_LEDGER=0`` in the controller's environment keeps no ledger (``enabled``; what it costs is measured by
 ``benchmarks/ledger_overhead.py``). A run's collective mutation acts here too
-(``harness.rank.collective_mutations``). The controller compares the ranks' ledgers when a run
-fails or stops making progress (``harness.controller.ledgers``).
+(``harness.rank.collective_mutations``). The controller compares the ranks' ledgers after every
+run of more than one rank (``harness.controller.ledgers``).
 """
 
 from __future__ import annotations
@@ -198,7 +198,7 @@ class Ledger:
         them (a ``retract`` line naming their sequence numbers)."""
         if kind == "compile_fallback":
             with self._lock:
-                dropped = [seq for seq, step, compiled in self._recent if compiled and step == fields.get("step")]
+                dropped = [seq for seq, step, compiled in self._recent if compiled and step == self.step]
             if dropped:
                 self._write({"op": "retract", "retracts": dropped, "step": fields.get("step"),
                              "site": "compile fallback"})

@@ -264,9 +264,9 @@ class AnchorJob:
 
 @dataclass(frozen=True)
 class SoakStop:
-    """A planted hang: ``rank`` stops itself (SIGSTOP) once it has issued the round holding the
-    cell's call ``call`` (1-based), before that round is evaluated, so every rank's ledger holds
-    the collective the others then wait in."""
+    """A planted hang: ``rank`` stops itself (SIGSTOP) just before it issues the cell's call
+    ``call`` (1-based; every rank cuts the round that holds it short, so it begins a round): its
+    ledger ends just before the call the others then wait in."""
 
     rank: int
     call: int

@@ -24,7 +24,7 @@ class TrainerSpec:
     ``harness.api``; ``saves = true`` declares that it saves on rank 0, which the judge then demands
     (the other trainers' saves are known: ``harness.scenario.trainers.TrainerInfo.saves``).
     ``collectives``: the collectives it calls beyond ``all_sum`` (``sum_scatter`` under
-    ``nn.fully_shard``); a run whose backend lacks one is refused before launch."""
+    ``nn.fully_shard``); a run on this machine whose backend lacks one is refused before launch."""
 
     kind: str = "reference"
     path: str | None = None
