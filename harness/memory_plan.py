@@ -231,13 +231,8 @@ def expected_rank_bytes(s: Scenario, run: RunSpec) -> tuple[int, str]:
 def job_memory(s: Scenario, run: RunSpec) -> dict[str, Any]:
     """What a run's job file says of memory: the budget where one is given (``None``: each rank
     takes its host's working set), its source, and one rank's expected peak; a bad
-    ``MLX_DDP_HARNESS_MEMORY_BUDGET`` is a ``ScenarioError`` (one line)."""
-    from harness.scenario.spec import ScenarioError
-
-    try:
-        budget = run_budget(s)
-    except ValueError as e:
-        raise ScenarioError(str(e)) from e
+    ``MLX_DDP_HARNESS_MEMORY_BUDGET`` is a ``ValueError`` (one line)."""
+    budget = run_budget(s)
     expected, why = expected_rank_bytes(s, run)
     return {"budget_bytes": budget.bytes if budget.given else None, "budget_source": budget.source,
             "expected_rank_bytes": expected, "expected_source": why}
@@ -254,27 +249,3 @@ def launch_problem(s: Scenario, run: RunSpec) -> str | None:
     return (f"run {run.name}: its {run.world_size} rank(s) are expected to peak at {format_size(total)} "
             f"({why} per rank), more than the memory budget of {format_size(budget.bytes)} ({budget.source})"
             f"{declare}")
-
-
-def check_launches(s: Scenario, on_cluster: bool = False) -> None:
-    """Refuse (``ScenarioError``, one line) a scenario with a run whose ranks can never fit the
-    memory budget; on a cluster its multi-rank runs are the hosts' to hold."""
-    from harness.scenario.spec import ScenarioError
-
-    try:
-        problems = [launch_problem(s, r) for r in s.runs if not (on_cluster and r.world_size > 1)]
-    except ValueError as e:  # a bad MLX_DDP_HARNESS_MEMORY_BUDGET
-        raise ScenarioError(str(e)) from e
-    problem = next((p for p in problems if p), None)
-    if problem:
-        raise ScenarioError(f"{s.path}: {problem}")
-
-
-def size_arg(text: str, option: str) -> int:
-    """A size given on a command line, in bytes; ``ScenarioError`` (exit 2) naming ``option``."""
-    from harness.scenario.spec import ScenarioError
-
-    try:
-        return parse_size(text)
-    except ValueError as e:
-        raise ScenarioError(f"{option}: {e}") from None

@@ -184,6 +184,8 @@ def test_list_and_doctor() -> None:
     for what in ("mlx version", "distributed backends", "loopback ports", "BLAS"):
         assert what in p.stdout
     assert "ring" in p.stdout
+    # probed from MLX on two ranks: ring has every collective but sum_scatter (MLX 0.32.4)
+    assert "collectives (ring)" in p.stdout and "all but sum_scatter (RuntimeError: [ring] sum_scatter" in p.stdout
 
 
 def test_console_script_is_installed() -> None:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from harness.controller.preflight import preflight
 from harness.judge.baselines import BaselineError
-from harness.memory_plan import BUDGET_VAR, size_arg
+from harness.memory_plan import BUDGET_VAR, parse_size
 from harness.present import soak_cli, starter
 from harness.present.baseline_cli import add_parsers
 from harness.present.live import MODES, PLAIN_EVERY_S, PlainProgress, progress_display
@@ -134,7 +134,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     from harness.present.tables import scenario_text
 
     if args.memory_budget is not None:  # shared with every launch of this run and its children
-        os.environ[BUDGET_VAR] = str(size_arg(args.memory_budget, "--memory-budget"))
+        try:
+            os.environ[BUDGET_VAR] = str(parse_size(args.memory_budget))
+        except ValueError as e:
+            raise ScenarioError(f"--memory-budget: {e}") from None
     notes: list[str] = slow_blas_notes()
     left_out: list[str] = []
     scenarios, skipped = available(resolve_scenarios(args.scenarios, notes, args.all, left_out))

@@ -31,6 +31,7 @@ def checks() -> list[tuple[str, str, bool]]:
     rows.append(("distributed backends", ", ".join(avail) or "none", bool(avail)))
     rows.append(("ranks per backend", acc.ranks_per_backend(avail) or "none", bool(avail)))
     rows.append(("default backend", default_backend(), default_backend() in avail))
+    rows += [collectives_row(b) for b in avail]
     launcher = mlx_launch()
     rows.append(("mlx.launch", " ".join(launcher[:1]), bool(launcher)))
     try:
@@ -49,6 +50,20 @@ def checks() -> list[tuple[str, str, bool]]:
     rows.append(("BLAS", blas["blas"] + (f" -- {blas['fix']}" if blas["slow"] else ""), not blas["slow"]))
     rows.append(("mpirun", shutil.which("mpirun") or "not found (only needed for --backend mpi)", True))
     return rows
+
+
+def collectives_row(backend: str) -> tuple[str, str, bool]:
+    """What ``backend`` implements of MLX's collectives, probed once per MLX version
+    (``harness.controller.backend_ops``); a backend that cannot be probed here is a note."""
+    from harness.controller.backend_ops import backend_ops
+
+    ops = backend_ops(backend)
+    if isinstance(ops, str):
+        return f"collectives ({backend})", f"not probed: {ops}", True
+    lacking = [op for op, error in ops.items() if error is not None]
+    found = "every one of " + ", ".join(ops) if not lacking else \
+        f"all but {', '.join(lacking)} ({'; '.join(str(ops[op]) for op in lacking)})"
+    return f"collectives ({backend})", found, True
 
 
 def device_check_row(device: str) -> tuple[str, str, bool]:

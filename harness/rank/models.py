@@ -41,6 +41,11 @@ TINY = {
         "tie_word_embeddings": True,
     },
 }
+def text_architecture(model_type: str) -> Any:
+    """mlx-lm's module of a text architecture (its ``Model`` and ``ModelArgs``)."""
+    return import_model_module("mlx_lm", model_type)
+
+
 def model_config(spec: ModelSpec, vocab_size: int) -> dict[str, Any]:
     """The tiny default config of ``spec.arch``, overridden by the scenario's ``[model.config]``."""
     config = {**TINY[spec.arch], **spec.config, "model_type": spec.arch}
@@ -69,7 +74,7 @@ def build_model(spec: ModelSpec, vocab_size: int, seed: int, vision: Any = None)
             )
     else:
         config = model_config(spec, vocab_size)
-        arch = import_model_module("mlx_lm", spec.arch)
+        arch = text_architecture(spec.arch)
         with placeholder_init():
             model = arch.Model(arch.ModelArgs.from_dict(config))
         seeded_init(model, seed)

@@ -24,13 +24,6 @@ from harness.rank.context import RankContext
 from harness.scenario.job import SoakJob
 
 
-def architectures_package() -> str:
-    """The Python package of mlx-lm's architectures, as mlx-lm's trainer record names it."""
-    from harness.trainers.mlx_lm import TRAINER
-
-    return str(TRAINER.package).replace("-", "_")
-
-
 def gradient_shapes(job: SoakJob) -> list[tuple[int, ...]]:
     """The job's shapes, or its model's trainable parameters' (built with placeholder zeros,
     never evaluated: no weight is allocated and no RNG is drawn from)."""
@@ -38,8 +31,8 @@ def gradient_shapes(job: SoakJob) -> list[tuple[int, ...]]:
         return [tuple(s) for s in job.shapes]
     from mlx.utils import tree_flatten
 
-    from harness.rank.models import model_config
-    from harness.rank.weights import import_model_module, placeholder_init
+    from harness.rank.models import model_config, text_architecture
+    from harness.rank.weights import placeholder_init
 
     if job.config is not None:
         config = dict(job.config)
@@ -47,7 +40,7 @@ def gradient_shapes(job: SoakJob) -> list[tuple[int, ...]]:
         config = model_config(job.model, job.vocab_size)
     else:
         raise ValueError("the soak job names no shapes, config or model")
-    arch = import_model_module(architectures_package(), str(config["model_type"]))
+    arch = text_architecture(str(config["model_type"]))
     with placeholder_init():
         model = arch.Model(arch.ModelArgs.from_dict(config))
     return [tuple(p.shape) for _, p in tree_flatten(model.trainable_parameters())]

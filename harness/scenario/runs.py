@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 from harness.memory_plan import job_memory
 from harness.scenario.job import ProbeJob, ResumeJob, TrainerRef, TrainJob
-from harness.scenario.spec import DataSpec, RunSpec, Scenario, compared, writes_checkpoints
+from harness.scenario.spec import DataSpec, RunSpec, Scenario, ScenarioError, compared, writes_checkpoints
 from harness.scenario.trainers import TrainerInfo, heavy_libraries, trainer_info
 
 SPLIT_SAMPLES = 3  # a split floor's draws of the rounding (``FloorRun.samples``)
@@ -226,11 +226,19 @@ def train_job(s: Scenario, run: RunSpec, floor: FloorRun | None = None) -> Train
         keep_start=floor is None and run.name == s.checks.reference,
         probe=_probe(s, run, floor, info),
         device={"asked": eff.train.device},  # planned at launch (``harness.controller.run_job``)
-        memory=job_memory(s, run),  # the budget and expected peak; ranks per host added at launch
+        memory=_memory(s, run),  # the budget and expected peak; ranks per host added at launch
         checkpoint_dir=f"{run.name}/checkpoints" if writes_checkpoints(s, run) else None,
         resume=resume,
         resume_in_workspace=run.resume_from in names,
     )
+
+
+def _memory(s: Scenario, run: RunSpec) -> dict[str, object]:
+    """``job_memory``; a bad ``MLX_DDP_HARNESS_MEMORY_BUDGET`` is a ``ScenarioError`` (one line)."""
+    try:
+        return job_memory(s, run)
+    except ValueError as e:
+        raise ScenarioError(str(e)) from e
 
 
 def comparisons(s: Scenario, run: RunSpec) -> tuple[tuple[str, FloorRun | None], ...]:
