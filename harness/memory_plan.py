@@ -249,3 +249,13 @@ def launch_problem(s: Scenario, run: RunSpec) -> str | None:
     return (f"run {run.name}: its {run.world_size} rank(s) are expected to peak at {format_size(total)} "
             f"({why} per rank), more than the memory budget of {format_size(budget.bytes)} ({budget.source})"
             f"{declare}")
+
+
+def check_launches(s: Scenario, on_cluster: bool = False) -> None:
+    """Refuse (``ValueError``, one line) a scenario with a run whose ranks can never fit the
+    memory budget, or a bad ``MLX_DDP_HARNESS_MEMORY_BUDGET``; on a cluster its multi-rank runs
+    are the hosts' to hold."""
+    problems = [launch_problem(s, r) for r in s.runs if not (on_cluster and r.world_size > 1)]
+    problem = next((p for p in problems if p), None)
+    if problem:
+        raise ValueError(f"{s.path}: {problem}")

@@ -7,8 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from harness.memory_plan import launch_problem
-from harness.scenario import Scenario, ScenarioError
+from harness.memory_plan import check_launches
+from harness.scenario import ScenarioError
 
 if TYPE_CHECKING:
     from harness.cluster_spec import Cluster
@@ -60,18 +60,6 @@ def check_backends(plan: ScenarioPlan, backend: str | None) -> list[str]:
     return notes
 
 
-def check_launches(s: Scenario, on_cluster: bool = False) -> None:
-    """Refuse (``ScenarioError``, one line) a scenario with a run whose ranks can never fit the
-    memory budget; on a cluster its multi-rank runs are the hosts' to hold."""
-    try:
-        problems = [launch_problem(s, r) for r in s.runs if not (on_cluster and r.world_size > 1)]
-    except ValueError as e:  # a bad MLX_DDP_HARNESS_MEMORY_BUDGET
-        raise ScenarioError(str(e)) from e
-    problem = next((p for p in problems if p), None)
-    if problem:
-        raise ScenarioError(f"{s.path}: {problem}")
-
-
 def preflight(plan: ScenarioPlan, backend: str | None, cluster: Cluster | None = None) -> list[str]:
     """Everything about a planned scenario that can be refused before any rank starts (on a
     cluster, its multi-rank runs' backends are the hosts' to say); returns lines a user should
@@ -88,5 +76,8 @@ def preflight(plan: ScenarioPlan, backend: str | None, cluster: Cluster | None =
     except ValueError as e:
         raise ScenarioError(str(e)) from e
     notes += check_data_files(plan.scenario)
-    check_launches(plan.scenario, cluster is not None)  # each run's expected memory fits the memory budget
+    try:
+        check_launches(plan.scenario, cluster is not None)  # each run's expected memory fits the memory budget
+    except ValueError as e:
+        raise ScenarioError(str(e)) from e
     return notes
