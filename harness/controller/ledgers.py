@@ -117,6 +117,7 @@ def compare(ledgers: dict[int, list[dict[str, Any]]], lost: dict[int, str] | Non
     if len(ledgers) < 2:
         return None
     lost = lost or {}
+    common = {"lost": {str(r): why for r, why in lost.items()}}
     longest = max(len(entries) for entries in ledgers.values())
     for seq in range(longest):
         at = {r: entries[seq] if seq < len(entries) else None for r, entries in sorted(ledgers.items())
@@ -130,10 +131,9 @@ def compare(ledgers: dict[int, list[dict[str, Any]]], lost: dict[int, str] | Non
             parts = [_side(rs, at[rs[0]], ledgers, finished) for rs in sorted(sides.values())]
             behind = [r for r, e in at.items() if e is None and r not in finished]
             return {"agree": False, "seq": seq, "compared": seq, "ranks": {str(r): e for r, e in at.items()},
-                    "behind": behind,
-                    "lost": {str(r): why for r, why in lost.items()},
+                    "behind": behind, **common,
                     "line": f"collectives diverge at call #{seq}: " + "; ".join(parts) + _lost_line(ledgers, lost)}
-    common = {"lost": {str(r): why for r, why in lost.items()}, "compared": longest}
+    common["compared"] = longest
     if longest == 0:
         return {"agree": True, "seq": None, "ranks": {}, **common, "line": "no rank issued a collective"}
     last = {r: entries[-1] for r, entries in sorted(ledgers.items()) if entries}

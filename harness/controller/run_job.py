@@ -14,7 +14,7 @@ from harness import schema
 from harness.cluster_spec import Cluster, ClusterError
 from harness.controller import launch as launcher
 from harness.controller import rank_budget
-from harness.controller.collect import collect, ended_early, failure_reason
+from harness.controller.collect import STALLS, collect, ended_early, failure_reason
 from harness.controller.cpu_use import CpuMeter
 from harness.controller.devices import BackendRefused, DeviceRefused, accelerators, plan_backend, plan_device
 from harness.controller.ledgers import desync
@@ -198,7 +198,7 @@ def _summarize(name: str, run_dir: Path, started: launcher.Launch, report: Watch
     ranks = collect(run_dir, world_size, report)
     failure = failure_reason(ranks, report)
     # a rank that left no result, or a run stopped at a time limit, may have waited in a collective
-    stuck = report.limit in ("no_progress", "wall") or any(o.result is None for o in ranks)
+    stuck = report.limit in STALLS or any(o.result is None for o in ranks)
     # every run's ledgers compared: a divergence that did not hang is named too
     ended = {o.rank: (why, o.last_step) for o in ranks if (why := ended_early(o, report))}
     said = {r: f"{why} in step {step + 1}," if own else why for r, ((why, own), step) in ended.items()}

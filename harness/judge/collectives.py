@@ -27,13 +27,14 @@ def collective_agreement(run: RunOutcome) -> Check:
     return Check(name, run.name, True, 0, 0, c["line"], derivation=derivation)
 
 
-def point_to_divergence(checks: list[Check]) -> None:
-    """Each other failed check of a run whose ``collective_agreement`` failed says so first."""
+def point_to_divergence(run: RunOutcome, checks: list[Check]) -> None:
+    """Each other failed check of ``run`` (whose ``checks`` these are) says first that its
+    ``collective_agreement`` failed, and at which call."""
     diverged = next((c for c in checks if c.name == CheckName.collective_agreement and not c.passed
                      and c.applicable and c.xfail is None), None)
-    if diverged is None:
+    if diverged is None or run.collectives is None:
         return
-    at = diverged.detail.split(":", 1)[0].removeprefix("collectives diverge ")
     for c in checks:
         if c is not diverged and not c.passed and c.applicable and not c.caught:
-            c.detail = f"the ranks' collectives diverged first, {at} (collective_agreement); {c.detail}"
+            c.detail = (f"the ranks' collectives diverged first, at call #{run.collectives['seq']} "
+                        f"(collective_agreement); {c.detail}")

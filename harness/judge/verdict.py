@@ -67,5 +67,5 @@ def judge(plan: ScenarioPlan, runs: list[RunOutcome]) -> list[Check]:
         checks += j.so_far
     mark_expected_failures(checks, s.checks.expected_failures)
     for run in runs:
-        point_to_divergence([c for c in checks if c.run == run.name])
+        point_to_divergence(run, [c for c in checks if c.run == run.name])
     return checks
