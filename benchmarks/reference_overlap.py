@@ -230,7 +230,7 @@ class Process:
 
     def __init__(self, group: Any, bare: bool):
         from harness import schema
-        from harness.rank.memory import MemorySampler, device_baseline_kind, peak_rss_bytes
+        from harness.memory.sampler import MemorySampler, device_baseline_kind, peak_rss_bytes
 
         self.group, self.rank, self.n = group, group.rank(), group.size()
         self.dir = Path(tempfile.mkdtemp(prefix=f"refov{self.rank}-"))
@@ -263,7 +263,7 @@ class Process:
 
     def sampler_on(self, s: Any) -> None:
         if s is not None:
-            from harness.rank.memory import MemorySampler
+            from harness.memory.sampler import MemorySampler
 
             self.sampler = MemorySampler(self.events, self.rank, s.baseline_bytes or 0, s.baseline)
             self.sampler.start()

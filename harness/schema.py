@@ -17,7 +17,7 @@ Event kinds written by ranks:
              [rss_baseline ("end of step N"),
              rss_baseline_bytes: at the step that set a CUDA rank's baseline]
   ``memory`` rank, mlx_active_bytes, mlx_peak_bytes, rss_bytes (sampled while the rank runs,
-             written when a figure rose: ``harness.rank.memory``)
+             written when a figure rose: ``harness.memory.sampler``)
   ``fault``  rank, step, phase, action (an injected fault, just before it acts)
   ``end``    status
 """
@@ -55,6 +55,11 @@ NO_STEPS = "reported no steps"  # a trainer that never trained: every other run 
 
 COMMAND_FILES = {"job": "job.json", "rows": "rows.tsv", "events": "events.jsonl", "result": "result.json",
                  "params": "params.safetensors", "start_params": "start.safetensors"}
+
+
+def after_step(step: int) -> str:
+    """Where a rank was, from the last step its events report it finished (for messages)."""
+    return f"after step {step}" if step else "before its first step"
 
 
 class SchemaError(ValueError):
@@ -168,7 +173,7 @@ class RankResult(_RankRequired, total=False):
     rss_baseline_bytes: int | None
     rss_peak_after_baseline_bytes: int | None
     memory_sampler_error: str | None
-    memory_share: dict[str, Any]  # working set, budget, share, limit calls (``harness.rank.memory_share``)
+    memory_share: dict[str, Any]  # working set, budget, share, limit calls (``harness.memory.share``)
 
 
 class _TrainRequired(TypedDict):

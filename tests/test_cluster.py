@@ -192,8 +192,8 @@ def test_a_run_on_a_cluster_of_this_machine_goes_through_the_agent_and_leaves_no
 @pytest.mark.ranks
 def test_a_hosts_memory_share_is_judged_from_its_agents_figures(tmp_path: Path) -> None:
     """With a share no process fits in, the run on a cluster host is stopped, naming the host."""
-    from harness.controller.memory_guard import MemoryLimits
     from harness.controller.run_job import execute
+    from harness.memory.guard import MemoryLimits
     from harness.scenario.job import AllSumJob
 
     c = Cluster([ClusterHost("127.0.0.1", ["127.0.0.1"])], workdir=str(tmp_path))

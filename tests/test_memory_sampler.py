@@ -11,7 +11,7 @@ import mlx.core as mx
 import pytest
 
 from harness import schema
-from harness.rank.memory import (
+from harness.memory.sampler import (
     FIRST_STEP,
     JOB_START,
     MemorySampler,

@@ -16,14 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from harness import memory_plan
 from harness.controller import rank_budget
 from harness.controller.outcome import RankOutcome, RunOutcome, WatchReport
 from harness.controller.run_job import execute
 from harness.judge.wired_share import wired_share
-from harness.memory_plan import MB, parse_size, share_of
+from harness.memory import plan as memory_plan
+from harness.memory.plan import MB, parse_size, share_of
 from harness.scenario import load_scenario
-from harness.scenario.plan import job_for
+from harness.scenario.plan import job_for, plan_scenario
 from tests.conftest import REPO, cli, train_result, write_scenario
 
 GB = 2**30
@@ -50,28 +50,32 @@ def test_the_estimates_default_shapes_are_the_tiny_models() -> None:
         assert {k: shape[k] for k in memory_plan.TEXT_SHAPE} == memory_plan.TEXT_SHAPE
 
 
+def _footprint(s, run: str):  # noqa: ANN001, ANN202
+    return plan_scenario(s).run(run).footprint
+
+
 def test_a_ranks_expected_peak_is_its_ceiling_else_an_estimate_from_the_model(tmp_path: Path) -> None:
     s = load_scenario(write_scenario(tmp_path, "est", world_sizes=(2,)))
-    n, why = memory_plan.expected_rank_bytes(s, s.run("ddp2"))
-    params, _ = memory_plan.param_estimate(s)
+    n, why = memory_plan.expected_rank_bytes(_footprint(s, "ddp2"))
+    params, _ = memory_plan.param_estimate(_footprint(s, "ddp2"))
     assert 50_000 < params < 500_000  # the tiny qwen3: 2 layers of 64, a byte vocabulary
     assert n == int(params * 4 * 4 * 1.5) + 64 * MB and why.startswith("estimated: about 0.")
     big = load_scenario(write_scenario(tmp_path, "big", world_sizes=(2,),
                                        extra='[model.config]\nhidden_size = 1024\nnum_hidden_layers = 8\n'
                                              'intermediate_size = 4096\n'))
-    assert memory_plan.expected_rank_bytes(big, big.run("ddp2"))[0] > 1500 * MB  # about 135M params in float32
+    assert memory_plan.expected_rank_bytes(_footprint(big, "ddp2"))[0] > 1500 * MB  # about 135M params in float32
     ceiling = load_scenario(write_scenario(tmp_path, "ceil", world_sizes=(2,), checks="max_mlx_mb = 100\n"
                                                                                         "max_rss_mb = 300"))
-    assert memory_plan.expected_rank_bytes(ceiling, ceiling.run("ddp2")) == (
+    assert memory_plan.expected_rank_bytes(_footprint(ceiling, "ddp2")) == (
         300 * MB, "the ceiling [checks] max_rss_mb = 300")
 
 
 def test_a_launch_that_can_never_fit_the_budget_is_a_problem(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
     s = load_scenario(write_scenario(tmp_path, "fit", world_sizes=(2,), checks="max_mlx_mb = 100"))
     monkeypatch.setenv(memory_plan.BUDGET_VAR, "200MB")
-    assert memory_plan.launch_problem(s, s.run("ddp2")) is None
+    assert memory_plan.launch_problem("ddp2", 2, _footprint(s, "ddp2")) is None
     monkeypatch.setenv(memory_plan.BUDGET_VAR, "150MB")
-    assert memory_plan.launch_problem(s, s.run("ddp2")) == (
+    assert memory_plan.launch_problem("ddp2", 2, _footprint(s, "ddp2")) == (
         "run ddp2: its 2 rank(s) are expected to peak at 200 MB (the ceiling [checks] max_mlx_mb = 100 per rank), "
         "more than the memory budget of 150 MB (MLX_DDP_HARNESS_MEMORY_BUDGET / --memory-budget)")
     monkeypatch.setenv(memory_plan.BUDGET_VAR, "300MB")  # the scenario's own budget is lower
@@ -79,13 +83,14 @@ def test_a_launch_that_can_never_fit_the_budget_is_a_problem(tmp_path: Path, mon
     path.write_text(path.read_text().replace("no_progress_s = 90\n", "no_progress_s = 90\nmemory_budget_mb = 150\n"))
     low = load_scenario(path)
     assert low.limits.memory_budget_mb == 150
-    assert "memory budget of 150 MB ([limits] memory_budget_mb)" in memory_plan.launch_problem(low, low.run("ddp2"))
+    problem = memory_plan.launch_problem("ddp2", 2, _footprint(low, "ddp2"))
+    assert "memory budget of 150 MB ([limits] memory_budget_mb)" in problem
 
 
 def test_mlx_limits_are_capped_at_the_share_and_recorded_with_their_caller() -> None:
     import mlx.core as mx
 
-    from harness.rank import memory_share
+    from harness.memory import share as memory_share
     from harness.scenario.job import AllSumJob
 
     cache_before = mx.set_cache_limit(mx.set_cache_limit(0))  # read it, put it back

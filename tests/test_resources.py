@@ -12,9 +12,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from harness.controller.memory_guard import MemoryLimits, RankMemory, over_limit
 from harness.controller.run_job import execute
-from harness.rank.memory import JOB_START, device_baseline_kind
+from harness.memory.guard import MemoryLimits, RankMemory, over_limit
+from harness.memory.sampler import JOB_START, device_baseline_kind
 from harness.scenario import CheckSpec, LimitSpec, load_scenario
 from harness.scenario.plan import job_for
 from harness.trainers.reference import checkpoint

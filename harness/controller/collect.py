@@ -12,7 +12,7 @@ from pathlib import Path
 from harness import schema
 from harness.controller.launch import launcher_exits
 from harness.controller.outcome import RankOutcome, WatchReport
-from harness.controller.progress import after_step
+from harness.schema import after_step
 
 TAIL_LINES = 12
 

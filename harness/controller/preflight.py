@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from harness.memory_plan import check_launches
+from harness.memory.plan import first_launch_problem
 from harness.scenario import ScenarioError
 
 if TYPE_CHECKING:
@@ -76,8 +76,9 @@ def preflight(plan: ScenarioPlan, backend: str | None, cluster: Cluster | None =
     except ValueError as e:
         raise ScenarioError(str(e)) from e
     notes += check_data_files(plan.scenario)
-    try:
-        check_launches(plan.scenario, cluster is not None)  # each run's expected memory fits the memory budget
-    except ValueError as e:
-        raise ScenarioError(str(e)) from e
+    # each run's expected memory fits the memory budget (on a cluster, multi-rank runs are the hosts' to hold)
+    problem = first_launch_problem((r.name, r.spec.world_size, r.footprint) for r in plan.declared
+                                   if cluster is None or r.spec.world_size == 1)
+    if problem:
+        raise ScenarioError(f"{plan.scenario.path}: {problem}")
     return notes

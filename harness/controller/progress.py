@@ -80,11 +80,6 @@ class RunProgress:
 Observer = Callable[[RunProgress], None]
 
 
-def after_step(step: int) -> str:
-    """Where a rank was, from the last step it finished."""
-    return f"after step {step}" if step else "before its first step"
-
-
 class EventTail:
     """The complete lines a rank's event file gained since the last read."""
 

@@ -22,7 +22,7 @@ A held slot's file names its holder; a run's watchdog reads the names (``Neighbo
 say which part of the run other launches ran beside it, sharing its GPU where it has one.
 
 Memory is budgeted the same way: a launch that says what its ranks are expected to hold
-(``memory_bytes``: ranks x the expected per-rank peak, ``harness.memory_plan``) also claims that
+(``memory_bytes``: ranks x the expected per-rank peak, ``harness.memory.plan``) also claims that
 much of the machine's memory budget (``MLX_DDP_HARNESS_MEMORY_BUDGET``, else the working set):
 a ``mem-*`` file in the same directory, held with ``flock`` and holding the bytes and the holder.
 It is taken with its slots, under the same lock, only while the live claims (files whose lock is
@@ -48,7 +48,7 @@ from typing import IO, Any
 
 import psutil
 
-from harness.memory_plan import format_size, machine_budget
+from harness.memory.plan import format_size, machine_budget
 
 BUDGET_VAR = "MLX_DDP_HARNESS_RANK_BUDGET"
 DIR_VAR = "MLX_DDP_HARNESS_RANK_DIR"

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Protocol
 import psutil
 
 from harness import main_thread_signal
-from harness.controller.memory_guard import MemoryLimits, RankMemory, over_limit
-from harness.controller.progress import after_step
+from harness.memory.guard import MemoryLimits, RankMemory, over_limit
+from harness.schema import after_step
 
 if TYPE_CHECKING:
     from harness.controller.remote import RemoteRanks

@@ -18,12 +18,12 @@ from harness.controller.collect import STALLS, collect, ended_early, failure_rea
 from harness.controller.cpu_use import CpuMeter
 from harness.controller.devices import BackendRefused, DeviceRefused, accelerators, plan_backend, plan_device
 from harness.controller.ledgers import desync
-from harness.controller.memory_guard import MemoryLimits
 from harness.controller.outcome import RunOutcome, WatchReport
 from harness.controller.params import load_stored, moved
 from harness.controller.progress import Observer, ProgressFeed, RunProgress
 from harness.controller.side_by_side import Cancelled
 from harness.controller.watch import kill_group, watch
+from harness.memory.guard import MemoryLimits
 from harness.scenario.job import Job, TrainJob
 
 INTERRUPTED = "INTERRUPTED"  # marks a kept run directory whose run was interrupted

@@ -24,11 +24,11 @@ from harness.controller import kernel_cache
 from harness.controller.backend_ops import lack_named
 from harness.controller.devices import DeviceRefused, plan_device
 from harness.controller.inputs import prepare_jobs
-from harness.controller.memory_guard import MemoryLimits
 from harness.controller.outcome import RankOutcome, RunOutcome, WatchReport
 from harness.controller.progress import Observer, RunProgress
 from harness.controller.run_job import execute
 from harness.controller.side_by_side import Cancel, run_side_by_side, width
+from harness.memory.guard import MemoryLimits
 from harness.scenario.plan import PlannedRun, ScenarioPlan
 from harness.schema import NO_STEPS
 

@@ -3,7 +3,7 @@
 Progress is any growth of a rank's event file (ranks write one event per step and one per
 phase). The run is stopped at once when a rank is gone without a result (its peers would wait
 in a collective forever: mlx.launch ends a run only when a rank exits non-zero), when a rank
-passes its hard memory limit (``memory_guard``), on the wall-clock or no-progress limit, or when
+passes its hard memory limit (``harness.memory.guard``), on the wall-clock or no-progress limit, or when
 a rank reported a failure and its peers have not ended within a grace period. Before the kill,
 the live ranks' Python stacks are dumped (SIGUSR1, which every rank registers with faulthandler)
 and the whole process group is killed.
@@ -24,11 +24,11 @@ import psutil
 from harness import schema
 from harness.controller.cpu_use import CpuMeter
 from harness.controller.launch import Launch, launcher_exits
-from harness.controller.memory_guard import MB, MemoryLimits, RankMemory
 from harness.controller.outcome import WatchReport
 from harness.controller.progress import EventTail, ProgressFeed
 from harness.controller.rank_budget import NeighbourMeter
 from harness.controller.warm_ranks import rank_cpu_s
+from harness.memory.guard import MB, MemoryLimits, RankMemory
 
 POLL_S = 0.1
 STACK_DUMP_WAIT_S = 1.5  # the longest wait for the ranks' stack dumps

@@ -237,7 +237,7 @@ def _rank_figures(run: RunOutcome, keys: tuple[str, ...]) -> tuple[list[dict[str
 def memory_ceilings(run: RunOutcome, s: Scenario) -> list[Check]:
     """Peak MLX memory (the device figure on every device: MLX's own count of its buffers) and
     peak RSS above the rank's baseline, per rank (the largest rank) and summed over ranks. Each
-    rank reports its baseline (``harness.rank.memory``): where MLX memory is host memory (CPU,
+    rank reports its baseline (``harness.memory.sampler``): where MLX memory is host memory (CPU,
     Metal), what it held at job start (MLX's device runtime and the trainer's libraries); on
     CUDA its RSS at the end of its first step, after the runtime loaded that step's kernels
     (0.25 to 0.55 GB per rank on an H100). A rank that lacks a figure fails the check, naming it."""

@@ -1,7 +1,7 @@
 """``wired_share``: no rank holds more than its share of its machine's memory.
 
 Each Python rank records its share (the memory budget, or its host's working set, divided by the
-ranks on its host) and every MLX memory limit set in it (``harness.rank.memory_share``, which
+ranks on its host) and every MLX memory limit set in it (``harness.memory.share``, which
 caps each at the share). A rank fails the check when its MLX peak memory (MLX's own count of its
 buffers) passed its share; the detail lists the limits its trainer asked for and what it got.
 """

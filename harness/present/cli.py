@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from harness.controller.preflight import preflight
 from harness.judge.baselines import BaselineError
-from harness.memory_plan import BUDGET_VAR, parse_size
+from harness.memory.plan import BUDGET_VAR, parse_size
 from harness.present import soak_cli, starter
 from harness.present.baseline_cli import add_parsers
 from harness.present.live import MODES, PLAIN_EVERY_S, PlainProgress, progress_display

@@ -86,8 +86,8 @@ def device_check_row(device: str) -> tuple[str, str, bool]:
 
 def memory_rows() -> list[tuple[str, str, bool]]:
     """The working set and where it comes from, the memory budget, and a rank's share at 2 and 4
-    ranks on this machine (``harness.memory_plan``)."""
-    from harness.memory_plan import BUDGET_VAR, format_size, machine_budget, machine_working_set, share_of
+    ranks on this machine (``harness.memory.plan``)."""
+    from harness.memory.plan import BUDGET_VAR, format_size, machine_budget, machine_working_set, share_of
 
     ws = machine_working_set()
     rows = [("working set", f"{format_size(ws.bytes)}: {ws.source}", True)]

@@ -73,7 +73,7 @@ _HELD = pytest.StashKey[Any]()
 def pytest_configure(config: pytest.Config) -> None:
     budget = config.getoption("--mlx-ddp-memory-budget", None)
     if budget is not None:  # xdist workers get the option (and inherit the variable) too
-        from harness.memory_plan import BUDGET_VAR, parse_size
+        from harness.memory.plan import BUDGET_VAR, parse_size
 
         try:
             os.environ[BUDGET_VAR] = str(parse_size(budget))

@@ -39,7 +39,7 @@ class RunResult:
 
     @property
     def rss_peak_bytes(self) -> list[int | None]:
-        """Each rank's peak RSS above its baseline (``harness.rank.memory``), as the ceilings count
+        """Each rank's peak RSS above its baseline (``harness.memory.sampler``), as the ceilings count
         it; None for a rank that reported none (it failed, or ended before its baseline)."""
         return [rss_above_baseline(r) for r in self.ranks]
 

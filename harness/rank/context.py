@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import schema
-from harness.rank.memory import MemorySampler
+from harness.memory.sampler import MemorySampler
 from harness.rank.startup import StartupClock
 from harness.scenario import FaultSpec
 from harness.scenario.job import Job

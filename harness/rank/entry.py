@@ -1,7 +1,7 @@
 """Rank entry point: ``python -m harness.rank RUN_DIR``.
 
 Reads the job file, joins the distributed group (none for world size 1), announces itself with a
-``start`` event, runs the job while a thread samples its memory (``harness.rank.memory``) and
+``start`` event, runs the job while a thread samples its memory (``harness.memory.sampler``) and
 writes its result. A failure is written as an error result and
 the process exits 1, so the controller learns the cause from the rank itself.
 """
@@ -21,12 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from harness import schema
-from harness.rank import device_check, memory_share, ring_arrival
+from harness.memory import share as memory_share
+from harness.memory.sampler import MemorySampler, accelerator, device_baseline_kind, peak_rss_bytes
+from harness.rank import device_check, ring_arrival
 from harness.rank.collective_mutations import CollectiveMutation
 from harness.rank.context import RECORD_DELAY_S, RankContext, ReportedFailure
 from harness.rank.ledger import Ledger
 from harness.rank.ledger import enabled as ledger_enabled
-from harness.rank.memory import MemorySampler, accelerator, device_baseline_kind, peak_rss_bytes
 from harness.rank.startup import StartupClock
 from harness.scenario.job import Job, TrainJob, job_from_json
 from harness.scenario.names import COLLECTIVE_MUTATIONS

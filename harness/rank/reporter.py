@@ -5,7 +5,7 @@ An adapter (``harness.trainers``) or a user's script (through ``harness.api``) c
 ``eval`` for each evaluation, ``saved`` for each file the trainer writes, and ``finish`` with the
 final parameters. The reporter adds what every rank result carries (per-step timings and tok/s,
 replica digests every ``digest_every`` steps, MLX memory and RSS from the rank's memory sampler,
-which takes a CUDA rank's RSS baseline at the end of its first step (``harness.rank.memory``),
+which takes a CUDA rank's RSS baseline at the end of its first step (``harness.memory.sampler``),
 faults injected at the scenario's steps), writes the ``step`` and ``eval`` events the watchdog and
 the progress lines read, and builds the result the judge reads. Checks the trainer cannot
 support are named in ``not_applicable`` (check name -> why) and reported as "n/a".

@@ -9,19 +9,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from harness.memory.plan import Footprint
 from harness.scenario.checks import CheckFamily, run_rules
 from harness.scenario.job import TrainJob
 from harness.scenario.runs import (
     FloorRun,
     Inputs,
+    RunSettings,
     comparisons,
     floor_runs,
+    footprint,
     inputs_of,
     launch_order,
     resumes_alike,
     train_job,
 )
-from harness.scenario.spec import RunSpec, Scenario
+from harness.scenario.spec import RunSpec, Scenario, ScenarioError
 from harness.scenario.trainers import TrainerInfo, trainer_info
 
 
@@ -35,12 +38,13 @@ class PlannedRun:
     spec: RunSpec
     eff: Scenario
     trainer: TrainerInfo
+    floor: FloorRun | None
+    checks: tuple[tuple[CheckFamily, tuple[str, ...]], ...]
+    floors: tuple[tuple[str, FloorRun | None], ...]
+    resumes_alike: bool  # resumed at its target's world size and compile mode
+    inputs: Inputs
+    footprint: Footprint  # what its memory is estimated from (``harness.memory.plan``)
     job: TrainJob
-    floor: FloorRun | None = None
-    checks: tuple[tuple[CheckFamily, tuple[str, ...]], ...] = ()
-    floors: tuple[tuple[str, FloorRun | None], ...] = ()
-    resumes_alike: bool = False  # resumed at its target's world size and compile mode
-    inputs: Inputs | None = None
 
     @property
     def name(self) -> str:
@@ -83,21 +87,29 @@ class ScenarioPlan:
 
 
 def plan_scenario(s: Scenario) -> ScenarioPlan:
-    """The plan of a loaded scenario (pure: it reads no file and starts nothing): its runs and
-    their jobs (``harness.scenario.runs``), their checks (``harness.scenario.checks``) and their
-    trainers' records."""
+    """The plan of a loaded scenario (pure: it reads no file and starts nothing), in one pass:
+    each run's checks (``harness.scenario.checks``), effective settings (``RunSettings``), floor
+    runs, comparisons, inputs, memory footprint and typed job (``harness.scenario.runs``)."""
     rules = {spec.name: tuple((rule, tuple(names)) for rule, names in run_rules(s, spec)) for spec in s.runs}
-    declared = launch_order(s)
-    runs = [(spec, None) for spec in declared] + [(f.spec(s), f) for f in floor_runs(s)]
-    jobs = {spec.name: train_job(s, spec, floor) for spec, floor in runs}
-    inputs = {spec.name: inputs_of(s, s.run(floor.base) if floor else spec) for spec, floor in runs}
-    compared_with = {spec.name: comparisons(s, spec) for spec in declared}
-    alike = {spec.name: resumes_alike(s, spec) for spec in declared}
-    records = {spec.name: trainer_info(s.for_run(spec).trainer.kind) for spec, _ in runs}
-    return ScenarioPlan(s, tuple(
-        PlannedRun(spec, s.for_run(spec), records[spec.name], jobs[spec.name], floor, rules.get(spec.name, ()),
-                   compared_with.get(spec.name, ()), alike.get(spec.name, False), inputs[spec.name])
-        for spec, floor in runs))
+    v = RunSettings.of(s)
+    floors = floor_runs(v)
+    runs = [(spec, None) for spec in launch_order(v)] + [(f.spec(v), f) for f in floors]
+    eff = {**v.eff, **{f.name: f.settings(v) for f in floors}}
+    planned = []
+    for spec, floor in runs:
+        own = eff[spec.name]
+        judged = floor is None
+        fp = footprint(own)
+        compared_with = comparisons(v, spec) if judged else ()
+        alike = judged and resumes_alike(v, spec)
+        inputs = inputs_of(v, v.run(floor.base) if floor else spec)
+        try:
+            job = train_job(v, spec, own, fp, floor)
+        except ValueError as e:  # a bad MLX_DDP_HARNESS_MEMORY_BUDGET
+            raise ScenarioError(str(e)) from e
+        planned.append(PlannedRun(spec, own, trainer_info(own.trainer.kind), floor, rules.get(spec.name, ()),
+                                  compared_with, alike, inputs, fp, job))
+    return ScenarioPlan(s, tuple(planned))
 
 
 def job_for(s: Scenario, run: str, workspace: Path | None = None) -> TrainJob:

@@ -34,13 +34,47 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
-from harness.memory_plan import job_memory
+from harness.memory.plan import Footprint, job_memory
 from harness.scenario.job import ProbeJob, ResumeJob, TrainerRef, TrainJob
-from harness.scenario.spec import DataSpec, RunSpec, Scenario, ScenarioError, compared, writes_checkpoints
+from harness.scenario.spec import DataSpec, RunSpec, Scenario, TrainSpec, compared
 from harness.scenario.trainers import TrainerInfo, heavy_libraries, trainer_info
 
 SPLIT_SAMPLES = 3  # a split floor's draws of the rounding (``FloorRun.samples``)
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """A scenario's declared runs, each with its effective settings (``Scenario.for_run``:
+    overrides applied, ``auto`` resolved, its own faults) worked out once, and which of them
+    are compared with the reference: what every later step of the plan reads."""
+
+    scenario: Scenario
+    specs: dict[str, RunSpec]
+    eff: dict[str, Scenario]
+    compared: frozenset[str]
+
+    @classmethod
+    def of(cls, s: Scenario) -> RunSettings:
+        return cls(s, {r.name: r for r in s.runs}, {r.name: s.for_run(r) for r in s.runs},
+                   frozenset(r.name for r in s.runs if compared(s, r)))
+
+    def run(self, name: str) -> RunSpec:
+        return self.specs[name]
+
+    def train(self, run: RunSpec) -> TrainSpec:
+        return self.eff[run.name].train
+
+    @property
+    def reference(self) -> RunSpec | None:
+        ref = self.scenario.checks.reference
+        return None if ref is None else self.specs[ref]
+
+
+def settings_of(s: Scenario | RunSettings) -> RunSettings:
+    """``s``'s run settings (a scenario's worked out here; a caller holding them passes them on)."""
+    return s if isinstance(s, RunSettings) else RunSettings.of(s)
 
 
 @dataclass(frozen=True)
@@ -65,7 +99,20 @@ class FloorRun:
         return [dataclasses.replace(self, name=self.name + (f"_s{k + 1}" if k else ""), sample=k)
                 for k in range(SPLIT_SAMPLES)]
 
-    def spec(self, s: Scenario) -> RunSpec:
+    def settings(self, v: RunSettings) -> Scenario:
+        """The scenario as this run sees it (``Scenario.for_run`` of ``spec``): its base's, a twin's
+        with its own accumulation and compile mode, and, as for a run no fault names, only the
+        faults of every run and (but a rerun) the scenario's trainer."""
+        base, s = v.eff[self.base], v.scenario
+        faults = [f for f in s.faults if not f.runs]
+        if self.kind == "rerun":
+            return dataclasses.replace(base, faults=faults)
+        accum = {} if self.kind == "split" else {"grad_accum": self.grad_accum}
+        mode = {"compile": self.compile} if self.compile else {}
+        return dataclasses.replace(base, train=dataclasses.replace(base.train, **accum, **mode), trainer=s.trainer,
+                                   faults=faults)
+
+    def spec(self, s: Scenario | RunSettings) -> RunSpec:
         base = s.run(self.base)
         if self.kind == "rerun":
             return dataclasses.replace(base, name=self.name, stop_after=None, compare_to=None, expect_resume_step=None,
@@ -88,69 +135,74 @@ class FloorRun:
         return f"{self.base}'s settings in one process computing {ranks} ({steps}{mode})"
 
 
-def _twin(s: Scenario, base: RunSpec, run: RunSpec) -> FloorRun:
+def _twin(v: RunSettings, base: RunSpec, run: RunSpec) -> FloorRun:
     """X's twin of B; it computes with X's kernels: compiled when X compiles and B does not (and
     the other way round), since compiled and eager kernels may round differently (they do on CUDA)."""
-    n, accum = run.world_size, s.for_run(run).train.grad_accum
+    n, accum = run.world_size, v.train(run).grad_accum
     name = f"twin{n}" + (f"_accum{accum}" if accum > 1 else "")
-    compiled = s.for_run(run).train.compile != "off"
+    compiled = v.train(run).compile != "off"
     mode = None
-    if compiled != (s.for_run(base).train.compile != "off"):
+    if compiled != (v.train(base).compile != "off"):
         mode, name = ("best_effort", name + "_compiled") if compiled else ("off", name + "_eager")
-    if base.name != s.checks.reference:
+    if base.name != v.scenario.checks.reference:
         name += f"_of_{base.name}"
     return FloorRun(name, "twin", base.name, n, accum, mode)
 
 
-def same_execution(s: Scenario, run: RunSpec, target: RunSpec) -> bool:
+def same_execution(v: RunSettings, run: RunSpec, target: RunSpec) -> bool:
     """A resumed run and its target computed alike: same world size and compile mode."""
-    return run.world_size == target.world_size and (
-        s.for_run(run).train.compile == s.for_run(target).train.compile)
+    return run.world_size == target.world_size and v.train(run).compile == v.train(target).compile
 
 
-def floor_for(s: Scenario, run: RunSpec, base: RunSpec) -> FloorRun | None:
+def floor_for(v: RunSettings, run: RunSpec, base: RunSpec) -> FloorRun | None:
     """The floor run a comparison of ``run`` with ``base`` is judged against (None: no floors)."""
-    if not s.checks.noise_floor:
+    if not v.scenario.checks.noise_floor:
         return None
-    if base.name == run.compare_to and same_execution(s, run, base):
+    if base.name == run.compare_to and same_execution(v, run, base):
         return FloorRun(f"{base.name}_rerun", "rerun", base.name)
-    if not trainer_info(s.trainer.kind).twin:
+    if not trainer_info(v.scenario.trainer.kind).twin:
         n = max(run.world_size, 2)
         return FloorRun(f"{base.name}_split{n}", "split", base.name, n)
-    return _twin(s, base, run)
+    return _twin(v, base, run)
 
 
-def floor_runs(s: Scenario) -> list[FloorRun]:
-    """Every floor run the scenario's comparisons need, once each, in a stable order."""
+def comparisons(v: RunSettings, run: RunSpec) -> tuple[tuple[str, FloorRun | None], ...]:
+    """The runs ``run`` is compared with (the reference, in a parity scenario; the run it must
+    reproduce), each with the floor run that comparison is judged against."""
+    if run.fails_by_design:
+        return ()
+    ref = v.reference
+    bases = [ref] if ref is not None and run.name in v.compared else []
+    bases += [v.run(run.compare_to)] if run.compare_to is not None else []
+    return tuple((b.name, floor_for(v, run, b)) for b in bases)
+
+
+def floor_runs(s: Scenario | RunSettings) -> list[FloorRun]:
+    """Every floor run the scenario's comparisons need, once each, in a stable order (a resume at
+    its target's world size and compile mode needs none where ``resume_tolerance`` is set)."""
+    v = settings_of(s)
     found: dict[str, FloorRun] = {}
-    for run in s.runs:
-        if run.fails_by_design:
-            continue
-        bases = [s.run(s.checks.reference)] if compared(s, run) else []
-        if run.compare_to is not None and not (
-                s.checks.resume_tolerance is not None and same_execution(s, run, s.run(run.compare_to))):
-            bases.append(s.run(run.compare_to))
-        for base in bases:
-            floor = floor_for(s, run, base)
+    for run in v.specs.values():
+        for base, floor in comparisons(v, run):
+            if base == run.compare_to and base != v.scenario.checks.reference and (
+                    v.scenario.checks.resume_tolerance is not None and resumes_alike(v, run)):
+                continue
             for sample in floor.samples() if floor is not None else []:
                 found.setdefault(sample.name, sample)
     return list(found.values())
 
 
-def spec_of(s: Scenario, name: str) -> RunSpec:
-    """The spec of a declared run or of one of the scenario's floor runs."""
-    for floor in floor_runs(s):
-        if floor.name == name:
-            return floor.spec(s)
-    return s.run(name)
+def resumes_alike(v: RunSettings, run: RunSpec) -> bool:
+    """A resumed run computes as the run it must reproduce does (``same_execution``)."""
+    return run.compare_to is not None and same_execution(v, run, v.run(run.compare_to))
 
 
-def launch_order(s: Scenario) -> list[RunSpec]:
+def launch_order(s: Scenario | RunSettings) -> list[RunSpec]:
     """The scenario's runs with the reference first (unless it resumes from another run)."""
-    ref = s.checks.reference
-    runs = list(s.runs)
-    if ref is not None and s.run(ref).resume_from is None:
-        runs.sort(key=lambda r: r.name != ref)
+    v = settings_of(s)
+    ref, runs = v.reference, list(v.specs.values())
+    if ref is not None and ref.resume_from is None:
+        runs.sort(key=lambda r: r.name != ref.name)
     return runs
 
 
@@ -173,47 +225,51 @@ class Inputs:
     key: str
 
 
-def inputs_of(s: Scenario, run: RunSpec) -> Inputs:
+def inputs_of(v: RunSettings, run: RunSpec) -> Inputs:
     """What ``run``'s generated inputs are made from."""
+    s = v.scenario
     if not run.data:
         return Inputs(s.data, s.seed, "[data]")
-    eff = s.for_run(run)
+    eff = v.eff[run.name]
     return Inputs(eff.data, eff.seed, f"[[runs]][{s.runs.index(run)}].data")
 
 
-def _probe(s: Scenario, run: RunSpec, floor: FloorRun | None, info: TrainerInfo) -> ProbeJob | None:
+def _probe(v: RunSettings, run: RunSpec, floor: FloorRun | None, steps: int, info: TrainerInfo) -> ProbeJob | None:
     """The reference records step-local probes; each compared run, and each twin or split floor
     run of the reference (the step-local noise floor), probes the steps it records."""
+    s = v.scenario
     every, ref = s.checks.probe_every, s.checks.reference
     if not every or s.kind != "parity" or ref is None or not info.probes:
         return None
-    steps = tuple(probe_steps(s.for_run(run).train.steps, every))
+    at = tuple(probe_steps(steps, every))
     directory = f"{ref}/probes"
     if run.name == ref:
-        return ProbeJob("record", directory, steps)
+        return ProbeJob("record", directory, at)
     floor_of_ref = floor is not None and floor.kind in ("twin", "split") and floor.base == ref
-    if not (compared(s, run) if floor is None else floor_of_ref):
+    if not (run.name in v.compared if floor is None else floor_of_ref):
         return None
-    return ProbeJob("compare" if floor is None else "floor", directory, steps)
+    return ProbeJob("compare" if floor is None else "floor", directory, at)
 
 
-def train_job(s: Scenario, run: RunSpec, floor: FloorRun | None = None) -> TrainJob:
-    """The job every rank of one run reads: the scenario as this run sees it. A rerun gets
-    its base run's faults; a twin only its base's stop requests (part of the base's plan: the
+def train_job(v: RunSettings, run: RunSpec, eff: Scenario, memory: Footprint,
+              floor: FloorRun | None = None) -> TrainJob:
+    """The job every rank of one run reads: ``eff``, the scenario as this run sees it. A rerun
+    gets its base run's faults; a twin only its base's stop requests (part of the base's plan: the
     twin must train the steps the base trained), on its one rank; a twin of the reference is
-    probed like a compared run."""
-    eff = s.for_run(s.run(floor.base) if floor and floor.kind == "rerun" else run)
+    probed like a compared run. A bad ``MLX_DDP_HARNESS_MEMORY_BUDGET`` is a ``ValueError`` (one
+    line, ``harness.memory.plan.job_memory``)."""
+    base = v.eff[floor.base] if floor is not None else eff
+    if floor is not None and floor.kind == "rerun":
+        eff = base
     faults = eff.faults
-    if floor and floor.kind != "rerun":
-        faults = [dataclasses.replace(f, rank=0, runs=[run.name])
-                  for f in s.for_run(s.run(floor.base)).faults if f.action == "stop"]
+    if floor is not None and floor.kind != "rerun":
+        faults = [dataclasses.replace(f, rank=0, runs=[run.name]) for f in base.faults if f.action == "stop"]
     info = trainer_info(eff.trainer.kind)
-    names = [r.name for r in s.runs]
     resume = None if run.resume_from is None else ResumeJob(
-        f"{run.resume_from}/checkpoints" if run.resume_from in names else run.resume_from, run.resume_step)
+        f"{run.resume_from}/checkpoints" if run.resume_from in v.specs else run.resume_from, run.resume_step)
+    probe = _probe(v, run, floor, eff.train.steps, info)
     return TrainJob(
         run=run.name,
-        trainer=TrainerRef(info.module, info.hides, info.command, info.cpu_collectives, heavy_libraries()),
         scenario=dataclasses.replace(eff, faults=faults),
         faults=tuple(faults),
         backend=run.backend,
@@ -223,34 +279,22 @@ def train_job(s: Scenario, run: RunSpec, floor: FloorRun | None = None) -> Train
         split_rows=floor.emulate if floor is not None and floor.kind == "split" else 0,
         split_sample=floor.sample if floor is not None else 0,
         # rank 0 keeps the parameters the run starts from: the reference's, to measure how far training moved them
-        keep_start=floor is None and run.name == s.checks.reference,
-        probe=_probe(s, run, floor, info),
+        keep_start=floor is None and run.name == v.scenario.checks.reference,
+        probe=probe,
         device={"asked": eff.train.device},  # planned at launch (``harness.controller.run_job``)
-        memory=_memory(s, run),  # the budget and expected peak; ranks per host added at launch
-        checkpoint_dir=f"{run.name}/checkpoints" if writes_checkpoints(s, run) else None,
+        checkpoint_dir=f"{run.name}/checkpoints" if run.writes_checkpoints(eff.train) else None,
         resume=resume,
-        resume_in_workspace=run.resume_from in names,
+        resume_in_workspace=run.resume_from in v.specs,
+        trainer=TrainerRef(info.module, info.hides, info.command, info.cpu_collectives, heavy_libraries()),
+        memory=job_memory(memory),  # the budget and expected peak; ranks per host added at launch
     )
 
 
-def _memory(s: Scenario, run: RunSpec) -> dict[str, object]:
-    """``job_memory``; a bad ``MLX_DDP_HARNESS_MEMORY_BUDGET`` is a ``ScenarioError`` (one line)."""
-    try:
-        return job_memory(s, run)
-    except ValueError as e:
-        raise ScenarioError(str(e)) from e
+def footprint(eff: Scenario) -> Footprint:
+    """What the memory plan reads of a run's effective settings (``harness.memory.plan``)."""
+    c, model = eff.checks, eff.model
+    ceilings = tuple((v, k) for v, k in ((c.max_mlx_mb, "max_mlx_mb"), (c.max_rss_mb, "max_rss_mb")) if v is not None)
+    return Footprint(ceilings, model.arch, model.vision, model.path, dict(model.config), model.built_dtype,
+                     eff.data.tokenizer, None if eff.path is None else str(Path(eff.path).parent),
+                     eff.trainer.fine_tune == "lora", eff.limits.memory_budget_mb)
 
-
-def comparisons(s: Scenario, run: RunSpec) -> tuple[tuple[str, FloorRun | None], ...]:
-    """The runs ``run`` is compared with (the reference, in a parity scenario; the run it must
-    reproduce), each with the floor run that comparison is judged against."""
-    if run.fails_by_design:
-        return ()
-    bases = [s.run(s.checks.reference)] if compared(s, run) else []
-    bases += [s.run(run.compare_to)] if run.compare_to is not None else []
-    return tuple((b.name, floor_for(s, run, b)) for b in bases)
-
-
-def resumes_alike(s: Scenario, run: RunSpec) -> bool:
-    """A resumed run computes as the run it must reproduce does (``same_execution``)."""
-    return run.compare_to is not None and same_execution(s, run, s.run(run.compare_to))

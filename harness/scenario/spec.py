@@ -184,6 +184,10 @@ class RunSpec:
         """Expected to fail: an ``expect_error`` run, or one whose mutation kills a rank."""
         return self.expect_error is not None or MUTATION_EXPECTS.get(self.mutation or "") == "rank_failure"
 
+    def writes_checkpoints(self, train: TrainSpec) -> bool:
+        """Whether it writes checkpoints, given its effective ``[train]``."""
+        return self.stop_after is not None or train.checkpoint_every > 0
+
 
 @dataclass
 class CheckSpec:
@@ -251,11 +255,11 @@ class CheckSpec:
 @dataclass
 class LimitSpec:
     """Watchdog limits for each run: time in seconds; hard memory limits enforced while it runs
-    (``harness.controller.memory_guard``): per rank ``hard_rss_mb`` (RSS above the rank's
+    (``harness.memory.guard``): per rank ``hard_rss_mb`` (RSS above the rank's
     baseline) and ``hard_mlx_mb``, by default the larger of ``hard_memory_factor`` x the
     ``[checks]`` ceiling and the ceiling + ``hard_memory_slack_mb``, where one is set; all ranks
     together at most ``machine_memory_fraction`` of the machine. ``memory_budget_mb``: the memory
-    this scenario's runs share, where lower than the machine's budget (``harness.memory_plan``)."""
+    this scenario's runs share, where lower than the machine's budget (``harness.memory.plan``)."""
 
     wall_s: float = 600.0
     no_progress_s: float = 120.0
@@ -368,6 +372,10 @@ class Scenario:
             faults=[f for f in self.faults if not f.runs or run.name in f.runs],
         )
 
+    def for_runs(self, runs: list[RunSpec]) -> list[Scenario]:
+        """``for_run`` of each run."""
+        return [self.for_run(r) for r in runs]
+
 
 
 def is_behaviour_table(value: Any) -> bool:
@@ -383,7 +391,7 @@ def require(cond: bool, src: str, key: str, msg: str) -> None:
 
 
 def writes_checkpoints(s: Scenario, run: RunSpec) -> bool:
-    return run.stop_after is not None or s.for_run(run).train.checkpoint_every > 0
+    return run.writes_checkpoints(s.for_run(run).train)
 
 
 def compared(s: Scenario, run: RunSpec) -> bool:

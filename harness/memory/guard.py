@@ -8,7 +8,7 @@ ceiling and the ceiling plus ``hard_memory_slack_mb`` (a hard limit is for runaw
 little over a tight ceiling is the ceiling check's to fail), or an absolute ``hard_rss_mb`` /
 ``hard_mlx_mb``. MLX memory, the device figure on every device (on CUDA MLX's buffers are not in
 RSS), comes from the rank's ``memory`` events, which its sampler writes during a step as the
-figure rises (``harness.rank.memory``), and from its ``step`` events. RSS is polled at each poll
+figure rises (``harness.memory.sampler``), and from its ``step`` events. RSS is polled at each poll
 (on a cluster host, by its agent) and read from the same events, and counts from the baseline
 the rank reports, as the ceiling does: what it held at job start, or on CUDA its RSS at the end
 of its first step (until then only the machine's share holds it). Whatever the scenario says,
@@ -20,16 +20,30 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import psutil
 
-from harness.controller.progress import after_step
-
-if TYPE_CHECKING:
-    from harness.scenario import CheckSpec, LimitSpec
+from harness.schema import after_step
 
 MB = 1024 * 1024
+
+
+class HardLimits(Protocol):
+    """What the hard limits are set from: a scenario's ``[limits]``."""
+
+    hard_rss_mb: float | None
+    hard_mlx_mb: float | None
+    hard_memory_factor: float
+    hard_memory_slack_mb: float
+    machine_memory_fraction: float
+
+
+class Ceilings(Protocol):
+    """The per-rank ceilings a scenario's ``[checks]`` judges after a run."""
+
+    max_rss_mb: float | None
+    max_mlx_mb: float | None
 
 
 @dataclass
@@ -43,7 +57,7 @@ class MemoryLimits:
     machine_fraction: float = 0.9
 
     @classmethod
-    def from_scenario(cls, limits: LimitSpec, checks: CheckSpec) -> MemoryLimits:
+    def from_scenario(cls, limits: HardLimits, checks: Ceilings) -> MemoryLimits:
         """From a scenario's ``[limits]`` and ``[checks]``."""
         factor, slack = limits.hard_memory_factor, limits.hard_memory_slack_mb
         out = cls(machine_fraction=limits.machine_memory_fraction)

@@ -10,7 +10,7 @@ memory (psutil).
 ``MLX_DDP_HARNESS_MEMORY_BUDGET`` (e.g. ``6GB``, ``512MB``), else the working set; a scenario's
 ``[limits] memory_budget_mb`` lowers it for its own runs. A rank's *share* is the budget (where
 one is given, else its host's working set) divided by the ranks on its host
-(``harness.rank.memory_share`` caps MLX's memory limits at it; the ``wired_share`` check holds
+(``harness.memory.share`` caps MLX's memory limits at it; the ``wired_share`` check holds
 each rank to it).
 
 *Expected peak* of a rank (``expected_rank_bytes``): the scenario's ``[checks]`` ceiling
@@ -30,12 +30,10 @@ import functools
 import json
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from harness.scenario.spec import RunSpec, Scenario
+from typing import Any
 
 MB = 1024 * 1024
 BUDGET_VAR = "MLX_DDP_HARNESS_MEMORY_BUDGET"
@@ -154,28 +152,48 @@ def machine_budget() -> Budget:
     return Budget(ws.bytes, f"the working set: {ws.source}", False)
 
 
-def run_budget(s: Scenario) -> Budget:
+@dataclass(frozen=True)
+class Footprint:
+    """What one rank of a run is expected to hold is worked out from (the plan fills it from the
+    run's effective settings, ``harness.scenario.runs``): the ``[checks]`` ceilings set, as
+    (MB, key); the model (``arch``, ``vision``, a local ``path``, ``config``, the ``dtype`` it
+    is built in); the tokenizer (``tokenizer``, relative to ``base_dir``); whether it trains
+    LoRA adapters; and ``[limits] memory_budget_mb``."""
+
+    ceilings: tuple[tuple[float, str], ...]
+    arch: str
+    vision: bool
+    path: str | None
+    config: dict[str, Any]
+    dtype: str
+    tokenizer: str
+    base_dir: str | None
+    lora: bool
+    budget_mb: float | None
+
+
+def run_budget(f: Footprint) -> Budget:
     """The budget a scenario's runs share: the machine's, or the scenario's ``[limits]
     memory_budget_mb`` where lower."""
     machine = machine_budget()
-    mb = s.limits.memory_budget_mb
+    mb = f.budget_mb
     if mb is not None and mb * MB < machine.bytes:
         return Budget(int(mb * MB), "[limits] memory_budget_mb", True)
     return machine
 
 
-def _vocab(s: Scenario, config: dict[str, Any]) -> int:
+def _vocab(f: Footprint, config: dict[str, Any]) -> int:
     if config.get("vocab_size"):
         return int(config["vocab_size"])
-    tok = s.data.tokenizer
+    tok = f.tokenizer
     if tok == "byte":
         return 259
     if tok.startswith("bpe:") and tok[4:].isdigit():
         return int(tok[4:])
     try:
         path = Path(tok)
-        if s.path is not None and not path.is_absolute():
-            path = Path(str(s.path)).parent / path
+        if f.base_dir is not None and not path.is_absolute():
+            path = Path(f.base_dir) / path
         return len(json.loads(path.read_text())["model"]["vocab"])
     except (OSError, ValueError, KeyError, TypeError):
         return DEFAULT_VOCAB
@@ -190,72 +208,62 @@ def _block_params(section: dict[str, Any], shape: dict[str, int]) -> int:
     return layers * (4 * h * h + 3 * h * inner)
 
 
-def param_estimate(s: Scenario) -> tuple[int, str]:
-    """(parameters, how they were counted) of the scenario's model, without building it."""
-    model = s.model
-    if model.path:
-        files = list(Path(model.path).glob("*.safetensors"))
-        size = sum(f.stat().st_size for f in files if f.is_file())
-        return size // 2, f"{model.path}: {format_size(size)} of safetensors"
-    config = dict(model.config)
+def param_estimate(f: Footprint) -> tuple[int, str]:
+    """(parameters, how they were counted) of the run's model, without building it."""
+    if f.path:
+        files = list(Path(f.path).glob("*.safetensors"))
+        size = sum(p.stat().st_size for p in files if p.is_file())
+        return size // 2, f"{f.path}: {format_size(size)} of safetensors"
+    config = dict(f.config)
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    vocab = _vocab(s, text)
+    vocab = _vocab(f, text)
     n = _block_params(text, TEXT_SHAPE) + 2 * vocab * int(text.get("hidden_size") or TEXT_SHAPE["hidden_size"])
-    if model.vision:
+    if f.vision:
         vision = config.get("vision_config") if isinstance(config.get("vision_config"), dict) else {}
         n += _block_params(vision, VISION_SHAPE)
-    return n, f"about {n / 1e6:.2f}M parameters of {model.arch} ({vocab} tokens)"
+    return n, f"about {n / 1e6:.2f}M parameters of {f.arch} ({vocab} tokens)"
 
 
-def expected_rank_bytes(s: Scenario, run: RunSpec) -> tuple[int, str]:
-    """(bytes, why) one rank of ``run`` is expected to peak at (the module's docstring)."""
-    eff = s.for_run(run)
-    c = eff.checks
-    ceilings = [(v, k) for v, k in ((c.max_mlx_mb, "max_mlx_mb"), (c.max_rss_mb, "max_rss_mb")) if v is not None]
-    if ceilings:
-        mb, key = max(ceilings)
+def expected_rank_bytes(f: Footprint) -> tuple[int, str]:
+    """(bytes, why) one rank of the run is expected to peak at (the module's docstring)."""
+    if f.ceilings:
+        mb, key = max(f.ceilings)
         return int(mb * MB), f"the ceiling [checks] {key} = {mb:g}"
-    params, how = param_estimate(eff)
-    lora = eff.trainer.fine_tune == "lora"
-    copies, what = (1, "the frozen weights; LoRA's adapters in the margin") if lora else (
+    params, how = param_estimate(f)
+    copies, what = (1, "the frozen weights; LoRA's adapters in the margin") if f.lora else (
         ESTIMATE_COPIES, "weights, gradients, Adam's moments")
-    if eff.model.path:  # the weights as stored (quantized ones included)
+    if f.path:  # the weights as stored (quantized ones included)
         weights = params * 2
     else:
-        b = DTYPE_BYTES.get(eff.model.built_dtype, 4)
+        b = DTYPE_BYTES.get(f.dtype, 4)
         weights, how = params * b, f"{how} x {b} bytes"
     est = int(weights * copies * ESTIMATE_MARGIN) + ESTIMATE_FIXED_MB * MB
     return est, f"estimated: {how} x {copies} ({what}) x {ESTIMATE_MARGIN:g} + {ESTIMATE_FIXED_MB} MB"
 
 
-def job_memory(s: Scenario, run: RunSpec) -> dict[str, Any]:
+def job_memory(f: Footprint) -> dict[str, Any]:
     """What a run's job file says of memory: the budget where one is given (``None``: each rank
     takes its host's working set), its source, and one rank's expected peak; a bad
     ``MLX_DDP_HARNESS_MEMORY_BUDGET`` is a ``ValueError`` (one line)."""
-    budget = run_budget(s)
-    expected, why = expected_rank_bytes(s, run)
+    budget = run_budget(f)
+    expected, why = expected_rank_bytes(f)
     return {"budget_bytes": budget.bytes if budget.given else None, "budget_source": budget.source,
             "expected_rank_bytes": expected, "expected_source": why}
 
 
-def launch_problem(s: Scenario, run: RunSpec) -> str | None:
+def launch_problem(run: str, world_size: int, f: Footprint) -> str | None:
     """Why ``run``'s ranks can never fit the memory budget on one machine, or None."""
-    budget = run_budget(s)
-    expected, why = expected_rank_bytes(s, run)
-    total = expected * run.world_size
+    budget = run_budget(f)
+    expected, why = expected_rank_bytes(f)
+    total = expected * world_size
     if total <= budget.bytes:
         return None
     declare = "" if why.startswith("the ceiling") else "; [checks] max_mlx_mb states a rank's peak instead"
-    return (f"run {run.name}: its {run.world_size} rank(s) are expected to peak at {format_size(total)} "
+    return (f"run {run}: its {world_size} rank(s) are expected to peak at {format_size(total)} "
             f"({why} per rank), more than the memory budget of {format_size(budget.bytes)} ({budget.source})"
             f"{declare}")
 
 
-def check_launches(s: Scenario, on_cluster: bool = False) -> None:
-    """Refuse (``ValueError``, one line) a scenario with a run whose ranks can never fit the
-    memory budget, or a bad ``MLX_DDP_HARNESS_MEMORY_BUDGET``; on a cluster its multi-rank runs
-    are the hosts' to hold."""
-    problems = [launch_problem(s, r) for r in s.runs if not (on_cluster and r.world_size > 1)]
-    problem = next((p for p in problems if p), None)
-    if problem:
-        raise ValueError(f"{s.path}: {problem}")
+def first_launch_problem(runs: Iterable[tuple[str, int, Footprint]]) -> str | None:
+    """The first of ``runs`` (name, world size, footprint) that can never fit (``launch_problem``)."""
+    return next((problem for name, n, f in runs if (problem := launch_problem(name, n, f))), None)

@@ -5,7 +5,7 @@ recommended working set>)`` in every rank: N ranks on one Mac each wire up to th
 upstream ties to kernel panics. ``install`` runs in every Python rank (the reference trainer, the
 adapters, a user's script, which runs in the rank process) before its trainer is imported:
 
-- The machine's working set (``harness.memory_plan``: Metal's recommended working set, a CUDA GPU's
+- The machine's working set (``harness.memory.plan``: Metal's recommended working set, a CUDA GPU's
   memory, or the machine's physical memory) and the rank's *share*: the job's memory budget
   where one is given, else the working set, divided by the ranks on the rank's host (the job's
   ``memory.ranks_on_host``; the world size where the job does not say).
@@ -30,12 +30,19 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-from harness.memory_plan import WORKING_SET_KEY, device_info_of_machine, share_of, working_set_of
-from harness.scenario.job import Job
+from harness.memory.plan import WORKING_SET_KEY, device_info_of_machine, share_of, working_set_of
 
 LIMITS = ("wired", "memory", "cache")
+
+
+class Placed(Protocol):
+    """What a share is taken from: a launched job's ``memory`` block and world size
+    (``harness.scenario.job.Job``)."""
+
+    memory: dict[str, Any]
+    world_size: int | None
 
 
 @dataclass
@@ -88,7 +95,7 @@ def _capped(state: MemoryShare, limit: str, function: str, real: Callable[..., A
         state.calls.append(LimitCall(limit, function, asked, granted, _caller()))
         return real(granted, *args[1:], **kwargs)
 
-    set_limit.__doc__ = f"{function}, capped at this rank's memory share (harness.rank.memory_share)."
+    set_limit.__doc__ = f"{function}, capped at this rank's memory share (harness.memory.share)."
     return set_limit
 
 
@@ -111,7 +118,7 @@ def _replace(namespace: Any, name: str, make: Callable[[Any], Callable[..., Any]
     setattr(namespace, name, make(real))
 
 
-def install(job: Job, rank: int) -> MemoryShare:
+def install(job: Placed, rank: int) -> MemoryShare:
     """Take this rank's share from ``job`` (its ``memory`` block and world size) and wrap MLX's
     limit functions and ``device_info`` (the module's docstring). Installing again first undoes
     the last install."""
