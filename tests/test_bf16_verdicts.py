@@ -12,7 +12,8 @@ import numpy as np
 from harness.controller.outcome import RankOutcome, RunOutcome, WatchReport
 from harness.judge.checks import Check
 from harness.judge.power import judge_power
-from harness.present.results import EXIT_CHECK_FAILED, EXIT_INCONCLUSIVE, EXIT_PASS, exit_code, summary_lines
+from harness.present.report import summary_lines
+from harness.run.results import EXIT_CHECK_FAILED, EXIT_INCONCLUSIVE, EXIT_PASS, exit_code
 
 PRECISION = {"dtype": "bfloat16", "label": "bfloat16", "u_in": 2.0**-8, "u_dtype": 2.0**-8}
 

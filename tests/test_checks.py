@@ -18,8 +18,8 @@ from harness.judge.checks import (
     token_accounting,
 )
 from harness.judge.verdict import judge
-from harness.present.results import exit_code, median_after_first, per_rank_batch
 from harness.present.tables import runs_table
+from harness.run.results import exit_code, median_after_first, per_rank_batch
 from harness.scenario import CheckSpec, RunSpec, Scenario, TrainerSpec
 from harness.scenario.plan import plan_scenario
 from tests.conftest import train_result

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.present.results import EXIT_INCONCLUSIVE, EXIT_PASS
+from harness.run.results import EXIT_INCONCLUSIVE, EXIT_PASS
 from tests.conftest import REPO
 
 

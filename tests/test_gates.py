@@ -116,7 +116,7 @@ def test_an_undecided_paired_gate_makes_the_gate_inconclusive_never_passed_or_fa
     """A paired speed gate out of pairs, the other gates passing: INCONCLUSIVE and exit 4, in the
     text, the record and the regression table; a failing gate still makes it FAILED (exit 1)."""
     from harness.present.gate_report import PairedGate, exit_code, gate_record, gate_text, verdict
-    from harness.present.results import EXIT_CHECK_FAILED, EXIT_INCONCLUSIVE, EXIT_PASS
+    from harness.run.results import EXIT_CHECK_FAILED, EXIT_INCONCLUSIVE, EXIT_PASS
 
     base = _fast_baseline(1000.0, 1050.0, 950.0)
     docs = [(Path("r.json"), _doc([{**r, "median_tok_s": r["fast_tok_s"] - 100} for r in _fast(990.0, 1010.0)]))]

@@ -11,9 +11,9 @@ import pytest
 
 from harness.data.sources import Example
 from harness.data.tokenizers import ByteTokenizer
-from harness.present.results import step_widths
 from harness.present.shapes import width_cell, width_warnings
 from harness.present.tables import runs_table, scenario_text
+from harness.run.results import step_widths
 from harness.trainers.reference.batching import collate
 from tests.conftest import cli, write_scenario
 

@@ -16,7 +16,7 @@ import pytest
 from scipy.stats import norm
 
 from harness.judge.paired import SequentialDesign, pocock_level, sequential_look
-from harness.present.results import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, EXIT_INCONCLUSIVE, EXIT_INFRA, EXIT_PASS
+from harness.run.results import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, EXIT_INCONCLUSIVE, EXIT_INFRA, EXIT_PASS
 from tests.conftest import REPO, cli, write_scenario
 
 

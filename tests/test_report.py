@@ -7,8 +7,8 @@ from typing import Any
 
 from harness import schema
 from harness.present.report import PLOTS_VAR, plots_wanted, write_outputs
-from harness.present.results import merge_repeats
 from harness.present.tables import runs_table, scenario_text
+from harness.run.results import merge_repeats
 from tests.conftest import REPO
 
 MB = 1024 * 1024
@@ -236,7 +236,7 @@ def test_the_report_md_run_table_shows_the_same_medians(tmp_path: Path) -> None:
 def _throughput(ref_tok_s: float, lora_tok_s: float, lora_trainer: str = "reference") -> dict[str, Any]:
     """A throughput scenario: ``full`` (the reference run, full fine-tuning) and ``lora`` (LoRA, rank 8),
     their fine-tune figures as ``run_summary`` records them from ``scenarios/mlx_lm_lora.toml``'s trainer."""
-    from harness.present.results import fine_tune
+    from harness.run.results import fine_tune
     from harness.scenario import load_scenario
     from harness.scenario.trainers import trainer_info
 

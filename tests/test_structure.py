@@ -43,13 +43,13 @@ def test_no_stage_after_the_plan_works_the_scenario_out_again(observed: tuple[wa
 
 def test_the_walk_counts_climbs_and_returns() -> None:
     """The figures of a made-up walk: present -> pipeline -> plan -> pipeline -> judge -> present."""
-    w = walk.measure(["harness.present.scenario_result", "harness.present.pipeline", "harness.scenario.plan",
-                      "harness.scenario.plan", "harness.present.pipeline", "harness.judge.verdict",
+    w = walk.measure(["harness.present.scenario_result", "harness.run.pipeline", "harness.scenario.plan",
+                      "harness.scenario.plan", "harness.run.pipeline", "harness.judge.verdict",
                       "harness.present.scenario_result"])
-    assert w.stays == ["harness.present.scenario_result", "harness.present.pipeline", "harness.scenario.plan",
-                       "harness.present.pipeline", "harness.judge.verdict", "harness.present.scenario_result"]
+    assert w.stays == ["harness.present.scenario_result", "harness.run.pipeline", "harness.scenario.plan",
+                       "harness.run.pipeline", "harness.judge.verdict", "harness.present.scenario_result"]
     assert w.returns == 2
-    assert w.climbed == ["harness.scenario.plan -> harness.present.pipeline",
+    assert w.climbed == ["harness.scenario.plan -> harness.run.pipeline",
                          "harness.judge.verdict -> harness.present.scenario_result"]  # each room imports the one before
 
 
@@ -77,7 +77,7 @@ def string_literals(root: Path) -> dict[str, list[str]]:
 # naming the reference run, the Python packages MLX's architectures come from, TrainerInfo's flag
 # fields (``with_kind("script")``) and argparse's destination of the sub-command.
 OTHER_MEANINGS = {
-    "reference": {"harness/present/plots.py", "harness/present/tables.py", "harness/present/results.py"},
+    "reference": {"harness/present/plots.py", "harness/present/tables.py", "harness/run/results.py"},
     "mlx_lm": {"harness/rank/models.py"},
     "mlx_vlm": {"harness/rank/weights.py", "harness/rank/vision.py", "harness/trainers/reference/rank.py"},
     "script": {"harness/present/starter.py"},

@@ -12,13 +12,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-from harness.scenario import DataSpec, Scenario, ScenarioError
+from harness.scenario import DataSpec, RunSpec, Scenario, ScenarioError
+
+Runs = list[tuple[RunSpec, DataSpec]]  # each declared run with its effective [data], in file order
 
 
-def _check_count(s: Scenario, key: str, path: Path, limit: int | None, rows: int) -> None:
+def _check_count(s: Scenario, runs: Runs, key: str, path: Path, rows: int) -> None:
     """A rows file must hold a row for every rank of every run that reads it."""
-    for i, r in enumerate(s.runs):
-        d = s.for_run(r).data
+    for i, (r, d) in enumerate(runs):
         reads = d.path if key == "path" and d.source == "jsonl" else d.eval_path if key == "eval_path" else None
         if reads is not None and Path(reads) == path and r.world_size > rows:
             what = "rows" if key == "path" else "eval rows"
@@ -27,11 +28,10 @@ def _check_count(s: Scenario, key: str, path: Path, limit: int | None, rows: int
                                 f"{held}: every rank needs {what} of its own")
 
 
-def _files(s: Scenario) -> Iterator[tuple[DataSpec, str, Path, int | None]]:
+def _files(runs: Runs) -> Iterator[tuple[DataSpec, str, Path, int | None]]:
     """(data spec, key, file, rows read) for every local rows file of the scenario's runs, once."""
     seen = set()
-    for r in s.runs:
-        d = s.for_run(r).data
+    for _, d in runs:
         for key, path, limit in (("path", d.path if d.source == "jsonl" else None, d.rows),
                                  ("eval_path", d.eval_path, None)):
             if path and (str(path), limit, d.format) not in seen:
@@ -39,14 +39,14 @@ def _files(s: Scenario) -> Iterator[tuple[DataSpec, str, Path, int | None]]:
                 yield d, key, Path(path), limit
 
 
-def check_text_rows(s: Scenario) -> list[str]:
+def check_text_rows(s: Scenario, runs: Runs) -> list[str]:
     """Refuse bad JSONL rows; returns a line for each file whose rows ``max_seq_len`` cuts
     (``cut_rows``)."""
     from harness.data.sources import Encoder, jsonl_rows
     from harness.data.tokenizers import ByteTokenizer
 
     notes = []
-    for d, key, path, limit in _files(s):
+    for d, key, path, limit in _files(runs):
         if path.is_dir():
             raise ScenarioError(f"{s.path}: [data].{key}: {path} is a directory, not a JSONL file")
         encode, rows = Encoder(ByteTokenizer(), d), 0
@@ -58,7 +58,7 @@ def check_text_rows(s: Scenario) -> list[str]:
             raise ScenarioError(str(e)) from e
         if not rows:
             raise ScenarioError(f"{s.path}: [data].{key}: {path} has no rows")
-        _check_count(s, key, path, limit, rows)
+        _check_count(s, runs, key, path, rows)
         try:
             notes += cut_rows(s, d, key, path, limit, rows, encode.cut)
         except ValueError as e:  # a row the scenario's tokenizer cannot take, as its ranks would find
@@ -90,7 +90,7 @@ def cut_rows(s: Scenario, d: DataSpec, key: str, path: Path, limit: int | None, 
             f"tokens): raise [data] max_seq_len to train them whole"]
 
 
-def check_image_rows(s: Scenario) -> None:
+def check_image_rows(s: Scenario, runs: Runs) -> None:
     """Every image a VLM scenario's JSONL rows name must exist and be an image Pillow can read
     (the rows are read as the ranks read them)."""
     from PIL import Image, UnidentifiedImageError
@@ -99,7 +99,7 @@ def check_image_rows(s: Scenario) -> None:
     from harness.data.sources import Encoder
     from harness.data.tokenizers import ByteTokenizer
 
-    for d, key, path, limit in _files(s):
+    for d, key, path, limit in _files(runs):
         encode, rows = Encoder(ByteTokenizer(), d), 0
         try:
             for where, row in local_image_rows(path, limit):
@@ -119,16 +119,16 @@ def check_image_rows(s: Scenario) -> None:
             raise
         except ValueError as e:  # a line that is not JSON, a file that is not UTF-8
             raise ScenarioError(str(e)) from e
-        _check_count(s, key, path, limit, rows)
+        _check_count(s, runs, key, path, rows)
 
 
-def check_tokenizers(s: Scenario) -> list[str]:
+def check_tokenizers(s: Scenario, runs: Runs) -> list[str]:
     """Refuse a tokenizer file that does not load; a line for each special token a file lacks."""
     from harness.data.tokenizers import FileTokenizer
 
     notes: list[str] = []
-    for i, r in enumerate(s.runs):
-        tok = s.for_run(r).data.tokenizer
+    for i, (r, d) in enumerate(runs):
+        tok = d.tokenizer
         if tok == "byte" or tok.startswith("bpe:"):
             continue
         try:
@@ -140,12 +140,14 @@ def check_tokenizers(s: Scenario) -> list[str]:
     return list(dict.fromkeys(notes))  # a file several runs share is said once
 
 
-def check_data_files(s: Scenario) -> list[str]:
+def check_data_files(s: Scenario, runs: Runs | None = None) -> list[str]:
     """Refuse bad local rows, images or tokenizer files before any rank starts; returns what a
-    user should know of them (a tokenizer's missing special tokens)."""
-    notes = check_tokenizers(s)
+    user should know of them (a tokenizer's missing special tokens). ``runs``: each declared run
+    with its effective ``[data]``, as the plan holds them (else worked out from ``s``)."""
+    runs = runs if runs is not None else [(r, s.for_run(r).data) for r in s.runs]
+    notes = check_tokenizers(s, runs)
     if s.model.vision:
-        check_image_rows(s)
+        check_image_rows(s, runs)
     else:
-        notes += check_text_rows(s)
+        notes += check_text_rows(s, runs)
     return notes

@@ -75,7 +75,7 @@ def preflight(plan: ScenarioPlan, backend: str | None, cluster: Cluster | None =
         budget()
     except ValueError as e:
         raise ScenarioError(str(e)) from e
-    notes += check_data_files(plan.scenario)
+    notes += check_data_files(plan.scenario, [(r.spec, r.eff.data) for r in plan.declared])
     # each run's expected memory fits the memory budget (on a cluster, multi-rank runs are the hosts' to hold)
     problem = first_launch_problem((r.name, r.spec.world_size, r.footprint) for r in plan.declared
                                    if cluster is None or r.spec.world_size == 1)

@@ -12,7 +12,7 @@ import argparse
 import re
 from pathlib import Path
 
-from harness.present.results import EXIT_PASS, load_results
+from harness.run.results import EXIT_PASS, load_results
 from harness.scenario import ScenarioError
 
 TOLERANCE_FLAGS = (

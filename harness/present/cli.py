@@ -15,18 +15,16 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from harness.controller.preflight import preflight
 from harness.judge.baselines import BaselineError
 from harness.memory.plan import BUDGET_VAR, parse_size
 from harness.present import soak_cli, starter
 from harness.present.baseline_cli import add_parsers
 from harness.present.live import MODES, PLAIN_EVERY_S, PlainProgress, progress_display
-from harness.present.pipeline import available, run_and_judge
-from harness.present.results import EXIT_BAD_INPUT, EXIT_INFRA, load_results
+from harness.run.pipeline import available, prepare, run_repeats
+from harness.run.results import EXIT_BAD_INPUT, EXIT_INFRA, load_results
 from harness.scenario import Scenario, ScenarioError, discover, load_scenario, with_device
 from harness.scenario.availability import runnable
 from harness.scenario.names import DEVICES
-from harness.scenario.plan import plan_scenario
 
 if TYPE_CHECKING:
     from harness.cluster_spec import Cluster
@@ -129,9 +127,9 @@ def slow_blas_notes() -> list[str]:
 def cmd_run(args: argparse.Namespace) -> int:
     from harness.controller.ports import PortError
     from harness.controller.run_job import LaunchError
-    from harness.present.report import write_outputs
-    from harness.present.results import document, merge_repeats, summary_lines
+    from harness.present.report import summary_lines, write_outputs
     from harness.present.tables import scenario_text
+    from harness.run.results import document
 
     if args.memory_budget is not None:  # shared with every launch of this run and its children
         try:
@@ -143,10 +141,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     scenarios, skipped = available(resolve_scenarios(args.scenarios, notes, args.all, left_out))
     scenarios = [with_device(s, args.device) for s in scenarios]
     cluster = cluster_of(args, scenarios)
-    plans = [plan_scenario(s) for s in scenarios]
-    for plan in plans:
-        notes += preflight(plan, args.backend, cluster)
-    for line in notes:
+    plans, more = prepare(scenarios, args.backend, cluster)
+    for line in notes + more:
         print(line, file=sys.stderr)
     out = Path(args.out) if args.out else None
     _check_out(out)
@@ -169,16 +165,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         with display or contextlib.nullcontext():
             for plan in plans:
-                s, reps = plan.scenario, []
-                for k in range(1, args.repeat + 1):
+                def starting(k: int, s: Scenario = plan.scenario) -> None:
                     of = f", repeat {k} of {args.repeat}" if args.repeat > 1 else ""
                     print(f"scenario {s.name} ({s.path}{of})", file=sys.stderr, flush=True)
-                    logs = out / ("runs" if k == 1 else f"runs-repeat{k}") / s.name if out else None
-                    _, _, judged = run_and_judge(plan, artifacts=logs, on_run=finished, backend=args.backend,
-                                                 progress=display, keep_checkpoints=args.keep_checkpoints,
-                                                 cluster=cluster)
-                    reps.append(judged)
-                summary = merge_repeats(reps)
+
+                summary = run_repeats(plan, args.repeat, out, starting, on_run=finished, backend=args.backend,
+                                      progress=display, keep_checkpoints=args.keep_checkpoints, cluster=cluster)
                 summaries.append(summary)
                 print(scenario_text(summary, args.format) + "\n", flush=True)
     except (LaunchError, PortError) as e:
@@ -200,7 +192,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     """Print the tables of saved results without running anything."""
-    from harness.present.results import summary_lines
+    from harness.present.report import summary_lines
     from harness.present.tables import scenario_text
 
     for f, doc in load_results(args.results):
@@ -321,7 +313,7 @@ def parser() -> argparse.ArgumentParser:
     doc.set_defaults(func=cmd_doctor)
     add_parsers(sub)
     soak_cli.add_parser(sub)
-    starter.add_parser(sub, lambda s, backend: preflight(plan_scenario(s), backend))
+    starter.add_parser(sub, lambda s, backend: prepare([s], backend)[1])
     return p
 
 

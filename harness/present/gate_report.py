@@ -16,8 +16,8 @@ from typing import Any
 from harness import schema
 from harness.judge.baselines import Tolerances
 from harness.judge.gates import Gate
-from harness.present.results import EXIT_CHECK_FAILED, EXIT_INCONCLUSIVE, EXIT_PASS
 from harness.present.tables import TOK_S_HEADER, table
+from harness.run.results import EXIT_CHECK_FAILED, EXIT_INCONCLUSIVE, EXIT_PASS
 
 FAST_TOK_S = "fastest-tenth tok/s"  # the speed the gates test: baselines.fast_tok_s
 REGRESSION_HEADERS = ["Model / seq", "Scenario", "Run", "Hardware", "Revision", "Runtime", TOK_S_HEADER,

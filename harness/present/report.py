@@ -1,4 +1,5 @@
-"""Write ``result.json`` and ``report.md`` into the output directory."""
+"""Write ``report.md`` (and ``result.json`` beside it) into the output directory; the closing
+lines of ``run``."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-from harness import schema
 from harness.present.tables import (
     checks_table,
     failures,
@@ -20,6 +20,7 @@ from harness.present.tables import (
     runs_table,
     runs_title,
 )
+from harness.run.results import write_result
 
 OVERALL = {0: "PASSED", 4: "INCONCLUSIVE"}  # by exit code; every other one is a failure
 
@@ -69,13 +70,17 @@ def plots_wanted() -> bool:
 
 
 def write_outputs(out: Path, doc: dict[str, Any], plots: bool | None = None) -> list[Path]:
-    """``out/result.json``, the plots under ``out/plots`` (unless ``plots`` is False; None:
-    ``plots_wanted()``) and ``out/report.md`` (files written atomically); with
-    ``GITHUB_STEP_SUMMARY`` set, the report's tables go to the job summary too. Drawing the plots
-    is most of a small run's cost in the controller (about 1 CPU-s for a scenario's four)."""
+    """``out/result.json`` (``harness.run.results.write_result``) and its report
+    (``write_report``)."""
+    return [write_result(out, doc), *write_report(out, doc, plots)]
+
+
+def write_report(out: Path, doc: dict[str, Any], plots: bool | None = None) -> list[Path]:
+    """The plots under ``out/plots`` (unless ``plots`` is False; None: ``plots_wanted()``) and
+    ``out/report.md`` (written atomically); with ``GITHUB_STEP_SUMMARY`` set, the report's tables
+    go to the job summary too. Drawing the plots is most of a small run's cost in the controller
+    (about 1 CPU-s for a scenario's four)."""
     out.mkdir(parents=True, exist_ok=True)
-    result = out / "result.json"
-    schema.write_json_atomic(result, doc)
     if plots is None:
         plots = plots_wanted()
     if plots:
@@ -88,5 +93,36 @@ def write_outputs(out: Path, doc: dict[str, Any], plots: bool | None = None) -> 
     tmp = report.with_name(".report.md.tmp")
     tmp.write_text(markdown(doc, drawn))
     os.replace(tmp, report)
-    append_step_summary(markdown(doc))  # the job summary cannot show local images
-    return [result, report, *(out / rel for p in drawn.values() for _, rel in p)]
+    if os.environ.get("GITHUB_STEP_SUMMARY"):
+        append_step_summary(markdown(doc))  # the job summary cannot show local images
+    return [report, *(out / rel for p in drawn.values() for _, rel in p)]
+
+
+def summary_lines(doc: dict[str, Any], out: Path | None) -> list[str]:
+    """The closing block of ``run``: the scenarios by status, the checks by outcome, what this
+    machine skipped and where the report went."""
+    from collections import Counter
+
+    status = Counter(s["status"] for s in doc["scenarios"])
+    outcomes = Counter(c["result"] for s in doc["scenarios"] for c in s["checks"])
+    names = {"pass": "passed", "caught": "mutations caught", "xfail": "expected failures shown", "n/a": "n/a",
+             "FAIL": "FAILED", "XPASS": "XPASS (expected failure gone)", "inconclusive": "inconclusive",
+             "INCONCLUSIVE": "INCONCLUSIVE (no power)"}
+    checks = ", ".join(f"{outcomes[k]} {v}" for k, v in names.items() if outcomes[k])
+    scenarios = len(doc["scenarios"])
+    lines = [f"summary: {scenarios} scenario{'s' if scenarios != 1 else ''}: {status['passed']} passed, "
+             f"{status['failed']} failed, "
+             + (f"{status['inconclusive']} inconclusive, " if status["inconclusive"] else "")
+             + f"{status['error']} with a run that did not complete; "
+             f"checks: {checks or 'none'}; exit {doc['exit_code']}"]
+    for sc in doc["scenarios"]:
+        planted = {m["run"] for m in sc.get("mutations") or []}  # judged as caught or not, as the status judges them
+        for c in sc["checks"]:
+            if c["result"] == "INCONCLUSIVE" and c["run"] not in planted:
+                lines.append(f"inconclusive: {sc['name']}: {c['name']} ({c['run']}): {c['detail'].split('; vs ')[0]}")
+    skipped = doc.get("skipped") or []
+    if skipped:
+        what = [s["scenario"] + ("" if s["whole"] else " (some runs)") for s in skipped]
+        lines.append(f"skipped here: {', '.join(what)}")
+    lines.append(f"report: {out / 'report.md'}" if out is not None else "report: none written (run with --out DIR)")
+    return lines

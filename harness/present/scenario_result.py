@@ -95,11 +95,13 @@ def run_scenario_file(s: Scenario, artifacts_root: Path, backend: str | None = N
     """Check the scenario's inputs as the CLI does, run it, judge it and write its artifacts
     (``result.json``, ``report.md``, plots and rank logs) to ``artifacts_root/<scenario name>``;
     ``progress`` (a ``harness.controller.progress.Observer``) is shown each run as it goes."""
-    from harness.present.pipeline import run_scenario
+    from harness.present.report import write_report
     from harness.present.tables import scenario_text
+    from harness.run.pipeline import run_scenario
 
     out = artifacts_root / s.name
-    outcomes, checks, summary = run_scenario(s, out, backend, progress)
+    (outcomes, checks, summary), doc = run_scenario(s, out, backend, progress)
+    write_report(out, doc)
     runs = {}
     for o in outcomes:
         ranks = [r.result or {} for r in o.ranks]

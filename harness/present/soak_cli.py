@@ -27,7 +27,7 @@ from typing import Any
 
 from harness.controller.soak import STREAMS, Cell, CellResult, SoakSpec, run_cell
 from harness.judge.rates import Rate, quantile
-from harness.present.results import EXIT_CHECK_FAILED, EXIT_INFRA, EXIT_PASS
+from harness.run.results import EXIT_CHECK_FAILED, EXIT_INFRA, EXIT_PASS
 from harness.scenario import ModelSpec, ScenarioError
 from harness.scenario.job import SoakJob, SoakStop
 from harness.scenario.names import BACKENDS
@@ -196,7 +196,7 @@ def cmd_soak_env(args: argparse.Namespace) -> int:
     """``soak --env PYTHON``: the same soak run by another Python environment (``gate --env``'s
     interpreter and environment: without this one's ``PYTHONPATH``, ``PYTHONHOME`` and
     ``VIRTUAL_ENV``), this checkout's harness on its path."""
-    from harness.present.paired_gates import ENVIRONMENT_VARS, _interpreter, versions
+    from harness.run.pairs import ENVIRONMENT_VARS, _interpreter, versions
 
     other = _interpreter(args.env)
     found = versions(other)

@@ -240,7 +240,7 @@ MUTATION_HEADERS = ["Mutation", "What it does", "Caught by", "Value", "Limit", "
 
 def mutation_rows(scenario: dict[str, Any]) -> list[list[Any]]:
     """One row per run with an injected bug (``scenario["mutations"]``,
-    ``harness.present.mutation_summary``): the check that caught it (the clearest one with a
+    ``harness.run.mutation_summary``): the check that caught it (the clearest one with a
     measured margin of at least ``mutation_margin``, else an exact criterion that failed: a count
     or digest that must match) and the others that failed; for a straggler or a rank killed, how
     the run came out."""

@@ -1,4 +1,5 @@
-"""The result document (``result.json``): scenarios, their runs' figures and their checks."""
+"""The result document (``result.json``): scenarios, their runs' figures and their checks; the exit
+codes it decides; reading saved documents back."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 from harness import schema
 from harness.controller.outcome import RunOutcome
 from harness.judge.checks import Check, median_after_first
-from harness.present.mutation_summary import mutation_summary
+from harness.run.mutation_summary import mutation_summary
 from harness.scenario import Scenario, ScenarioError, TrainerSpec
 from harness.scenario.plan import PlannedRun, ScenarioPlan
 from harness.scenario.trainers import TrainerInfo, trainer_info
@@ -258,6 +259,14 @@ def document(scenarios: list[dict[str, Any]], skipped: list[dict[str, Any]] | No
                          "scenarios": scenarios, "skipped": skipped or []})
 
 
+def write_result(out: Path, doc: dict[str, Any]) -> Path:
+    """``out/result.json``, written atomically (the directory made where missing)."""
+    out.mkdir(parents=True, exist_ok=True)
+    result = out / "result.json"
+    schema.write_json_atomic(result, doc)
+    return result
+
+
 SCENARIO_KEYS = {"name": str, "runs": list}  # what every reader of a result needs
 
 
@@ -282,33 +291,3 @@ def load_results(paths: list[str]) -> list[tuple[Path, dict]]:
                 raise ScenarioError(f"{f}: scenarios[{i}] is not a scenario result (no {', '.join(missing)})")
         docs.append((f, doc))
     return docs
-
-
-def summary_lines(doc: dict[str, Any], out: Path | None) -> list[str]:
-    """The closing block of ``run``: the scenarios by status, the checks by outcome, what this
-    machine skipped and where the report went."""
-    from collections import Counter
-
-    status = Counter(s["status"] for s in doc["scenarios"])
-    outcomes = Counter(c["result"] for s in doc["scenarios"] for c in s["checks"])
-    names = {"pass": "passed", "caught": "mutations caught", "xfail": "expected failures shown", "n/a": "n/a",
-             "FAIL": "FAILED", "XPASS": "XPASS (expected failure gone)", "inconclusive": "inconclusive",
-             "INCONCLUSIVE": "INCONCLUSIVE (no power)"}
-    checks = ", ".join(f"{outcomes[k]} {v}" for k, v in names.items() if outcomes[k])
-    scenarios = len(doc["scenarios"])
-    lines = [f"summary: {scenarios} scenario{'s' if scenarios != 1 else ''}: {status['passed']} passed, "
-             f"{status['failed']} failed, "
-             + (f"{status['inconclusive']} inconclusive, " if status["inconclusive"] else "")
-             + f"{status['error']} with a run that did not complete; "
-             f"checks: {checks or 'none'}; exit {doc['exit_code']}"]
-    for sc in doc["scenarios"]:
-        planted = {m["run"] for m in sc.get("mutations") or []}  # judged as caught or not, as the status judges them
-        for c in sc["checks"]:
-            if c["result"] == "INCONCLUSIVE" and c["run"] not in planted:
-                lines.append(f"inconclusive: {sc['name']}: {c['name']} ({c['run']}): {c['detail'].split('; vs ')[0]}")
-    skipped = doc.get("skipped") or []
-    if skipped:
-        what = [s["scenario"] + ("" if s["whole"] else " (some runs)") for s in skipped]
-        lines.append(f"skipped here: {', '.join(what)}")
-    lines.append(f"report: {out / 'report.md'}" if out is not None else "report: none written (run with --out DIR)")
-    return lines

@@ -1,0 +1,217 @@
+"""The paired gates' runs: both sides of a gate run in turns on this machine, pair after pair,
+until the sequential paired test (``harness.judge.paired``) has decided every run's speed.
+``pairs_against``: this checkout against a git revision, built in a temporary worktree (which
+runs its own ``harness`` package when it has one: the harness's own repository; else this
+one, so a trainer script's repository can be gated the same way). ``pairs_env``: this
+environment against another Python environment, which runs without this one's ``PYTHONPATH``,
+``PYTHONHOME`` and ``VIRTUAL_ENV``. Pair k runs the scenarios once on each side, the order
+alternating (the baseline first in even pairs), so drift in the machine's speed lands on both
+sides. ``harness.present.paired_gates`` judges and reports them."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from harness.run.results import load_results
+from harness.scenario import ScenarioError
+from harness.scenario.trainers import versioned_packages
+
+RUN_OK = (0, 1)  # a run whose checks fail still measured its speed
+
+
+def _git(args: list[str], cwd: Path) -> str:
+    p = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True)
+    if p.returncode != 0:
+        raise ScenarioError(f"git {' '.join(args)}: {(p.stderr.strip().splitlines() or ['failed'])[-1]}")
+    return p.stdout.strip()
+
+
+def repository(cwd: Path) -> Path:
+    """The top of the git repository holding ``cwd`` (one-line errors without git or outside one)."""
+    if shutil.which("git") is None:
+        raise ScenarioError("git: not found on PATH; gate --against checks out a revision with git")
+    p = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=cwd, capture_output=True, text=True)
+    if p.returncode != 0 or not p.stdout.strip():
+        raise ScenarioError(f"not a git repository: {cwd} (gate --against compares revisions of the git "
+                            f"repository it runs in: run it there)")
+    return Path(p.stdout.strip())
+
+
+def resolve_revision(rev: str, repo: Path) -> str:
+    """The full commit ``rev`` names in ``repo`` (a one-line error when it names none)."""
+    p = subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"], cwd=repo,
+                       capture_output=True, text=True)
+    if p.returncode != 0 or not p.stdout.strip():
+        raise ScenarioError(f"{rev}: no such revision in {repo}")
+    return p.stdout.strip()
+
+
+def _side_env(tree: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    if (tree / "harness" / "__init__.py").is_file():
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tree), env.get("PYTHONPATH")) if p)
+    return env
+
+
+VERSIONS = ("import importlib.metadata as m, json, sys\n"
+            "def v(n):\n    try:\n        return m.version(n)\n"
+            "    except m.PackageNotFoundError:\n        return None\n"
+            "print(json.dumps({'python': sys.version.split()[0], **{n: v(n) for n in sys.argv[1:]}}))")
+
+
+def versions(python: str, extra: tuple[str, ...] = ()) -> dict[str, str | None]:
+    """The versions of Python and of the packages a gate reports, in the environment of ``python``."""
+    import json
+
+    p = subprocess.run([python, "-c", VERSIONS, *versioned_packages(), *extra], capture_output=True, text=True)
+    if p.returncode != 0:
+        raise ScenarioError(f"{python}: cannot run it to read its package versions: "
+                            f"{(p.stderr.strip().splitlines() or ['failed'])[-1]}")
+    return json.loads(p.stdout)
+
+
+@dataclass
+class Side:
+    """One side of a paired gate: the Python that runs it, the tree it runs in, its results."""
+
+    label: str  # "baseline" or "candidate"
+    python: str
+    root: Path
+    env: dict[str, str]
+    outs: list[Path] = field(default_factory=list)
+    options: list[str] = field(default_factory=list)  # more options of ``run`` (``--device``)
+
+    def run(self, scenarios: list[str], out: Path) -> None:
+        p = subprocess.run([self.python, "-m", "harness", "run", *scenarios, "--out", str(out), "--progress", "off",
+                            *self.options],
+                           cwd=self.root, env=self.env, capture_output=True, text=True)
+        if p.returncode not in RUN_OK or not (out / "result.json").is_file():
+            tail = " | ".join(p.stderr.strip().splitlines()[-3:])
+            raise ScenarioError(f"the {self.label} side's run exited {p.returncode}: {tail}")
+        self.outs.append(out)
+
+
+def _relative(repo: Path, scenario: str) -> str:
+    path = Path(scenario).resolve()
+    try:
+        return str(path.relative_to(repo))
+    except ValueError as e:
+        raise ScenarioError(f"{scenario}: not inside the git repository {repo}, so it has no version at the "
+                            f"revision to compare with") from e
+
+
+def _tok_s(docs: list[tuple[Path, dict[str, Any]]]) -> dict[tuple[str, str], list[float]]:
+    from harness.judge.baselines import collect_repeats
+
+    out = {}
+    for key, entry in collect_repeats(docs).items():
+        if entry["failed"] or not entry["repeats"]:
+            continue
+        out[key] = [r.get("fast_tok_s") or r["median_tok_s"] for r in entry["repeats"]]
+    return out
+
+
+def _speeds(outs: list[Path]) -> dict[tuple[str, str], list[float]]:
+    return _tok_s(load_results([str(o) for o in outs]))
+
+
+def run_pairs(sides: list[Side], scenarios: list[str], design: Any, work: Path) -> dict[tuple[str, str], Any]:
+    """Pairs of runs, the order alternating, until every run's speed is decided (or ``design.max_pairs``)."""
+    from harness.judge.paired import sequential_look
+
+    verdicts: dict[tuple[str, str], Any] = {}
+    for k in range(design.max_pairs):
+        for side in sides if k % 2 == 0 else sides[::-1]:
+            side.run(scenarios, work / f"{side.label}{k}")
+            print(f"pair {k + 1}/{design.max_pairs}: {side.label} done", file=sys.stderr, flush=True)
+        if k + 1 in design.looks:
+            base_speed, cand_speed = _speeds(sides[0].outs), _speeds(sides[1].outs)
+            keys = sorted(set(base_speed) & set(cand_speed))
+            runs = dataclasses.replace(design, runs=len(keys))
+            verdicts = {key: sequential_look(base_speed[key], cand_speed[key], runs) for key in keys}
+            if all(v.decided for v in verdicts.values()):
+                break
+    return verdicts
+
+
+ENVIRONMENT_VARS = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")  # this environment's, not the other's
+
+
+def _interpreter(spec: str) -> str:
+    """``--env``'s Python: an interpreter path, or ``tox:NAME`` for ``.tox/NAME``'s."""
+    if spec.startswith("tox:"):
+        path = Path(".tox") / spec[4:] / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+        if not path.is_file():
+            raise ScenarioError(f"--env {spec}: no {path} (create it first: tox -e {spec[4:]} --notest)")
+        return str(path.resolve())
+    found = shutil.which(spec)
+    if found is None:
+        raise ScenarioError(f"--env {spec}: not a Python interpreter here")
+    return found
+
+
+@dataclass
+class PairedRuns:
+    """What a paired gate ran: each run's speed verdict, both sides' result documents and
+    ``pairs``, how many pairs it took."""
+
+    verdicts: dict[tuple[str, str], Any]
+    base_docs: list[tuple[Path, dict[str, Any]]]
+    cand_docs: list[tuple[Path, dict[str, Any]]]
+    pairs: int
+
+
+def _paired(sides: list[Side], scenarios: list[str], design: Any, work: Path) -> PairedRuns:
+    verdicts = run_pairs(sides, scenarios, design, work)
+    base, cand = (load_results([str(o) for o in side.outs]) for side in sides)
+    return PairedRuns(verdicts, base, cand, len(sides[1].outs))
+
+
+def pairs_against(rev: str, scenarios: list[str], design: Any,
+                  options: list[str]) -> tuple[PairedRuns, str, str | None]:
+    """This checkout against revision ``rev`` in pairs: (the runs, the revision's commit, this
+    checkout's revision: +dirty with uncommitted changes); ``options``: more options of ``run``."""
+    from harness.controller.environment import git_revision
+
+    repo = repository(Path.cwd())
+    commit = resolve_revision(rev, repo)
+    here = git_revision(repo)
+    relative = [_relative(repo, s) for s in scenarios]
+    work = Path(tempfile.mkdtemp(prefix="mlx-ddp-harness-against-"))
+    tree = work / "tree"
+    try:
+        _git(["worktree", "add", "--detach", "--quiet", str(tree), commit], repo)
+        missing = [s for s in relative if not (tree / s).is_file()]
+        if missing:
+            raise ScenarioError(f"{missing[0]}: not in revision {rev} ({commit[:12]})")
+        sides = [Side("baseline", sys.executable, tree, _side_env(tree), options=options),
+                 Side("candidate", sys.executable, repo, dict(os.environ), options=options)]
+        return _paired(sides, relative, design, work), commit, here
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=repo, capture_output=True)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def pairs_env(python: str, scenarios: list[str], design: Any, options: list[str]) -> PairedRuns:
+    """This environment against the one of interpreter ``python`` in pairs, this checkout's
+    ``scenarios`` under each."""
+    for s in scenarios:
+        if not Path(s).is_file():
+            raise ScenarioError(f"{s}: no such scenario file")
+    work = Path(tempfile.mkdtemp(prefix="mlx-ddp-harness-env-"))
+    try:
+        here = Path.cwd()
+        own = {k: v for k, v in os.environ.items() if k not in ENVIRONMENT_VARS}  # each Python finds its own
+        sides = [Side("baseline", python, here, own, options=options),
+                 Side("candidate", sys.executable, here, dict(os.environ), options=options)]
+        return _paired(sides, [str(Path(s).resolve()) for s in scenarios], design, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
