@@ -11,12 +11,12 @@ from harness.controller.rank_budget import Neighbours
 from harness.judge.checks import (
     data_share,
     expected_failure,
-    memory_ceilings,
     rank0_side_effects,
     ranks_agree,
     replica_consistency,
     token_accounting,
 )
+from harness.judge.memory_checks import memory_ceilings
 from harness.judge.verdict import judge
 from harness.present.tables import runs_table
 from harness.run.results import exit_code, median_after_first, per_rank_batch

@@ -19,7 +19,7 @@ import pytest
 from harness.controller import rank_budget
 from harness.controller.outcome import RankOutcome, RunOutcome, WatchReport
 from harness.controller.run_job import execute
-from harness.judge.wired_share import wired_share
+from harness.judge.memory_checks import wired_share
 from harness.memory import plan as memory_plan
 from harness.memory.plan import MB, parse_size, share_of
 from harness.scenario import load_scenario

@@ -13,11 +13,9 @@ from typing import Any
 
 from harness.controller.outcome import RunOutcome
 from harness.dtypes import UNIT_ROUNDOFF, coarsest
-from harness.scenario import RunSpec, Scenario, TrainerSpec
-from harness.scenario.checks import MEMORY, STEP_LOCAL, CheckName, families
+from harness.scenario import RunSpec, TrainerSpec
+from harness.scenario.checks import STEP_LOCAL, CheckName, families
 from harness.scenario.trainers import TrainerInfo
-
-MB = 1024 * 1024
 
 
 def median_after_first(values: list[float]) -> float | None:
@@ -222,56 +220,6 @@ def token_accounting(run: RunOutcome, ref: RunOutcome | None) -> Check:
         ok = ok and ref_tokens in glob
         detail += f", {ref.name} {ref_tokens}"
     return Check(CheckName.token_accounting, run.name, ok, local, next(iter(glob)) if len(glob) == 1 else None, detail)
-
-
-RSS_FIELDS = ("rss_baseline", "rss_baseline_bytes", "rss_peak_after_baseline_bytes")
-
-
-def _rank_figures(run: RunOutcome, keys: tuple[str, ...]) -> tuple[list[dict[str, Any]], list[str]]:
-    """Each rank's result, and "rank R key" for each of ``keys`` a rank lacks (or holds as null)."""
-    results = [o.result or {} for o in run.ranks]
-    missing = [f"rank {o.rank} {k}" for o, r in zip(run.ranks, results, strict=True) for k in keys if r.get(k) is None]
-    return results, missing
-
-
-def memory_ceilings(run: RunOutcome, s: Scenario) -> list[Check]:
-    """Peak MLX memory (the device figure on every device: MLX's own count of its buffers) and
-    peak RSS above the rank's baseline, per rank (the largest rank) and summed over ranks. Each
-    rank reports its baseline (``harness.memory.sampler``): where MLX memory is host memory (CPU,
-    Metal), what it held at job start (MLX's device runtime and the trainer's libraries); on
-    CUDA its RSS at the end of its first step, after the runtime loaded that step's kernels
-    (0.25 to 0.55 GB per rank on an H100). A rank that lacks a figure fails the check, naming it."""
-    c = s.checks
-    out = []
-    for label, keys, names, limits in (
-        ("rss", RSS_FIELDS, MEMORY[:2], (c.max_rss_mb, c.max_total_rss_mb)),
-        ("mlx", ("mlx_peak_bytes",), MEMORY[2:], (c.max_mlx_mb, c.max_total_mlx_mb)),
-    ):
-        wanted = [(name, limit) for name, limit in zip(names, limits, strict=True) if limit is not None]
-        if not wanted:
-            continue
-        results, missing = _rank_figures(run, keys)
-        if missing:
-            out += [Check(name, run.name, False, None, limit, f"not reported: {', '.join(missing)}")
-                    for name, limit in wanted]
-            continue
-        where = ""
-        if label == "rss":
-            peaks = [int(r["rss_peak_after_baseline_bytes"]) - int(r["rss_baseline_bytes"]) for r in results]
-            bases = [f"{int(r['rss_baseline_bytes']) / MB:.0f}" for r in results]
-            kinds = {str(r["rss_baseline"]) for r in results}
-            where = (f" above the RSS baseline ({kinds.pop()}: {', '.join(bases)} MB)" if len(kinds) == 1 else
-                     " above the RSS baselines (" + ", ".join(f"{r['rss_baseline']}: {b} MB"
-                                                              for r, b in zip(results, bases, strict=True)) + ")")
-        else:
-            peaks = [int(r["mlx_peak_bytes"]) for r in results]
-        for name, limit in wanted:
-            per = name == names[0]  # the largest rank's; the other, the sum over ranks
-            v = (max(peaks) if per else sum(peaks)) / MB
-            detail = (f"per rank: {', '.join(f'{p / MB:.1f}' for p in peaks)}" if per else
-                      f"sum of {ranks(run.world_size)}") + where
-            out.append(Check(name, run.name, v <= limit, round(v, 2), limit, detail))
-    return out
 
 
 AGREED_FIELDS = ("steps", "losses", "stop", "evals", "compile", "tokens_global")

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from harness.controller.outcome import RunOutcome
 from harness.judge import checks as run_checks
+from harness.judge import memory_checks
 from harness.judge.checks import Check, with_power
 from harness.judge.collectives import collective_agreement
 from harness.judge.defects import TRAJECTORIES, unnamed_trajectory
@@ -17,7 +18,6 @@ from harness.judge.parity import eval_parity, loss_parity, param_parity, step_lo
 from harness.judge.power import judge_power, start_parity
 from harness.judge.resume_checks import judge_resume
 from harness.judge.timed_mutations import rank_failure_named, straggler_passed
-from harness.judge.wired_share import wired_share as wired_share_check
 from harness.scenario import RunSpec, Scenario
 from harness.scenario.checks import CheckName
 from harness.scenario.names import MUTATION_EXPECTS
@@ -131,11 +131,11 @@ def resume(j: Judged) -> list[Check]:
 
 
 def memory(j: Judged) -> list[Check]:
-    return run_checks.memory_ceilings(j.run, j.s)
+    return memory_checks.memory_ceilings(j.run, j.s)
 
 
 def wired_share(j: Judged) -> list[Check]:
-    return [wired_share_check(j.run)]
+    return [memory_checks.wired_share(j.run)]
 
 
 def mutation(j: Judged) -> list[Check]:

@@ -20,8 +20,7 @@ from harness.judge.baselines import (
     platform_key,
     platform_label,
 )
-
-MB = 1024 * 1024
+from harness.memory.plan import MB
 
 
 @dataclass
