@@ -44,9 +44,9 @@ def test_no_import_circles() -> None:
 
 # The rooms and their levels: a module imports only its own room, rooms below it on its own side
 # of the process boundary, and the base below both sides (the protocol, the scenario, the run
-# plan, the trainer records, the inputs both sides read). ``harness.__main__`` is the entry.
+# plan, the trainer records, the inputs both sides read, memory). ``harness.__main__`` is the entry.
 RANK_SIDE = {"rank": 1, "trainers": 2, "api": 3}  # harness.api: what a user's script imports, above all
-CONTROLLER_SIDE = {"controller": 1, "judge": 2, "present": 3}
+CONTROLLER_SIDE = {"controller": 1, "judge": 2, "run": 3, "present": 4}
 
 
 def _records() -> set[str]:
