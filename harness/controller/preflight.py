@@ -19,7 +19,7 @@ def check_resume_sources(plan: ScenarioPlan) -> None:
     """A checkpoint directory a run resumes from must be complete and intact before anything starts
     (checkpoints made by earlier runs of the scenario are verified by the ranks); each trainer's
     module checks its own saves (``check_resume_source``)."""
-    import importlib
+    from harness.scenario.trainer_info import rank_module
 
     s = plan.scenario
     names = {r.name for r in s.runs}
@@ -27,7 +27,7 @@ def check_resume_sources(plan: ScenarioPlan) -> None:
         r = run.spec
         if r.resume_from is None or r.resume_from in names or r.expect_error is not None:
             continue
-        trainer = importlib.import_module(run.trainer.module)  # a resuming trainer's own check
+        trainer = rank_module(run.trainer.module)  # a resuming trainer's own check
         try:
             trainer.check_resume_source(Path(r.resume_from), r.resume_step, run.eff)
         except ValueError as e:  # CheckpointError included

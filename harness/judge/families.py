@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 from harness.controller.outcome import RunOutcome
 from harness.judge import checks as run_checks
@@ -47,6 +48,14 @@ class Judged:
     @property
     def vs_ref(self) -> bool:
         return self.ref is not None and self.run is not self.ref
+
+
+class FamilyJudge(Protocol):
+    """A check family's judge, the function its ``CheckFamily.judge`` names (``"module:function"``):
+    the family's checks of one run (``Judged``); a planned check it leaves out is "n/a", not
+    measured (``harness.judge.verdict``)."""
+
+    def __call__(self, j: Judged) -> list[Check]: ...
 
 
 def parity_checks(plan: ScenarioPlan, run: RunOutcome, ref: RunOutcome, by_name: dict[str, RunOutcome]) -> list[Check]:

@@ -4,18 +4,17 @@ whether each injected DDP bug was caught."""
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
 
 from harness.controller.outcome import RunOutcome
 from harness.judge.behaviours import mark_expected_failures
 from harness.judge.checks import Check
 from harness.judge.collectives import point_to_divergence
-from harness.judge.families import Judged
+from harness.judge.families import FamilyJudge, Judged
 from harness.scenario.checks import CheckFamily
 from harness.scenario.plan import ScenarioPlan
 
 
-def judge_of(family: CheckFamily) -> Callable[[Judged], list[Check]]:
+def judge_of(family: CheckFamily) -> FamilyJudge:
     """The function ``family.judge`` names (``"module:function"``), imported on first use."""
     module, _, name = family.judge.partition(":")
     try:

@@ -104,9 +104,9 @@ def warm_imports(job: Job) -> None:
 
 
 def _trainer_hook(job: TrainJob, name: str) -> None:
-    import importlib
+    from harness.scenario.trainer_info import rank_module
 
-    hook = getattr(importlib.import_module(job.trainer.module), name, None)
+    hook = getattr(rank_module(job.trainer.module), name, None)
     if hook is not None:
         try:
             hook(job.scenario)
@@ -130,7 +130,9 @@ def job_runner(job: Job) -> Callable[[RankContext], dict[str, Any]]:
         return importlib.import_module("harness.rank.anchor").allreduce
     if kind == "soak":
         return importlib.import_module("harness.rank.soak").run
-    return importlib.import_module(job.trainer.module).run
+    from harness.scenario.trainer_info import rank_module
+
+    return rank_module(job.trainer.module).run
 
 
 def _init_group(run_dir: Path, rank: int, world_size: int, backend: str | None) -> tuple[Any, str]:

@@ -11,9 +11,9 @@ from harness import schema
 from harness.controller.outcome import RunOutcome
 from harness.judge.checks import Check, median_after_first
 from harness.run.mutation_summary import mutation_summary
-from harness.scenario import Scenario, ScenarioError, TrainerSpec
+from harness.scenario import ScenarioError, TrainerSpec
 from harness.scenario.plan import PlannedRun, ScenarioPlan
-from harness.scenario.trainers import TrainerInfo, trainer_info
+from harness.scenario.trainers import TrainerInfo
 
 EXIT_PASS, EXIT_CHECK_FAILED, EXIT_BAD_INPUT, EXIT_INFRA = 0, 1, 2, 3
 EXIT_INCONCLUSIVE = 4  # run: no check failed, one could not decide; gate: a paired speed test ran out of pairs
@@ -151,18 +151,20 @@ def run_summary(run: RunOutcome, planned: PlannedRun, ref: RunOutcome | None) ->
     return out
 
 
-def model_label(s: Scenario, runs: list[RunOutcome]) -> str:
+def model_label(plan: ScenarioPlan, runs: list[RunOutcome]) -> str:
     """``arch size / seq`` as the seed's tables name a model (size from a run's parameter count);
-    a script's or an executable's own model (no ``model_config`` reported) as theirs, not the scenario's."""
-    r0 = next((r.result(0) for r in runs if r.ok), {})
+    a script's or an executable's own model (no ``model_config`` reported) as theirs, not the
+    scenario's; the trainer is the planned one of the run whose figures it takes."""
+    s = plan.scenario
+    first = next((r for r in runs if r.ok), None)
+    r0 = first.result(0) if first is not None else {}
     count, frozen = r0.get("param_count"), r0.get("param_count_frozen")
     size = f" {count / 1e6:.2f}M" if count else ""
     if count and frozen:  # a LoRA run: the base beside the adapters it trains
         size = f" {frozen / 1e6:.2f}M base + {count / 1e6:.2f}M adapters"
-    kind = (r0.get("trainer") or {}).get("kind") or s.trainer.kind  # the trainer that ran it
-    info = trainer_info(kind)
+    info = plan.run(first.name).trainer if first is not None else plan.declared[0].trainer
     if (info.script or info.command) and r0.get("model_config") is None:
-        return f"the {kind}'s own model{size} / {s.data.max_seq_len}"
+        return f"the {info.kind}'s own model{size} / {s.data.max_seq_len}"
     return f"{s.model.arch}{size} / {s.data.max_seq_len}"
 
 
@@ -179,7 +181,7 @@ def scenario_summary(plan: ScenarioPlan, runs: list[RunOutcome], checks: list[Ch
         "path": s.path,
         "description": s.description,
         "kind": s.kind,
-        "model": model_label(s, runs),
+        "model": model_label(plan, runs),
         "reference": s.checks.reference,
         "status": status,
         "passed": status == "passed",

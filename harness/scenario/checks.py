@@ -12,9 +12,10 @@ never imports the judge: a family names its judge as ``"module:function"``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib import metadata
+from typing import Protocol
 
 from harness.scenario.names import CheckName
 from harness.scenario.spec import RunSpec, Scenario, ScenarioError, compared
@@ -27,6 +28,14 @@ NO_EVALS = "the runs reported no evaluations"
 N = CheckName
 STEP_LOCAL = (N.step_token_parity, N.step_loss_parity, N.step_grad_parity)
 MEMORY = (N.memory_rss_per_rank_mb, N.memory_rss_total_mb, N.memory_mlx_per_rank_mb, N.memory_mlx_total_mb)
+
+
+class Applies(Protocol):
+    """Which of a family's checks one run gets (plain names; none where the family does not
+    apply), from the scenario and the run alone, so that a collector lists them before anything
+    runs."""
+
+    def __call__(self, s: Scenario, spec: RunSpec) -> list[str]: ...
 
 
 @dataclass(frozen=True, eq=False)
@@ -42,7 +51,7 @@ class CheckFamily:
 
     name: str
     checks: tuple[str, ...]
-    applies: Callable[[Scenario, RunSpec], list[str]]
+    applies: Applies
     judge: str
     doc: str
     powered: tuple[str, ...] = ()

@@ -47,7 +47,7 @@ from harness.scenario.spec import (
     require,
     writes_checkpoints,
 )
-from harness.scenario.trainers import STEP_FAULTS, kinds, trainer_info, with_kind
+from harness.scenario.trainers import STEP_FAULTS, kinds, trainer_info, trainers, with_kind
 
 
 def _one_of(value: Any, allowed: tuple[str, ...], src: str, key: str) -> None:
@@ -186,10 +186,13 @@ def _validate_trainer_spec(t: TrainerSpec, src: str, at: str) -> None:
     info = trainer_info(t.kind)
     _one_of(t.fine_tune, FINE_TUNES, src, f"{at}.fine_tune")
     takes_path = info.script or info.command
-    require(takes_path or t.path is None, src, f"{at}.path", "only a 'script' or 'command' trainer takes a path")
-    require(takes_path or not t.args, src, f"{at}.args", "only a 'script' or 'command' trainer takes args")
+    known = trainers()
+    runners = " or ".join(repr(k) for k, i in known.items() if i.script or i.command)  # they run a user's code
+    scripts = " or ".join(repr(k) for k, i in known.items() if i.script)
+    require(takes_path or t.path is None, src, f"{at}.path", f"only a {runners} trainer takes a path")
+    require(takes_path or not t.args, src, f"{at}.args", f"only a {runners} trainer takes args")
     require(info.script or t.saves is None, src, f"{at}.saves",
-            "only a 'script' trainer declares its saves (the others' are known)")
+            f"only a {scripts} trainer declares its saves (the others' are known)")
     for op in t.collectives:
         _one_of(op, COLLECTIVE_OPS, src, f"{at}.collectives")
     require(info.lora or t.fine_tune == "full", src, f"{at}.fine_tune",
@@ -197,10 +200,10 @@ def _validate_trainer_spec(t: TrainerSpec, src: str, at: str) -> None:
     require(t.lora_rank > 0 and t.lora_scale > 0, src, f"{at}.lora_rank", "lora_rank and lora_scale must be positive")
     if info.script:
         require(t.path is not None and t.path.endswith(".py"), src, f"{at}.path",
-                "a 'script' trainer needs the path of a Python training script")
+                f"a {info.kind!r} trainer needs the path of a Python training script")
         require(os.path.isfile(t.path), src, f"{at}.path", f"not a file: {t.path}")
     if info.command:
-        require(t.path is not None, src, f"{at}.path", "a 'command' trainer needs the path of an executable")
+        require(t.path is not None, src, f"{at}.path", f"a {info.kind!r} trainer needs the path of an executable")
         require(os.path.isfile(t.path) and os.access(t.path, os.X_OK), src, f"{at}.path",
                 f"not an executable file: {t.path}")
 

@@ -16,15 +16,15 @@ class ScenarioError(ValueError):
 
 @dataclass
 class TrainerSpec:
-    """The trainer under test. ``reference``: the harness's own DDP trainer. ``mlx_lm``:
-    ``mlx_lm.tuner.trainer.train``; ``mlx_vlm``: ``mlx_vlm.trainer.Trainer`` (a VLM);
-    ``unsloth_zoo``: ``unsloth_zoo.mlx.trainer.MLXTrainer`` (each ``fine_tune`` "full", or "lora"
-    with ``lora_rank``, ``lora_scale`` and ``lora_layers`` adapted layers, -1: all). ``script``: a
-    user's training script at ``path`` (run with ``args`` as its command line), reporting through
-    ``harness.api``; ``saves = true`` declares that it saves on rank 0, which the judge then demands
-    (the other trainers' saves are known: ``harness.scenario.trainers.TrainerInfo.saves``).
-    ``collectives``: the collectives it calls beyond ``all_sum`` (``sum_scatter`` under
-    ``nn.fully_shard``); a run on this machine whose backend lacks one is refused before launch."""
+    """The trainer under test: ``kind``, a registered trainer (by default ``reference``, the
+    harness's own DDP trainer; ``list`` names the others). ``fine_tune`` "full", or "lora" (for a
+    trainer whose record has ``lora``) with ``lora_rank``, ``lora_scale`` and ``lora_layers``
+    adapted layers (-1: all). A trainer that runs a user's code (its record's ``script`` or
+    ``command``) takes its ``path`` and ``args`` (its command line); a script reporting through
+    ``harness.api`` declares with ``saves = true`` that it saves on rank 0, which the judge then
+    demands (the others' saves are in their records). ``collectives``: the collectives it calls
+    beyond ``all_sum`` (``sum_scatter`` under ``nn.fully_shard``); a run on this machine whose
+    backend lacks one is refused before launch."""
 
     kind: str = "reference"
     path: str | None = None
@@ -155,7 +155,7 @@ class RunSpec:
     ``seed`` replaces the scenario seed for this run (a resumed run keeps its checkpoint's).
 
     ``trainer`` overrides keys of ``[trainer]`` for this run (throughput scenarios only, to time
-    several trainers beside each other, e.g. ``trainer = { kind = "mlx_lm" }``).
+    several trainers beside each other, e.g. ``trainer = { kind = "<another kind>" }``).
 
     ``mutation`` injects a known DDP bug into this run (see ``harness.trainers.reference.semantics``): the run
     must then be caught by at least one check with ``[checks] mutation_margin``.

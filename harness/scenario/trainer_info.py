@@ -1,13 +1,15 @@
-"""The record of a trainer under test (``TrainerInfo``): every fact the harness uses about a
-trainer, from which validation, launching, judging, listing and ``new`` are derived. Each
-built-in trainer's record is ``TRAINER`` in its own package (``harness.trainers.<kind>``), beside
-its scenario rules; ``harness.scenario.trainers`` collects them."""
+"""What a trainer under test provides, in one place: its record (``TrainerInfo``: every fact the
+harness uses about a trainer, from which validation, launching, judging, listing and ``new`` are
+derived) and its rank module (``TrainerModule``: what the ranks run, loaded by ``rank_module``).
+Each built-in trainer's record is ``TRAINER`` in its own package (``harness.trainers.<kind>``),
+beside its scenario rules; ``harness.scenario.trainers`` collects them."""
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from harness.scenario.spec import RunSpec, Scenario, require
 
@@ -99,3 +101,27 @@ def even_slices(t: Any, r: RunSpec, src: str, where: str, who: str) -> int:
     require(micro % r.world_size == 0, src, f"{where}.world_size",
             f"{who}: the {micro} rows of each micro-step do not divide by world_size {r.world_size}")
     return micro
+
+
+@runtime_checkable
+class TrainerModule(Protocol):
+    """A trainer's rank module (its record's ``module``): ``run(ctx)`` trains in one rank
+    process (``ctx``: ``harness.rank.context.RankContext``) and returns the rank's result
+    (``harness.schema.TrainResult``). It may also define the hooks of ``HOOKS``:
+    ``load_libraries(scenario)`` (what it imports on every run, loaded before the rank's memory
+    baseline), ``warm_imports(scenario)`` (what a warm-start server imports for it) and, where its
+    record ``resumes``, ``check_resume_source(path, step, scenario)`` (a checkpoint directory
+    refused before anything starts, ``ValueError``)."""
+
+    def run(self, ctx: Any) -> dict[str, Any]: ...
+
+
+HOOKS = ("load_libraries", "warm_imports", "check_resume_source")
+
+
+def rank_module(name: str) -> TrainerModule:
+    """The trainer's rank module ``name``, imported; ``TypeError`` naming it where it has no ``run``."""
+    module = importlib.import_module(name)
+    if not isinstance(module, TrainerModule):
+        raise TypeError(f"trainer module {name} has no run(ctx): it cannot train in a rank")
+    return module
