@@ -92,3 +92,39 @@ def test_the_scripts_page_shows_the_minimal_script_as_it_is() -> None:
                       re.S)
     assert block is not None
     assert block.group(1) == (ROOT / "examples" / "minimal_script.py").read_text()
+
+
+HARNESS_PATH = re.compile(r"\bharness/[\w/.]*\w")
+HARNESS_MODULE = re.compile(r"\bharness(?:\.\w+)+")
+
+
+def stale_names(page: Path) -> list[str]:
+    """The ``harness/...`` paths and ``harness.x.y`` names ``page`` gives that the tree lacks (a
+    dotted name may end in one attribute its module defines); a path inside a longer path (an
+    install's ``.venv``) is another tree's."""
+    def module(parts: list[str]) -> Path | None:
+        base = ROOT / Path(*parts)
+        return next((f for f in (base.with_suffix(".py"), base / "__init__.py") if f.is_file()), None)
+
+    text, bad = page.read_text(), []
+    for m in HARNESS_PATH.finditer(text):
+        if text[m.start() - 1:m.start()] not in ("/", "-") and not (ROOT / m.group(0)).exists():
+            bad.append(m.group(0))
+    for m in HARNESS_MODULE.finditer(text):
+        parts = m.group(0).split(".")
+        owner = module(parts[:-1])
+        if module(parts) is None and (owner is None or not re.search(rf"\b{parts[-1]}\b", owner.read_text())):
+            bad.append(m.group(0))
+    return [f"{page.name}: {name}" for name in dict.fromkeys(bad)]
+
+
+def test_every_harness_path_and_module_the_docs_name_exists() -> None:
+    assert [b for p in pages() for b in stale_names(p)] == []
+
+
+def test_a_stale_name_is_found(tmp_path: Path) -> None:
+    page = tmp_path / "p.md"
+    page.write_text("`harness/run/pipeline.py`, `harness/gone.py`, `harness.run.results.document`, "
+                    "`harness.run.results.no_such_name`, `harness.nowhere`, `/home/me/harness/.venv/bin/python`\n")
+    assert stale_names(page) == ["p.md: harness/gone.py", "p.md: harness.run.results.no_such_name",
+                                 "p.md: harness.nowhere"]
