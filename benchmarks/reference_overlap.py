@@ -180,7 +180,7 @@ def check(args: argparse.Namespace) -> None:
 SITE = """import os
 if os.environ.get({var!r}, "as_is") != "as_is":
     import sys
-    sys.path.insert(0, {here!r})
+    sys.path[:0] = [{root!r}, {here!r}]
     import overlap_variants
     overlap_variants.install(os.environ[{var!r}])
     open(os.path.join({marks!r}, str(os.getpid())), "w").close()
@@ -196,7 +196,7 @@ def harness_runs(args: argparse.Namespace) -> None:
     site = Path(tempfile.mkdtemp(prefix="refov-site-"))
     marks = site / "installed"
     marks.mkdir()
-    (site / "sitecustomize.py").write_text(SITE.format(var=PATCH_VAR, here=str(HERE), marks=str(marks)))
+    (site / "sitecustomize.py").write_text(SITE.format(var=PATCH_VAR, root=str(ROOT), here=str(HERE), marks=str(marks)))
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "step_vs_mlx_lm.toml"

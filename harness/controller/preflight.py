@@ -27,10 +27,10 @@ def check_resume_sources(plan: ScenarioPlan) -> None:
         r = run.spec
         if r.resume_from is None or r.resume_from in names or r.expect_error is not None:
             continue
-        trainer = rank_module(run.trainer.module)  # a resuming trainer's own check
         try:
+            trainer = rank_module(run.trainer.module)  # a resuming trainer's own check
             trainer.check_resume_source(Path(r.resume_from), r.resume_step, run.eff)
-        except ValueError as e:  # CheckpointError included
+        except (ValueError, TypeError) as e:  # CheckpointError included; a module without run
             raise ScenarioError(f"{s.path}: [[runs]][{i}].resume_from: {e}") from e
 
 
@@ -77,8 +77,11 @@ def preflight(plan: ScenarioPlan, backend: str | None, cluster: Cluster | None =
         raise ScenarioError(str(e)) from e
     notes += check_data_files(plan.scenario, [(r.spec, r.eff.data) for r in plan.declared])
     # each run's expected memory fits the memory budget (on a cluster, multi-rank runs are the hosts' to hold)
-    problem = first_launch_problem((r.name, r.spec.world_size, r.footprint) for r in plan.declared
-                                   if cluster is None or r.spec.world_size == 1)
+    try:
+        problem = first_launch_problem((r.name, r.spec.world_size, r.footprint) for r in plan.declared
+                                       if cluster is None or r.spec.world_size == 1)
+    except ValueError as e:  # a bad MLX_DDP_HARNESS_MEMORY_BUDGET
+        raise ScenarioError(str(e)) from e
     if problem:
         raise ScenarioError(f"{plan.scenario.path}: {problem}")
     return notes

@@ -24,9 +24,8 @@ from typing import Any, Protocol
 
 import psutil
 
+from harness.memory.plan import MB
 from harness.schema import after_step
-
-MB = 1024 * 1024
 
 
 class HardLimits(Protocol):

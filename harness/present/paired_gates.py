@@ -16,7 +16,7 @@ import statistics
 import sys
 from typing import Any
 
-from harness.run.pairs import PairedRuns, _interpreter, pairs_against, pairs_env, versions
+from harness.run.pairs import PairedRuns, interpreter, pairs_against, pairs_env, versions
 from harness.scenario import ScenarioError
 
 
@@ -58,7 +58,7 @@ def judge_pairs(args: argparse.Namespace, overrides: dict[str, float | None], ru
     from harness.judge.baselines import Tolerances, build_baseline
     from harness.judge.gates import gate
     from harness.present.gate_report import FAST_TOK_S, PairedGate, add_fast_speeds, emit_gate, exit_code
-    from harness.run.pairs import _tok_s
+    from harness.run.pairs import fast_speeds
 
     verdicts, base_docs, cand_docs = runs.verdicts, runs.base_docs, runs.cand_docs
     tol = Tolerances().updated(**overrides)
@@ -66,7 +66,7 @@ def judge_pairs(args: argparse.Namespace, overrides: dict[str, float | None], ru
     gates, more, compared = gate(baseline, cand_docs, tol)
     notes = [*notes, *more]
     gates = [g for g in gates if g.metric != "throughput"]
-    base_speed, cand_speed = _tok_s(base_docs), _tok_s(cand_docs)
+    base_speed, cand_speed = fast_speeds(base_docs), fast_speeds(cand_docs)
     for key, v in sorted(verdicts.items()):
         gates.append(PairedGate(*key, "throughput (paired)", v.decided == "pass",
                                 f"{statistics.median(cand_speed[key]):.1f} {FAST_TOK_S}",
@@ -84,7 +84,7 @@ def cmd_gate_env(args: argparse.Namespace, overrides: dict[str, float | None]) -
     """``gate --env PYTHON``: the same scenarios of this checkout under another Python environment
     (the baseline) and under this one (the candidate), in turns; ``overrides``: the tolerance flags."""
     design = sequential_design(args)
-    other = _interpreter(args.env)
+    other = interpreter(args.env)
     packages = tuple(args.package or ())
     base_v, cand_v = versions(other, packages), versions(sys.executable, packages)
     runs = pairs_env(other, args.results, design, run_options(args))

@@ -196,9 +196,9 @@ def cmd_soak_env(args: argparse.Namespace) -> int:
     """``soak --env PYTHON``: the same soak run by another Python environment (``gate --env``'s
     interpreter and environment: without this one's ``PYTHONPATH``, ``PYTHONHOME`` and
     ``VIRTUAL_ENV``), this checkout's harness on its path."""
-    from harness.run.pairs import ENVIRONMENT_VARS, _interpreter, versions
+    from harness.run.pairs import ENVIRONMENT_VARS, interpreter, versions
 
-    other = _interpreter(args.env)
+    other = interpreter(args.env)
     found = versions(other)
     print(f"soak under {other}: python {found.get('python')}, mlx {found.get('mlx') or 'not installed'}",
           file=sys.stderr, flush=True)

@@ -104,9 +104,9 @@ def warm_imports(job: Job) -> None:
 
 
 def _trainer_hook(job: TrainJob, name: str) -> None:
-    from harness.scenario.trainer_info import rank_module
+    import importlib
 
-    hook = getattr(rank_module(job.trainer.module), name, None)
+    hook = getattr(importlib.import_module(job.trainer.module), name, None)
     if hook is not None:
         try:
             hook(job.scenario)

@@ -108,7 +108,9 @@ def _relative(repo: Path, scenario: str) -> str:
                             f"revision to compare with") from e
 
 
-def _tok_s(docs: list[tuple[Path, dict[str, Any]]]) -> dict[tuple[str, str], list[float]]:
+def fast_speeds(docs: list[tuple[Path, dict[str, Any]]]) -> dict[tuple[str, str], list[float]]:
+    """Each run's speeds over the documents' repeats, by (scenario, run): its fastest steps'
+    (``harness.judge.baselines.fast_tok_s``), else its median; failed runs left out."""
     from harness.judge.baselines import collect_repeats
 
     out = {}
@@ -120,7 +122,7 @@ def _tok_s(docs: list[tuple[Path, dict[str, Any]]]) -> dict[tuple[str, str], lis
 
 
 def _speeds(outs: list[Path]) -> dict[tuple[str, str], list[float]]:
-    return _tok_s(load_results([str(o) for o in outs]))
+    return fast_speeds(load_results([str(o) for o in outs]))
 
 
 def run_pairs(sides: list[Side], scenarios: list[str], design: Any, work: Path) -> dict[tuple[str, str], Any]:
@@ -145,7 +147,7 @@ def run_pairs(sides: list[Side], scenarios: list[str], design: Any, work: Path) 
 ENVIRONMENT_VARS = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")  # this environment's, not the other's
 
 
-def _interpreter(spec: str) -> str:
+def interpreter(spec: str) -> str:
     """``--env``'s Python: an interpreter path, or ``tox:NAME`` for ``.tox/NAME``'s."""
     if spec.startswith("tox:"):
         path = Path(".tox") / spec[4:] / ("Scripts/python.exe" if os.name == "nt" else "bin/python")

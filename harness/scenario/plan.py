@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.memory.plan import Footprint
+from harness.memory.plan import Footprint, job_memory
 from harness.scenario.checks import CheckFamily, run_rules
 from harness.scenario.job import TrainJob
 from harness.scenario.runs import (
@@ -31,9 +31,9 @@ from harness.scenario.trainers import TrainerInfo, trainer_info
 @dataclass(frozen=True)
 class PlannedRun:
     """One run: its spec (a floor run's made from its base's), the scenario as it sees it, its
-    trainer's record and typed job; for a run of the scenario, the checks each rule gives it and
-    the floor run each comparison needs (by the compared-with run's name); for a floor run, what
-    it is (``floor``)."""
+    trainer's record, what its generated inputs are made from, its memory footprint and typed
+    job; for a run of the scenario, the checks each rule gives it and the floor run each
+    comparison needs (by the compared-with run's name); for a floor run, what it is (``floor``)."""
 
     spec: RunSpec
     eff: Scenario
@@ -104,9 +104,10 @@ def plan_scenario(s: Scenario) -> ScenarioPlan:
         alike = judged and resumes_alike(v, spec)
         inputs = inputs_of(v, v.run(floor.base) if floor else spec)
         try:
-            job = train_job(v, spec, own, fp, floor)
+            memory = job_memory(fp)
         except ValueError as e:  # a bad MLX_DDP_HARNESS_MEMORY_BUDGET
             raise ScenarioError(str(e)) from e
+        job = train_job(v, spec, own, memory, floor)
         planned.append(PlannedRun(spec, own, trainer_info(own.trainer.kind), floor, rules.get(spec.name, ()),
                                   compared_with, alike, inputs, fp, job))
     return ScenarioPlan(s, tuple(planned))

@@ -36,7 +36,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.memory.plan import Footprint, job_memory
+from harness.memory.plan import Footprint
 from harness.scenario.job import ProbeJob, ResumeJob, TrainerRef, TrainJob
 from harness.scenario.spec import DataSpec, RunSpec, Scenario, TrainSpec, compared
 from harness.scenario.trainers import TrainerInfo, heavy_libraries, trainer_info
@@ -99,17 +99,21 @@ class FloorRun:
         return [dataclasses.replace(self, name=self.name + (f"_s{k + 1}" if k else ""), sample=k)
                 for k in range(SPLIT_SAMPLES)]
 
+    def train(self) -> dict[str, object]:
+        """What it changes of its base's ``[train]``: a twin's accumulation, and its compile mode
+        where it is not its base's (a rerun and a split run change nothing)."""
+        accum = {"grad_accum": self.grad_accum} if self.kind == "twin" else {}
+        return {**accum, **({"compile": self.compile} if self.compile else {})}
+
     def settings(self, v: RunSettings) -> Scenario:
-        """The scenario as this run sees it (``Scenario.for_run`` of ``spec``): its base's, a twin's
-        with its own accumulation and compile mode, and, as for a run no fault names, only the
-        faults of every run and (but a rerun) the scenario's trainer."""
+        """The scenario as this run sees it: its base's settings with its own ``train``, the
+        scenario's trainer (a rerun: its base's) and only the faults that name no run, as
+        ``Scenario.for_run`` gives its ``spec``."""
         base, s = v.eff[self.base], v.scenario
         faults = [f for f in s.faults if not f.runs]
         if self.kind == "rerun":
             return dataclasses.replace(base, faults=faults)
-        accum = {} if self.kind == "split" else {"grad_accum": self.grad_accum}
-        mode = {"compile": self.compile} if self.compile else {}
-        return dataclasses.replace(base, train=dataclasses.replace(base.train, **accum, **mode), trainer=s.trainer,
+        return dataclasses.replace(base, train=dataclasses.replace(base.train, **self.train()), trainer=s.trainer,
                                    faults=faults)
 
     def spec(self, s: Scenario | RunSettings) -> RunSpec:
@@ -117,9 +121,7 @@ class FloorRun:
         if self.kind == "rerun":
             return dataclasses.replace(base, name=self.name, stop_after=None, compare_to=None, expect_resume_step=None,
                                        mutation=None)
-        accum = {} if self.kind == "split" else {"grad_accum": self.grad_accum}
-        mode = {"compile": self.compile} if self.compile else {}
-        return RunSpec(name=self.name, world_size=1, train={**base.train, **accum, **mode}, data=dict(base.data),
+        return RunSpec(name=self.name, world_size=1, train={**base.train, **self.train()}, data=dict(base.data),
                        seed=base.seed)
 
     @property
@@ -166,27 +168,33 @@ def floor_for(v: RunSettings, run: RunSpec, base: RunSpec) -> FloorRun | None:
     return _twin(v, base, run)
 
 
-def comparisons(v: RunSettings, run: RunSpec) -> tuple[tuple[str, FloorRun | None], ...]:
-    """The runs ``run`` is compared with (the reference, in a parity scenario; the run it must
-    reproduce), each with the floor run that comparison is judged against."""
+def _bases(v: RunSettings, run: RunSpec, floors_only: bool = False) -> list[RunSpec]:
+    """The runs ``run`` is compared with: the reference (in a parity scenario) and the run it must
+    reproduce; with ``floors_only``, not the latter where ``resume_tolerance`` judges it (a resume
+    at its target's world size and compile mode needs no floor run then)."""
     if run.fails_by_design:
-        return ()
+        return []
     ref = v.reference
     bases = [ref] if ref is not None and run.name in v.compared else []
-    bases += [v.run(run.compare_to)] if run.compare_to is not None else []
-    return tuple((b.name, floor_for(v, run, b)) for b in bases)
+    tolerated = v.scenario.checks.resume_tolerance is not None and resumes_alike(v, run)
+    if run.compare_to is not None and not (floors_only and tolerated):
+        bases.append(v.run(run.compare_to))
+    return bases
+
+
+def comparisons(v: RunSettings, run: RunSpec) -> tuple[tuple[str, FloorRun | None], ...]:
+    """The runs ``run`` is compared with, each with the floor run that comparison is judged
+    against."""
+    return tuple((b.name, floor_for(v, run, b)) for b in _bases(v, run))
 
 
 def floor_runs(s: Scenario | RunSettings) -> list[FloorRun]:
-    """Every floor run the scenario's comparisons need, once each, in a stable order (a resume at
-    its target's world size and compile mode needs none where ``resume_tolerance`` is set)."""
+    """Every floor run the scenario's comparisons need, once each, in a stable order."""
     v = settings_of(s)
     found: dict[str, FloorRun] = {}
     for run in v.specs.values():
-        for base, floor in comparisons(v, run):
-            if base == run.compare_to and base != v.scenario.checks.reference and (
-                    v.scenario.checks.resume_tolerance is not None and resumes_alike(v, run)):
-                continue
+        for base in _bases(v, run, floors_only=True):
+            floor = floor_for(v, run, base)
             for sample in floor.samples() if floor is not None else []:
                 found.setdefault(sample.name, sample)
     return list(found.values())
@@ -251,13 +259,13 @@ def _probe(v: RunSettings, run: RunSpec, floor: FloorRun | None, steps: int, inf
     return ProbeJob("compare" if floor is None else "floor", directory, at)
 
 
-def train_job(v: RunSettings, run: RunSpec, eff: Scenario, memory: Footprint,
+def train_job(v: RunSettings, run: RunSpec, eff: Scenario, memory: dict[str, object],
               floor: FloorRun | None = None) -> TrainJob:
     """The job every rank of one run reads: ``eff``, the scenario as this run sees it. A rerun
     gets its base run's faults; a twin only its base's stop requests (part of the base's plan: the
     twin must train the steps the base trained), on its one rank; a twin of the reference is
-    probed like a compared run. A bad ``MLX_DDP_HARNESS_MEMORY_BUDGET`` is a ``ValueError`` (one
-    line, ``harness.memory.plan.job_memory``)."""
+    probed like a compared run. ``memory``: what its job says of memory
+    (``harness.memory.plan.job_memory``)."""
     base = v.eff[floor.base] if floor is not None else eff
     if floor is not None and floor.kind == "rerun":
         eff = base
@@ -286,7 +294,7 @@ def train_job(v: RunSettings, run: RunSpec, eff: Scenario, memory: Footprint,
         resume=resume,
         resume_in_workspace=run.resume_from in v.specs,
         trainer=TrainerRef(info.module, info.hides, info.command, info.cpu_collectives, heavy_libraries()),
-        memory=job_memory(memory),  # the budget and expected peak; ranks per host added at launch
+        memory=memory,  # the budget and expected peak; ranks per host added at launch
     )
 
 

@@ -372,10 +372,6 @@ class Scenario:
             faults=[f for f in self.faults if not f.runs or run.name in f.runs],
         )
 
-    def for_runs(self, runs: list[RunSpec]) -> list[Scenario]:
-        """``for_run`` of each run."""
-        return [self.for_run(r) for r in runs]
-
 
 
 def is_behaviour_table(value: Any) -> bool:

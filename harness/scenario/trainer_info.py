@@ -46,7 +46,8 @@ class TrainerInfo:
     they are present (transformers imports torch and torchvision: 8.5 s per rank on an H100);
     the rank marks them absent first (``harness.rank.entry.hide``). A module may define
     ``load_libraries(scenario)``: what it imports on every run, loaded before the rank's memory
-    baseline. ``package``: the distribution of the library it runs (a gate records its version;
+    baseline, and ``warm_imports(scenario)``: what a warm-start server imports for it.
+    ``package``: the distribution of the library it runs (a gate records its version;
     its import is a start-up cost the rank names). ``requires``: an optional package it needs
     (``install``: how to install it); where it is missing, the runs that need it are skipped,
     saying so (``harness.scenario.availability``).
@@ -105,18 +106,12 @@ def even_slices(t: Any, r: RunSpec, src: str, where: str, who: str) -> int:
 
 @runtime_checkable
 class TrainerModule(Protocol):
-    """A trainer's rank module (its record's ``module``): ``run(ctx)`` trains in one rank
-    process (``ctx``: ``harness.rank.context.RankContext``) and returns the rank's result
-    (``harness.schema.TrainResult``). It may also define the hooks of ``HOOKS``:
-    ``load_libraries(scenario)`` (what it imports on every run, loaded before the rank's memory
-    baseline), ``warm_imports(scenario)`` (what a warm-start server imports for it) and, where its
-    record ``resumes``, ``check_resume_source(path, step, scenario)`` (a checkpoint directory
-    refused before anything starts, ``ValueError``)."""
+    """A trainer's rank module (its record's ``module``): ``run(ctx)`` trains in one rank process
+    (``ctx``: ``harness.rank.context.RankContext``) and returns the rank's result
+    (``harness.schema.TrainResult``). The hooks it may define beside it are named in
+    ``TrainerInfo``'s docstring (``load_libraries``, ``warm_imports``, ``check_resume_source``)."""
 
     def run(self, ctx: Any) -> dict[str, Any]: ...
-
-
-HOOKS = ("load_libraries", "warm_imports", "check_resume_source")
 
 
 def rank_module(name: str) -> TrainerModule:
