@@ -210,10 +210,29 @@ def compile_harness() -> None:
         compileall.compile_dir(REPO / "harness", quiet=2, invalidation_mode=py_compile.PycInvalidationMode.TIMESTAMP)
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Modules with tests that launch ranks first, each whole and in its order (its module fixtures
-    made once), the rest after: under ``-n`` the last tests to run are short ones, so no worker
-    ends its share long before the other."""
+FULL_ONLY = "in the full set of tests, which pytest --all runs (docs/development.md#the-full-set)"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--all", action="store_true", default=False, dest="full_set",
+                     help="also run the tests marked full: the full set's shipped scenarios, the trainers' "
+                          "power sets, the benchmarks' and measured links' tests, second demonstrations")
+
+
+def full_set(config: pytest.Config) -> bool:
+    """Whether this session runs the full set (``pytest --all``)."""
+    return bool(config.getoption("full_set", False))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``full`` skip, saying how to run them, unless ``--all`` is given. Modules with
+    tests that launch ranks first, each whole and in its order (its module fixtures made once), the
+    rest after: under ``-n`` the last tests to run are short ones, so no worker ends its share long
+    before the other."""
+    if not full_set(config):
+        for item in items:
+            if item.get_closest_marker("full") is not None:
+                item.add_marker(pytest.mark.skip(reason=FULL_ONLY))
     launching = {getattr(item, "module", None) for item in items if item.get_closest_marker("ranks") is not None}
     items.sort(key=lambda item: getattr(item, "module", None) not in launching)
 

@@ -22,6 +22,7 @@ def _pytest(*args: str, scenario: Path | None = None) -> subprocess.CompletedPro
 
 
 @pytest.mark.ranks
+@pytest.mark.full  # pytest-benchmark's own options (the plugin's saved benchmark: test_pytest_plugin.py)
 def test_benchmark_json_save_and_compare_fail(tmp_path: Path) -> None:
     scenario = write_scenario(tmp_path, "bench_small", (1, 2), steps=5)
     storage = tmp_path / "storage"

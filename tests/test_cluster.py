@@ -299,6 +299,7 @@ def test_text_parity_across_two_hosts_gives_the_single_host_verdicts(sim: SimHos
 @needs_hosts
 @pytest.mark.ranks
 @pytest.mark.mlx_ddp_world_size(2)
+@pytest.mark.full  # a measured link (a link down mid-run is in every session)
 @pytest.mark.parametrize(("delay_ms", "loss"), [(40.0, 0.0), (0.0, 0.03)], ids=["latency", "loss"])
 def test_a_slow_or_lossy_link_costs_throughput_but_not_correctness(sim: SimHosts, hostfile: Path, tmp_path: Path,
                                                                    delay_ms: float, loss: float) -> None:
@@ -395,6 +396,7 @@ def test_an_unreachable_host_is_refused_before_anything_runs(sim: SimHosts, tmp_
 
 @needs_hosts
 @pytest.mark.ranks
+@pytest.mark.full  # a measurement between hosts
 def test_doctor_reports_each_host_and_the_bandwidth_between_them(sim: SimHosts, hostfile: Path) -> None:
     r = sim_cli(sim, "doctor", "--hostfile", str(hostfile), timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr

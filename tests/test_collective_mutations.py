@@ -157,6 +157,7 @@ POWER = {  # the power set: each default-suite trainer's scenario with every col
 
 
 @pytest.mark.ranks
+@pytest.mark.full  # twice a shipped scenario's cost each; the reference's and a script's power are shown above
 @pytest.mark.parametrize("name", sorted(POWER))
 def test_the_power_set_shows_every_collective_mutation_in_each_trainer(name: str, shared_run: SharedRun) -> None:
     """``mlx-ddp-harness run scenarios/power``, one scenario each: every mutation planted in that

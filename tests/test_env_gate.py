@@ -62,6 +62,7 @@ def test_an_environment_with_a_slowed_trainer_fails_the_gate(tmp_path: Path) -> 
 
 @pytest.mark.ranks
 @pytest.mark.mlx_ddp_world_size(2)  # beside other tests' ranks: a verdict it accepts is never a regression
+@pytest.mark.full  # identical code never failing a gate: test_paired_gate.py, in every session
 def test_an_identical_environment_passes_the_gate(tmp_path: Path) -> None:
     # Beside other tests on two cores a pair's speeds vary far more than in a gate run alone (the
     # gate's rates are measured alone: benchmarks/gate_power.py), so this one asks a coarser

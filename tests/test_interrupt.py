@@ -104,23 +104,27 @@ def test_ctrl_c_while_floor_runs_go_side_by_side_stops_them_all(tmp_path: Path) 
     CPU; a Ctrl-C in their midst stops every one of them, each kept and marked, nothing left."""
     again = '\n[[runs]]\nname = "again"\nworld_size = 1\ncompare_to = "single"\n'  # judged against a rerun
     path = write_scenario(tmp_path, "floors", (1, 2), steps=40, extra=again)
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
-    out = tmp_path / "o"
     # rank slots of its own: beside other tests' launches the second floor run could wait for one
     slots = {"MLX_DDP_HARNESS_RANK_DIR": str(tmp_path / "slots"), "MLX_DDP_HARNESS_RANK_BUDGET": "4"}
-    p = subprocess.Popen([sys.executable, "-m", "harness", "run", str(path), "--out", str(out), "--progress", "off"],
-                         cwd=REPO, env={**os.environ, "TMPDIR": str(tmp), **slots}, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True,
-                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 480
-    training: dict[str, list[int]] = {}  # run -> its rank 0's pids
-    while time.monotonic() < deadline and len(training) < 2 and p.poll() is None:  # two runs train at once
-        training = _training(tmp)
-        time.sleep(0.05)
-    if len(training) < 2:
+    for attempt in range(3):  # on a loaded machine one floor run's 40 steps may end before the other's start
+        tmp, out = tmp_path / f"tmp{attempt}", tmp_path / f"o{attempt}"
+        tmp.mkdir()
+        p = subprocess.Popen([sys.executable, "-m", "harness", "run", str(path), "--out", str(out), "--progress",
+                              "off"], cwd=REPO, env={**os.environ, "TMPDIR": str(tmp), **slots},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        training: dict[str, list[int]] = {}  # run -> its rank 0's pids
+        while time.monotonic() < deadline and len(training) < 2 and p.poll() is None:  # two runs train at once
+            training = _training(tmp)
+            time.sleep(0.05)
+        if len(training) == 2:
+            break
         p.terminate()
-        pytest.fail(f"no two runs trained at once: {p.communicate(timeout=60)}")
+        ended = p.communicate(timeout=60)
+        assert p.returncode == 0, ended  # the run itself went well: only the moment was missed
+    else:
+        pytest.fail(f"no two runs trained at once in 3 runs: {ended}")
     names = set(training)
     ranks = [pid for pids in training.values() for pid in pids]
     sent = time.time()

@@ -158,6 +158,7 @@ def test_it_looks_only_where_both_orders_have_run_equally_often() -> None:
 
 
 @pytest.mark.ranks
+@pytest.mark.full  # --against a revision, in turns: the undecided gate below, in every session
 def test_gate_against_a_revision_runs_both_sides_in_turns(tmp_path: Path) -> None:
     if shutil.which("git") is None or subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO,
                                                       capture_output=True).returncode != 0:

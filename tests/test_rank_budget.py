@@ -143,6 +143,7 @@ def _most_at_once(spans: list[tuple[float, float]]) -> int:
 
 
 @pytest.mark.ranks
+@pytest.mark.full  # the budget between processes: the tests above, in every session
 def test_xdist_workers_never_run_more_ranks_at_once_than_the_budget(tmp_path: Path) -> None:
     suite = tmp_path / "suite"
     suite.mkdir()

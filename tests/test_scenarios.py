@@ -17,7 +17,7 @@ import pytest
 
 from harness.present.tables import runs_table
 from harness.scenario.trainers import trainer_info
-from tests.conftest import REPO, SharedRun, cli, needs_unsloth
+from tests.conftest import REPO, SharedRun, cli, full_set, needs_unsloth
 
 pytestmark = pytest.mark.ranks
 
@@ -54,9 +54,11 @@ def shared_with_power(name: str) -> list[str] | None:
     return list(shipped) if all(power.get(run) == plan for run, plan in shipped.items()) else None
 
 
-def _run(name: str, out: Path, shared_run: SharedRun) -> tuple[dict[str, Any], dict[str, dict],
-                                                               dict[tuple[str, str], dict]]:
-    shared = shared_with_power(name)
+def _run(name: str, out: Path, shared_run: SharedRun, power: bool) -> tuple[dict[str, Any], dict[str, dict],
+                                                                           dict[tuple[str, str], dict]]:
+    """``power``: the power set runs in this session (``pytest --all``), so its run is read where it
+    holds this scenario's runs; else the shipped scenario runs, at half the power scenario's cost."""
+    shared = shared_with_power(name) if power else None
     if shared is None:
         p = cli("run", str(REPO / "scenarios" / f"{name}.toml"), "--out", str(out))
     else:  # the power scenario's run, read for the shipped scenario's runs
@@ -627,11 +629,20 @@ def test_every_shipped_scenario_has_a_test() -> None:
     assert shipped == set(SPECIFIC) | {"text_parity", "link_down"}
 
 
-@pytest.mark.parametrize("name", sorted(SPECIFIC))
-def test_shipped_scenario(name: str, tmp_path: Path, shared_run: SharedRun) -> None:
+def _in_its_set(name: str) -> Any:
+    """A scenario of the default set is a test of every session; one only in the full set (``run
+    --all``) is a test of the full set of tests (``pytest --all``)."""
+    from harness.scenario import load_scenario
+
+    default = load_scenario(REPO / "scenarios" / f"{name}.toml").default
+    return pytest.param(name, marks=() if default else pytest.mark.full)
+
+
+@pytest.mark.parametrize("name", [_in_its_set(n) for n in sorted(SPECIFIC)])
+def test_shipped_scenario(name: str, tmp_path: Path, shared_run: SharedRun, request: pytest.FixtureRequest) -> None:
     if name.startswith("unsloth_") or name == "trainer_throughput":
         needs_unsloth()
-    s, runs, checks = _run(name, tmp_path, shared_run)
+    s, runs, checks = _run(name, tmp_path, shared_run, full_set(request.config))
     for r in runs.values():
         for e in r.get("evals") or []:
             assert math.isfinite(e["loss"])

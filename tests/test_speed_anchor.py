@@ -18,6 +18,7 @@ from tests.conftest import REPO
 pytestmark = pytest.mark.ranks
 
 
+@pytest.mark.full  # a benchmark's own parts (benchmarks/step_vs_mlx_lm.py)
 def test_the_anchor_trains_mlx_lm_steps_on_every_rank(tmp_path) -> None:  # noqa: ANN001
     sys.path.insert(0, str(REPO / "benchmarks"))
     try:
@@ -45,6 +46,7 @@ def test_the_anchor_trains_mlx_lm_steps_on_every_rank(tmp_path) -> None:  # noqa
     assert abs(first - (losses[0][0] + losses[1][0]) / 2) <= 1e-5 * first, (first, losses[0][0], losses[1][0])
 
 
+@pytest.mark.full  # a benchmark, run small
 def test_the_side_by_side_benchmark_prints_the_three() -> None:
     p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "step_vs_mlx_lm.py"), "--model", "tiny", "--steps",
                         "3", "--world-sizes", "1,2", "--repeats", "1"], capture_output=True, text=True, cwd=REPO,
