@@ -63,6 +63,7 @@ def _run(name: str, out: Path, shared_run: SharedRun, power: bool) -> tuple[dict
         p = cli("run", str(REPO / "scenarios" / f"{name}.toml"), "--out", str(out))
     else:  # the power scenario's run, read for the shipped scenario's runs
         p, out = shared_run(str(POWER / f"{name}.toml"))
+    assert (out / "result.json").is_file(), f"exit {p.returncode}: " + p.stdout[-3000:] + p.stderr[-3000:]
     (s,) = json.loads((out / "result.json").read_text())["scenarios"]
     said = {c["name"] for c in s["checks"] if c["result"] == "INCONCLUSIVE"}
     undecided = name in INCONCLUSIVE or bool(said)

@@ -45,6 +45,55 @@ class Gate:
         return f"{head} (threshold {self.threshold}){'; ' + self.detail if self.detail else ''}"
 
 
+INCONCLUSIVE = "INCONCLUSIVE"
+
+
+@dataclass
+class PairedGate(Gate):
+    """A gate of two sides run in turns; ``inconclusive``: it could not decide (a paired speed
+    test out of pairs with neither hypothesis rejected, a check that failed in some of the
+    candidate's runs only), so it neither passed nor failed."""
+
+    inconclusive: bool = False
+
+    @property
+    def result(self) -> str:
+        return INCONCLUSIVE if self.inconclusive else super().result
+
+
+def _check_results(docs: list[tuple[Path, dict[str, Any]]]) -> dict[tuple[str, str], dict[str, list[dict]]]:
+    """Each (scenario, run)'s checks, each with its entry in every document, in order."""
+    out: dict[tuple[str, str], dict[str, list[dict]]] = {}
+    for _, doc in docs:
+        for s in doc["scenarios"]:
+            for c in s.get("checks", []):
+                out.setdefault((s["name"], c["run"]), {}).setdefault(c["name"], []).append(c)
+    return out
+
+
+def check_gates(base_docs: list[tuple[Path, dict[str, Any]]],
+                cand_docs: list[tuple[Path, dict[str, Any]]]) -> list[PairedGate]:
+    """Per run both sides ran, its checks' verdicts: FAIL where a check that passed in every run
+    of the baseline fails in every run of the candidate, INCONCLUSIVE where it fails in some of
+    them only; checks that did not pass at the baseline are not gated."""
+    base, cand = _check_results(base_docs), _check_results(cand_docs)
+    gates = []
+    for key in sorted(set(base) & set(cand)):
+        held = [n for n, cs in base[key].items() if all(c["result"] == "pass" for c in cs) and n in cand[key]]
+        if not held:
+            continue
+        failing = {n: [c for c in cand[key][n] if c["result"] == "FAIL"] for n in held}
+        flipped = [n for n in held if failing[n] and len(failing[n]) == len(cand[key][n])]
+        mixed = [n for n in held if failing[n] and n not in flipped]
+        said = [f"{n}: {failing[n][0].get('value')} against limit {failing[n][0].get('limit')}"
+                + (f" ({len(failing[n])} of {len(cand[key][n])} runs)" if n in mixed else "")
+                for n in flipped + mixed]
+        gates.append(PairedGate(*key, "checks", not flipped, f"{len(flipped) + len(mixed)} of {len(held)} fail",
+                                f"{len(held)} pass", "every check that passes at the baseline passes",
+                                "; ".join(said), inconclusive=bool(mixed) and not flipped))
+    return gates
+
+
 def check_platform(baseline: dict[str, Any], base_file: Path, doc: dict[str, Any], result_file: Path,
                    force: bool) -> list[str]:
     """Refuse a result from another platform (``BaselineError``), or with ``force`` say how it differs."""

@@ -4,6 +4,8 @@ Exit codes of ``gate``: 0 every gate passed, 1 a gate failed, 2 bad input (a mis
 file, a result from another platform than the baseline without ``--force``, nothing to compare,
 ``--against`` outside a git repository or with an unknown revision), 4 inconclusive (no gate
 failed, but a paired speed test of ``--against`` or ``--env`` reached ``--pairs`` undecided).
+``--bisect``: 1 a first bad commit (or a range) found, 0 none in the range, 4 undecided
+(``harness.present.bisect_cli``).
 """
 
 from __future__ import annotations
@@ -41,6 +43,10 @@ def cmd_gate(args: argparse.Namespace) -> int:
     from harness.judge.gates import check_platform, gate
     from harness.present.gate_report import add_fast_speeds, emit_gate, exit_code
 
+    if args.bisect:
+        from harness.present.bisect_cli import cmd_gate_bisect
+
+        return cmd_gate_bisect(args, tolerance_overrides(args))
     if args.against and args.env:
         raise ScenarioError("give --against REV or --env PYTHON, not both")
     if args.against or args.env:
@@ -116,6 +122,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--baseline", help="baseline file, or a directory of per-platform baselines")
     g.add_argument("--against", metavar="REV",
                    help="run the scenarios here and at git revision REV (a temporary worktree), in turns")
+    g.add_argument("--bisect", metavar="GOOD..BAD",
+                   help="find the first commit of BAD's first-parent line after GOOD (GOOD..: up to HEAD) at which "
+                        "a gated metric regresses, each probe a paired gate against GOOD (exit 1 found, 0 none, "
+                        "4 undecided)")
+    g.add_argument("--metrics", metavar="LIST",
+                   help="with --bisect: the gated metrics that make a commit bad, from checks (a check's verdict or "
+                        "a run that fails), loss, memory and speed (default: all)")
     g.add_argument("--env", metavar="PYTHON",
                    help="run the scenarios under this Python environment (an interpreter, or tox:NAME for "
                         ".tox/NAME) and this one, in turns: gate a dependency upgrade")

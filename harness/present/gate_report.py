@@ -2,39 +2,24 @@
 the gates, and the baseline's entries; and the one record every gate writes (``emit_gate``).
 
 A gate's verdict is PASSED, FAILED (a gate failed) or INCONCLUSIVE (none failed, but a paired
-speed test ran out of pairs with neither hypothesis rejected: ``PairedGate``), each with its
-exit code."""
+speed test ran out of pairs with neither hypothesis rejected, or a check failed in some of the
+candidate's runs only: ``harness.judge.gates.PairedGate``), each with its exit code."""
 
 from __future__ import annotations
 
 import dataclasses
 import statistics
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from harness import schema
-from harness.judge.baselines import Tolerances
-from harness.judge.gates import Gate
+from harness.judge.baselines import FAST_TOK_S, Tolerances  # noqa: F401 (FAST_TOK_S: read from here too)
+from harness.judge.gates import INCONCLUSIVE, Gate, PairedGate  # noqa: F401 (PairedGate: read from here too)
 from harness.present.tables import TOK_S_HEADER, table
 from harness.run.results import EXIT_CHECK_FAILED, EXIT_INCONCLUSIVE, EXIT_PASS
 
-FAST_TOK_S = "fastest-tenth tok/s"  # the speed the gates test: baselines.fast_tok_s
 REGRESSION_HEADERS = ["Model / seq", "Scenario", "Run", "Hardware", "Revision", "Runtime", TOK_S_HEADER,
                       f"Gated speed: {FAST_TOK_S}", "Avg loss", "Final loss"]  # TOK_S_HEADER: the run tables'
-INCONCLUSIVE = "INCONCLUSIVE"
-
-
-@dataclass
-class PairedGate(Gate):
-    """A paired speed gate; ``inconclusive``: its test ran out of pairs with neither hypothesis
-    rejected, so it neither passed nor failed."""
-
-    inconclusive: bool = False
-
-    @property
-    def result(self) -> str:
-        return INCONCLUSIVE if self.inconclusive else super().result
 
 
 def verdict(gates: list[Gate]) -> str:

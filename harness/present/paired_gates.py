@@ -5,18 +5,17 @@ run in turns by ``harness.run.pairs``. Speed is judged by the sequential paired 
 speed: its fastest steps', ``baselines.fast_tok_s``), looking from ``--min-pairs`` every second
 pair up to ``--pairs``; losses and memory by the usual gates, with a baseline built from the
 baseline side's runs. A run still undecided at ``--pairs`` is INCONCLUSIVE
-(``gate_report.PairedGate``): the gate then exits ``EXIT_INCONCLUSIVE`` unless another gate
+(``harness.judge.gates.PairedGate``): the gate then exits ``EXIT_INCONCLUSIVE`` unless another gate
 failed.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from typing import Any
 
-from harness.run.pairs import PairedRuns, interpreter, pairs_against, pairs_env, versions
+from harness.run.pairs import PairedRuns, interpreter, judge_paired, pairs_against, pairs_env, versions
 from harness.scenario import ScenarioError
 
 
@@ -53,31 +52,17 @@ def cmd_gate_against(args: argparse.Namespace, overrides: dict[str, float | None
 
 def judge_pairs(args: argparse.Namespace, overrides: dict[str, float | None], runs: PairedRuns, name: str,
                 notes: list[str], sides: Any) -> int:
-    """Speed by the paired verdicts; losses and memory against a baseline made of the baseline side's
-    runs; ``sides``: each side's label and repository revision, for the regression table."""
-    from harness.judge.baselines import Tolerances, build_baseline
-    from harness.judge.gates import gate
-    from harness.present.gate_report import FAST_TOK_S, PairedGate, add_fast_speeds, emit_gate, exit_code
-    from harness.run.pairs import fast_speeds
+    """Judge and report a paired gate (``harness.run.pairs.judge_paired``); ``sides``: each side's
+    label and repository revision, for the regression table."""
+    from harness.judge.baselines import Tolerances
+    from harness.present.gate_report import add_fast_speeds, emit_gate, exit_code
 
-    verdicts, base_docs, cand_docs = runs.verdicts, runs.base_docs, runs.cand_docs
-    tol = Tolerances().updated(**overrides)
-    baseline = build_baseline(base_docs, tol)
-    gates, more, compared = gate(baseline, cand_docs, tol)
-    notes = [*notes, *more]
-    gates = [g for g in gates if g.metric != "throughput"]
-    base_speed, cand_speed = fast_speeds(base_docs), fast_speeds(cand_docs)
-    for key, v in sorted(verdicts.items()):
-        gates.append(PairedGate(*key, "throughput (paired)", v.decided == "pass",
-                                f"{statistics.median(cand_speed[key]):.1f} {FAST_TOK_S}",
-                                f"{statistics.median(base_speed[key]):.1f} {FAST_TOK_S}",
-                                f"at most {args.slowdown_margin:g}% slower, p >= {v.design.alarm_level:.2g}",
-                                v.describe(), inconclusive=v.decided != "pass" and not v.alarm))
-        notes.append(f"{key[0]}/{key[1]}: {v.pair_note()}")
-    add_fast_speeds(compared, cand_docs)
-    env = cand_docs[0][1]["environment"]
-    emit_gate(gates, notes, compared, baseline, env, name, args.format, args.out, sides)
-    return exit_code(gates)
+    judged = judge_paired(runs, Tolerances().updated(**overrides), args.slowdown_margin)
+    add_fast_speeds(judged.compared, runs.cand_docs)
+    env = runs.cand_docs[0][1]["environment"]
+    emit_gate(judged.gates, [*notes, *judged.notes], judged.compared, judged.baseline, env, name, args.format,
+              args.out, sides)
+    return exit_code(judged.gates)
 
 
 def cmd_gate_env(args: argparse.Namespace, overrides: dict[str, float | None]) -> int:

@@ -27,7 +27,7 @@ from harness.scenario.trainers import versioned_packages
 RUN_OK = (0, 1)  # a run whose checks fail still measured its speed
 
 
-def _git(args: list[str], cwd: Path) -> str:
+def git(args: list[str], cwd: Path) -> str:
     p = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True)
     if p.returncode != 0:
         raise ScenarioError(f"git {' '.join(args)}: {(p.stderr.strip().splitlines() or ['failed'])[-1]}")
@@ -54,7 +54,7 @@ def resolve_revision(rev: str, repo: Path) -> str:
     return p.stdout.strip()
 
 
-def _side_env(tree: Path) -> dict[str, str]:
+def side_env(tree: Path) -> dict[str, str]:
     env = dict(os.environ)
     if (tree / "harness" / "__init__.py").is_file():
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tree), env.get("PYTHONPATH")) if p)
@@ -88,18 +88,19 @@ class Side:
     env: dict[str, str]
     outs: list[Path] = field(default_factory=list)
     options: list[str] = field(default_factory=list)  # more options of ``run`` (``--device``)
+    accept: tuple[int, ...] = RUN_OK  # the exit codes of a run whose result counts
 
     def run(self, scenarios: list[str], out: Path) -> None:
         p = subprocess.run([self.python, "-m", "harness", "run", *scenarios, "--out", str(out), "--progress", "off",
                             *self.options],
                            cwd=self.root, env=self.env, capture_output=True, text=True)
-        if p.returncode not in RUN_OK or not (out / "result.json").is_file():
+        if p.returncode not in self.accept or not (out / "result.json").is_file():
             tail = " | ".join(p.stderr.strip().splitlines()[-3:])
             raise ScenarioError(f"the {self.label} side's run exited {p.returncode}: {tail}")
         self.outs.append(out)
 
 
-def _relative(repo: Path, scenario: str) -> str:
+def in_repository(repo: Path, scenario: str) -> str:
     path = Path(scenario).resolve()
     try:
         return str(path.relative_to(repo))
@@ -186,15 +187,15 @@ def pairs_against(rev: str, scenarios: list[str], design: Any,
     repo = repository(Path.cwd())
     commit = resolve_revision(rev, repo)
     here = git_revision(repo)
-    relative = [_relative(repo, s) for s in scenarios]
+    relative = [in_repository(repo, s) for s in scenarios]
     work = Path(tempfile.mkdtemp(prefix="mlx-ddp-harness-against-"))
     tree = work / "tree"
     try:
-        _git(["worktree", "add", "--detach", "--quiet", str(tree), commit], repo)
+        git(["worktree", "add", "--detach", "--quiet", str(tree), commit], repo)
         missing = [s for s in relative if not (tree / s).is_file()]
         if missing:
             raise ScenarioError(f"{missing[0]}: not in revision {rev} ({commit[:12]})")
-        sides = [Side("baseline", sys.executable, tree, _side_env(tree), options=options),
+        sides = [Side("baseline", sys.executable, tree, side_env(tree), options=options),
                  Side("candidate", sys.executable, repo, dict(os.environ), options=options)]
         return _paired(sides, relative, design, work), commit, here
     finally:
@@ -217,3 +218,37 @@ def pairs_env(python: str, scenarios: list[str], design: Any, options: list[str]
         return _paired(sides, [str(Path(s).resolve()) for s in scenarios], design, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+@dataclass
+class PairedJudgement:
+    """A paired gate's gates (speed by the paired verdicts, checks by their verdicts on each side,
+    losses and memory against a baseline made of the baseline side's runs), its notes, the runs
+    compared (for the regression table) and that baseline."""
+
+    gates: list[Any]
+    notes: list[str]
+    compared: list[tuple[str, str, dict[str, Any], dict[str, Any]]]
+    baseline: dict[str, Any]
+
+
+def judge_paired(runs: PairedRuns, tol: Any, margin_pct: float) -> PairedJudgement:
+    """Judge what a paired gate ran (``margin_pct``: the slowdown that is not a regression)."""
+    import statistics
+
+    from harness.judge.baselines import FAST_TOK_S, build_baseline
+    from harness.judge.gates import PairedGate, check_gates, gate
+
+    baseline = build_baseline(runs.base_docs, tol)
+    gates, notes, compared = gate(baseline, runs.cand_docs, tol)
+    gates = [g for g in gates if g.metric != "throughput"]
+    base_speed, cand_speed = fast_speeds(runs.base_docs), fast_speeds(runs.cand_docs)
+    for key, v in sorted(runs.verdicts.items()):
+        gates.append(PairedGate(*key, "throughput (paired)", v.decided == "pass",
+                                f"{statistics.median(cand_speed[key]):.1f} {FAST_TOK_S}",
+                                f"{statistics.median(base_speed[key]):.1f} {FAST_TOK_S}",
+                                f"at most {margin_pct:g}% slower, p >= {v.design.alarm_level:.2g}",
+                                v.describe(), inconclusive=v.decided != "pass" and not v.alarm))
+        notes.append(f"{key[0]}/{key[1]}: {v.pair_note()}")
+    gates.extend(check_gates(runs.base_docs, runs.cand_docs))
+    return PairedJudgement(gates, notes, compared, baseline)

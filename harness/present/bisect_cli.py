@@ -1,0 +1,121 @@
+"""``gate --bisect GOOD..BAD SCENARIO...``: prints each probe as it ends (commit, subject, outcome,
+the metric that decided and its figure, the runs it took), then the answer; writes
+``--out/bisect.json`` and the GitHub job summary. Exit 1 where a regression was found (one
+commit, or a range where commits between could not be tested or decided), 0 where BAD does not
+regress against GOOD, 4 where it could not be decided (``harness.run.bisect``)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from harness.judge.bisection import Answer, Bisection, Commit
+from harness.run.results import EXIT_CHECK_FAILED, EXIT_INCONCLUSIVE, EXIT_PASS
+from harness.scenario import ScenarioError
+
+EXIT = {"found": EXIT_CHECK_FAILED, "range": EXIT_CHECK_FAILED, "none": EXIT_PASS, "undecided": EXIT_INCONCLUSIVE}
+BISECT_FILE = "bisect.json"
+
+
+def _named(c: Commit) -> str:
+    return f'{c.short} "{c.subject}"'
+
+
+def probe_line(k: int, record: Any, bisection: Bisection) -> str:
+    p = record.probe
+    role = " (BAD)" if p.index == bisection.last else ""
+    return f"probe {k}{role}: {_named(p.commit)}: {p.outcome.upper()} by {p.metric or '-'}: {p.figure}; {p.runs} runs"
+
+
+def answer_lines(answer: Answer, bisection: Bisection) -> list[str]:
+    runs = sum(p.runs for p in bisection.probes)
+    took = f"{len(bisection.probes)} probes, {runs} runs"
+    if answer.kind == "found":
+        deciding = next(p for p in bisection.probes if p.commit == answer.first_bad)
+        return [f"first bad commit: {_named(answer.first_bad)}",
+                f"  {deciding.metric}: {deciding.figure}",
+                f"  last good: {_named(answer.last_good)}; {took}"]
+    if answer.kind == "range":
+        set_aside = {p.commit: p for p in bisection.probes if p.outcome in ("untestable", "undecided")}
+        lines = [f"the first bad commit is one of {len(answer.candidates)} after {_named(answer.last_good)} "
+                 f"({answer.why}; {took}):"]
+        for c in answer.candidates:
+            p = set_aside.get(c)
+            lines.append(f"  {_named(c)}" + (f": {p.outcome}, {p.metric}" if p else ""))
+        return lines
+    if answer.kind == "none":
+        return [f"no regression in the range: {answer.why} ({took})"]
+    return [f"could not decide: {answer.why} ({took})"]
+
+
+def record(spec: str, answer: Answer, bisection: Bisection, alpha: float) -> dict[str, Any]:
+    from harness import schema
+
+    def commit(c: Commit | None) -> dict[str, str] | None:
+        return {"sha": c.sha, "subject": c.subject} if c else None
+
+    return schema.stamp({
+        "kind": "bisect", "range": spec, "alpha": alpha, "max_probes": bisection.budget.probes,
+        "answer": {"kind": answer.kind, "first_bad": commit(answer.first_bad), "last_good": commit(answer.last_good),
+                   "candidates": [commit(c) for c in answer.candidates], "why": answer.why},
+        "exit_code": EXIT[answer.kind],
+        "probes": [{"commit": commit(p.commit), "index": p.index, "outcome": p.outcome, "metric": p.metric,
+                    "figure": p.figure, "runs": p.runs} for p in bisection.probes]})
+
+
+def summary(spec: str, answer: Answer, bisection: Bisection) -> str:
+    rows = "\n".join(f"| {k} | `{p.commit.short}` {p.commit.subject} | {p.outcome} | {p.metric} | {p.figure} | "
+                     f"{p.runs} |" for k, p in enumerate(bisection.probes, 1))
+    return (f"### gate --bisect {spec}\n\n| Probe | Commit | Outcome | Metric | Figure | Runs |\n"
+            f"|---|---|---|---|---|---|\n{rows}\n\n" + "\n".join(answer_lines(answer, bisection)))
+
+
+def cmd_gate_bisect(args: argparse.Namespace, overrides: dict[str, float | None]) -> int:
+    """``gate --bisect GOOD..BAD``; ``overrides``: the tolerance flags given."""
+    import sys
+
+    from harness.judge.baselines import Tolerances
+    from harness.present.paired_gates import run_options, sequential_design
+    from harness.present.report import append_step_summary
+    from harness.run.bisect import Prober, bisect, first_parent_range
+    from harness.run.pairs import repository
+
+    if args.baseline or args.against or args.env:
+        raise ScenarioError("--bisect runs its own sides: give it without --baseline, --against or --env")
+    from harness.run.bisect import METRICS
+
+    metrics = tuple(m.strip() for m in (args.metrics or ",".join(METRICS)).split(",") if m.strip())
+    unknown = [m for m in metrics if m not in METRICS]
+    if unknown or not metrics:
+        raise ScenarioError(f"--metrics {args.metrics}: name some of {', '.join(METRICS)}")
+    design = sequential_design(args)
+    repo = repository(Path.cwd())
+    commits = first_parent_range(args.bisect, repo)
+    out = Path(args.out).resolve() if args.out else None
+    prober = Prober(repo, commits[0], args.results, design, Tolerances().updated(**overrides), args.slowdown_margin,
+                    run_options(args), out, metrics)
+    from harness.judge.bisection import Budget
+
+    budget = Budget(len(commits) - 1, args.alpha)
+    print(f"bisect {args.bisect}: GOOD {_named(commits[0])}, {len(commits) - 1} commits after it on the first-parent "
+          f"line; at most {budget.probes} probes, each at a false-alarm rate of {budget.per_probe:.2g} "
+          f"({args.alpha:g} over the bisection); gated: {', '.join(metrics)}", flush=True)
+
+    def heard(k: int, rec: Any, bisection: Bisection) -> None:
+        print(probe_line(k, rec, bisection), flush=True)
+        print(f"probe {k} done", file=sys.stderr, flush=True)
+
+    try:
+        bisection, _ = bisect(commits, prober, args.alpha, heard)
+    finally:
+        prober.close()
+    answer = bisection.answer()
+    print("\n".join(answer_lines(answer, bisection)))
+    append_step_summary(summary(args.bisect, answer, bisection))
+    if out is not None:
+        from harness import schema
+
+        out.mkdir(parents=True, exist_ok=True)
+        schema.write_json_atomic(out / BISECT_FILE, record(args.bisect, answer, bisection, args.alpha))
+    return EXIT[answer.kind]

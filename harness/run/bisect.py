@@ -1,0 +1,171 @@
+"""``gate --bisect GOOD..BAD``: the first commit between two revisions at which a gated metric
+regresses. Every probe is a paired gate of GOOD against one commit, each in its own temporary
+worktree and run in turns as ``gate --against`` runs them (``harness.run.pairs``), GOOD's side
+rerun at every probe; the bookkeeping (which commit next, the false-alarm budget, the answer)
+is ``harness.judge.bisection``. A probe's runs are kept under ``--out`` where one is given."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from harness.judge.bisection import BAD, GOOD, UNDECIDED, UNTESTABLE, Bisection, Budget, Commit, Probe
+from harness.run.pairs import PairedJudgement, PairedRuns, Side, git, in_repository, judge_paired, run_pairs, side_env
+from harness.scenario import ScenarioError
+
+RUN_WRITTEN = (0, 1, 3, 4)  # exit codes of a run that still wrote its result.json
+
+
+def first_parent_range(spec: str, repo: Path) -> list[Commit]:
+    """``GOOD..BAD`` (``GOOD..``: BAD is HEAD) as GOOD and the commits of BAD's first-parent line
+    after it, in order; a one-line error where GOOD is not on that line or nothing follows it."""
+    good, sep, bad = spec.partition("..")
+    if not sep or not good:
+        raise ScenarioError(f"--bisect {spec}: give GOOD..BAD (or GOOD.. for GOOD..HEAD)")
+    bad = bad or "HEAD"
+    shas = []
+    for rev in (good, bad):
+        p = subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"], cwd=repo,
+                           capture_output=True, text=True)
+        if p.returncode != 0:
+            raise ScenarioError(f"--bisect {spec}: {rev}: no such revision in {repo}")
+        shas.append(p.stdout.strip())
+    line = git(["rev-list", "--first-parent", "--reverse", f"{shas[0]}..{shas[1]}"], repo).split()
+    if not line:
+        raise ScenarioError(f"--bisect {spec}: no commit after {good} on {bad}'s first-parent line")
+    parent = git(["rev-parse", f"{line[0]}^1"], repo) if line else ""
+    if parent != shas[0]:
+        raise ScenarioError(f"--bisect {spec}: {good} is not on {bad}'s first-parent line (bisect from a commit "
+                            f"of it: git log --first-parent {bad})")
+    subjects = git(["log", "--no-walk=unsorted", "--format=%s", shas[0], *line], repo).splitlines()
+    return [Commit(sha, subject) for sha, subject in zip([shas[0], *line], subjects, strict=True)]
+
+
+@dataclass
+class ProbeRecord:
+    """A probe and, where it ran, what its paired gate judged."""
+
+    probe: Probe
+    judged: PairedJudgement | None = None
+    runs: PairedRuns | None = None
+
+
+METRICS = {"checks": ("run", "checks"), "loss": ("loss",), "memory": ("peak MLX memory", "peak RSS"),
+           "speed": ("throughput (paired)",)}  # --metrics: the gates' metrics each name covers
+
+
+def decide(judged: PairedJudgement, metrics: tuple[str, ...] = tuple(METRICS)) -> tuple[str, str, str]:
+    """A probe's outcome from its gates of ``metrics``: bad where one failed (the first, by metric:
+    a run that failed, a check, the loss, memory, then speed), undecided where one could not
+    decide, else good; with the deciding gate's metric and figure."""
+    order = [m for name in METRICS if name in metrics for m in METRICS[name]]
+    ranked = sorted((g for g in judged.gates if g.metric in order), key=lambda g: order.index(g.metric))
+    for outcome, result in ((BAD, "FAIL"), (UNDECIDED, "INCONCLUSIVE")):
+        g = next((g for g in ranked if g.result == result), None)
+        if g is not None:
+            detail = f"; {g.detail}" if g.detail else ""
+            return outcome, f"{g.metric} {g.scenario}/{g.run}", f"{g.current} vs {g.baseline}{detail}"
+    speed = next((g for g in ranked if g.metric == "throughput (paired)"), None)
+    figure = f"{speed.current} vs {speed.baseline}; {speed.detail}" if speed else f"{len(ranked)} gates pass"
+    return GOOD, f"{speed.metric} {speed.scenario}/{speed.run}" if speed else "every gate", figure
+
+
+class Prober:
+    """Runs probes: GOOD's worktree kept for the whole bisection, each commit's made and removed."""
+
+    def __init__(self, repo: Path, good: Commit, scenarios: list[str], design: Any, tol: Any, margin_pct: float,
+                 options: list[str], out: Path | None, metrics: tuple[str, ...] = tuple(METRICS)):
+        self.repo, self.scenarios, self.design, self.tol, self.metrics = repo, scenarios, design, tol, metrics
+        self.margin_pct, self.options = margin_pct, options
+        self.relative = [in_repository(repo, s) for s in scenarios]
+        self.work = Path(tempfile.mkdtemp(prefix="mlx-ddp-harness-bisect-"))
+        self.out = out
+        self.good_tree = self._worktree(good, "good")
+        missing = [s for s in self.relative if not (self.good_tree / s).is_file()]
+        if missing:
+            self.close()
+            raise ScenarioError(f"{missing[0]}: not in GOOD ({good.short}): a bisection runs the scenarios at "
+                                f"both ends")
+
+    def _worktree(self, commit: Commit, name: str) -> Path:
+        tree = self.work / name
+        git(["worktree", "add", "--detach", "--quiet", str(tree), commit.sha], self.repo)
+        return tree
+
+    def _drop(self, tree: Path) -> None:
+        subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=self.repo, capture_output=True)
+        shutil.rmtree(tree, ignore_errors=True)
+
+    def close(self) -> None:
+        self._drop(self.good_tree) if hasattr(self, "good_tree") else None
+        shutil.rmtree(self.work, ignore_errors=True)
+
+    def probe(self, k: int, index: int, commit: Commit, alpha: float) -> ProbeRecord:
+        """Probe ``commit`` (``k``: the probe's number) at false-alarm rate ``alpha``."""
+        tree = self._worktree(commit, f"c{k}")
+        where = (self.out / "probes" / f"{k:02d}-{commit.short}") if self.out else self.work / f"runs{k}"
+        where.mkdir(parents=True, exist_ok=True)
+        try:
+            missing = [s for s in self.relative if not (tree / s).is_file()]
+            if missing:
+                return ProbeRecord(Probe(index, commit, UNTESTABLE, f"{missing[0]} is not in this commit"))
+            sides = [Side("baseline", sys.executable, self.good_tree, side_env(self.good_tree), options=self.options),
+                     Side("candidate", sys.executable, tree, side_env(tree), options=self.options,
+                          accept=RUN_WRITTEN)]
+            design = dataclasses.replace(self.design, alpha=alpha)
+            try:
+                verdicts = run_pairs(sides, self.relative, design, where)
+            except ScenarioError as e:
+                if "the baseline side" in str(e):
+                    raise ScenarioError(f"GOOD ({commit.short} probe): {e}") from e
+                return ProbeRecord(Probe(index, commit, UNTESTABLE, str(e), runs=_runs(sides)))
+            from harness.run.results import load_results
+
+            try:
+                base, cand = (load_results([str(o) for o in side.outs]) for side in sides)
+            except ScenarioError as e:
+                return ProbeRecord(Probe(index, commit, UNTESTABLE, f"its results cannot be read here: {e}",
+                                         runs=_runs(sides)))
+            runs = PairedRuns(verdicts, base, cand, len(sides[1].outs))
+            judged = judge_paired(runs, self.tol, self.margin_pct)
+            outcome, metric, figure = decide(judged, self.metrics)
+            return ProbeRecord(Probe(index, commit, outcome, metric, figure, _runs(sides)), judged, runs)
+        finally:
+            self._drop(tree)
+
+
+def _runs(sides: list[Side]) -> int:
+    return sum(len(s.outs) for s in sides)
+
+
+def good_fails(record: ProbeRecord) -> str | None:
+    """Where GOOD's own checks fail (in the first probe's baseline side): which, in one line."""
+    if record.runs is None:
+        return None
+    failed = sorted({f"{s['name']}/{c['run']}: {c['name']}" for _, doc in record.runs.base_docs
+                     for s in doc["scenarios"] for c in s.get("checks", []) if c["result"] == "FAIL"})
+    return ", ".join(failed[:5]) + (f" and {len(failed) - 5} more" if len(failed) > 5 else "") if failed else None
+
+
+def bisect(commits: list[Commit], prober: Prober, alpha: float,
+           on_probe: Callable[[int, ProbeRecord, Bisection], None]) -> tuple[Bisection, list[ProbeRecord]]:
+    """Probe until the bisection is over; ``on_probe`` hears of each probe as it ends."""
+    bisection = Bisection(commits, Budget(len(commits) - 1, alpha))
+    records: list[ProbeRecord] = []
+    while (index := bisection.next_index()) is not None:
+        k = len(records) + 1
+        record = prober.probe(k, index, commits[index], bisection.budget.per_probe)
+        if k == 1 and (failing := good_fails(record)):
+            raise ScenarioError(f"GOOD ({commits[0].short}) fails its own checks ({failing}): a bisection looks "
+                                f"for the first commit after a passing one")
+        records.append(record)
+        bisection.record(record.probe)
+        on_probe(k, record, bisection)
+    return bisection, records
