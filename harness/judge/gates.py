@@ -71,6 +71,10 @@ def _check_results(docs: list[tuple[Path, dict[str, Any]]]) -> dict[tuple[str, s
     return out
 
 
+def _figure(x: Any) -> str:
+    return f"{x:.3g}" if isinstance(x, float) else str(x)
+
+
 def check_gates(base_docs: list[tuple[Path, dict[str, Any]]],
                 cand_docs: list[tuple[Path, dict[str, Any]]]) -> list[PairedGate]:
     """Per run both sides ran, its checks' verdicts: FAIL where a check that passed in every run
@@ -85,7 +89,7 @@ def check_gates(base_docs: list[tuple[Path, dict[str, Any]]],
         failing = {n: [c for c in cand[key][n] if c["result"] == "FAIL"] for n in held}
         flipped = [n for n in held if failing[n] and len(failing[n]) == len(cand[key][n])]
         mixed = [n for n in held if failing[n] and n not in flipped]
-        said = [f"{n}: {failing[n][0].get('value')} against limit {failing[n][0].get('limit')}"
+        said = [f"{n}: {_figure(failing[n][0].get('value'))} against limit {_figure(failing[n][0].get('limit'))}"
                 + (f" ({len(failing[n])} of {len(cand[key][n])} runs)" if n in mixed else "")
                 for n in flipped + mixed]
         gates.append(PairedGate(*key, "checks", not flipped, f"{len(flipped) + len(mixed)} of {len(held)} fail",
