@@ -111,12 +111,12 @@ def _rank_env(run_dir: Path) -> dict[str, str]:
 
 def write_hostfile(run_dir: Path, world_size: int, backend: str, hosts: list[dict] | None = None) -> Path:
     """A launcher hostfile of ``world_size`` local hosts (or of ``hosts``, one entry per rank),
-    readable by the owner only."""
+    readable by the owner only; with an empty ``envs``, which mlx.launch before 0.32 requires."""
     path = run_dir / "hostfile.json"
     hosts = hosts or [{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]} for _ in range(world_size)]
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
-        json.dump({"backend": backend, "hosts": hosts}, f)
+        json.dump({"backend": backend, "envs": [], "hosts": hosts}, f)
     return path
 
 
@@ -166,7 +166,7 @@ def start(run_dir: Path, world_size: int, backend: str | None = None) -> Launch:
             # mlx.launch assigns CUDA_VISIBLE_DEVICES = rank % n for nccl: one GPU per rank.
             "-n", str(world_size),
             "--cwd", str(run_dir),
-            "--", "/bin/sh", "-c", rank_cmd, sys.executable, str(run_dir),
+            "--", "sh", "-c", rank_cmd, sys.executable, str(run_dir),
         ]
         with open(run_dir / LAUNCHER_LOG, "wb") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, **common)
@@ -230,7 +230,7 @@ def start_on_cluster(run_dir: Path, world_size: int, backend: str, cluster: Clus
             *find_launcher(), "--hostfile", str(path), "--backend", backend,
             "--starting-port", str(start), "--nccl-port", str(start + world_size),
             *[a for e in _remote_envs(cluster, root) for a in ("--env", e)],
-            "--", "/bin/sh", "-c", REMOTE_RANK_CMD, cluster.python, str(run_dir),
+            "--", "sh", "-c", REMOTE_RANK_CMD, cluster.python, str(run_dir),
         ]
         env = _rank_env(run_dir)
         with open(run_dir / LAUNCHER_LOG, "wb") as log:

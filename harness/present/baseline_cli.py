@@ -43,7 +43,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
     from harness.judge.gates import check_platform, gate
     from harness.present.gate_report import add_fast_speeds, emit_gate, exit_code
 
-    if args.bisect:
+    if args.bisect or args.bisect_versions:
         from harness.present.bisect_cli import cmd_gate_bisect
 
         return cmd_gate_bisect(args, tolerance_overrides(args))
@@ -126,6 +126,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="find the first commit of BAD's first-parent line after GOOD (GOOD..: up to HEAD) at which "
                         "a gated metric regresses, each probe a paired gate against GOOD (exit 1 found, 0 none, "
                         "4 undecided)")
+    g.add_argument("--bisect-versions", metavar="PACKAGE==V1..V2",
+                   help="find the first release of PACKAGE (extras allowed: mlx[cpu]) after V1, up to V2, whose "
+                        "environment regresses against V1's, each built once over this one (cached)")
+    g.add_argument("--find-links", action="append", metavar="DIR",
+                   help="with --bisect-versions: a directory of wheels pip looks in too (repeatable)")
+    g.add_argument("--no-index", action="store_true",
+                   help="with --bisect-versions: only the --find-links directories, not the registries")
     g.add_argument("--metrics", metavar="LIST",
                    help="with --bisect: the gated metrics that make a commit bad, from checks (a check's verdict or "
                         "a run that fails), loss, memory and speed (default: all)")

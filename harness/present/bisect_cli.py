@@ -1,4 +1,5 @@
-"""``gate --bisect GOOD..BAD SCENARIO...``: prints each probe as it ends (commit, subject, outcome,
+"""``gate --bisect GOOD..BAD SCENARIO...`` and ``gate --bisect-versions PACKAGE==V1..V2
+SCENARIO...``: prints each probe as it ends (commit, subject, outcome,
 the metric that decided and its figure, the runs it took), then the answer; writes
 ``--out/bisect.json`` and the GitHub job summary. Exit 1 where a regression was found (one
 commit, or a range where commits between could not be tested or decided), 0 where BAD does not
@@ -28,17 +29,17 @@ def probe_line(k: int, record: Any, bisection: Bisection) -> str:
     return f"probe {k}{role}: {_named(p.commit)}: {p.outcome.upper()} by {p.metric or '-'}: {p.figure}; {p.runs} runs"
 
 
-def answer_lines(answer: Answer, bisection: Bisection) -> list[str]:
+def answer_lines(answer: Answer, bisection: Bisection, noun: str = "commit") -> list[str]:
     runs = sum(p.runs for p in bisection.probes)
     took = f"{len(bisection.probes)} probes, {runs} runs"
     if answer.kind == "found":
         deciding = next(p for p in bisection.probes if p.commit == answer.first_bad)
-        return [f"first bad commit: {_named(answer.first_bad)}",
+        return [f"first bad {noun}: {_named(answer.first_bad)}",
                 f"  {deciding.metric}: {deciding.figure}",
                 f"  last good: {_named(answer.last_good)}; {took}"]
     if answer.kind == "range":
         set_aside = {p.commit: p for p in bisection.probes if p.outcome in ("untestable", "undecided")}
-        lines = [f"the first bad commit is one of {len(answer.candidates)} after {_named(answer.last_good)} "
+        lines = [f"the first bad {noun} is one of {len(answer.candidates)} after {_named(answer.last_good)} "
                  f"({answer.why}; {took}):"]
         for c in answer.candidates:
             p = set_aside.get(c)
@@ -64,58 +65,83 @@ def record(spec: str, answer: Answer, bisection: Bisection, alpha: float) -> dic
                     "figure": p.figure, "runs": p.runs} for p in bisection.probes]})
 
 
-def summary(spec: str, answer: Answer, bisection: Bisection) -> str:
+def summary(spec: str, answer: Answer, bisection: Bisection, noun: str) -> str:
     rows = "\n".join(f"| {k} | `{p.commit.short}` {p.commit.subject} | {p.outcome} | {p.metric} | {p.figure} | "
                      f"{p.runs} |" for k, p in enumerate(bisection.probes, 1))
     return (f"### gate --bisect {spec}\n\n| Probe | Commit | Outcome | Metric | Figure | Runs |\n"
-            f"|---|---|---|---|---|---|\n{rows}\n\n" + "\n".join(answer_lines(answer, bisection)))
+            f"|---|---|---|---|---|---|\n{rows}\n\n" + "\n".join(answer_lines(answer, bisection, noun)))
 
 
-def cmd_gate_bisect(args: argparse.Namespace, overrides: dict[str, float | None]) -> int:
-    """``gate --bisect GOOD..BAD``; ``overrides``: the tolerance flags given."""
-    import sys
-
-    from harness.judge.baselines import Tolerances
-    from harness.present.paired_gates import run_options, sequential_design
-    from harness.present.report import append_step_summary
-    from harness.run.bisect import Prober, bisect, first_parent_range
-    from harness.run.pairs import repository
-
-    if args.baseline or args.against or args.env:
-        raise ScenarioError("--bisect runs its own sides: give it without --baseline, --against or --env")
+def _metrics(args: argparse.Namespace) -> tuple[str, ...]:
     from harness.run.bisect import METRICS
 
     metrics = tuple(m.strip() for m in (args.metrics or ",".join(METRICS)).split(",") if m.strip())
     unknown = [m for m in metrics if m not in METRICS]
     if unknown or not metrics:
         raise ScenarioError(f"--metrics {args.metrics}: name some of {', '.join(METRICS)}")
-    design = sequential_design(args)
-    repo = repository(Path.cwd())
-    commits = first_parent_range(args.bisect, repo)
-    out = Path(args.out).resolve() if args.out else None
-    prober = Prober(repo, commits[0], args.results, design, Tolerances().updated(**overrides), args.slowdown_margin,
-                    run_options(args), out, metrics)
-    from harness.judge.bisection import Budget
+    return metrics
 
-    budget = Budget(len(commits) - 1, args.alpha)
-    print(f"bisect {args.bisect}: GOOD {_named(commits[0])}, {len(commits) - 1} commits after it on the first-parent "
-          f"line; at most {budget.probes} probes, each at a false-alarm rate of {budget.per_probe:.2g} "
-          f"({args.alpha:g} over the bisection); gated: {', '.join(metrics)}", flush=True)
+
+def cmd_gate_bisect(args: argparse.Namespace, overrides: dict[str, float | None]) -> int:
+    """``gate --bisect GOOD..BAD`` or ``gate --bisect-versions PACKAGE==V1..V2``; ``overrides``:
+    the tolerance flags given."""
+    from harness.judge.baselines import Tolerances
+    from harness.present.paired_gates import run_options, sequential_design
+    from harness.run.bisect import Prober, ReleaseProber, first_parent_range
+    from harness.run.pairs import repository
+
+    if args.baseline or args.against or args.env or (args.bisect and args.bisect_versions):
+        raise ScenarioError("--bisect and --bisect-versions run their own sides: give one of them, without "
+                            "--baseline, --against or --env")
+    metrics = _metrics(args)
+    design = sequential_design(args)
+    tol = Tolerances().updated(**overrides)
+    out = Path(args.out).resolve() if args.out else None
+    if args.bisect:
+        spec, what = args.bisect, "commits after it on the first-parent line"
+        points = first_parent_range(args.bisect, repository(Path.cwd()))
+        prober: Any = Prober(repository(Path.cwd()), points[0], args.results, design, tol, args.slowdown_margin,
+                             run_options(args), out, metrics)
+    else:
+        from harness.run.release_envs import Requirement, releases
+
+        req = Requirement.parse(args.bisect_versions)
+        spec, what = args.bisect_versions, f"releases of {req.package} after it"
+        find_links, no_index = list(args.find_links or []), bool(args.no_index)
+        points = [Commit(v, f"{req.package} {v}") for v in releases(req, find_links, no_index)]
+        prober = ReleaseProber(req, points[0], args.results, design, tol, args.slowdown_margin, run_options(args),
+                               out, metrics, find_links, no_index)
+    return _bisect_and_report(spec, what, points, prober, args.alpha, metrics, out,
+                              "commit" if args.bisect else "release")
+
+
+def _bisect_and_report(spec: str, what: str, points: list[Commit], prober: Any, alpha: float,
+                       metrics: tuple[str, ...], out: Path | None, noun: str) -> int:
+    import sys
+
+    from harness.judge.bisection import Budget
+    from harness.present.report import append_step_summary
+    from harness.run.bisect import bisect
+
+    budget = Budget(len(points) - 1, alpha)
+    print(f"bisect {spec}: GOOD {_named(points[0])}, {len(points) - 1} {what}; at most {budget.probes} probes, "
+          f"each at a false-alarm rate of {budget.per_probe:.2g} ({alpha:g} over the bisection); gated: "
+          f"{', '.join(metrics)}", flush=True)
 
     def heard(k: int, rec: Any, bisection: Bisection) -> None:
         print(probe_line(k, rec, bisection), flush=True)
         print(f"probe {k} done", file=sys.stderr, flush=True)
 
     try:
-        bisection, _ = bisect(commits, prober, args.alpha, heard)
+        bisection, _ = bisect(points, prober, alpha, heard)
     finally:
         prober.close()
     answer = bisection.answer()
-    print("\n".join(answer_lines(answer, bisection)))
-    append_step_summary(summary(args.bisect, answer, bisection))
+    print("\n".join(answer_lines(answer, bisection, noun)))
+    append_step_summary(summary(spec, answer, bisection, noun))
     if out is not None:
         from harness import schema
 
         out.mkdir(parents=True, exist_ok=True)
-        schema.write_json_atomic(out / BISECT_FILE, record(args.bisect, answer, bisection, args.alpha))
+        schema.write_json_atomic(out / BISECT_FILE, record(spec, answer, bisection, alpha))
     return EXIT[answer.kind]

@@ -7,6 +7,7 @@ is ``harness.judge.bisection``. A probe's runs are kept under ``--out`` where on
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
 import subprocess
 import sys
@@ -110,8 +111,6 @@ class Prober:
     def probe(self, k: int, index: int, commit: Commit, alpha: float) -> ProbeRecord:
         """Probe ``commit`` (``k``: the probe's number) at false-alarm rate ``alpha``."""
         tree = self._worktree(commit, f"c{k}")
-        where = (self.out / "probes" / f"{k:02d}-{commit.short}") if self.out else self.work / f"runs{k}"
-        where.mkdir(parents=True, exist_ok=True)
         try:
             missing = [s for s in self.relative if not (tree / s).is_file()]
             if missing:
@@ -119,26 +118,79 @@ class Prober:
             sides = [Side("baseline", sys.executable, self.good_tree, side_env(self.good_tree), options=self.options),
                      Side("candidate", sys.executable, tree, side_env(tree), options=self.options,
                           accept=RUN_WRITTEN)]
-            design = dataclasses.replace(self.design, alpha=alpha)
-            try:
-                verdicts = run_pairs(sides, self.relative, design, where)
-            except ScenarioError as e:
-                if "the baseline side" in str(e):
-                    raise ScenarioError(f"GOOD ({commit.short} probe): {e}") from e
-                return ProbeRecord(Probe(index, commit, UNTESTABLE, str(e), runs=_runs(sides)))
-            from harness.run.results import load_results
-
-            try:
-                base, cand = (load_results([str(o) for o in side.outs]) for side in sides)
-            except ScenarioError as e:
-                return ProbeRecord(Probe(index, commit, UNTESTABLE, f"its results cannot be read here: {e}",
-                                         runs=_runs(sides)))
-            runs = PairedRuns(verdicts, base, cand, len(sides[1].outs))
-            judged = judge_paired(runs, self.tol, self.margin_pct)
-            outcome, metric, figure = decide(judged, self.metrics)
-            return ProbeRecord(Probe(index, commit, outcome, metric, figure, _runs(sides)), judged, runs)
+            return paired_probe(self, k, index, commit, sides, self.relative, alpha)
         finally:
             self._drop(tree)
+
+
+class ReleaseProber:
+    """Runs probes of one package's releases: GOOD's environment against each release's (both
+    built once, ``harness.run.release_envs``), this checkout's scenarios under each."""
+
+    def __init__(self, req: Any, good: Commit, scenarios: list[str], design: Any, tol: Any, margin_pct: float,
+                 options: list[str], out: Path | None, metrics: tuple[str, ...], find_links: list[str],
+                 no_index: bool):
+        from harness.run.pairs import ENVIRONMENT_VARS
+
+        self.req, self.design, self.tol, self.margin_pct, self.options = req, design, tol, margin_pct, options
+        self.out, self.metrics, self.find_links, self.no_index = out, metrics, find_links, no_index
+        missing = [s for s in scenarios if not Path(s).is_file()]
+        if missing:
+            raise ScenarioError(f"{missing[0]}: no such scenario file")
+        self.scenarios = [str(Path(s).resolve()) for s in scenarios]
+        self.work = Path(tempfile.mkdtemp(prefix="mlx-ddp-harness-bisect-"))
+        self.env = {k: v for k, v in os.environ.items() if k not in ENVIRONMENT_VARS}  # each Python finds its own
+        self.good_python = self.python(good)
+        if isinstance(self.good_python, str):
+            self.close()
+            raise ScenarioError(f"{req.package} {good.sha} (GOOD): no environment could be built: {self.good_python}")
+
+    def python(self, release: Commit) -> Path | str:
+        """The environment's interpreter, or why it could not be built."""
+        from harness.run.release_envs import environment
+
+        python, said = environment(self.req, release.sha, self.find_links, self.no_index)
+        print(f"{self.req.package} {release.sha}: environment {said}", file=sys.stderr, flush=True)
+        return python if python is not None else said
+
+    def close(self) -> None:
+        shutil.rmtree(self.work, ignore_errors=True)
+
+    def probe(self, k: int, index: int, release: Commit, alpha: float) -> ProbeRecord:
+        python = self.python(release)
+        if isinstance(python, str):
+            return ProbeRecord(Probe(index, release, UNTESTABLE, f"no environment: {python}"))
+        here = Path.cwd()
+        sides = [Side("baseline", str(self.good_python), here, self.env, options=self.options),
+                 Side("candidate", str(python), here, self.env, options=self.options)]  # a run that did not
+        # complete there is set aside, named (the harness may not run on that release), never taken for the bad one
+        return paired_probe(self, k, index, release, sides, self.scenarios, alpha)
+
+
+def paired_probe(prober: Any, k: int, index: int, point: Commit, sides: list[Side], scenarios: list[str],
+                 alpha: float) -> ProbeRecord:
+    """Probe ``point``'s side against GOOD's at false-alarm rate ``alpha``: pairs until the speed
+    is decided, then every gate; a candidate whose run fails to write a readable result is
+    untestable, a GOOD side that does so stops the bisection."""
+    where = (prober.out / "probes" / f"{k:02d}-{point.short}") if prober.out else prober.work / f"runs{k}"
+    where.mkdir(parents=True, exist_ok=True)
+    design = dataclasses.replace(prober.design, alpha=alpha)
+    try:
+        verdicts = run_pairs(sides, scenarios, design, where)
+    except ScenarioError as e:
+        if "the baseline side" in str(e):
+            raise ScenarioError(f"GOOD did not run (in the probe of {point.subject}): {e}") from e
+        return ProbeRecord(Probe(index, point, UNTESTABLE, str(e), runs=_runs(sides)))
+    from harness.run.results import load_results
+
+    try:
+        base, cand = (load_results([str(o) for o in side.outs]) for side in sides)
+    except ScenarioError as e:
+        return ProbeRecord(Probe(index, point, UNTESTABLE, f"its results cannot be read here: {e}", runs=_runs(sides)))
+    runs = PairedRuns(verdicts, base, cand, len(sides[1].outs))
+    judged = judge_paired(runs, prober.tol, prober.margin_pct)
+    outcome, metric, figure = decide(judged, prober.metrics)
+    return ProbeRecord(Probe(index, point, outcome, metric, figure, _runs(sides)), judged, runs)
 
 
 def _runs(sides: list[Side]) -> int:

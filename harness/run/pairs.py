@@ -95,9 +95,22 @@ class Side:
                             *self.options],
                            cwd=self.root, env=self.env, capture_output=True, text=True)
         if p.returncode not in self.accept or not (out / "result.json").is_file():
-            tail = " | ".join(p.stderr.strip().splitlines()[-3:])
-            raise ScenarioError(f"the {self.label} side's run exited {p.returncode}: {tail}")
+            raise ScenarioError(f"the {self.label} side's run exited {p.returncode}: {_why(p, out)}")
         self.outs.append(out)
+
+
+def _why(p: subprocess.CompletedProcess, out: Path) -> str:
+    """What a side's run that failed said: its first failed run's first line, else stderr's last lines."""
+    import json
+
+    try:
+        for s in json.loads((out / "result.json").read_text())["scenarios"]:
+            for r in s["runs"]:
+                if not r.get("ok") and r.get("failure") and not r.get("expect_error"):
+                    return f"{s['name']}/{r['name']}: {r['failure'].splitlines()[0]}"
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return " | ".join(p.stderr.strip().splitlines()[-3:])
 
 
 def in_repository(repo: Path, scenario: str) -> str:
