@@ -14,6 +14,7 @@ Event kinds written by ranks:
              mlx_peak_bytes, rss_bytes, [digest], [fetch_s, build_s, eval_s: the step's time
              fetching its batch, building its lazy graph (the reference's on CUDA: with its
              forward's evaluation started) and evaluating it, where a trainer times them],
+             [cpu_s: the rank process's CPU time so far, at the step's end (the reference's)],
              [rss_baseline ("end of step N"),
              rss_baseline_bytes: at the step that set a CUDA rank's baseline]
   ``memory`` rank, mlx_active_bytes, mlx_peak_bytes, rss_bytes (sampled while the rank runs,

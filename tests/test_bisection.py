@@ -89,4 +89,25 @@ def test_a_check_that_passed_at_the_baseline_and_fails_at_the_candidate_fails_it
     assert g.result == "FAIL" and g.metric == "checks" and "loss_parity: 0.5 against limit 0.1" in g.detail
     mixed = [flipped[0], same[0]]
     (g,) = check_gates(base, mixed)
-    assert g.result == "INCONCLUSIVE" and "(1 of 2 runs)" in g.detail
+    assert g.result == "INCONCLUSIVE" and not g.passed and "(1 of 2 runs)" in g.detail
+
+
+def _judged(*gates) -> object:  # noqa: ANN002
+    from harness.run.pairs import PairedJudgement
+
+    return PairedJudgement(list(gates), [], [], {})
+
+
+def test_a_run_that_fails_makes_a_probe_bad_whatever_the_metrics_and_no_gate_is_undecided() -> None:
+    from harness.judge.gates import Gate, PairedGate
+    from harness.run.bisect import decide
+
+    crashed = Gate("s", "ddp2", "run", False, "1 failed repeat(s)", "passed", "every repeat passes")
+    fast = PairedGate("s", "single", "throughput (paired)", True, "1000", "1000", "at most 0% slower", "level")
+    assert decide(_judged(crashed, fast), ("speed",))[:2] == (BAD, "run s/ddp2")
+    assert decide(_judged(fast), ("speed",))[0] == GOOD
+    outcome, metric, why = decide(_judged(fast), ("checks",))  # nothing of what was asked could be judged
+    assert (outcome, metric) == (UNDECIDED, "no gate") and "checks" in why
+    slow = PairedGate("s", "single", "throughput (paired)", False, "800", "1000", "at most 0% slower", "",
+                      inconclusive=True)
+    assert decide(_judged(slow), ("speed",))[0] == UNDECIDED

@@ -71,7 +71,10 @@ def test_the_release_that_breaks_a_scripts_parity_is_named(tmp_path: Path) -> No
     deciding = next(x for x in record["probes"] if x["commit"]["sha"] == "1.2")
     assert deciding["metric"] == "checks probe_script/ddp2" and "param_parity" in deciding["figure"], deciding
     built = sorted(d.name.split("-")[1] for d in (tmp_path / "cache" / "envs").iterdir())
-    assert "1.0" in built and "1.2" in built  # each release's environment, built once and kept
+    assert "1.0" in built and "1.2" in built  # each release's environment, kept
+    probed = {x["commit"]["sha"] for x in record["probes"]} | {"1.0"}
+    assert sorted(ln for ln in p.stderr.splitlines() if ln.endswith(": environment built")) == sorted(
+        f"ddpprobe {v}: environment built" for v in probed)  # each built once
 
 
 @pytest.mark.parametrize(("spec", "needle"), [

@@ -9,11 +9,12 @@ writes results this harness cannot read) or whose probe could not decide is set 
 bisect skip`` does, and the next one nearest the middle is probed instead; where only such
 commits lie between the two, the answer is that range, never a guess.
 
-Each probe is a test that may raise a false alarm. The bisection splits its false-alarm rate
-evenly over the most probes it may make (``Budget``): confirming BAD, the halvings of the range,
-and ``spare`` probes for commits set aside, so that the chance of naming a commit for noise
-holds over the whole bisection; a bisection that would need more probes stops with the range
-left.
+Each probe's paired speed test may raise a false alarm. The bisection splits that test's
+false-alarm rate evenly over the most probes it may make (``Budget``): confirming BAD, the
+halvings of the range, and ``spare`` probes for commits set aside, so that the chance of naming
+a commit for speed noise holds over the whole bisection; a bisection that would need more probes
+stops with the range left. The other gates (a check's verdict, the losses, memory, a run that
+fails) are thresholds, as in any gate: their own noise is what their tolerances allow.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ class Commit:
 
     @property
     def short(self) -> str:
-        return self.sha[:12]
+        """A commit's first 12 hex digits; a release's version whole."""
+        return self.sha[:12] if len(self.sha) == 40 else self.sha
 
 
 @dataclass

@@ -92,8 +92,9 @@ def check_gates(base_docs: list[tuple[Path, dict[str, Any]]],
         said = [f"{n}: {_figure(failing[n][0].get('value'))} against limit {_figure(failing[n][0].get('limit'))}"
                 + (f" ({len(failing[n])} of {len(cand[key][n])} runs)" if n in mixed else "")
                 for n in flipped + mixed]
-        gates.append(PairedGate(*key, "checks", not flipped, f"{len(flipped) + len(mixed)} of {len(held)} fail",
-                                f"{len(held)} pass", "every check that passes at the baseline passes",
+        gates.append(PairedGate(*key, "checks", not (flipped or mixed),
+                                f"{len(flipped) + len(mixed)} of {len(held)} fail", f"{len(held)} pass",
+                                "every check that passes at the baseline passes",
                                 "; ".join(said), inconclusive=bool(mixed) and not flipped))
     return gates
 

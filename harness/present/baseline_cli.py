@@ -134,8 +134,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--no-index", action="store_true",
                    help="with --bisect-versions: only the --find-links directories, not the registries")
     g.add_argument("--metrics", metavar="LIST",
-                   help="with --bisect: the gated metrics that make a commit bad, from checks (a check's verdict or "
-                        "a run that fails), loss, memory and speed (default: all)")
+                   help="with --bisect or --bisect-versions: the gated metrics that make a probe bad, from checks "
+                        "(a check's verdict), loss, memory and speed (default: all); a run that fails always does")
     g.add_argument("--env", metavar="PYTHON",
                    help="run the scenarios under this Python environment (an interpreter, or tox:NAME for "
                         ".tox/NAME) and this one, in turns: gate a dependency upgrade")

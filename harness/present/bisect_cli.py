@@ -68,7 +68,8 @@ def record(spec: str, answer: Answer, bisection: Bisection, alpha: float) -> dic
 def summary(spec: str, answer: Answer, bisection: Bisection, noun: str) -> str:
     rows = "\n".join(f"| {k} | `{p.commit.short}` {p.commit.subject} | {p.outcome} | {p.metric} | {p.figure} | "
                      f"{p.runs} |" for k, p in enumerate(bisection.probes, 1))
-    return (f"### gate --bisect {spec}\n\n| Probe | Commit | Outcome | Metric | Figure | Runs |\n"
+    flag = "--bisect" if noun == "commit" else "--bisect-versions"
+    return (f"### gate {flag} {spec}\n\n| Probe | Commit | Outcome | Metric | Figure | Runs |\n"
             f"|---|---|---|---|---|---|\n{rows}\n\n" + "\n".join(answer_lines(answer, bisection, noun)))
 
 

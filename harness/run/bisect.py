@@ -18,7 +18,18 @@ from pathlib import Path
 from typing import Any
 
 from harness.judge.bisection import BAD, GOOD, UNDECIDED, UNTESTABLE, Bisection, Budget, Commit, Probe
-from harness.run.pairs import PairedJudgement, PairedRuns, Side, git, in_repository, judge_paired, run_pairs, side_env
+from harness.run.pairs import (
+    PairedJudgement,
+    PairedRuns,
+    Side,
+    SideError,
+    git,
+    in_repository,
+    judge_paired,
+    resolve_revision,
+    run_pairs,
+    side_env,
+)
 from harness.scenario import ScenarioError
 
 RUN_WRITTEN = (0, 1, 3, 4)  # exit codes of a run that still wrote its result.json
@@ -33,20 +44,19 @@ def first_parent_range(spec: str, repo: Path) -> list[Commit]:
     bad = bad or "HEAD"
     shas = []
     for rev in (good, bad):
-        p = subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"], cwd=repo,
-                           capture_output=True, text=True)
-        if p.returncode != 0:
-            raise ScenarioError(f"--bisect {spec}: {rev}: no such revision in {repo}")
-        shas.append(p.stdout.strip())
+        try:
+            shas.append(resolve_revision(rev, repo))
+        except ScenarioError as e:
+            raise ScenarioError(f"--bisect {spec}: {e}") from e
     line = git(["rev-list", "--first-parent", "--reverse", f"{shas[0]}..{shas[1]}"], repo).split()
     if not line:
         raise ScenarioError(f"--bisect {spec}: no commit after {good} on {bad}'s first-parent line")
-    parent = git(["rev-parse", f"{line[0]}^1"], repo) if line else ""
-    if parent != shas[0]:
+    if git(["rev-list", "--parents", "-n", "1", line[0]], repo).split()[1:2] != [shas[0]]:
         raise ScenarioError(f"--bisect {spec}: {good} is not on {bad}'s first-parent line (bisect from a commit "
                             f"of it: git log --first-parent {bad})")
-    subjects = git(["log", "--no-walk=unsorted", "--format=%s", shas[0], *line], repo).splitlines()
-    return [Commit(sha, subject) for sha, subject in zip([shas[0], *line], subjects, strict=True)]
+    subjects = git(["log", "--no-walk=unsorted", "--format=%H%x00%s", shas[0], *line], repo).splitlines()
+    named = dict(entry.split("\0", 1) for entry in subjects if "\0" in entry)
+    return [Commit(sha, named.get(sha, "")) for sha in [shas[0], *line]]
 
 
 @dataclass
@@ -58,24 +68,34 @@ class ProbeRecord:
     runs: PairedRuns | None = None
 
 
-METRICS = {"checks": ("run", "checks"), "loss": ("loss",), "memory": ("peak MLX memory", "peak RSS"),
+METRICS = {"checks": ("checks",), "loss": ("loss",), "memory": ("peak MLX memory", "peak RSS"),
            "speed": ("throughput (paired)",)}  # --metrics: the gates' metrics each name covers
 
 
 def decide(judged: PairedJudgement, metrics: tuple[str, ...] = tuple(METRICS)) -> tuple[str, str, str]:
-    """A probe's outcome from its gates of ``metrics``: bad where one failed (the first, by metric:
-    a run that failed, a check, the loss, memory, then speed), undecided where one could not
-    decide, else good; with the deciding gate's metric and figure."""
-    order = [m for name in METRICS if name in metrics for m in METRICS[name]]
+    """A probe's outcome from its gates of ``metrics`` (and a run that failed, whatever they are):
+    bad where one failed (the first, by metric: a run that failed, a check, the loss, memory,
+    then speed), undecided where one could not decide or none was judged, else good; with the
+    deciding gate's metric and figure."""
+    order = ["run", *(m for name in METRICS if name in metrics for m in METRICS[name])]
     ranked = sorted((g for g in judged.gates if g.metric in order), key=lambda g: order.index(g.metric))
     for outcome, result in ((BAD, "FAIL"), (UNDECIDED, "INCONCLUSIVE")):
         g = next((g for g in ranked if g.result == result), None)
         if g is not None:
             detail = f"; {g.detail}" if g.detail else ""
             return outcome, f"{g.metric} {g.scenario}/{g.run}", f"{g.current} vs {g.baseline}{detail}"
+    if not ranked:
+        return UNDECIDED, "no gate", f"none of {', '.join(metrics)} could be judged on both sides"
     speed = next((g for g in ranked if g.metric == "throughput (paired)"), None)
-    figure = f"{speed.current} vs {speed.baseline}; {speed.detail}" if speed else f"{len(ranked)} gates pass"
-    return GOOD, f"{speed.metric} {speed.scenario}/{speed.run}" if speed else "every gate", figure
+    if speed is None:
+        return GOOD, "every gate", f"{len(ranked)} gates pass"
+    return GOOD, f"{speed.metric} {speed.scenario}/{speed.run}", f"{speed.current} vs {speed.baseline}; {speed.detail}"
+
+
+def _drop_worktree(repo: Path, tree: Path) -> None:
+    subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=repo, capture_output=True)
+    shutil.rmtree(tree, ignore_errors=True)
+    subprocess.run(["git", "worktree", "prune"], cwd=repo, capture_output=True)
 
 
 class Prober:
@@ -86,32 +106,31 @@ class Prober:
         self.repo, self.scenarios, self.design, self.tol, self.metrics = repo, scenarios, design, tol, metrics
         self.margin_pct, self.options = margin_pct, options
         self.relative = [in_repository(repo, s) for s in scenarios]
-        self.work = Path(tempfile.mkdtemp(prefix="mlx-ddp-harness-bisect-"))
         self.out = out
-        self.good_tree = self._worktree(good, "good")
-        missing = [s for s in self.relative if not (self.good_tree / s).is_file()]
-        if missing:
+        self.work = Path(tempfile.mkdtemp(prefix="mlx-ddp-harness-bisect-"))
+        self.good_tree = self.work / "good"
+        try:
+            git(["worktree", "add", "--detach", "--quiet", str(self.good_tree), good.sha], repo)
+            missing = [s for s in self.relative if not (self.good_tree / s).is_file()]
+            if missing:
+                raise ScenarioError(f"{missing[0]}: not in GOOD ({good.short}): a bisection runs the scenarios at "
+                                    f"both ends")
+        except BaseException:
             self.close()
-            raise ScenarioError(f"{missing[0]}: not in GOOD ({good.short}): a bisection runs the scenarios at "
-                                f"both ends")
-
-    def _worktree(self, commit: Commit, name: str) -> Path:
-        tree = self.work / name
-        git(["worktree", "add", "--detach", "--quiet", str(tree), commit.sha], self.repo)
-        return tree
-
-    def _drop(self, tree: Path) -> None:
-        subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=self.repo, capture_output=True)
-        shutil.rmtree(tree, ignore_errors=True)
+            raise
 
     def close(self) -> None:
-        self._drop(self.good_tree) if hasattr(self, "good_tree") else None
+        _drop_worktree(self.repo, self.good_tree)
         shutil.rmtree(self.work, ignore_errors=True)
 
     def probe(self, k: int, index: int, commit: Commit, alpha: float) -> ProbeRecord:
         """Probe ``commit`` (``k``: the probe's number) at false-alarm rate ``alpha``."""
-        tree = self._worktree(commit, f"c{k}")
+        tree = self.work / f"c{k}"
         try:
+            try:
+                git(["worktree", "add", "--detach", "--quiet", str(tree), commit.sha], self.repo)
+            except ScenarioError as e:
+                return ProbeRecord(Probe(index, commit, UNTESTABLE, f"it cannot be checked out: {e}"))
             missing = [s for s in self.relative if not (tree / s).is_file()]
             if missing:
                 return ProbeRecord(Probe(index, commit, UNTESTABLE, f"{missing[0]} is not in this commit"))
@@ -120,7 +139,7 @@ class Prober:
                           accept=RUN_WRITTEN)]
             return paired_probe(self, k, index, commit, sides, self.relative, alpha)
         finally:
-            self._drop(tree)
+            _drop_worktree(self.repo, tree)
 
 
 class ReleaseProber:
@@ -140,10 +159,14 @@ class ReleaseProber:
         self.scenarios = [str(Path(s).resolve()) for s in scenarios]
         self.work = Path(tempfile.mkdtemp(prefix="mlx-ddp-harness-bisect-"))
         self.env = {k: v for k, v in os.environ.items() if k not in ENVIRONMENT_VARS}  # each Python finds its own
-        self.good_python = self.python(good)
-        if isinstance(self.good_python, str):
+        try:
+            self.good_python = self.python(good)
+            if isinstance(self.good_python, str):
+                raise ScenarioError(f"{req.package} {good.sha} (GOOD): no environment could be built: "
+                                    f"{self.good_python}")
+        except BaseException:
             self.close()
-            raise ScenarioError(f"{req.package} {good.sha} (GOOD): no environment could be built: {self.good_python}")
+            raise
 
     def python(self, release: Commit) -> Path | str:
         """The environment's interpreter, or why it could not be built."""
@@ -177,20 +200,30 @@ def paired_probe(prober: Any, k: int, index: int, point: Commit, sides: list[Sid
     design = dataclasses.replace(prober.design, alpha=alpha)
     try:
         verdicts = run_pairs(sides, scenarios, design, where)
-    except ScenarioError as e:
-        if "the baseline side" in str(e):
+        base, cand = (_results(side) for side in sides)
+    except SideError as e:
+        if e.label == "baseline":
             raise ScenarioError(f"GOOD did not run (in the probe of {point.subject}): {e}") from e
         return ProbeRecord(Probe(index, point, UNTESTABLE, str(e), runs=_runs(sides)))
+    runs = PairedRuns(verdicts, base, cand, len(sides[1].outs))
+    from harness.judge.baselines import BaselineError
+
+    try:
+        judged = judge_paired(runs, prober.tol, prober.margin_pct)
+    except (BaselineError, KeyError, TypeError, ValueError) as e:  # runs renamed, another precision, older fields
+        return ProbeRecord(Probe(index, point, UNTESTABLE, f"its results cannot be judged against GOOD's: {e}",
+                                 runs=_runs(sides)), runs=runs)
+    outcome, metric, figure = decide(judged, prober.metrics)
+    return ProbeRecord(Probe(index, point, outcome, metric, figure, _runs(sides)), judged, runs)
+
+
+def _results(side: Side) -> list[tuple[Path, dict[str, Any]]]:
     from harness.run.results import load_results
 
     try:
-        base, cand = (load_results([str(o) for o in side.outs]) for side in sides)
+        return load_results([str(o) for o in side.outs])
     except ScenarioError as e:
-        return ProbeRecord(Probe(index, point, UNTESTABLE, f"its results cannot be read here: {e}", runs=_runs(sides)))
-    runs = PairedRuns(verdicts, base, cand, len(sides[1].outs))
-    judged = judge_paired(runs, prober.tol, prober.margin_pct)
-    outcome, metric, figure = decide(judged, prober.metrics)
-    return ProbeRecord(Probe(index, point, outcome, metric, figure, _runs(sides)), judged, runs)
+        raise SideError(side.label, f"the {side.label} side's results cannot be read here: {e}") from e
 
 
 def _runs(sides: list[Side]) -> int:
@@ -214,7 +247,7 @@ def bisect(commits: list[Commit], prober: Prober, alpha: float,
     while (index := bisection.next_index()) is not None:
         k = len(records) + 1
         record = prober.probe(k, index, commits[index], bisection.budget.per_probe)
-        if k == 1 and (failing := good_fails(record)):
+        if k == 1 and "checks" in getattr(prober, "metrics", ()) and (failing := good_fails(record)):
             raise ScenarioError(f"GOOD ({commits[0].short}) fails its own checks ({failing}): a bisection looks "
                                 f"for the first commit after a passing one")
         records.append(record)

@@ -24,7 +24,15 @@ from harness.run.results import load_results
 from harness.scenario import ScenarioError
 from harness.scenario.trainers import versioned_packages
 
-RUN_OK = (0, 1)  # a run whose checks fail still measured its speed
+RUN_OK = (0, 1, 4)  # a run whose checks fail, or had no power, still measured its speed
+
+
+class SideError(ScenarioError):
+    """A side's run that did not give a result to read; ``label`` names the side."""
+
+    def __init__(self, label: str, message: str):
+        super().__init__(message)
+        self.label = label
 
 
 def git(args: list[str], cwd: Path) -> str:
@@ -91,11 +99,12 @@ class Side:
     accept: tuple[int, ...] = RUN_OK  # the exit codes of a run whose result counts
 
     def run(self, scenarios: list[str], out: Path) -> None:
+        shutil.rmtree(out, ignore_errors=True)  # a result.json of an earlier gate with the same --out is not this run's
         p = subprocess.run([self.python, "-m", "harness", "run", *scenarios, "--out", str(out), "--progress", "off",
                             *self.options],
                            cwd=self.root, env=self.env, capture_output=True, text=True)
         if p.returncode not in self.accept or not (out / "result.json").is_file():
-            raise ScenarioError(f"the {self.label} side's run exited {p.returncode}: {_why(p, out)}")
+            raise SideError(self.label, f"the {self.label} side's run exited {p.returncode}: {_why(p, out)}")
         self.outs.append(out)
 
 
@@ -139,6 +148,13 @@ def _speeds(outs: list[Path]) -> dict[tuple[str, str], list[float]]:
     return fast_speeds(load_results([str(o) for o in outs]))
 
 
+def _side_speeds(side: Side) -> dict[tuple[str, str], list[float]]:
+    try:
+        return _speeds(side.outs)
+    except ScenarioError as e:
+        raise SideError(side.label, f"the {side.label} side's results cannot be read here: {e}") from e
+
+
 def run_pairs(sides: list[Side], scenarios: list[str], design: Any, work: Path) -> dict[tuple[str, str], Any]:
     """Pairs of runs, the order alternating, until every run's speed is decided (or ``design.max_pairs``)."""
     from harness.judge.paired import sequential_look
@@ -149,7 +165,7 @@ def run_pairs(sides: list[Side], scenarios: list[str], design: Any, work: Path) 
             side.run(scenarios, work / f"{side.label}{k}")
             print(f"pair {k + 1}/{design.max_pairs}: {side.label} done", file=sys.stderr, flush=True)
         if k + 1 in design.looks:
-            base_speed, cand_speed = _speeds(sides[0].outs), _speeds(sides[1].outs)
+            base_speed, cand_speed = (_side_speeds(side) for side in sides)
             keys = sorted(set(base_speed) & set(cand_speed))
             runs = dataclasses.replace(design, runs=len(keys))
             verdicts = {key: sequential_look(base_speed[key], cand_speed[key], runs) for key in keys}

@@ -5,7 +5,8 @@ built once and cached. Each environment is a virtual environment that sees this 
 (a ``.pth`` file adds this environment's site-packages after its own, as a
 ``--system-site-packages`` environment sees the system's) with the one release installed
 over them, so building it installs that release and what it needs that differs, not the
-rest."""
+rest. A top-level package installed there is imported from there alone: a namespace package
+(``mlx``) is never merged with this environment's other release of it."""
 
 from __future__ import annotations
 
@@ -60,8 +61,12 @@ def pip_options(find_links: list[str], no_index: bool) -> list[str]:
 
 def releases(req: Requirement, find_links: list[str], no_index: bool) -> list[str]:
     """The releases of ``req``'s package from its low to its high version, both included, oldest first."""
-    p = subprocess.run([sys.executable, "-m", "pip", "index", "versions", req.package, "--disable-pip-version-check",
-                        *pip_options(find_links, no_index)], capture_output=True, text=True, timeout=300)
+    try:
+        p = subprocess.run([sys.executable, "-m", "pip", "index", "versions", req.package,
+                            "--disable-pip-version-check", *pip_options(find_links, no_index)],
+                           capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired as e:
+        raise ScenarioError(f"--bisect-versions: pip index versions {req.package} timed out after 300 s") from e
     found = VERSIONS.search(p.stdout)
     if p.returncode != 0 or not found:
         tail = (p.stderr.strip().splitlines() or ["no versions listed"])[-1]
@@ -77,9 +82,45 @@ def releases(req: Requirement, find_links: list[str], no_index: bool) -> list[st
     return [str(v) for v in listed if low <= v <= high]
 
 
-def _site_packages(root: Path) -> Path:
-    rel = Path(sysconfig.get_path("purelib")).relative_to(sysconfig.get_path("data"))
-    return root / rel
+BASE_MODULE = "_mlx_ddp_harness_base"
+BASE_TEXT = """\"\"\"This environment's packages, then those of the one it was built over (mlx-ddp-harness).\"\"\"
+import importlib.machinery
+import os
+import site
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+OWN = {own!r}  # top-level packages installed here: imported from here alone, never merged with the base's
+
+
+class _OnlyHere:
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if path is None and name in OWN:
+            return importlib.machinery.PathFinder.find_spec(name, [HERE])
+        return None
+
+
+for d in {base!r}:
+    site.addsitedir(d)
+sys.meta_path.insert(0, _OnlyHere)
+"""
+
+
+def _own_packages(site: Path) -> list[str]:
+    """The top-level packages and modules of every distribution installed in ``site``."""
+    own = set()
+    for record in site.glob("*.dist-info/RECORD"):
+        for line in record.read_text().splitlines():
+            top = line.split(",", 1)[0].split("/", 1)[0]
+            if top and not top.endswith((".dist-info", ".data")) and top not in ("..", "__pycache__"):
+                own.add(top[:-3] if top.endswith(".py") else top)
+    return sorted(own - {BASE_MODULE})
+
+
+def _write_base(site: Path, base: list[str], own: list[str]) -> None:
+    (site / f"{BASE_MODULE}.py").write_text(BASE_TEXT.format(own=own, base=base))
+    (site / f"{BASE_MODULE}.pth").write_text(f"import {BASE_MODULE}\n")
 
 
 def envs_dir() -> Path:
@@ -90,26 +131,33 @@ def envs_dir() -> Path:
 
 def environment(req: Requirement, version: str, find_links: list[str], no_index: bool) -> tuple[Path | None, str]:
     """The interpreter of an environment with ``req``'s package at ``version`` over this one, built
-    where it is not yet (None, and pip's last line, where it could not be built)."""
-    base = Path(sysconfig.get_path("purelib"))
-    key = hashlib.sha256(json.dumps([req.name, version, sys.version, str(base)]).encode()).hexdigest()[:12]
-    root = envs_dir() / f"{req.package}-{version}-{key}"
+    where it is not yet (None, and why, where it could not be built)."""
+    base = list(dict.fromkeys([sysconfig.get_path("purelib"), sysconfig.get_path("platlib")]))
+    what = [req.name, version, sys.version, base, find_links, no_index]
+    root = envs_dir() / f"{req.package}-{version}-{hashlib.sha256(json.dumps(what).encode()).hexdigest()[:12]}"
     python = root / ("Scripts/python.exe" if sys.platform == "win32" else "bin/python")
     if (root / "built.json").is_file():
         return python, "cached"
     shutil.rmtree(root, ignore_errors=True)
-    made = subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], capture_output=True, text=True)
-    if made.returncode != 0:
-        return None, (made.stderr.strip().splitlines() or ["venv failed"])[-1]
-    site = _site_packages(root)
-    site.mkdir(parents=True, exist_ok=True)
-    # this environment's packages after the release's own (and its .pth files: an editable install)
-    (site / "_mlx_ddp_harness_base.pth").write_text(f"import site; site.addsitedir({str(base)!r})\n")
-    p = subprocess.run([str(python), "-m", "pip", "install", "--disable-pip-version-check", "--no-input",
-                        f"{req.name}=={version}", *pip_options(find_links, no_index)],
-                       capture_output=True, text=True, timeout=1800)
+    try:
+        made = subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], capture_output=True,
+                              text=True, timeout=300)
+        if made.returncode != 0:
+            return None, (made.stderr.strip().splitlines() or ["venv failed"])[-1]
+        where = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                               capture_output=True, text=True, timeout=60)
+        site = Path(where.stdout.strip())
+        site.mkdir(parents=True, exist_ok=True)
+        _write_base(site, base, [])
+        p = subprocess.run([str(python), "-m", "pip", "install", "--disable-pip-version-check", "--no-input",
+                            "--only-binary=:all:", f"{req.name}=={version}", *pip_options(find_links, no_index)],
+                           capture_output=True, text=True, timeout=1800)
+    except subprocess.TimeoutExpired as e:
+        shutil.rmtree(root, ignore_errors=True)
+        return None, f"{' '.join(map(str, e.cmd[:4]))} ... timed out after {e.timeout:g} s"
     if p.returncode != 0:
         shutil.rmtree(root, ignore_errors=True)
         return None, "pip install failed: " + (p.stderr.strip().splitlines() or ["no output"])[-1]
+    _write_base(site, base, _own_packages(site))
     (root / "built.json").write_text(json.dumps({"requirement": req.name, "version": version}))
     return python, "built"

@@ -355,7 +355,7 @@ class Trainer:
         event: dict[str, Any] = dict(
             step=step, rank=ctx.rank, loss=loss, tokens_global=tokens, tokens_local=local,
             rows_local=sum(len(b.inputs) for b in micros), images_global=images, step_time_s=dt, grad_norm=norm, lr=lr,
-            **self.step_phases, **memory,
+            cpu_s=time.process_time(), **self.step_phases, **memory,
         )
         if self.spec.digest_every and step % self.spec.digest_every == 0:
             self.progress.digests[step] = event["digest"] = param_digest(self.model)
