@@ -113,6 +113,24 @@ def test_a_parity_defect_planted_in_a_commit_is_named_by_its_failing_check(tmp_p
     assert deciding["metric"] == "checks tiny/ddp2" and "param_parity" in deciding["figure"], deciding
 
 
+def test_bisect_options_without_a_bisection_are_one_line(tmp_path: Path) -> None:
+    p = subprocess.run([sys.executable, "-m", "harness", "gate", "--against", "HEAD", "x.toml", "--metrics", "speed"],
+                       cwd=REPO, capture_output=True, text=True)
+    assert p.returncode == EXIT_BAD_INPUT and "--metrics is for --bisect or --bisect-versions" in p.stderr, p.stderr
+
+
+def test_a_good_off_the_first_parent_line_is_refused_in_one_line(tmp_path: Path) -> None:
+    repo = _scratch(tmp_path, (1,))
+    _git(repo, "checkout", "-q", "-b", "side")
+    (repo / "SIDE.md").write_text("a side branch\n")
+    side = _commit(repo, "docs: a side branch")
+    _git(repo, "checkout", "-q", "-")
+    _docs(repo, 2)
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@example.com", "merge", "-q", "--no-ff", "-m", "merge", "side")
+    p, _ = _bisect(repo, f"{side[:10]}..HEAD")
+    assert p.returncode == EXIT_BAD_INPUT and "is not on HEAD's first-parent line" in p.stderr, p.stderr
+
+
 @pytest.mark.parametrize(("spec", "needle"), [
     ("HEAD", "give GOOD..BAD"),
     ("nosuchrev..", "nosuchrev: no such revision"),

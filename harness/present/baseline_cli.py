@@ -43,6 +43,11 @@ def cmd_gate(args: argparse.Namespace) -> int:
     from harness.judge.gates import check_platform, gate
     from harness.present.gate_report import add_fast_speeds, emit_gate, exit_code
 
+    if not (args.bisect or args.bisect_versions):
+        given = [f for f, v in (("--metrics", args.metrics), ("--find-links", args.find_links),
+                                ("--no-index", args.no_index)) if v]
+        if given:
+            raise ScenarioError(f"{given[0]} is for --bisect or --bisect-versions")
     if args.bisect or args.bisect_versions:
         from harness.present.bisect_cli import cmd_gate_bisect
 
