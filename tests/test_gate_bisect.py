@@ -95,11 +95,10 @@ def test_a_slowdown_planted_among_docs_commits_is_named_and_a_range_before_it_ho
     assert "no regression in the range" in p.stdout
 
 
-@pytest.mark.ranks  # about 12 runs of a 1- and 2-rank scenario, in three probes (23 s alone)
+@pytest.mark.ranks  # 8 runs of a 1- and 2-rank scenario, in two probes
 def test_a_parity_defect_planted_in_a_commit_is_named_by_its_failing_check(tmp_path: Path) -> None:
     repo = _scratch(tmp_path, (1, 2))
     good = _git(repo, "rev-parse", "HEAD")
-    _docs(repo, 1)
     semantics = repo / "harness" / "trainers" / "reference" / "semantics.py"
     text = semantics.read_text()
     assert text.count(NO_ALLREDUCE[0]) == 1
