@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -52,8 +53,9 @@ def _scratch(root: Path, world_sizes: tuple[int, ...]) -> Path:
 
 def _bisect(repo: Path, spec: str, *flags: str) -> tuple[subprocess.CompletedProcess, dict | None]:
     out = repo.parent / f"out-{spec.replace('.', '_')[:24]}"
+    env = {**os.environ, "MLX_DDP_HARNESS_CACHE": str(repo.parent / "cache")}  # the commits' kept results
     p = subprocess.run([sys.executable, "-m", "harness", "gate", "--bisect", spec, "tiny.toml", "--out", str(out),
-                        *flags], cwd=repo, capture_output=True, text=True, timeout=900)
+                        *flags], cwd=repo, env=env, capture_output=True, text=True, timeout=900)
     record = out / "bisect.json"
     return p, json.loads(record.read_text()) if record.exists() else None
 
@@ -92,6 +94,8 @@ def test_a_slowdown_planted_among_docs_commits_is_named_and_a_range_before_it_ho
     p, record = _bisect(repo, f"{good[:10]}..{before[:10]}", *coarse)
     assert p.returncode == EXIT_PASS, p.stdout[-3000:] + p.stderr[-2000:]
     assert record["answer"]["kind"] == "none" and len(record["probes"]) == 1
+    if before in {x["commit"]["sha"] for x in probes}:  # probed in the first bisection: its own runs are reused
+        assert p.stderr.count(": candidate reused") == 4 and p.stderr.count(": baseline done") == 4, p.stderr
     assert "no regression in the range" in p.stdout
 
 

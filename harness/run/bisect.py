@@ -2,7 +2,10 @@
 regresses. Every probe is a paired gate of GOOD against one commit, each in its own temporary
 worktree and run in turns as ``gate --against`` runs them (``harness.run.pairs``), GOOD's side
 rerun at every probe; the bookkeeping (which commit next, the false-alarm budget, the answer)
-is ``harness.judge.bisection``. A probe's runs are kept under ``--out`` where one is given."""
+is ``harness.judge.bisection``. A probe's runs are kept under ``--out`` where one is given, and
+each commit's or release's own results (``result.json``, never GOOD's) in the cache
+(``result_store``): probed again in another bisection, it reuses them pair by pair and runs only
+the pairs it lacks, GOOD's side running afresh in every pair."""
 
 from __future__ import annotations
 
@@ -92,6 +95,20 @@ def decide(judged: PairedJudgement, metrics: tuple[str, ...] = tuple(METRICS)) -
     return GOOD, f"{speed.metric} {speed.scenario}/{speed.run}", f"{speed.current} vs {speed.baseline}; {speed.detail}"
 
 
+def result_store(point: Commit, scenarios: list[str], options: list[str], tree: Path | None = None) -> Path:
+    """Where a commit's or a release's own results are kept, to be reused when it is probed again
+    (in another bisection): by its name, what its scenario files hold, and the options of ``run``.
+    GOOD's are never kept: it runs afresh at every probe."""
+    import hashlib
+    import json
+
+    from harness.controller.inputs import cache_dir
+
+    texts = [(s, Path(tree / s if tree else s).read_text()) for s in scenarios]
+    key = hashlib.sha256(json.dumps([point.sha, texts, options]).encode()).hexdigest()[:16]
+    return cache_dir() / "bisect-results" / f"{point.short}-{key}"
+
+
 def _drop_worktree(repo: Path, tree: Path) -> None:
     subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=repo, capture_output=True)
     shutil.rmtree(tree, ignore_errors=True)
@@ -136,7 +153,7 @@ class Prober:
                 return ProbeRecord(Probe(index, commit, UNTESTABLE, f"{missing[0]} is not in this commit"))
             sides = [Side("baseline", sys.executable, self.good_tree, side_env(self.good_tree), options=self.options),
                      Side("candidate", sys.executable, tree, side_env(tree), options=self.options,
-                          accept=RUN_WRITTEN)]
+                          accept=RUN_WRITTEN, store=result_store(commit, self.relative, self.options, tree))]
             return paired_probe(self, k, index, commit, sides, self.relative, alpha)
         finally:
             _drop_worktree(self.repo, tree)
@@ -184,9 +201,11 @@ class ReleaseProber:
         if isinstance(python, str):
             return ProbeRecord(Probe(index, release, UNTESTABLE, f"no environment: {python}"))
         here = Path.cwd()
+        # a run that does not complete on the release sets it aside, named (the harness may not run on
+        # that release), never taken for the bad one
+        store = result_store(release, self.scenarios, [self.req.name, *self.options])
         sides = [Side("baseline", str(self.good_python), here, self.env, options=self.options),
-                 Side("candidate", str(python), here, self.env, options=self.options)]  # a run that did not
-        # complete there is set aside, named (the harness may not run on that release), never taken for the bad one
+                 Side("candidate", str(python), here, self.env, options=self.options, store=store)]
         return paired_probe(self, k, index, release, sides, self.scenarios, alpha)
 
 
