@@ -53,7 +53,8 @@ def _scratch(root: Path, world_sizes: tuple[int, ...]) -> Path:
 
 def _bisect(repo: Path, spec: str, *flags: str) -> tuple[subprocess.CompletedProcess, dict | None]:
     out = repo.parent / f"out-{spec.replace('.', '_')[:24]}"
-    env = {**os.environ, "MLX_DDP_HARNESS_CACHE": str(repo.parent / "cache")}  # the commits' kept results
+    env = {**os.environ, "MLX_DDP_HARNESS_CACHE": str(repo.parent / "cache"),  # the commits' kept results
+           "GITHUB_STEP_SUMMARY": str(out.with_suffix(".summary.md"))}
     p = subprocess.run([sys.executable, "-m", "harness", "gate", "--bisect", spec, "tiny.toml", "--out", str(out),
                         *flags], cwd=repo, env=env, capture_output=True, text=True, timeout=900)
     record = out / "bisect.json"
@@ -114,6 +115,9 @@ def test_a_parity_defect_planted_in_a_commit_is_named_by_its_failing_check(tmp_p
     assert record["answer"]["first_bad"]["sha"] == broken, p.stdout
     deciding = next(p_ for p_ in record["probes"] if p_["commit"]["sha"] == broken)
     assert deciding["metric"] == "checks tiny/ddp2" and "param_parity" in deciding["figure"], deciding
+    summary = next(tmp_path.glob("out-*.summary.md")).read_text()  # the job summary: the probes' table, the answer
+    assert summary.startswith("### gate --bisect ") and "| Probe | Commit | Outcome |" in summary
+    assert f"first bad commit: {broken[:12]}" in summary
 
 
 def test_bisect_options_without_a_bisection_are_one_line(tmp_path: Path) -> None:

@@ -110,7 +110,8 @@ class Side:
             return "reused"
         p = subprocess.run([self.python, "-m", "harness", "run", *scenarios, "--out", str(out), "--progress", "off",
                             *self.options],
-                           cwd=self.root, env=self.env, capture_output=True, text=True)
+                           cwd=self.root, env={k: v for k, v in self.env.items() if k != "GITHUB_STEP_SUMMARY"},
+                           capture_output=True, text=True)  # the job summary is the gate's, not each run's
         if p.returncode not in self.accept or not (out / "result.json").is_file():
             raise SideError(self.label, f"the {self.label} side's run exited {p.returncode}: {_why(p, out)}")
         if kept is not None:
