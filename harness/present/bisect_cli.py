@@ -100,8 +100,9 @@ def cmd_gate_bisect(args: argparse.Namespace, overrides: dict[str, float | None]
     out = Path(args.out).resolve() if args.out else None
     if args.bisect:
         spec, what = args.bisect, "commits after it on the first-parent line"
-        points = first_parent_range(args.bisect, repository(Path.cwd()))
-        prober: Any = Prober(repository(Path.cwd()), points[0], args.results, design, tol, args.slowdown_margin,
+        repo = repository(Path.cwd(), "--bisect")
+        points = first_parent_range(args.bisect, repo)
+        prober: Any = Prober(repo, points[0], args.results, design, tol, args.slowdown_margin,
                              run_options(args), out, metrics)
     else:
         from harness.run.release_envs import Requirement, releases

@@ -42,13 +42,14 @@ def git(args: list[str], cwd: Path) -> str:
     return p.stdout.strip()
 
 
-def repository(cwd: Path) -> Path:
-    """The top of the git repository holding ``cwd`` (one-line errors without git or outside one)."""
+def repository(cwd: Path, flag: str = "--against") -> Path:
+    """The top of the git repository holding ``cwd`` (one-line errors without git or outside one,
+    naming ``gate``'s ``flag``)."""
     if shutil.which("git") is None:
-        raise ScenarioError("git: not found on PATH; gate --against checks out a revision with git")
+        raise ScenarioError(f"git: not found on PATH; gate {flag} checks out revisions with git")
     p = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=cwd, capture_output=True, text=True)
     if p.returncode != 0 or not p.stdout.strip():
-        raise ScenarioError(f"not a git repository: {cwd} (gate --against compares revisions of the git "
+        raise ScenarioError(f"not a git repository: {cwd} (gate {flag} compares revisions of the git "
                             f"repository it runs in: run it there)")
     return Path(p.stdout.strip())
 
