@@ -88,22 +88,20 @@ def cmd_gate_bisect(args: argparse.Namespace, overrides: dict[str, float | None]
     the tolerance flags given."""
     from harness.judge.baselines import Tolerances
     from harness.present.paired_gates import run_options, sequential_design
-    from harness.run.bisect import Prober, ReleaseProber, first_parent_range
+    from harness.run.bisect import Prober, ProbeSettings, ReleaseProber, first_parent_range
     from harness.run.pairs import repository
 
     if args.baseline or args.against or args.env or (args.bisect and args.bisect_versions):
         raise ScenarioError("--bisect and --bisect-versions run their own sides: give one of them, without "
                             "--baseline, --against or --env")
-    metrics = _metrics(args)
-    design = sequential_design(args)
-    tol = Tolerances().updated(**overrides)
     out = Path(args.out).resolve() if args.out else None
+    settings = ProbeSettings(sequential_design(args), Tolerances().updated(**overrides), args.slowdown_margin,
+                             run_options(args), out, _metrics(args))
     if args.bisect:
         spec, what = args.bisect, "commits after it on the first-parent line"
         repo = repository(Path.cwd(), "--bisect")
         points = first_parent_range(args.bisect, repo)
-        prober: Any = Prober(repo, points[0], args.results, design, tol, args.slowdown_margin,
-                             run_options(args), out, metrics)
+        prober: Any = Prober(repo, points[0], args.results, settings)
     else:
         from harness.run.release_envs import Requirement, releases
 
@@ -111,14 +109,13 @@ def cmd_gate_bisect(args: argparse.Namespace, overrides: dict[str, float | None]
         spec, what = args.bisect_versions, f"releases of {req.package} after it"
         find_links, no_index = list(args.find_links or []), bool(args.no_index)
         points = [Commit(v, f"{req.package} {v}") for v in releases(req, find_links, no_index)]
-        prober = ReleaseProber(req, points[0], args.results, design, tol, args.slowdown_margin, run_options(args),
-                               out, metrics, find_links, no_index)
-    return _bisect_and_report(spec, what, points, prober, args.alpha, metrics, out,
+        prober = ReleaseProber(req, points[0], args.results, settings, find_links, no_index)
+    return _bisect_and_report(spec, what, points, prober, args.alpha, settings,
                               "commit" if args.bisect else "release")
 
 
-def _bisect_and_report(spec: str, what: str, points: list[Commit], prober: Any, alpha: float,
-                       metrics: tuple[str, ...], out: Path | None, noun: str) -> int:
+def _bisect_and_report(spec: str, what: str, points: list[Commit], prober: Any, alpha: float, settings: Any,
+                       noun: str) -> int:
     import sys
 
     from harness.judge.bisection import Budget
@@ -128,22 +125,22 @@ def _bisect_and_report(spec: str, what: str, points: list[Commit], prober: Any, 
     budget = Budget(len(points) - 1, alpha)
     print(f"bisect {spec}: GOOD {_named(points[0])}, {len(points) - 1} {what}; at most {budget.probes} probes, "
           f"each at a false-alarm rate of {budget.per_probe:.2g} ({alpha:g} over the bisection); gated: "
-          f"{', '.join(metrics)}", flush=True)
+          f"{', '.join(settings.metrics)}", flush=True)
 
     def heard(k: int, rec: Any, bisection: Bisection) -> None:
         print(probe_line(k, rec, bisection), flush=True)
         print(f"probe {k} done", file=sys.stderr, flush=True)
 
     try:
-        bisection, _ = bisect(points, prober, alpha, heard)
+        bisection, _ = bisect(points, prober, budget, heard)
     finally:
         prober.close()
     answer = bisection.answer()
     print("\n".join(answer_lines(answer, bisection, noun)))
     append_step_summary(summary(spec, answer, bisection, noun))
-    if out is not None:
+    if settings.out is not None:
         from harness import schema
 
-        out.mkdir(parents=True, exist_ok=True)
-        schema.write_json_atomic(out / BISECT_FILE, record(spec, answer, bisection, alpha))
+        settings.out.mkdir(parents=True, exist_ok=True)
+        schema.write_json_atomic(settings.out / BISECT_FILE, record(spec, answer, bisection, alpha))
     return EXIT[answer.kind]

@@ -95,6 +95,20 @@ def decide(judged: PairedJudgement, metrics: tuple[str, ...] = tuple(METRICS)) -
     return GOOD, f"{speed.metric} {speed.scenario}/{speed.run}", f"{speed.current} vs {speed.baseline}; {speed.detail}"
 
 
+@dataclass(frozen=True)
+class ProbeSettings:
+    """What every probe of a bisection shares: the sequential design (its ``alpha`` replaced per
+    probe), the tolerances, the slowdown margin in %, more options of ``run``, ``--out`` and the
+    metrics that make a probe bad."""
+
+    design: Any
+    tol: Any
+    margin_pct: float
+    options: list[str]
+    out: Path | None
+    metrics: tuple[str, ...]
+
+
 def result_store(point: Commit, scenarios: list[str], options: list[str], tree: Path | None = None) -> Path:
     """Where a commit's or a release's own results are kept, to be reused when it is probed again
     (in another bisection): by its name, what its scenario files hold, and the options of ``run``.
@@ -118,12 +132,9 @@ def _drop_worktree(repo: Path, tree: Path) -> None:
 class Prober:
     """Runs probes: GOOD's worktree kept for the whole bisection, each commit's made and removed."""
 
-    def __init__(self, repo: Path, good: Commit, scenarios: list[str], design: Any, tol: Any, margin_pct: float,
-                 options: list[str], out: Path | None, metrics: tuple[str, ...] = tuple(METRICS)):
-        self.repo, self.scenarios, self.design, self.tol, self.metrics = repo, scenarios, design, tol, metrics
-        self.margin_pct, self.options = margin_pct, options
+    def __init__(self, repo: Path, good: Commit, scenarios: list[str], settings: ProbeSettings):
+        self.repo, self.settings = repo, settings
         self.relative = [in_repository(repo, s) for s in scenarios]
-        self.out = out
         self.work = Path(tempfile.mkdtemp(prefix="mlx-ddp-harness-bisect-"))
         self.good_tree = self.work / "good"
         try:
@@ -151,10 +162,11 @@ class Prober:
             missing = [s for s in self.relative if not (tree / s).is_file()]
             if missing:
                 return ProbeRecord(Probe(index, commit, UNTESTABLE, f"{missing[0]} is not in this commit"))
-            sides = [Side("baseline", sys.executable, self.good_tree, side_env(self.good_tree), options=self.options),
-                     Side("candidate", sys.executable, tree, side_env(tree), options=self.options,
-                          accept=RUN_WRITTEN, store=result_store(commit, self.relative, self.options, tree))]
-            return paired_probe(self, k, index, commit, sides, self.relative, alpha)
+            options = self.settings.options
+            sides = [Side("baseline", sys.executable, self.good_tree, side_env(self.good_tree), options=options),
+                     Side("candidate", sys.executable, tree, side_env(tree), options=options,
+                          accept=RUN_WRITTEN, store=result_store(commit, self.relative, options, tree))]
+            return paired_probe(self.settings, self.work, k, index, commit, sides, self.relative, alpha)
         finally:
             _drop_worktree(self.repo, tree)
 
@@ -163,13 +175,11 @@ class ReleaseProber:
     """Runs probes of one package's releases: GOOD's environment against each release's (both
     built once, ``harness.run.release_envs``), this checkout's scenarios under each."""
 
-    def __init__(self, req: Any, good: Commit, scenarios: list[str], design: Any, tol: Any, margin_pct: float,
-                 options: list[str], out: Path | None, metrics: tuple[str, ...], find_links: list[str],
+    def __init__(self, req: Any, good: Commit, scenarios: list[str], settings: ProbeSettings, find_links: list[str],
                  no_index: bool):
         from harness.run.pairs import ENVIRONMENT_VARS
 
-        self.req, self.design, self.tol, self.margin_pct, self.options = req, design, tol, margin_pct, options
-        self.out, self.metrics, self.find_links, self.no_index = out, metrics, find_links, no_index
+        self.req, self.settings, self.find_links, self.no_index = req, settings, find_links, no_index
         missing = [s for s in scenarios if not Path(s).is_file()]
         if missing:
             raise ScenarioError(f"{missing[0]}: no such scenario file")
@@ -203,20 +213,21 @@ class ReleaseProber:
         here = Path.cwd()
         # a run that does not complete on the release sets it aside, named (the harness may not run on
         # that release), never taken for the bad one
-        store = result_store(release, self.scenarios, [self.req.name, *self.options])
-        sides = [Side("baseline", str(self.good_python), here, self.env, options=self.options),
-                 Side("candidate", str(python), here, self.env, options=self.options, store=store)]
-        return paired_probe(self, k, index, release, sides, self.scenarios, alpha)
+        options = self.settings.options
+        store = result_store(release, self.scenarios, [self.req.name, *options])
+        sides = [Side("baseline", str(self.good_python), here, self.env, options=options),
+                 Side("candidate", str(python), here, self.env, options=options, store=store)]
+        return paired_probe(self.settings, self.work, k, index, release, sides, self.scenarios, alpha)
 
 
-def paired_probe(prober: Any, k: int, index: int, point: Commit, sides: list[Side], scenarios: list[str],
-                 alpha: float) -> ProbeRecord:
+def paired_probe(settings: ProbeSettings, work: Path, k: int, index: int, point: Commit, sides: list[Side],
+                 scenarios: list[str], alpha: float) -> ProbeRecord:
     """Probe ``point``'s side against GOOD's at false-alarm rate ``alpha``: pairs until the speed
     is decided, then every gate; a candidate whose run fails to write a readable result is
     untestable, a GOOD side that does so stops the bisection."""
-    where = (prober.out / "probes" / f"{k:02d}-{point.short}") if prober.out else prober.work / f"runs{k}"
+    where = (settings.out / "probes" / f"{k:02d}-{point.short}") if settings.out else work / f"runs{k}"
     where.mkdir(parents=True, exist_ok=True)
-    design = dataclasses.replace(prober.design, alpha=alpha)
+    design = dataclasses.replace(settings.design, alpha=alpha)
     try:
         verdicts = run_pairs(sides, scenarios, design, where)
         base, cand = (_results(side) for side in sides)
@@ -228,11 +239,11 @@ def paired_probe(prober: Any, k: int, index: int, point: Commit, sides: list[Sid
     from harness.judge.baselines import BaselineError
 
     try:
-        judged = judge_paired(runs, prober.tol, prober.margin_pct)
+        judged = judge_paired(runs, settings.tol, settings.margin_pct)
     except (BaselineError, KeyError, TypeError, ValueError) as e:  # runs renamed, another precision, older fields
         return ProbeRecord(Probe(index, point, UNTESTABLE, f"its results cannot be judged against GOOD's: {e}",
                                  runs=_runs(sides)), runs=runs)
-    outcome, metric, figure = decide(judged, prober.metrics)
+    outcome, metric, figure = decide(judged, settings.metrics)
     return ProbeRecord(Probe(index, point, outcome, metric, figure, _runs(sides)), judged, runs)
 
 
@@ -258,15 +269,15 @@ def good_fails(record: ProbeRecord) -> str | None:
     return ", ".join(failed[:5]) + (f" and {len(failed) - 5} more" if len(failed) > 5 else "") if failed else None
 
 
-def bisect(commits: list[Commit], prober: Prober, alpha: float,
+def bisect(commits: list[Commit], prober: Prober | ReleaseProber, budget: Budget,
            on_probe: Callable[[int, ProbeRecord, Bisection], None]) -> tuple[Bisection, list[ProbeRecord]]:
     """Probe until the bisection is over; ``on_probe`` hears of each probe as it ends."""
-    bisection = Bisection(commits, Budget(len(commits) - 1, alpha))
+    bisection = Bisection(commits, budget)
     records: list[ProbeRecord] = []
     while (index := bisection.next_index()) is not None:
         k = len(records) + 1
         record = prober.probe(k, index, commits[index], bisection.budget.per_probe)
-        if k == 1 and "checks" in getattr(prober, "metrics", ()) and (failing := good_fails(record)):
+        if k == 1 and "checks" in prober.settings.metrics and (failing := good_fails(record)):
             raise ScenarioError(f"GOOD ({commits[0].short}) fails its own checks ({failing}): a bisection looks "
                                 f"for the first commit after a passing one")
         records.append(record)
