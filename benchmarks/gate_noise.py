@@ -42,14 +42,14 @@ def cpu_speed(run_dir: Path) -> float | None:
 
 
 def measure(out: Path) -> dict[str, dict[str, float | None]]:
-    from harness.judge.baselines import fast_tok_s
+    from harness.judge.baselines import fastest_tok_s
 
     p = subprocess.run([sys.executable, "-m", "harness", "run", str(SCENARIO), "--no-plots", "--progress", "off",
                         "--out", str(out)], cwd=REPO, capture_output=True, text=True)
     if p.returncode != 0:
         raise SystemExit(f"run exited {p.returncode}: {p.stderr.strip()[-500:]}")
     (s,) = json.loads((out / "result.json").read_text())["scenarios"]
-    return {r["name"]: {"fastest tenth": fast_tok_s(r), "median": r["median_tok_s"],
+    return {r["name"]: {"fastest tenth": fastest_tok_s(r), "median": r["median_tok_s"],
                         "per CPU-s": cpu_speed(out / "runs" / s["name"] / r["name"])}
             for r in s["runs"] if not r.get("floor")}
 

@@ -115,6 +115,12 @@ def test_a_parity_defect_planted_in_a_commit_is_named_by_its_failing_check(tmp_p
     assert record["answer"]["first_bad"]["sha"] == broken, p.stdout
     deciding = next(p_ for p_ in record["probes"] if p_["commit"]["sha"] == broken)
     assert deciding["metric"] == "checks tiny/ddp2" and "param_parity" in deciding["figure"], deciding
+    # every probe's speed test ran at the bisection's false-alarm rate split over its most probes,
+    # each of its two runs at half of that (one look: the level is the rate itself)
+    per_probe = record["alpha"] / record["max_probes"]
+    for probe in record["probes"]:
+        assert probe["speed_test"]["alpha"] == pytest.approx(per_probe), probe
+        assert probe["speed_test"]["runs"] == 2 and probe["speed_test"]["alarm_level"] == pytest.approx(per_probe / 2)
     summary = next(tmp_path.glob("out-*.summary.md")).read_text()  # the job summary: the probes' table, the answer
     assert summary.startswith("### gate --bisect ") and "| Probe | Commit | Outcome |" in summary
     assert f"first bad commit: {broken[:12]}" in summary

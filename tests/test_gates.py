@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import json
 import re
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +69,8 @@ def test_throughput_fails_only_beyond_the_larger_of_percent_and_spread() -> None
     assert not slow.passed
     assert slow.message() == ("FAIL s/single throughput: 850.0 tok/s vs baseline 1000.0 tok/s (threshold -10.0% = "
                               "max(10% configured, 3 x 0.0% repeat spread over 3 repeats)); -15.0%; a baseline made "
-                              "before speeds were tested: remake it for a band from its repeats")
+                              "before its repeats' fastest-steps speeds were kept as this version weighs them: "
+                              "remake it for a band from its repeats")
     noisy = _baseline((900.0, 1000.0, 1100.0))  # 10% spread: 3 x 10% = 30% allowed
     assert _gates(noisy, _repeat(750.0))["throughput"].passed
     failed = _gates(noisy, _repeat(650.0))["throughput"]
@@ -76,18 +78,49 @@ def test_throughput_fails_only_beyond_the_larger_of_percent_and_spread() -> None
 
 
 def _fast(*speeds: float, precision: str = "float32") -> list[dict[str, Any]]:
-    return [{**_repeat(v), "fast_tok_s": v, "precision": precision} for v in speeds]
+    return [{**_repeat(v), "fastest_tok_s": v, "precision": precision} for v in speeds]
 
 
 def _fast_baseline(*speeds: float) -> dict[str, Any]:
     return build_baseline([(Path("b.json"), _doc(_fast(*speeds)))], Tolerances())
 
 
+def test_the_fastest_steps_speed_weighs_each_step_by_its_padded_width() -> None:
+    from harness.judge.baselines import fastest_tok_s
+
+    # 21 padded steps of one width, every one 10 ms but the disturbed ones: the tokens a step
+    # carries do not make it fast, so the speed is the mean tokens over the fastest steps' time
+    tokens = [500] + [400, 800] * 10
+    times = [0.05] + [0.010] * 18 + [0.020, 0.030]
+    run = {"tok_s_global": [n / t for n, t in zip(tokens, times, strict=True)], "tokens_global_per_step": tokens,
+           "input_widths": [128] * 21, "median_tok_s": 1.0}
+    assert fastest_tok_s(run) == pytest.approx(600 / 0.010)
+    # a step twice as wide does twice the work: its time counts per unit of width
+    run["input_widths"] = [128] + [128, 256] * 10
+    run["tok_s_global"] = [n / t for n, t in zip(tokens, [0.05] + [0.010, 0.020] * 10, strict=True)]
+    assert fastest_tok_s(run) == pytest.approx(sum(tokens[1:]) / sum(run["input_widths"][1:]) * 128 / 0.010)
+    # without widths each step's tokens are its work; without tokens, the mean of the fastest tok/s
+    del run["input_widths"]
+    assert fastest_tok_s(run) == pytest.approx(400 / 0.010)
+    del run["tokens_global_per_step"]
+    assert fastest_tok_s(run) == pytest.approx(statistics.fmean(sorted(run["tok_s_global"][1:])[-2:]))
+    assert fastest_tok_s({"tok_s_global": [], "median_tok_s": 7.0}) == 7.0
+
+
+def test_a_baseline_made_before_the_weighed_speeds_is_gated_by_its_median_band() -> None:
+    base = _fast_baseline(1000.0, 1050.0, 950.0)
+    entry = base["scenarios"]["s"]["single"]
+    entry["fast_tok_s_repeats"] = entry.pop("fastest_tok_s_repeats")  # as kept before 2026-12
+    gates, _, _ = gate(base, [(Path("r.json"), _doc(_fast(990.0, 1010.0, 1000.0)))], Tolerances())
+    speed = next(g for g in gates if g.metric == "throughput")
+    assert "remake it" in speed.detail and "configured" in speed.threshold
+
+
 def test_a_baseline_with_its_repeats_speeds_is_tested_against_their_own_spread() -> None:
     """Baseline 1000/1050/950 (log spread 5.0 %), current repeats 850/800/820: the pooled t test
     (4 degrees of freedom) rejects "not slower"; 990/1010/1000 it does not."""
     base = _fast_baseline(1000.0, 1050.0, 950.0)
-    assert base["scenarios"]["s"]["single"]["fast_tok_s_repeats"] == [1000.0, 1050.0, 950.0]
+    assert base["scenarios"]["s"]["single"]["fastest_tok_s_repeats"] == [1000.0, 1050.0, 950.0]
     gates, _, _ = gate(base, [(Path("r.json"), _doc(_fast(850.0, 800.0, 820.0)))], Tolerances())
     slow = next(g for g in gates if g.metric == "throughput")
     assert not slow.passed and slow.detail.startswith("-17.6%, p = 0.0023")
@@ -119,7 +152,7 @@ def test_an_undecided_paired_gate_makes_the_gate_inconclusive_never_passed_or_fa
     from harness.run.results import EXIT_CHECK_FAILED, EXIT_INCONCLUSIVE, EXIT_PASS
 
     base = _fast_baseline(1000.0, 1050.0, 950.0)
-    docs = [(Path("r.json"), _doc([{**r, "median_tok_s": r["fast_tok_s"] - 100} for r in _fast(990.0, 1010.0)]))]
+    docs = [(Path("r.json"), _doc([{**r, "median_tok_s": r["fastest_tok_s"] - 100} for r in _fast(990.0, 1010.0)]))]
     gates, notes, compared = gate(base, docs, Tolerances())
     others = [g for g in gates if g.metric != "throughput"]
     assert others and all(g.passed for g in others)

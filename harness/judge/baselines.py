@@ -76,24 +76,39 @@ FAST_SHARE = 0.1  # the fastest tenth of a run's steps
 FAST_TOK_S = "fastest-tenth tok/s"  # what the gates call that speed
 
 
-def fast_tok_s(run: dict[str, Any]) -> float | None:
-    """The speed of a run's fastest steps: the mean tok/s of the fastest tenth of its steps after
-    the first (at least one). Another process only slows steps down, so this moves less between
-    runs on a shared machine than the median or a percentile (on 2 shared cores in a noisy hour,
-    pair to pair: 6.4 % and 12.5 % for the 1- and 2-rank runs of ``speed_gate``, against 8.1 %
-    and 14.0 % for the 90th percentile, 11.0 % and 17.2 % for the median), while a trainer that
-    is slower in every step is slower in these too."""
-    speeds = sorted(v for v in (run.get("tok_s_global") or [])[1:] if v)
-    if not speeds:
+def fastest_tok_s(run: dict[str, Any]) -> float | None:
+    """The speed of a run's fastest steps after the first: its tokens per step over the time of
+    its fastest tenth of steps (at least one), each step's time weighed by the work it does, its
+    padded input width where the run reports one per step, else its tokens. Another process only
+    slows steps down, so this moves less between runs on a shared machine than the median, while
+    a trainer that is slower in every step is slower in it too. Ranking steps by their tok/s
+    instead (before 2026-12) picked the steps with the most unpadded tokens as much as the
+    quickest ones, though a padded step costs the same whatever its tokens: between two runs of
+    ``speed_gate`` on 2 cores that spread 4.1 % (1 rank) and 3.8 % (2 ranks) against 2.2 % and
+    3.0 % for this (docs/benchmarks.md). Without per-step tokens: the mean tok/s of the fastest
+    tenth."""
+    speeds = run.get("tok_s_global") or []
+    tokens = run.get("tokens_global_per_step") or []
+    widths = run.get("input_widths") or []
+    steps = range(1, len(speeds))
+    if len(tokens) != len(speeds) or any(not speeds[k] or not tokens[k] for k in steps):
+        fast = sorted(v for v in speeds[1:] if v)
+        return statistics.fmean(fast[-max(1, round(FAST_SHARE * len(fast))):]) if fast else run.get("median_tok_s")
+    if not steps:
         return run.get("median_tok_s")
-    return statistics.fmean(speeds[-max(1, round(FAST_SHARE * len(speeds))):])
+    padded = len(widths) == len(speeds) and all(isinstance(widths[k], int) and widths[k] > 0 for k in steps)
+    work = {k: float(widths[k] if padded else tokens[k]) for k in steps}
+    time = {k: tokens[k] / speeds[k] for k in steps}
+    fastest = sorted(steps, key=lambda k: time[k] / work[k])[:max(1, round(FAST_SHARE * len(steps)))]
+    per_work = sum(tokens[k] for k in steps) / sum(work.values())
+    return per_work * sum(work[k] for k in fastest) / sum(time[k] for k in fastest)
 
 
 def repeat_figures(run: dict[str, Any]) -> dict[str, Any]:
     """What one repeat of a run contributes to a baseline (kept in ``result.json`` per repeat)."""
     keys = ("ok", "median_tok_s", "runtime_s", "losses", "mlx_peak_bytes", "rss_peak_bytes", "avg_loss",
             "final_loss")
-    return {**{k: run.get(k) for k in keys}, "fast_tok_s": fast_tok_s(run),
+    return {**{k: run.get(k) for k in keys}, "fastest_tok_s": fastest_tok_s(run),
             "precision": (run.get("precision") or {}).get("label")}
 
 
@@ -118,7 +133,7 @@ def summarize_run(where: str, repeats: list[dict[str, Any]], world_size: int) ->
         counts = " and ".join(map(str, sorted(ranks)))
         raise BaselineError(f"{where}: repeats report {counts} ranks, expected {world_size}")
     tok_s = [r["median_tok_s"] for r in repeats]
-    fast = [r.get("fast_tok_s") for r in repeats]
+    fast = [r.get("fastest_tok_s") for r in repeats]
     losses = [statistics.fmean(step) for step in zip(*(r["losses"] for r in repeats), strict=True)]
     loss_spread = max(abs(x - m) for r in repeats for x, m in zip(r["losses"], losses, strict=True))
     return {
@@ -127,7 +142,7 @@ def summarize_run(where: str, repeats: list[dict[str, Any]], world_size: int) ->
         "median_tok_s": statistics.median(tok_s),
         "tok_s_repeats": tok_s,
         "tok_s_spread": relative_spread(tok_s),
-        "fast_tok_s_repeats": fast if None not in fast else None,  # what the speed gate tests against
+        "fastest_tok_s_repeats": fast if None not in fast else None,  # what the speed gate tests against
         "precision": repeats[0].get("precision"),
         "runtime_s": statistics.median(r["runtime_s"] for r in repeats),
         "losses": losses,

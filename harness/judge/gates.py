@@ -137,17 +137,17 @@ def speed_t_test(base: list[float], current: list[float], runs_gated: int) -> tu
 
 
 def speed_test_gate(name: tuple[str, str], base: dict[str, Any], reps: list[dict[str, Any]], runs_gated: int) -> Gate:
-    """The current repeats' speeds (their fastest steps', ``baselines.fast_tok_s``) against the
+    """The current repeats' speeds (their fastest steps', ``baselines.fastest_tok_s``) against the
     baseline's repeats (``speed_t_test``): the band comes from the baseline's own repeats and
     their count, and the gate states the smallest slowdown it could have detected."""
     import math
 
-    repeats = base["fast_tok_s_repeats"]
-    change, p, level, detectable = speed_t_test(repeats, [r["fast_tok_s"] for r in reps], runs_gated)
+    repeats = base["fastest_tok_s_repeats"]
+    change, p, level, detectable = speed_t_test(repeats, [r["fastest_tok_s"] for r in reps], runs_gated)
     spread = statistics.stdev(math.log(v) for v in repeats)
     reps_word = f" (median of {len(reps)} repeats)" if len(reps) > 1 else ""
     return Gate(*name, "throughput", p >= level,
-                f"{statistics.median(r['fast_tok_s'] for r in reps):.1f} tok/s{reps_word}",
+                f"{statistics.median(r['fastest_tok_s'] for r in reps):.1f} tok/s{reps_word}",
                 f"{statistics.median(repeats):.1f} tok/s",
                 f"p >= {level:.2g} that it is not slower (t test against {len(repeats)} baseline repeats of spread "
                 f"{spread:.1%})", f"{change:+.1%}, p = {p:.2g}; could have detected a {detectable:.1%} "
@@ -155,15 +155,17 @@ def speed_test_gate(name: tuple[str, str], base: dict[str, Any], reps: list[dict
 
 
 def throughput_gate(name: tuple[str, str], base: dict[str, Any], current: list[float], tol: Tolerances) -> Gate:
-    """A baseline without its repeats' fastest-steps speeds (made before they were kept): fail only
-    on a slowdown beyond max(configured %, spread multiple x measured repeat spread)."""
+    """A baseline without its repeats' fastest-steps speeds (made before they were kept as
+    ``fastest_tok_s_repeats``, weighed as ``baselines.fastest_tok_s`` weighs them): fail only on a
+    slowdown beyond max(configured %, spread multiple x measured repeat spread)."""
     now = statistics.median(current)
     allowed = tol.slowdown_allowed(base["tok_s_spread"])
     change = now / base["median_tok_s"] - 1
     threshold = (f"-{allowed:.1%} = max({tol.throughput_pct:g}% configured, {tol.spread_multiple:g} x "
                  f"{base['tok_s_spread']:.1%} repeat spread over {base['repeats']} repeats)")
     reps = f" (median of {len(current)} repeats)" if len(current) > 1 else ""
-    detail = f"{change:+.1%}; a baseline made before speeds were tested: remake it for a band from its repeats"
+    detail = (f"{change:+.1%}; a baseline made before its repeats' fastest-steps speeds were kept as this version "
+              f"weighs them: remake it for a band from its repeats")
     if allowed >= 0.5:
         detail += "; the baseline is too noisy to catch smaller slowdowns (more repeats or longer runs help)"
     return Gate(*name, "throughput", change >= -allowed, f"{now:.1f} tok/s{reps}", f"{base['median_tok_s']:.1f} tok/s",
@@ -232,7 +234,7 @@ def gate(baseline: dict[str, Any], docs: list[tuple[Path, dict[str, Any]]], tol:
                 raise BaselineError(f"{scenario}/{run} ran at precision {now}, its baseline at {then}: refusing to "
                                     f"compare (--force compares anyway)")
             notes.append(f"{scenario}/{run}: compared across precisions (forced): {now} vs baseline {then}")
-        if base.get("fast_tok_s_repeats") and all(r.get("fast_tok_s") for r in reps):
+        if base.get("fastest_tok_s_repeats") and all(r.get("fastest_tok_s") for r in reps):
             gates.append(speed_test_gate(name, base, reps, gated))
         else:
             gates.append(throughput_gate(name, base, [r["median_tok_s"] for r in reps], tol))

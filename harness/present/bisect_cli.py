@@ -50,7 +50,16 @@ def answer_lines(answer: Answer, bisection: Bisection, noun: str = "commit") -> 
     return [f"could not decide: {answer.why} ({took})"]
 
 
-def record(spec: str, answer: Answer, bisection: Bisection, alpha: float) -> dict[str, Any]:
+def _levels(rec: Any) -> dict[str, float] | None:
+    """The false-alarm rate a probe's speed test ran at and the nominal level each run was tested at."""
+    verdicts = list(rec.runs.verdicts.values()) if rec is not None and rec.runs is not None else []
+    if not verdicts:
+        return None
+    design = verdicts[0].design
+    return {"alpha": design.alpha, "alarm_level": design.alarm_level, "runs": design.runs}
+
+
+def record(spec: str, answer: Answer, bisection: Bisection, alpha: float, records: list[Any]) -> dict[str, Any]:
     from harness import schema
 
     def commit(c: Commit | None) -> dict[str, str] | None:
@@ -62,7 +71,8 @@ def record(spec: str, answer: Answer, bisection: Bisection, alpha: float) -> dic
                    "candidates": [commit(c) for c in answer.candidates], "why": answer.why},
         "exit_code": EXIT[answer.kind],
         "probes": [{"commit": commit(p.commit), "index": p.index, "outcome": p.outcome, "metric": p.metric,
-                    "figure": p.figure, "runs": p.runs} for p in bisection.probes]})
+                    "figure": p.figure, "runs": p.runs, "speed_test": _levels(rec)}
+                   for p, rec in zip(bisection.probes, records, strict=True)]})
 
 
 def summary(spec: str, answer: Answer, bisection: Bisection, noun: str) -> str:
@@ -132,7 +142,7 @@ def _bisect_and_report(spec: str, what: str, points: list[Commit], prober: Any, 
         print(f"probe {k} done", file=sys.stderr, flush=True)
 
     try:
-        bisection, _ = bisect(points, prober, budget, heard)
+        bisection, records = bisect(points, prober, budget, heard)
     finally:
         prober.close()
     answer = bisection.answer()
@@ -142,5 +152,5 @@ def _bisect_and_report(spec: str, what: str, points: list[Commit], prober: Any, 
         from harness import schema
 
         settings.out.mkdir(parents=True, exist_ok=True)
-        schema.write_json_atomic(settings.out / BISECT_FILE, record(spec, answer, bisection, alpha))
+        schema.write_json_atomic(settings.out / BISECT_FILE, record(spec, answer, bisection, alpha, records))
     return EXIT[answer.kind]

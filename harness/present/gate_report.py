@@ -64,19 +64,19 @@ DEFAULT_SIDES: Sides = (("baseline", None), ("current", None))
 
 def add_fast_speeds(compared: list[tuple[str, str, dict[str, Any], dict[str, Any]]],
                     docs: list[tuple[Path, dict[str, Any]]]) -> None:
-    """Put each compared run's gated speed (the median over its repeats of ``fast_tok_s``) into its
+    """Put each compared run's gated speed (the median over its repeats of ``fastest_tok_s``) into its
     current figures, for the regression table."""
     from harness.judge.baselines import collect_repeats
 
     pooled = collect_repeats(docs)
     for scenario, run, _base, now in compared:
-        fast = [r.get("fast_tok_s") for r in pooled.get((scenario, run), {}).get("repeats", [])]
+        fast = [r.get("fastest_tok_s") for r in pooled.get((scenario, run), {}).get("repeats", [])]
         if fast and None not in fast:
-            now["fast_tok_s"] = statistics.median(fast)
+            now["fastest_tok_s"] = statistics.median(fast)
 
 
 def _fast(figures: dict[str, Any]) -> str:
-    fast = figures.get("fast_tok_s") or statistics.median(figures.get("fast_tok_s_repeats") or [0.0])
+    fast = figures.get("fastest_tok_s") or statistics.median(figures.get("fastest_tok_s_repeats") or [0.0])
     return f"{fast:.1f}" if fast else "-"
 
 
@@ -134,7 +134,7 @@ def baseline_rows(baseline: dict[str, Any]) -> list[list[Any]]:
     entries = [(scenario, run, b) for scenario, runs in baseline["scenarios"].items() for run, b in runs.items()]
     rows = []
     for scenario, run, b in entries:
-        fast = b.get("fast_tok_s_repeats")
+        fast = b.get("fastest_tok_s_repeats")
         if fast:
             speed = f"{speed_t_test(fast, [statistics.median(fast)], len(entries))[3]:.1%}"
         else:

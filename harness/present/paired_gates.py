@@ -2,7 +2,7 @@
 against a git revision) and ``gate --env PYTHON SCENARIO...`` (this environment against another;
 the report names both environments' versions of Python and the trainers' packages), their sides
 run in turns by ``harness.run.pairs``. Speed is judged by the sequential paired test (each run's
-speed: its fastest steps', ``baselines.fast_tok_s``), looking from ``--min-pairs`` every second
+speed: its fastest steps', ``baselines.fastest_tok_s``), looking from ``--min-pairs`` every second
 pair up to ``--pairs``; losses and memory by the usual gates, with a baseline built from the
 baseline side's runs. A run still undecided at ``--pairs`` is INCONCLUSIVE
 (``harness.judge.gates.PairedGate``): the gate then exits ``EXIT_INCONCLUSIVE`` unless another gate

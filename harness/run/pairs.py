@@ -147,14 +147,14 @@ def in_repository(repo: Path, scenario: str) -> str:
 
 def fast_speeds(docs: list[tuple[Path, dict[str, Any]]]) -> dict[tuple[str, str], list[float]]:
     """Each run's speeds over the documents' repeats, by (scenario, run): its fastest steps'
-    (``harness.judge.baselines.fast_tok_s``), else its median; failed runs left out."""
+    (``harness.judge.baselines.fastest_tok_s``), else its median; failed runs left out."""
     from harness.judge.baselines import collect_repeats
 
     out = {}
     for key, entry in collect_repeats(docs).items():
         if entry["failed"] or not entry["repeats"]:
             continue
-        out[key] = [r.get("fast_tok_s") or r["median_tok_s"] for r in entry["repeats"]]
+        out[key] = [r.get("fastest_tok_s") or r["median_tok_s"] for r in entry["repeats"]]
     return out
 
 
