@@ -8,10 +8,10 @@ Counted: how often the slow build raised an alarm (detections) and how often the
 (false alarms), with the estimated changes, the pairs each gate took and its wall time; and, over
 every pair of the unchanged build, how much faster a side ran second than first. The committed
 tree must be clean for "unchanged" to mean it. ``--min-pairs N --pairs N`` gates with N pairs
-always (the wall time of a fixed gate).
+always (the wall time of a fixed gate); ``--side-by-side`` gates with each pair's sides at once.
 
 usage: python benchmarks/gate_power.py [--tries-slow 10] [--tries-same 20] [--min-pairs 4] [--pairs 10]
-       [--slowdown 0.1]
+       [--slowdown 0.1] [--side-by-side]
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ RUNS = ("single", "ddp2")  # its runs
 STEP_END = ("            self._record(step, micros, (tokens, agreed.values[1]), loss, norm, "
             "time.perf_counter() - t0 - probe_s)")
 CHANGE = re.compile(r"^\S+\s+(\S+)\s+throughput \(paired\).*?(\d+\.\d)% (slower|faster)", re.M)
-PAIRS = re.compile(r"(\d+) interleaved pairs")
+PAIRS = re.compile(r"(\d+) (?:interleaved|side-by-side) pairs")
 PAIR_CHANGES = re.compile(r"note: \S+?/(\S+): pairs ((?:[+-]\d+\.\d% ?)+)")
 
 
@@ -54,15 +54,15 @@ def slowed(tree: Path, slowdown: float) -> None:
     path.write_text(src.replace(STEP_END, sleep + STEP_END, 1))
 
 
-def gate_once(tree: Path, min_pairs: int, pairs: int) -> tuple[str, dict[str, float], int, float,
-                                                               dict[str, list[float]]]:
+def gate_once(tree: Path, min_pairs: int, pairs: int,
+              how: tuple[str, ...] = ()) -> tuple[str, dict[str, float], int, float, dict[str, list[float]]]:
     """One gate: its verdict ("pass", "ALARM" or "INCONCLUSIVE"), the estimated change of each
     run, the pairs it took, its wall time, and each run's pair ratios (candidate over baseline,
     the baseline first in the 1st, 3rd, ...)."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
     t0 = time.monotonic()
     p = subprocess.run([sys.executable, "-m", "harness", "gate", "--against", "HEAD", SCENARIO, "--pairs", str(pairs),
-                        "--min-pairs", str(min_pairs)], cwd=tree, env=env, capture_output=True, text=True)
+                        "--min-pairs", str(min_pairs), *how], cwd=tree, env=env, capture_output=True, text=True)
     wall = time.monotonic() - t0
     if p.returncode not in (0, 1, 4):  # 4: not decided by the last pair (inconclusive)
         raise SystemExit(f"gate exited {p.returncode}: {p.stderr.strip()[-500:]}")
@@ -81,6 +81,7 @@ def main() -> int:
     ap.add_argument("--min-pairs", type=int, default=4)
     ap.add_argument("--pairs", type=int, default=10)
     ap.add_argument("--slowdown", type=float, default=0.1)
+    ap.add_argument("--side-by-side", action="store_true", help="gate --side-by-side: each pair's sides at once")
     args = ap.parse_args()
     if subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,
                       text=True).stdout.strip():
@@ -98,7 +99,8 @@ def main() -> int:
     t0 = time.monotonic()
     try:
         for i, kind in enumerate(order, 1):
-            verdict, changes, pairs, wall, ratios = gate_once(trees[kind], args.min_pairs, args.pairs)
+            verdict, changes, pairs, wall, ratios = gate_once(trees[kind], args.min_pairs, args.pairs,
+                                                          ("--side-by-side",) if args.side_by_side else ())
             for run, rs in ratios.items():
                 if kind == "same":  # the candidate ran second in even pairs (from 0)
                     second.setdefault(run, []).extend(math.log(r) * (1 if k % 2 == 0 else -1) for k, r in enumerate(rs))
@@ -119,6 +121,9 @@ def main() -> int:
           f"{undecided['slow']} slowed, {undecided['same']} unchanged; "
           f"{args.min_pairs} to {args.pairs} interleaved pairs, median {statistics.median(taken):g} pairs and "
           f"{statistics.median(walls):.0f} s a gate ({time.monotonic() - t0:.0f} s in all)")
+    passed = sum(1 for row in rows if row[1] == "same" and row[2] == "pass")
+    print(f"the goal, 19 of 20 each: the unchanged build passed {passed} of {args.tries_same}; the build "
+          f"{args.slowdown:.0%} slower failed {alarms['slow']} of {args.tries_slow}")
     for run, logs in sorted(second.items()):
         print(f"{run}: running second changed a side's speed by {math.exp(statistics.fmean(logs)) - 1:+.1%} "
               f"(over {len(logs)} pairs of the unchanged build; a pair's spread {statistics.pstdev(logs):.1%})")

@@ -109,11 +109,16 @@ class SequentialVerdict:
     early: bool = False  # decided by crossing a boundary (every alarm and pass is)
     ratios: tuple[float, ...] = ()  # each pair's candidate speed over the baseline's, in order
 
-    def pair_note(self) -> str:
+    def pair_note(self, side_by_side: bool = False) -> str:
         """The pairs' changes, and how much faster a side ran second than first (pair k runs the
-        baseline first when k is even, counting from 0)."""
+        baseline first when k is even, counting from 0), or, side by side, on the second half of
+        the CPUs than on the first (the baseline has the first half when k is even)."""
         logs = [math.log(r) for r in self.ratios]
         second = (statistics.fmean(logs[0::2]) - statistics.fmean(logs[1::2])) / 2 if len(logs) >= 2 else 0.0
+        if side_by_side:
+            return (f"pairs {' '.join(f'{r - 1:+.1%}' for r in self.ratios)} (side by side, the baseline on the first "
+                    f"half of the CPUs in the 1st, 3rd, ...); the second half changed a side's speed by "
+                    f"{math.exp(second) - 1:+.1%}")
         return (f"pairs {' '.join(f'{r - 1:+.1%}' for r in self.ratios)} (the baseline first in the 1st, 3rd, ...); "
                 f"running second changed a side's speed by {math.exp(second) - 1:+.1%}")
 

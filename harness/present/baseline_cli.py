@@ -159,6 +159,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="with --against: the chance of a false alarm over the whole gate (default 0.02)")
     g.add_argument("--beta", type=float, default=0.10,
                    help="with --against: the chance of missing a --detect slowdown, per run (default 0.10)")
+    g.add_argument("--side-by-side", action="store_true",
+                   help="with --against, --env or a bisection: run each pair's two sides at once, each on its own "
+                        "half of the CPUs, instead of in turns (steadier on a shared machine; docs/reports.md)")
     g.add_argument("--device", choices=("auto", "gpu", "cpu"),
                    help="with --against or --env: the device of every run on both sides (run --device)")
     g.add_argument("--force", action="store_true", help="compare even when the platforms differ")

@@ -106,7 +106,7 @@ def cmd_gate_bisect(args: argparse.Namespace, overrides: dict[str, float | None]
                             "--baseline, --against or --env")
     out = Path(args.out).resolve() if args.out else None
     settings = ProbeSettings(sequential_design(args), Tolerances().updated(**overrides), args.slowdown_margin,
-                             run_options(args), out, _metrics(args))
+                             run_options(args), out, _metrics(args), args.side_by_side)
     if args.bisect:
         spec, what = args.bisect, "commits after it on the first-parent line"
         repo = repository(Path.cwd(), "--bisect")

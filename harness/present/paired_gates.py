@@ -40,12 +40,16 @@ def sequential_design(args: argparse.Namespace) -> Any:
                             args.min_pairs, args.pairs)
 
 
+def pairs_taken(args: argparse.Namespace, runs: PairedRuns) -> str:
+    how = "side-by-side" if args.side_by_side else "interleaved"
+    return f"{runs.pairs} {how} pairs (sequential, {args.min_pairs} to {args.pairs})"
+
+
 def cmd_gate_against(args: argparse.Namespace, overrides: dict[str, float | None]) -> int:
     """``gate --against REV``; ``overrides``: the tolerance flags given."""
     design = sequential_design(args)
-    runs, commit, here = pairs_against(args.against, args.results, design, run_options(args))
-    name = f"{args.against} ({commit[:12]}), {runs.pairs} interleaved pairs (sequential, {args.min_pairs} to " \
-           f"{args.pairs})"
+    runs, commit, here = pairs_against(args.against, args.results, design, run_options(args), args.side_by_side)
+    name = f"{args.against} ({commit[:12]}), {pairs_taken(args, runs)}"
     short = commit[:len(here.partition("+")[0])] if here else commit[:12]
     return judge_pairs(args, overrides, runs, name, [], ((args.against, short), ("this checkout", here)))
 
@@ -72,13 +76,12 @@ def cmd_gate_env(args: argparse.Namespace, overrides: dict[str, float | None]) -
     other = interpreter(args.env)
     packages = tuple(args.package or ())
     base_v, cand_v = versions(other, packages), versions(sys.executable, packages)
-    runs = pairs_env(other, args.results, design, run_options(args))
+    runs = pairs_env(other, args.results, design, run_options(args), args.side_by_side)
     differ = [k for k in base_v if base_v[k] != cand_v.get(k)]
     notes = [f"environments: baseline {other}, candidate {sys.executable}",
              *(f"{k}: {base_v[k] or 'not installed'} (baseline) vs {cand_v.get(k) or 'not installed'} (candidate)"
                for k in base_v),
              f"they differ in: {', '.join(differ)}" if differ else "their Python and packages are the same versions"]
-    name = f"the environment of {args.env}, {runs.pairs} interleaved pairs (sequential, {args.min_pairs} to " \
-           f"{args.pairs})"
+    name = f"the environment of {args.env}, {pairs_taken(args, runs)}"
     sides = ((f"environment {args.env}", None), ("this environment", None))
     return judge_pairs(args, overrides, runs, name, notes, sides)

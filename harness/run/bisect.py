@@ -98,8 +98,9 @@ def decide(judged: PairedJudgement, metrics: tuple[str, ...] = tuple(METRICS)) -
 @dataclass(frozen=True)
 class ProbeSettings:
     """What every probe of a bisection shares: the sequential design (its ``alpha`` replaced per
-    probe), the tolerances, the slowdown margin in %, more options of ``run``, ``--out`` and the
-    metrics that make a probe bad."""
+    probe), the tolerances, the slowdown margin in %, more options of ``run``, ``--out``, the
+    metrics that make a probe bad and whether a pair's sides run at once (then a commit's kept
+    results are not reused: they were not measured beside this GOOD run)."""
 
     design: Any
     tol: Any
@@ -107,6 +108,7 @@ class ProbeSettings:
     options: list[str]
     out: Path | None
     metrics: tuple[str, ...]
+    side_by_side: bool = False
 
 
 def result_store(point: Commit, scenarios: list[str], options: list[str], tree: Path | None = None) -> Path:
@@ -229,13 +231,13 @@ def paired_probe(settings: ProbeSettings, work: Path, k: int, index: int, point:
     where.mkdir(parents=True, exist_ok=True)
     design = dataclasses.replace(settings.design, alpha=alpha)
     try:
-        verdicts = run_pairs(sides, scenarios, design, where)
+        verdicts = run_pairs(sides, scenarios, design, where, settings.side_by_side)
         base, cand = (_results(side) for side in sides)
     except SideError as e:
         if e.label == "baseline":
             raise ScenarioError(f"GOOD did not run (in the probe of {point.subject}): {e}") from e
         return ProbeRecord(Probe(index, point, UNTESTABLE, str(e), runs=_runs(sides)))
-    runs = PairedRuns(verdicts, base, cand, len(sides[1].outs))
+    runs = PairedRuns(verdicts, base, cand, len(sides[1].outs), settings.side_by_side)
     from harness.judge.baselines import BaselineError
 
     try:

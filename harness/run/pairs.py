@@ -102,28 +102,45 @@ class Side:
 
     def run(self, scenarios: list[str], out: Path) -> str:
         """Run the scenarios into ``out`` (or reuse a kept result there): "ran" or "reused"."""
+        return self.finish(self.start(scenarios, out), out)
+
+    def start(self, scenarios: list[str], out: Path, preexec: Any = None, env: dict[str, str] | None = None,
+              reuse: bool = True) -> subprocess.Popen | None:
+        """Start the run into ``out``, its output in ``out``.log (None: a kept result reused);
+        ``preexec`` runs in the child before it starts, ``env`` adds to the side's environment."""
         shutil.rmtree(out, ignore_errors=True)  # a result.json of an earlier gate with the same --out is not this run's
-        kept = self.store / f"{len(self.outs)}.json" if self.store else None
-        if kept is not None and kept.is_file():
+        kept = self._kept()
+        if reuse and kept is not None and kept.is_file():
             out.mkdir(parents=True)
             shutil.copyfile(kept, out / "result.json")
-            self.outs.append(out)
-            return "reused"
-        p = subprocess.run([self.python, "-m", "harness", "run", *scenarios, "--out", str(out), "--progress", "off",
-                            *self.options],
-                           cwd=self.root, env={k: v for k, v in self.env.items() if k != "GITHUB_STEP_SUMMARY"},
-                           capture_output=True, text=True)  # the job summary is the gate's, not each run's
-        if p.returncode not in self.accept or not (out / "result.json").is_file():
-            raise SideError(self.label, f"the {self.label} side's run exited {p.returncode}: {_why(p, out)}")
-        if kept is not None:
-            kept.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(out / "result.json", kept)
+            return None
+        side_env = {k: v for k, v in self.env.items() if k != "GITHUB_STEP_SUMMARY"}  # the gate's job summary only
+        with open(out.with_suffix(".log"), "w") as log:
+            return subprocess.Popen([self.python, "-m", "harness", "run", *scenarios, "--out", str(out),
+                                     "--progress", "off", *self.options], cwd=self.root,
+                                    env={**side_env, **(env or {})}, stdout=log, stderr=subprocess.STDOUT,
+                                    preexec_fn=preexec)
+
+    def finish(self, proc: subprocess.Popen | None, out: Path) -> str:
+        """Wait for ``start``'s run and take its result: "ran" or "reused"."""
+        if proc is not None:
+            proc.wait()
+            if proc.returncode not in self.accept or not (out / "result.json").is_file():
+                raise SideError(self.label, f"the {self.label} side's run exited {proc.returncode}: "
+                                            f"{_why(out.with_suffix('.log'), out)}")
+            kept = self._kept()
+            if kept is not None:
+                kept.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(out / "result.json", kept)
         self.outs.append(out)
-        return "ran"
+        return "ran" if proc is not None else "reused"
+
+    def _kept(self) -> Path | None:
+        return self.store / f"{len(self.outs)}.json" if self.store else None
 
 
-def _why(p: subprocess.CompletedProcess, out: Path) -> str:
-    """What a side's run that failed said: its first failed run's first line, else stderr's last lines."""
+def _why(log: Path, out: Path) -> str:
+    """What a side's run that failed said: its first failed run's first line, else its output's last lines."""
     import json
 
     try:
@@ -133,7 +150,10 @@ def _why(p: subprocess.CompletedProcess, out: Path) -> str:
                     return f"{s['name']}/{r['name']}: {r['failure'].splitlines()[0]}"
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    return " | ".join(p.stderr.strip().splitlines()[-3:])
+    try:
+        return " | ".join(log.read_text(errors="replace").strip().splitlines()[-3:])
+    except OSError:
+        return "no output"
 
 
 def in_repository(repo: Path, scenario: str) -> str:
@@ -169,16 +189,23 @@ def _side_speeds(side: Side) -> dict[tuple[str, str], list[float]]:
         raise SideError(side.label, f"the {side.label} side's results cannot be read here: {e}") from e
 
 
-def run_pairs(sides: list[Side], scenarios: list[str], design: Any, work: Path) -> dict[tuple[str, str], Any]:
-    """Pairs of runs, the order alternating, until every run's speed is decided (or ``design.max_pairs``)."""
+def run_pairs(sides: list[Side], scenarios: list[str], design: Any, work: Path,
+              side_by_side: bool = False) -> dict[tuple[str, str], Any]:
+    """Pairs of runs until every run's speed is decided (or ``design.max_pairs``): in turns, the
+    order alternating, or both sides at once (``harness.run.side_by_side``)."""
     from harness.judge.paired import sequential_look
+    from harness.run.side_by_side import run_at_once
 
     verdicts: dict[tuple[str, str], Any] = {}
     for k in range(design.max_pairs):
-        for side in sides if k % 2 == 0 else sides[::-1]:
-            how = side.run(scenarios, work / f"{side.label}{k}")
-            print(f"pair {k + 1}/{design.max_pairs}: {side.label} {'done' if how == 'ran' else how}", file=sys.stderr,
-                  flush=True)
+        if side_by_side:
+            run_at_once(sides, scenarios, work, k)
+            print(f"pair {k + 1}/{design.max_pairs}: both sides done, side by side", file=sys.stderr, flush=True)
+        else:
+            for side in sides if k % 2 == 0 else sides[::-1]:
+                how = side.run(scenarios, work / f"{side.label}{k}")
+                print(f"pair {k + 1}/{design.max_pairs}: {side.label} {'done' if how == 'ran' else how}",
+                      file=sys.stderr, flush=True)
         if k + 1 in design.looks:
             base_speed, cand_speed = (_side_speeds(side) for side in sides)
             keys = sorted(set(base_speed) & set(cand_speed))
@@ -214,16 +241,17 @@ class PairedRuns:
     base_docs: list[tuple[Path, dict[str, Any]]]
     cand_docs: list[tuple[Path, dict[str, Any]]]
     pairs: int
+    side_by_side: bool = False
 
 
-def _paired(sides: list[Side], scenarios: list[str], design: Any, work: Path) -> PairedRuns:
-    verdicts = run_pairs(sides, scenarios, design, work)
+def _paired(sides: list[Side], scenarios: list[str], design: Any, work: Path, side_by_side: bool) -> PairedRuns:
+    verdicts = run_pairs(sides, scenarios, design, work, side_by_side)
     base, cand = (load_results([str(o) for o in side.outs]) for side in sides)
-    return PairedRuns(verdicts, base, cand, len(sides[1].outs))
+    return PairedRuns(verdicts, base, cand, len(sides[1].outs), side_by_side)
 
 
-def pairs_against(rev: str, scenarios: list[str], design: Any,
-                  options: list[str]) -> tuple[PairedRuns, str, str | None]:
+def pairs_against(rev: str, scenarios: list[str], design: Any, options: list[str],
+                  side_by_side: bool = False) -> tuple[PairedRuns, str, str | None]:
     """This checkout against revision ``rev`` in pairs: (the runs, the revision's commit, this
     checkout's revision: +dirty with uncommitted changes); ``options``: more options of ``run``."""
     from harness.controller.environment import git_revision
@@ -241,13 +269,14 @@ def pairs_against(rev: str, scenarios: list[str], design: Any,
             raise ScenarioError(f"{missing[0]}: not in revision {rev} ({commit[:12]})")
         sides = [Side("baseline", sys.executable, tree, side_env(tree), options=options),
                  Side("candidate", sys.executable, repo, dict(os.environ), options=options)]
-        return _paired(sides, relative, design, work), commit, here
+        return _paired(sides, relative, design, work, side_by_side), commit, here
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=repo, capture_output=True)
         shutil.rmtree(work, ignore_errors=True)
 
 
-def pairs_env(python: str, scenarios: list[str], design: Any, options: list[str]) -> PairedRuns:
+def pairs_env(python: str, scenarios: list[str], design: Any, options: list[str],
+              side_by_side: bool = False) -> PairedRuns:
     """This environment against the one of interpreter ``python`` in pairs, this checkout's
     ``scenarios`` under each."""
     for s in scenarios:
@@ -259,7 +288,7 @@ def pairs_env(python: str, scenarios: list[str], design: Any, options: list[str]
         own = {k: v for k, v in os.environ.items() if k not in ENVIRONMENT_VARS}  # each Python finds its own
         sides = [Side("baseline", python, here, own, options=options),
                  Side("candidate", sys.executable, here, dict(os.environ), options=options)]
-        return _paired(sides, [str(Path(s).resolve()) for s in scenarios], design, work)
+        return _paired(sides, [str(Path(s).resolve()) for s in scenarios], design, work, side_by_side)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -293,6 +322,6 @@ def judge_paired(runs: PairedRuns, tol: Any, margin_pct: float) -> PairedJudgeme
                                 f"{statistics.median(base_speed[key]):.1f} {FAST_TOK_S}",
                                 f"at most {margin_pct:g}% slower, p >= {v.design.alarm_level:.2g}",
                                 v.describe(), inconclusive=v.decided != "pass" and not v.alarm))
-        notes.append(f"{key[0]}/{key[1]}: {v.pair_note()}")
+        notes.append(f"{key[0]}/{key[1]}: {v.pair_note(runs.side_by_side)}")
     gates.extend(check_gates(runs.base_docs, runs.cand_docs))
     return PairedJudgement(gates, notes, compared, baseline)
