@@ -116,16 +116,18 @@ def main() -> int:
             subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=REPO, capture_output=True)
     print()
     print(tabulate(rows, headers=["try", "build", "gate", *(f"{r}: estimated change" for r in RUNS), "pairs", "s"]))
+    kind = "side-by-side" if args.side_by_side else "interleaved"
     print(f"\nslowed by {args.slowdown:.0%}: {alarms['slow']} alarms in {args.tries_slow} tries; "
           f"unchanged: {alarms['same']} false alarms in {args.tries_same} tries; inconclusive: "
           f"{undecided['slow']} slowed, {undecided['same']} unchanged; "
-          f"{args.min_pairs} to {args.pairs} interleaved pairs, median {statistics.median(taken):g} pairs and "
+          f"{args.min_pairs} to {args.pairs} {kind} pairs, median {statistics.median(taken):g} pairs and "
           f"{statistics.median(walls):.0f} s a gate ({time.monotonic() - t0:.0f} s in all)")
     passed = sum(1 for row in rows if row[1] == "same" and row[2] == "pass")
     print(f"the goal, 19 of 20 each: the unchanged build passed {passed} of {args.tries_same}; the build "
           f"{args.slowdown:.0%} slower failed {alarms['slow']} of {args.tries_slow}")
     for run, logs in sorted(second.items()):
-        print(f"{run}: running second changed a side's speed by {math.exp(statistics.fmean(logs)) - 1:+.1%} "
+        how = "the second half of the CPUs" if args.side_by_side else "running second"
+        print(f"{run}: {how} changed a side's speed by {math.exp(statistics.fmean(logs)) - 1:+.1%} "
               f"(over {len(logs)} pairs of the unchanged build; a pair's spread {statistics.pstdev(logs):.1%})")
     return 0
 

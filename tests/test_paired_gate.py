@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -246,6 +248,56 @@ def test_a_gate_that_cannot_decide_by_its_last_pair_reports_inconclusive(tmp_pat
     assert "mlx-ddp-harness-against-" not in subprocess.run(["git", "worktree", "list"], cwd=repo,
                                                             capture_output=True, text=True).stdout
     assert took < 120, took
+
+
+def _span(result_dir: Path) -> tuple[float, float]:
+    """When a side's runs trained: the first and last event time of its ranks."""
+    times = [json.loads(ln)["time"] for run in json.loads((result_dir / "result.json").read_text())["scenarios"][0][
+        "runs"] for f in Path(run["artifacts"]).glob("rank*.events.jsonl") for ln in f.read_text().splitlines()]
+    return min(times), max(times)
+
+
+@pytest.mark.ranks
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="pins each side to its own CPUs")
+def test_side_by_side_pairs_run_both_sides_at_once_each_on_its_own_half_of_the_cpus(tmp_path: Path) -> None:
+    if shutil.which("git") is None:
+        pytest.skip("needs git")
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    write_scenario(repo, "tiny", (1, 2), steps=6)
+    for args in (["init", "-q"], ["add", "tiny.toml"], ["-c", "user.name=t", "-c", "user.email=t@example.com",
+                                                         "commit", "-q", "-m", "tiny"]):
+        subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True)
+    out = tmp_path / "gate"
+    p = cli("gate", "--against", "HEAD", "tiny.toml", "--side-by-side", "--pairs", "2", "--min-pairs", "2",
+            "--out", str(out), cwd=repo, timeout=300)
+    assert p.returncode in (EXIT_PASS, EXIT_CHECK_FAILED, EXIT_INCONCLUSIVE), p.stdout[-3000:] + p.stderr[-2000:]
+    assert ", 2 side-by-side pairs (sequential, 2 to 2):" in p.stdout.splitlines()[0], p.stdout[:500]
+    assert p.stderr.count("both sides done, side by side") == 2, p.stderr
+    assert "(side by side, the baseline on the first half of the CPUs in the 1st, 3rd, ...)" in p.stdout
+    half = len(os.sched_getaffinity(0)) // 2
+    for k in (0, 1):
+        (b0, b1), (c0, c1) = _span(out / "pairs" / f"baseline{k}"), _span(out / "pairs" / f"candidate{k}")
+        assert max(b0, c0) < min(b1, c1), (b0, b1, c0, c1)  # the two sides trained at the same time
+        for side in ("baseline", "candidate"):
+            assert (out / "pairs" / f"{side}{k}.log").is_file()
+            ddp2 = next(r for r in json.loads((out / "pairs" / f"{side}{k}" / "result.json").read_text())[
+                "scenarios"][0]["runs"] if r["name"] == "ddp2")
+            assert ddp2["queued_s"] < 1.0, ddp2["queued_s"]  # its own rank budget: it never waits for the other side
+            if half < 2:  # pinned to its half: both ranks on one core (so they yield it while they wait)
+                assert f"2 ranks on {half} cores" in ddp2["ring_yield"], ddp2["ring_yield"]
+
+
+@pytest.mark.skipif(shutil.which("taskset") is None or shutil.which("git") is None, reason="needs taskset and git")
+def test_side_by_side_on_one_cpu_is_one_line(tmp_path: Path) -> None:
+    repo = _git_repo(tmp_path / "repo")
+    p = subprocess.run(["taskset", "-c", "0", sys.executable, "-m", "harness", "gate", "--against", "HEAD", "tiny.toml",
+                        "--side-by-side"], cwd=repo, capture_output=True, text=True, timeout=120)
+    assert p.returncode == EXIT_BAD_INPUT and p.stderr == (
+        "error: --side-by-side: needs at least 2 CPUs to give each side its own, this process has 1\n"), p.stderr
+    assert "mlx-ddp-harness-against-" not in subprocess.run(["git", "worktree", "list"], cwd=repo,
+                                                            capture_output=True, text=True).stdout
 
 
 def test_gate_against_a_bad_revision_is_one_line(tmp_path: Path) -> None:

@@ -101,7 +101,8 @@ def gate_table(gates: list[Gate], fmt: str = "plain") -> str:
 
 
 INCONCLUSIVE_ADVICE = ("INCONCLUSIVE is neither a pass nor a failure: the pairs allowed could not tell the speeds "
-                      "apart from the noise (the interval above); rerun with a larger --pairs to decide")
+                      "apart from the noise (the interval above); rerun with a larger --pairs to decide, or, "
+                      "on a shared machine, with --side-by-side (docs/reports.md)")
 
 
 def gate_text(gates: list[Gate], notes: list[str], compared: list, baseline: dict[str, Any],

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 from harness.run.pairs import PairedRuns, interpreter, judge_paired, pairs_against, pairs_env, versions
@@ -40,6 +41,11 @@ def sequential_design(args: argparse.Namespace) -> Any:
                             args.min_pairs, args.pairs)
 
 
+def kept_pairs(args: argparse.Namespace) -> Path | None:
+    """Where ``gate --out DIR`` keeps the pairs' runs and logs: DIR/pairs."""
+    return Path(args.out) / "pairs" if args.out else None
+
+
 def pairs_taken(args: argparse.Namespace, runs: PairedRuns) -> str:
     how = "side-by-side" if args.side_by_side else "interleaved"
     return f"{runs.pairs} {how} pairs (sequential, {args.min_pairs} to {args.pairs})"
@@ -48,7 +54,8 @@ def pairs_taken(args: argparse.Namespace, runs: PairedRuns) -> str:
 def cmd_gate_against(args: argparse.Namespace, overrides: dict[str, float | None]) -> int:
     """``gate --against REV``; ``overrides``: the tolerance flags given."""
     design = sequential_design(args)
-    runs, commit, here = pairs_against(args.against, args.results, design, run_options(args), args.side_by_side)
+    runs, commit, here = pairs_against(args.against, args.results, design, run_options(args), args.side_by_side,
+                                       kept_pairs(args))
     name = f"{args.against} ({commit[:12]}), {pairs_taken(args, runs)}"
     short = commit[:len(here.partition("+")[0])] if here else commit[:12]
     return judge_pairs(args, overrides, runs, name, [], ((args.against, short), ("this checkout", here)))
@@ -76,7 +83,7 @@ def cmd_gate_env(args: argparse.Namespace, overrides: dict[str, float | None]) -
     other = interpreter(args.env)
     packages = tuple(args.package or ())
     base_v, cand_v = versions(other, packages), versions(sys.executable, packages)
-    runs = pairs_env(other, args.results, design, run_options(args), args.side_by_side)
+    runs = pairs_env(other, args.results, design, run_options(args), args.side_by_side, kept_pairs(args))
     differ = [k for k in base_v if base_v[k] != cand_v.get(k)]
     notes = [f"environments: baseline {other}, candidate {sys.executable}",
              *(f"{k}: {base_v[k] or 'not installed'} (baseline) vs {cand_v.get(k) or 'not installed'} (candidate)"

@@ -192,14 +192,15 @@ def _side_speeds(side: Side) -> dict[tuple[str, str], list[float]]:
 def run_pairs(sides: list[Side], scenarios: list[str], design: Any, work: Path,
               side_by_side: bool = False) -> dict[tuple[str, str], Any]:
     """Pairs of runs until every run's speed is decided (or ``design.max_pairs``): in turns, the
-    order alternating, or both sides at once (``harness.run.side_by_side``)."""
+    order alternating, or both sides at once (``harness.run.sides_at_once``)."""
     from harness.judge.paired import sequential_look
-    from harness.run.side_by_side import run_at_once
+    from harness.run.sides_at_once import halves, run_at_once
 
+    split = halves() if side_by_side else None  # before any run: one CPU is refused in one line
     verdicts: dict[tuple[str, str], Any] = {}
     for k in range(design.max_pairs):
         if side_by_side:
-            run_at_once(sides, scenarios, work, k)
+            run_at_once(sides, scenarios, work, k, split)
             print(f"pair {k + 1}/{design.max_pairs}: both sides done, side by side", file=sys.stderr, flush=True)
         else:
             for side in sides if k % 2 == 0 else sides[::-1]:
@@ -244,16 +245,21 @@ class PairedRuns:
     side_by_side: bool = False
 
 
-def _paired(sides: list[Side], scenarios: list[str], design: Any, work: Path, side_by_side: bool) -> PairedRuns:
-    verdicts = run_pairs(sides, scenarios, design, work, side_by_side)
+def _paired(sides: list[Side], scenarios: list[str], design: Any, work: Path, side_by_side: bool,
+            keep: Path | None) -> PairedRuns:
+    if keep is not None:  # the pairs' runs and logs kept (gate --out DIR: DIR/pairs)
+        shutil.rmtree(keep, ignore_errors=True)
+        keep.mkdir(parents=True)
+    verdicts = run_pairs(sides, scenarios, design, keep or work, side_by_side)
     base, cand = (load_results([str(o) for o in side.outs]) for side in sides)
     return PairedRuns(verdicts, base, cand, len(sides[1].outs), side_by_side)
 
 
-def pairs_against(rev: str, scenarios: list[str], design: Any, options: list[str],
-                  side_by_side: bool = False) -> tuple[PairedRuns, str, str | None]:
+def pairs_against(rev: str, scenarios: list[str], design: Any, options: list[str], side_by_side: bool = False,
+                  keep: Path | None = None) -> tuple[PairedRuns, str, str | None]:
     """This checkout against revision ``rev`` in pairs: (the runs, the revision's commit, this
-    checkout's revision: +dirty with uncommitted changes); ``options``: more options of ``run``."""
+    checkout's revision: +dirty with uncommitted changes); ``options``: more options of ``run``;
+    ``keep``: where the pairs' runs are kept (else they go with the gate)."""
     from harness.controller.environment import git_revision
 
     repo = repository(Path.cwd())
@@ -269,14 +275,14 @@ def pairs_against(rev: str, scenarios: list[str], design: Any, options: list[str
             raise ScenarioError(f"{missing[0]}: not in revision {rev} ({commit[:12]})")
         sides = [Side("baseline", sys.executable, tree, side_env(tree), options=options),
                  Side("candidate", sys.executable, repo, dict(os.environ), options=options)]
-        return _paired(sides, relative, design, work, side_by_side), commit, here
+        return _paired(sides, relative, design, work, side_by_side, keep), commit, here
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=repo, capture_output=True)
         shutil.rmtree(work, ignore_errors=True)
 
 
-def pairs_env(python: str, scenarios: list[str], design: Any, options: list[str],
-              side_by_side: bool = False) -> PairedRuns:
+def pairs_env(python: str, scenarios: list[str], design: Any, options: list[str], side_by_side: bool = False,
+              keep: Path | None = None) -> PairedRuns:
     """This environment against the one of interpreter ``python`` in pairs, this checkout's
     ``scenarios`` under each."""
     for s in scenarios:
@@ -288,7 +294,7 @@ def pairs_env(python: str, scenarios: list[str], design: Any, options: list[str]
         own = {k: v for k, v in os.environ.items() if k not in ENVIRONMENT_VARS}  # each Python finds its own
         sides = [Side("baseline", python, here, own, options=options),
                  Side("candidate", sys.executable, here, dict(os.environ), options=options)]
-        return _paired(sides, [str(Path(s).resolve()) for s in scenarios], design, work, side_by_side)
+        return _paired(sides, [str(Path(s).resolve()) for s in scenarios], design, work, side_by_side, keep)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
