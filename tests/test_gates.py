@@ -6,7 +6,6 @@ import copy
 import dataclasses
 import json
 import re
-import statistics
 from pathlib import Path
 from typing import Any
 
@@ -99,11 +98,15 @@ def test_the_fastest_steps_speed_weighs_each_step_by_its_padded_width() -> None:
     run["input_widths"] = [128] + [128, 256] * 10
     run["tok_s_global"] = [n / t for n, t in zip(tokens, [0.05] + [0.010, 0.020] * 10, strict=True)]
     assert fastest_tok_s(run) == pytest.approx(sum(tokens[1:]) / sum(run["input_widths"][1:]) * 128 / 0.010)
-    # without widths each step's tokens are its work; without tokens, the mean of the fastest tok/s
+    # without widths each step's tokens are its work: the fastest two (45k and 42.1k tok/s) give
+    # their tokens over their time, not the mean of their tok/s; without tokens, that mean
     del run["input_widths"]
-    assert fastest_tok_s(run) == pytest.approx(400 / 0.010)
+    tokens = [500] + [400, 900] * 10
+    times = [0.05, 0.0095, 0.020] + [0.012, 0.025] * 9
+    run.update(tokens_global_per_step=tokens, tok_s_global=[n / t for n, t in zip(tokens, times, strict=True)])
+    assert fastest_tok_s(run) == pytest.approx(1300 / 0.0295)
     del run["tokens_global_per_step"]
-    assert fastest_tok_s(run) == pytest.approx(statistics.fmean(sorted(run["tok_s_global"][1:])[-2:]))
+    assert fastest_tok_s(run) == pytest.approx((900 / 0.020 + 400 / 0.0095) / 2)
     assert fastest_tok_s({"tok_s_global": [], "median_tok_s": 7.0}) == 7.0
 
 

@@ -269,9 +269,9 @@ def test_side_by_side_pairs_run_both_sides_at_once_each_on_its_own_half_of_the_c
     for args in (["init", "-q"], ["add", "tiny.toml"], ["-c", "user.name=t", "-c", "user.email=t@example.com",
                                                          "commit", "-q", "-m", "tiny"]):
         subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True)
-    out = tmp_path / "gate"
+    out = repo / "gate-out"  # given relative, as a CI step gives it: each side runs in its own tree
     p = cli("gate", "--against", "HEAD", "tiny.toml", "--side-by-side", "--pairs", "2", "--min-pairs", "2",
-            "--out", str(out), cwd=repo, timeout=300)
+            "--out", "gate-out", cwd=repo, timeout=300)
     assert p.returncode in (EXIT_PASS, EXIT_CHECK_FAILED, EXIT_INCONCLUSIVE), p.stdout[-3000:] + p.stderr[-2000:]
     assert ", 2 side-by-side pairs (sequential, 2 to 2):" in p.stdout.splitlines()[0], p.stdout[:500]
     assert p.stderr.count("both sides done, side by side") == 2, p.stderr
@@ -314,6 +314,7 @@ def test_gate_against_a_bad_revision_is_one_line(tmp_path: Path) -> None:
     (["--against", "HEAD", "--min-pairs", "12"], "--min-pairs must be from 2 to --pairs (10), got 12"),
     (["--against", "HEAD", "--detect", "3", "--slowdown-margin", "5"], "must be below --detect (3)"),
     (["--against", "HEAD", "--baseline", "x"], "give --baseline or --against, not both"),
+    (["--baseline", "x", "--side-by-side"], "--side-by-side is for a gate that runs scenarios itself"),
     ([], "gate needs --baseline FILE"),
 ])
 def test_gate_against_refuses_bad_input_with_one_line(args: list[str], needle: str) -> None:

@@ -64,6 +64,9 @@ def cmd_gate(args: argparse.Namespace) -> int:
     if args.device:
         raise ScenarioError("--device is for a gate that runs scenarios itself (--against, --env); results "
                             "already run keep the device they ran on")
+    if args.side_by_side:
+        raise ScenarioError("--side-by-side is for a gate that runs scenarios itself (--against, --env, a "
+                            "bisection); results already run were measured as they ran")
     if not args.baseline:
         raise ScenarioError("gate needs --baseline FILE (results against a stored baseline), --against REV or "
                             "--env PYTHON")
@@ -147,7 +150,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--package", action="append", metavar="NAME",
                    help="with --env: a package whose versions the report names too (the trainer's own; repeatable)")
     g.add_argument("--pairs", type=int, default=10,
-                   help="with --against: the most interleaved pairs of runs (default 10); pairs are added until "
+                   help="with --against: the most pairs of runs (default 10); pairs are added until "
                         "every run's speed is decided, and a run still undecided here is INCONCLUSIVE (exit 4)")
     g.add_argument("--min-pairs", type=int, default=4,
                    help="with --against: pairs before the first look (default 4); it looks every second pair")
@@ -166,7 +169,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="with --against or --env: the device of every run on both sides (run --device)")
     g.add_argument("--force", action="store_true", help="compare even when the platforms differ")
     g.add_argument("--format", choices=("plain", "github"), default="plain", help="table format")
-    g.add_argument("--out", metavar="DIR", help="write DIR/gate.json: every gate's fields, for a CI job to read")
+    g.add_argument("--out", metavar="DIR", help="write DIR/gate.json: every gate's fields, for a CI job to read "
+                                                "(--against, --env: the pairs' runs and logs in DIR/pairs)")
     _tolerance_args(g)
     g.set_defaults(func=cmd_gate)
     b = sub.add_parser("baseline", help="write baselines")

@@ -1,12 +1,12 @@
 """The paired gates' commands: ``gate --against REV SCENARIO...`` (the candidate, this checkout,
 against a git revision) and ``gate --env PYTHON SCENARIO...`` (this environment against another;
 the report names both environments' versions of Python and the trainers' packages), their sides
-run in turns by ``harness.run.pairs``. Speed is judged by the sequential paired test (each run's
-speed: its fastest steps', ``baselines.fastest_tok_s``), looking from ``--min-pairs`` every second
-pair up to ``--pairs``; losses and memory by the usual gates, with a baseline built from the
-baseline side's runs. A run still undecided at ``--pairs`` is INCONCLUSIVE
-(``harness.judge.gates.PairedGate``): the gate then exits ``EXIT_INCONCLUSIVE`` unless another gate
-failed.
+run in turns, or side by side (``--side-by-side``), by ``harness.run.pairs``. Speed is judged by
+the sequential paired test (each run's speed: its fastest steps', ``baselines.fastest_tok_s``),
+looking from ``--min-pairs`` every second pair up to ``--pairs``; losses and memory by the usual
+gates, with a baseline built from the baseline side's runs. A run still undecided at ``--pairs``
+is INCONCLUSIVE (``harness.judge.gates.PairedGate``): the gate then exits ``EXIT_INCONCLUSIVE``
+unless another gate failed.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def sequential_design(args: argparse.Namespace) -> Any:
 
 def kept_pairs(args: argparse.Namespace) -> Path | None:
     """Where ``gate --out DIR`` keeps the pairs' runs and logs: DIR/pairs."""
-    return Path(args.out) / "pairs" if args.out else None
+    return Path(args.out).resolve() / "pairs" if args.out else None  # each side runs in its own tree
 
 
 def pairs_taken(args: argparse.Namespace, runs: PairedRuns) -> str:

@@ -121,15 +121,20 @@ class Side:
                                     env={**side_env, **(env or {})}, stdout=log, stderr=subprocess.STDOUT,
                                     preexec_fn=preexec)
 
-    def finish(self, proc: subprocess.Popen | None, out: Path) -> str:
-        """Wait for ``start``'s run and take its result: "ran" or "reused"."""
+    def finish(self, proc: subprocess.Popen | None, out: Path, store: bool = True) -> str:
+        """Wait for ``start``'s run and take its result: "ran" or "reused"; ``store``: keep it to be
+        reused (not a result measured side by side, on half the CPUs)."""
         if proc is not None:
-            proc.wait()
+            try:
+                proc.wait()
+            except BaseException:  # interrupted: the run is asked to stop its ranks, then killed
+                stop(proc)
+                raise
             if proc.returncode not in self.accept or not (out / "result.json").is_file():
                 raise SideError(self.label, f"the {self.label} side's run exited {proc.returncode}: "
                                             f"{_why(out.with_suffix('.log'), out)}")
             kept = self._kept()
-            if kept is not None:
+            if kept is not None and store:
                 kept.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(out / "result.json", kept)
         self.outs.append(out)
@@ -137,6 +142,17 @@ class Side:
 
     def _kept(self) -> Path | None:
         return self.store / f"{len(self.outs)}.json" if self.store else None
+
+
+def stop(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """Stop a side's run that is still going: SIGTERM (it stops its ranks), then SIGKILL."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def _why(log: Path, out: Path) -> str:
