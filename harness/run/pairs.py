@@ -128,6 +128,8 @@ class Side:
             try:
                 proc.wait()
             except BaseException:  # interrupted: the run is asked to stop its ranks, then killed
+                from harness.run.sides_at_once import stop
+
                 stop(proc)
                 raise
             if proc.returncode not in self.accept or not (out / "result.json").is_file():
@@ -142,17 +144,6 @@ class Side:
 
     def _kept(self) -> Path | None:
         return self.store / f"{len(self.outs)}.json" if self.store else None
-
-
-def stop(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
-    """Stop a side's run that is still going: SIGTERM (it stops its ranks), then SIGKILL."""
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def _why(log: Path, out: Path) -> str:

@@ -27,7 +27,6 @@ from typing import Any
 
 from harness.controller.cpu_use import usable_cpus
 from harness.controller.rank_budget import DIR_VAR
-from harness.run.pairs import stop
 from harness.scenario import ScenarioError
 
 BUSY = "import os\nparent = os.getppid()\nwhile os.getppid() == parent:\n    pass\n"  # ends with the gate
@@ -67,6 +66,17 @@ def halves() -> tuple[list[int], list[int]] | None:
         return [c for g in cores[:h] for c in g], [c for g in cores[h:2 * h] for c in g]
     h = len(cpus) // 2  # cores of unequal sizes, or one core: split its CPUs
     return cpus[:h], cpus[h:2 * h]
+
+
+def stop(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """Stop a side's run that is still going: SIGTERM (it stops its ranks), then SIGKILL."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def _pinned(cpus: list[int] | None) -> Any:
