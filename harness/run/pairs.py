@@ -127,10 +127,8 @@ class Side:
         if proc is not None:
             try:
                 proc.wait()
-            except BaseException:  # interrupted: the run is asked to stop its ranks, then killed
-                from harness.run.sides_at_once import stop
-
-                stop(proc)
+            except BaseException:  # interrupted
+                self.stop(proc)
                 raise
             if proc.returncode not in self.accept or not (out / "result.json").is_file():
                 raise SideError(self.label, f"the {self.label} side's run exited {proc.returncode}: "
@@ -141,6 +139,17 @@ class Side:
                 shutil.copyfile(out / "result.json", kept)
         self.outs.append(out)
         return "ran" if proc is not None else "reused"
+
+    @staticmethod
+    def stop(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
+        """Stop a run that is still going: SIGTERM (it stops its ranks), then SIGKILL."""
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
     def _kept(self) -> Path | None:
         return self.store / f"{len(self.outs)}.json" if self.store else None

@@ -68,17 +68,6 @@ def halves() -> tuple[list[int], list[int]] | None:
     return cpus[:h], cpus[h:2 * h]
 
 
-def stop(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
-    """Stop a side's run that is still going: SIGTERM (it stops its ranks), then SIGKILL."""
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 def _pinned(cpus: list[int] | None) -> Any:
     if cpus is None:
         return None
@@ -115,6 +104,6 @@ def run_at_once(sides: list[Any], scenarios: list[str], work: Path, k: int,
         for p in fillers:
             p.kill()
             p.wait()
-        for p in started:  # a side still running (interrupted): asked to stop its ranks first
-            stop(p)
+        for side, p in zip(sides, started, strict=False):  # a side still running (interrupted)
+            side.stop(p)
     return [side.finish(p, work / f"{side.label}{k}", store=False) for side, p in zip(sides, started, strict=True)]
