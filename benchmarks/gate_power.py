@@ -8,10 +8,11 @@ Counted: how often the slow build raised an alarm (detections) and how often the
 (false alarms), with the estimated changes, the pairs each gate took and its wall time; and, over
 every pair of the unchanged build, how much faster a side ran second than first. The committed
 tree must be clean for "unchanged" to mean it. ``--min-pairs N --pairs N`` gates with N pairs
-always (the wall time of a fixed gate); ``--side-by-side`` gates with each pair's sides at once.
+always (the wall time of a fixed gate). Each gate runs its pairs as ``gate`` does by default (side
+by side where the runs compute on the CPU); ``--side-by-side`` or ``--in-turns`` asks for one way.
 
 usage: python benchmarks/gate_power.py [--tries-slow 10] [--tries-same 20] [--min-pairs 4] [--pairs 10]
-       [--slowdown 0.1] [--side-by-side]
+       [--slowdown 0.1] [--side-by-side | --in-turns]
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ RUNS = ("single", "ddp2")  # its runs
 STEP_END = ("            self._record(step, micros, (tokens, agreed.values[1]), loss, norm, "
             "time.perf_counter() - t0 - probe_s)")
 CHANGE = re.compile(r"^\S+\s+(\S+)\s+throughput \(paired\).*?(\d+\.\d)% (slower|faster)", re.M)
-PAIRS = re.compile(r"(\d+) (?:interleaved|side-by-side) pairs")
+PAIRS = re.compile(r"(\d+) (interleaved|side-by-side) pairs")
 PAIR_CHANGES = re.compile(r"note: \S+?/(\S+): pairs ((?:[+-]\d+\.\d% ?)+)")
 
 
@@ -55,10 +56,10 @@ def slowed(tree: Path, slowdown: float) -> None:
 
 
 def gate_once(tree: Path, min_pairs: int, pairs: int,
-              how: tuple[str, ...] = ()) -> tuple[str, dict[str, float], int, float, dict[str, list[float]]]:
+              how: tuple[str, ...] = ()) -> tuple[str, dict[str, float], int, float, dict[str, list[float]], str]:
     """One gate: its verdict ("pass", "ALARM" or "INCONCLUSIVE"), the estimated change of each
-    run, the pairs it took, its wall time, and each run's pair ratios (candidate over baseline,
-    the baseline first in the 1st, 3rd, ...)."""
+    run, the pairs it took, its wall time, each run's pair ratios (candidate over baseline,
+    the baseline first in the 1st, 3rd, ...) and how its pairs ran (interleaved, side-by-side)."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
     t0 = time.monotonic()
     p = subprocess.run([sys.executable, "-m", "harness", "gate", "--against", "HEAD", SCENARIO, "--pairs", str(pairs),
@@ -71,7 +72,7 @@ def gate_once(tree: Path, min_pairs: int, pairs: int,
     taken = PAIRS.search(p.stdout)
     ratios = {run: [1 + float(c.rstrip("%")) / 100 for c in cs.split()] for run, cs in PAIR_CHANGES.findall(p.stdout)}
     verdict = {0: "pass", 1: "ALARM", 4: "INCONCLUSIVE"}[p.returncode]
-    return verdict, changes, int(taken.group(1)) if taken else pairs, wall, ratios
+    return verdict, changes, int(taken.group(1)) if taken else pairs, wall, ratios, taken.group(2) if taken else "?"
 
 
 def main() -> int:
@@ -81,7 +82,9 @@ def main() -> int:
     ap.add_argument("--min-pairs", type=int, default=4)
     ap.add_argument("--pairs", type=int, default=10)
     ap.add_argument("--slowdown", type=float, default=0.1)
-    ap.add_argument("--side-by-side", action="store_true", help="gate --side-by-side: each pair's sides at once")
+    way = ap.add_mutually_exclusive_group()
+    way.add_argument("--side-by-side", action="store_true", help="gate --side-by-side: each pair's sides at once")
+    way.add_argument("--in-turns", action="store_true", help="gate --in-turns: each pair's sides one after the other")
     args = ap.parse_args()
     if subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,
                       text=True).stdout.strip():
@@ -95,12 +98,14 @@ def main() -> int:
     order = [kind for _, kind in sorted([((k + 0.5) / args.tries_slow, "slow") for k in range(args.tries_slow)]
                                         + [((k + 0.5) / args.tries_same, "same") for k in range(args.tries_same)])]
     rows, alarms, undecided, walls, taken = [], {"slow": 0, "same": 0}, {"slow": 0, "same": 0}, [], []
+    ways: set[str] = set()
     second: dict[str, list[float]] = {}  # per run: log ratios of the unchanged build, signed by who ran second
     t0 = time.monotonic()
     try:
         for i, kind in enumerate(order, 1):
-            verdict, changes, pairs, wall, ratios = gate_once(trees[kind], args.min_pairs, args.pairs,
-                                                          ("--side-by-side",) if args.side_by_side else ())
+            asked = ("--side-by-side",) if args.side_by_side else ("--in-turns",) if args.in_turns else ()
+            verdict, changes, pairs, wall, ratios, ran = gate_once(trees[kind], args.min_pairs, args.pairs, asked)
+            ways.add(ran)
             for run, rs in ratios.items():
                 if kind == "same":  # the candidate ran second in even pairs (from 0)
                     second.setdefault(run, []).extend(math.log(r) * (1 if k % 2 == 0 else -1) for k, r in enumerate(rs))
@@ -116,7 +121,7 @@ def main() -> int:
             subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=REPO, capture_output=True)
     print()
     print(tabulate(rows, headers=["try", "build", "gate", *(f"{r}: estimated change" for r in RUNS), "pairs", "s"]))
-    kind = "side-by-side" if args.side_by_side else "interleaved"
+    kind = " or ".join(sorted(ways))
     print(f"\nslowed by {args.slowdown:.0%}: {alarms['slow']} alarms in {args.tries_slow} tries; "
           f"unchanged: {alarms['same']} false alarms in {args.tries_same} tries; inconclusive: "
           f"{undecided['slow']} slowed, {undecided['same']} unchanged; "
@@ -126,7 +131,7 @@ def main() -> int:
     print(f"the goal, 19 of 20 each: the unchanged build passed {passed} of {args.tries_same}; the build "
           f"{args.slowdown:.0%} slower failed {alarms['slow']} of {args.tries_slow}")
     for run, logs in sorted(second.items()):
-        how = "the second half of the CPUs" if args.side_by_side else "running second"
+        how = "the second half of the CPUs" if ways == {"side-by-side"} else "running second"
         print(f"{run}: {how} changed a side's speed by {math.exp(statistics.fmean(logs)) - 1:+.1%} "
               f"(over {len(logs)} pairs of the unchanged build; a pair's spread {statistics.pstdev(logs):.1%})")
     return 0

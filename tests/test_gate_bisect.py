@@ -77,7 +77,8 @@ def test_a_slowdown_planted_among_docs_commits_is_named_and_a_range_before_it_ho
     for n in (3, 4):
         _docs(repo, n)
     # beside other tests' ranks: a coarse question (not 40 % slower?) that 4 pairs answer
-    coarse = ("--min-pairs", "4", "--pairs", "4", "--detect", "40", "--slowdown-margin", "10")
+    # in turns, so that a commit probed again reuses its kept runs
+    coarse = ("--min-pairs", "4", "--pairs", "4", "--detect", "40", "--slowdown-margin", "10", "--in-turns")
     p, record = _bisect(repo, f"{good[:10]}..", *coarse)
     assert p.returncode == EXIT_CHECK_FAILED, p.stdout[-3000:] + p.stderr[-2000:]
     assert f'first bad commit: {slow[:12]} "reference: a step that sleeps"' in p.stdout, p.stdout
@@ -113,6 +114,7 @@ def test_a_parity_defect_planted_in_a_commit_is_named_by_its_failing_check(tmp_p
     p, record = _bisect(repo, f"{good[:10]}..HEAD", "--metrics", "checks", "--min-pairs", "2", "--pairs", "2")
     assert p.returncode == EXIT_CHECK_FAILED, p.stdout[-3000:] + p.stderr[-2000:]
     assert record["answer"]["first_bad"]["sha"] == broken, p.stdout
+    assert "each pair's two sides run in turns: no speed is judged" in p.stdout.splitlines()[0]  # so results are kept
     deciding = next(p_ for p_ in record["probes"] if p_["commit"]["sha"] == broken)
     assert deciding["metric"] == "checks tiny/ddp2" and "param_parity" in deciding["figure"], deciding
     # every probe's speed test ran at the bisection's false-alarm rate split over its most probes,

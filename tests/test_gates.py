@@ -67,9 +67,9 @@ def test_throughput_fails_only_beyond_the_larger_of_percent_and_spread() -> None
     slow = _gates(quiet, _repeat(850.0))["throughput"]
     assert not slow.passed
     assert slow.message() == ("FAIL s/single throughput: 850.0 tok/s vs baseline 1000.0 tok/s (threshold -10.0% = "
-                              "max(10% configured, 3 x 0.0% repeat spread over 3 repeats)); -15.0%; a baseline made "
-                              "before its repeats' fastest-steps speeds were kept as this version weighs them: "
-                              "remake it for a band from its repeats")
+                              "max(10% configured, 3 x 0.0% repeat spread over 3 repeats)); -15.0%; the baseline "
+                              "came from a version that did not keep each repeat's fastest-steps speed as this one "
+                              "weighs it: remake it (baseline update) for a band from its repeats")
     noisy = _baseline((900.0, 1000.0, 1100.0))  # 10% spread: 3 x 10% = 30% allowed
     assert _gates(noisy, _repeat(750.0))["throughput"].passed
     failed = _gates(noisy, _repeat(650.0))["throughput"]
@@ -116,7 +116,17 @@ def test_a_baseline_made_before_the_weighed_speeds_is_gated_by_its_median_band()
     entry["fast_tok_s_repeats"] = entry.pop("fastest_tok_s_repeats")  # as kept before 2026-12
     gates, _, _ = gate(base, [(Path("r.json"), _doc(_fast(990.0, 1010.0, 1000.0)))], Tolerances())
     speed = next(g for g in gates if g.metric == "throughput")
-    assert "remake it" in speed.detail and "configured" in speed.threshold
+    assert "the baseline came from" in speed.detail and "remake it" in speed.detail
+    assert "configured" in speed.threshold
+
+
+def test_results_made_before_the_weighed_speeds_are_told_to_rerun_not_to_remake_the_baseline() -> None:
+    base = _fast_baseline(1000.0, 1050.0, 950.0)
+    old = [{k: v for k, v in r.items() if k != "fastest_tok_s"} for r in _fast(990.0, 1010.0, 1000.0)]
+    gates, _, _ = gate(base, [(Path("r.json"), _doc(old))], Tolerances())
+    speed = next(g for g in gates if g.metric == "throughput")
+    assert "these results came from" in speed.detail and "rerun them" in speed.detail
+    assert "remake" not in speed.detail and "configured" in speed.threshold
 
 
 def test_a_baseline_with_its_repeats_speeds_is_tested_against_their_own_spread() -> None:
@@ -181,6 +191,11 @@ def test_an_undecided_paired_gate_makes_the_gate_inconclusive_never_passed_or_fa
     assert head == f"gate against HEAD (abc1234): INCONCLUSIVE ({len(others)} of {len(others) + 1} gates passed, " \
                    "1 inconclusive)"
     assert "PASSED" not in text and "FAILED" not in text and "rerun with a larger --pairs" in text
+    assert "flaky check" not in text  # the advice fits what could not decide
+    flaky = PairedGate("s", "single", "checks", False, "1 of 3 fail", "3 pass", "every check that passes",
+                       "loss_parity: 0.2 against limit 0.1 (1 of 2 runs)", inconclusive=True)
+    flaky_text = gate_text([*others, flaky], notes, compared, base, ENV, "HEAD (abc1234)")
+    assert "flaky check" in flaky_text and "--pairs" not in flaky_text
     assert "INCONCLUSIVE s/single throughput (paired): 990.0 fastest-tenth tok/s vs baseline" in text
     lines = text.splitlines()
     header = next(ln for ln in lines if ln.startswith("Model / seq"))

@@ -3,6 +3,7 @@ revision of this repository, with real runs on both sides."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -18,6 +19,7 @@ import pytest
 from scipy.stats import norm
 
 from harness.judge.paired import SequentialDesign, pocock_level, sequential_look
+from harness.present.paired_gates import PairMode, pair_mode
 from harness.run.results import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, EXIT_INCONCLUSIVE, EXIT_INFRA, EXIT_PASS
 from tests.conftest import REPO, cli, write_scenario
 
@@ -169,7 +171,7 @@ def test_gate_against_a_revision_runs_both_sides_in_turns(tmp_path: Path) -> Non
     committed = subprocess.run(["git", "cat-file", "-e", "HEAD:examples/minimal_parity.toml"], cwd=REPO).returncode == 0
     if not committed:
         pytest.skip("examples/minimal_parity.toml is not committed yet")
-    p = cli("gate", "--against", "HEAD", str(scenario), "--pairs", "2", "--min-pairs", "2", timeout=900)
+    p = cli("gate", "--against", "HEAD", str(scenario), "--in-turns", "--pairs", "2", "--min-pairs", "2", timeout=900)
     assert p.returncode in (0, 1, 4), p.stderr[-3000:]
     assert "gate against HEAD (" in p.stdout and ", 2 interleaved pairs (sequential, 2 to 2):" in p.stdout
     for run in ("single", "ddp2"):
@@ -234,6 +236,9 @@ def test_a_gate_that_cannot_decide_by_its_last_pair_reports_inconclusive(tmp_pat
     assert "fastest-tenth tok/s" in speed
     assert any(ln.startswith("INCONCLUSIVE tiny/single throughput (paired): ") for ln in p.stdout.splitlines())
     assert "rerun with a larger --pairs" in p.stdout
+    mode = pair_mode(argparse.Namespace(side_by_side=False, in_turns=False, device=None))  # the default here
+    assert f"note: {mode.line()}" in p.stdout, p.stdout[-2000:]
+    assert f", 2 {'side-by-side' if mode.side_by_side else 'interleaved'} pairs " in head, head
     record = json.loads((out / "gate.json").read_text())
     assert record["verdict"] == "inconclusive" and record["exit_code"] == 4 and record["passed"] is False
     assert {g["metric"]: g["result"] for g in record["gates"]}["throughput (paired)"] == "INCONCLUSIVE"
@@ -300,6 +305,23 @@ def test_side_by_side_on_one_cpu_is_one_line(tmp_path: Path) -> None:
                                                             capture_output=True, text=True).stdout
 
 
+def test_pairs_run_side_by_side_by_default_only_where_the_cpu_computes_and_speed_is_judged() -> None:
+    def mode(device: str | None = None, speed: bool = True, **asked: bool) -> PairMode:
+        flags = {"side_by_side": False, "in_turns": False, **asked}
+        return pair_mode(argparse.Namespace(device=device, **flags), speed_judged=speed)
+
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0
+    on_cpu = mode("cpu")
+    assert on_cpu.side_by_side == (cpus >= 2), on_cpu
+    if cpus >= 2:
+        assert f"each side on its own half of this process's {cpus} CPUs" in on_cpu.why
+    gpu = mode("gpu")  # a GPU (or one asked for and absent): two sides at once would share it
+    assert not gpu.side_by_side and "GPU" in gpu.why
+    assert not mode("cpu", speed=False).side_by_side and "kept results can be reused" in mode("cpu", speed=False).why
+    assert mode("gpu", side_by_side=True).side_by_side and not mode("cpu", in_turns=True).side_by_side
+    assert mode("cpu", in_turns=True).line() == "each pair's two sides run in turns: --in-turns asked for it"
+
+
 def test_gate_against_a_bad_revision_is_one_line(tmp_path: Path) -> None:
     if shutil.which("git") is None:
         pytest.skip("needs git")
@@ -315,6 +337,8 @@ def test_gate_against_a_bad_revision_is_one_line(tmp_path: Path) -> None:
     (["--against", "HEAD", "--detect", "3", "--slowdown-margin", "5"], "must be below --detect (3)"),
     (["--against", "HEAD", "--baseline", "x"], "give --baseline or --against, not both"),
     (["--baseline", "x", "--side-by-side"], "--side-by-side is for a gate that runs scenarios itself"),
+    (["--baseline", "x", "--in-turns"], "--in-turns is for a gate that runs scenarios itself"),
+    (["--against", "HEAD", "--side-by-side", "--in-turns"], "give --side-by-side or --in-turns, not both"),
     ([], "gate needs --baseline FILE"),
 ])
 def test_gate_against_refuses_bad_input_with_one_line(args: list[str], needle: str) -> None:

@@ -64,9 +64,10 @@ def cmd_gate(args: argparse.Namespace) -> int:
     if args.device:
         raise ScenarioError("--device is for a gate that runs scenarios itself (--against, --env); results "
                             "already run keep the device they ran on")
-    if args.side_by_side:
-        raise ScenarioError("--side-by-side is for a gate that runs scenarios itself (--against, --env, a "
-                            "bisection); results already run were measured as they ran")
+    if args.side_by_side or args.in_turns:
+        raise ScenarioError(f"--{'side-by-side' if args.side_by_side else 'in-turns'} is for a gate that runs "
+                            f"scenarios itself (--against, --env, a bisection); results already run were measured "
+                            f"as they ran")
     if not args.baseline:
         raise ScenarioError("gate needs --baseline FILE (results against a stored baseline), --against REV or "
                             "--env PYTHON")
@@ -164,7 +165,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="with --against: the chance of missing a --detect slowdown, per run (default 0.10)")
     g.add_argument("--side-by-side", action="store_true",
                    help="with --against, --env or a bisection: run each pair's two sides at once, each on its own "
-                        "half of the CPUs, instead of in turns (steadier on a shared machine; docs/reports.md)")
+                        "half of the CPUs (the default where the runs compute on the CPU and speed is judged: "
+                        "steadier on a shared machine; docs/reports.md)")
+    g.add_argument("--in-turns", action="store_true",
+                   help="with --against, --env or a bisection: run each pair's two sides one after the other (the "
+                        "default where the runs compute on a GPU or no speed is judged)")
     g.add_argument("--device", choices=("auto", "gpu", "cpu"),
                    help="with --against or --env: the device of every run on both sides (run --device)")
     g.add_argument("--force", action="store_true", help="compare even when the platforms differ")

@@ -97,7 +97,7 @@ def cmd_gate_bisect(args: argparse.Namespace, overrides: dict[str, float | None]
     """``gate --bisect GOOD..BAD`` or ``gate --bisect-versions PACKAGE==V1..V2``; ``overrides``:
     the tolerance flags given."""
     from harness.judge.baselines import Tolerances
-    from harness.present.paired_gates import run_options, sequential_design
+    from harness.present.paired_gates import pair_mode, run_options, sequential_design
     from harness.run.bisect import Prober, ProbeSettings, ReleaseProber, first_parent_range
     from harness.run.pairs import repository
 
@@ -105,8 +105,10 @@ def cmd_gate_bisect(args: argparse.Namespace, overrides: dict[str, float | None]
         raise ScenarioError("--bisect and --bisect-versions run their own sides: give one of them, without "
                             "--baseline, --against or --env")
     out = Path(args.out).resolve() if args.out else None
+    metrics = _metrics(args)
+    mode = pair_mode(args, speed_judged="speed" in metrics)
     settings = ProbeSettings(sequential_design(args), Tolerances().updated(**overrides), args.slowdown_margin,
-                             run_options(args), out, _metrics(args), args.side_by_side)
+                             run_options(args), out, metrics, mode.side_by_side)
     if args.bisect:
         spec, what = args.bisect, "commits after it on the first-parent line"
         repo = repository(Path.cwd(), "--bisect")
@@ -121,11 +123,11 @@ def cmd_gate_bisect(args: argparse.Namespace, overrides: dict[str, float | None]
         points = [Commit(v, f"{req.package} {v}") for v in releases(req, find_links, no_index)]
         prober = ReleaseProber(req, points[0], args.results, settings, find_links, no_index)
     return _bisect_and_report(spec, what, points, prober, args.alpha, settings,
-                              "commit" if args.bisect else "release")
+                              "commit" if args.bisect else "release", mode.line())
 
 
 def _bisect_and_report(spec: str, what: str, points: list[Commit], prober: Any, alpha: float, settings: Any,
-                       noun: str) -> int:
+                       noun: str, mode: str) -> int:
     import sys
 
     from harness.judge.bisection import Budget
@@ -135,7 +137,7 @@ def _bisect_and_report(spec: str, what: str, points: list[Commit], prober: Any, 
     budget = Budget(len(points) - 1, alpha)
     print(f"bisect {spec}: GOOD {_named(points[0])}, {len(points) - 1} {what}; at most {budget.probes} probes, "
           f"each at a false-alarm rate of {budget.per_probe:.2g} ({alpha:g} over the bisection); gated: "
-          f"{', '.join(settings.metrics)}", flush=True)
+          f"{', '.join(settings.metrics)}; {mode}", flush=True)
 
     def heard(k: int, rec: Any, bisection: Bisection) -> None:
         print(probe_line(k, rec, bisection), flush=True)

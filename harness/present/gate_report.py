@@ -100,9 +100,18 @@ def gate_table(gates: list[Gate], fmt: str = "plain") -> str:
     return table(rows, ["Scenario", "Run", "Metric", "Current", "Baseline", "Threshold", "Result", "Detail"], fmt)
 
 
-INCONCLUSIVE_ADVICE = ("INCONCLUSIVE is neither a pass nor a failure: the pairs allowed could not tell the speeds "
-                      "apart from the noise (the interval above); rerun with a larger --pairs to decide, or, "
-                      "on a shared machine, with --side-by-side (docs/reports.md)")
+SPEED_UNDECIDED = ("INCONCLUSIVE is neither a pass nor a failure: the pairs allowed could not tell the speeds "
+                   "apart from the noise (the interval above); rerun with a larger --pairs to decide, or, "
+                   "on a shared machine, side by side (--side-by-side; docs/reports.md)")
+CHECKS_UNDECIDED = ("INCONCLUSIVE checks failed in some of the candidate's runs and passed in others: a flaky "
+                    "check or a defect that shows only at times; neither a pass nor a failure (more pairs will not "
+                    "settle it: run the scenario with --repeat to see how often it fails)")
+
+
+def undecided_advice(gates: list[Gate]) -> list[str]:
+    """What to do about each kind of gate that could not decide."""
+    kinds = {g.metric == "checks" for g in gates if g.result == INCONCLUSIVE}
+    return [text for checks, text in ((False, SPEED_UNDECIDED), (True, CHECKS_UNDECIDED)) if checks in kinds]
 
 
 def gate_text(gates: list[Gate], notes: list[str], compared: list, baseline: dict[str, Any],
@@ -120,8 +129,7 @@ def gate_text(gates: list[Gate], notes: list[str], compared: list, baseline: dic
         parts.append(f"{title}\n\n" + table(regression, REGRESSION_HEADERS, fmt))
     parts.append(gate_table(gates, fmt))
     parts.extend(g.message() for g in failed)
-    if undecided:
-        parts.append(INCONCLUSIVE_ADVICE)
+    parts.extend(undecided_advice(gates))
     parts.extend(f"note: {n}" for n in notes)
     return "\n\n".join(parts)
 

@@ -1,7 +1,7 @@
 """The paired gates' commands: ``gate --against REV SCENARIO...`` (the candidate, this checkout,
 against a git revision) and ``gate --env PYTHON SCENARIO...`` (this environment against another;
 the report names both environments' versions of Python and the trainers' packages), their sides
-run in turns, or side by side (``--side-by-side``), by ``harness.run.pairs``. Speed is judged by
+run in turns or side by side (``pair_mode``) by ``harness.run.pairs``. Speed is judged by
 the sequential paired test (each run's speed: its fastest steps', ``baselines.fastest_tok_s``),
 looking from ``--min-pairs`` every second pair up to ``--pairs``; losses and memory by the usual
 gates, with a baseline built from the baseline side's runs. A run still undecided at ``--pairs``
@@ -13,11 +13,54 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from harness.run.pairs import PairedRuns, interpreter, judge_paired, pairs_against, pairs_env, versions
 from harness.scenario import ScenarioError
+
+
+@dataclass(frozen=True)
+class PairMode:
+    """How a paired gate runs each pair's two sides, and why."""
+
+    side_by_side: bool
+    why: str
+
+    def line(self) -> str:
+        return f"each pair's two sides run {'side by side' if self.side_by_side else 'in turns'}: {self.why}"
+
+
+def pair_mode(args: argparse.Namespace, speed_judged: bool = True) -> PairMode:
+    """``--side-by-side`` or ``--in-turns`` as asked; by default side by side where speed is judged,
+    the runs compute on the CPU and this process can pin itself to two halves of its CPUs (the
+    sides then meet the same spell of a shared machine's noise), in turns otherwise (the sides
+    would share one GPU; a bisection that judges no speed reuses a commit's kept results)."""
+    import os
+
+    if args.side_by_side and args.in_turns:
+        raise ScenarioError("give --side-by-side or --in-turns, not both")
+    if args.side_by_side or args.in_turns:
+        return PairMode(args.side_by_side, f"--{'side-by-side' if args.side_by_side else 'in-turns'} asked for it")
+    if not speed_judged:
+        return PairMode(False, "no speed is judged (--metrics), so a commit's kept results can be reused")
+    from harness.controller.cpu_use import usable_cpus
+    from harness.controller.devices import DeviceRefused, plan_device
+
+    try:
+        device, _ = plan_device(args.device or "auto")
+    except DeviceRefused:
+        device = "gpu"  # the sides' runs say why they cannot run
+    if device == "gpu":
+        return PairMode(False, "the runs compute on the GPU, which two sides at once would share "
+                               "(--side-by-side runs them at once anyway)")
+    cpus = usable_cpus()
+    if cpus is None or not hasattr(os, "sched_setaffinity") or len(cpus) < 2:
+        return PairMode(False, "the runs compute on the CPU, and this system cannot give each side its own half of "
+                               "them (--side-by-side runs them at once, unpinned)")
+    return PairMode(True, f"the runs compute on the CPU, each side on its own half of this process's {len(cpus)} "
+                          f"CPUs (--in-turns runs them one after the other)")
 
 
 def run_options(args: argparse.Namespace) -> list[str]:
@@ -47,18 +90,18 @@ def kept_pairs(args: argparse.Namespace) -> Path | None:
 
 
 def pairs_taken(args: argparse.Namespace, runs: PairedRuns) -> str:
-    how = "side-by-side" if args.side_by_side else "interleaved"
+    how = "side-by-side" if runs.side_by_side else "interleaved"
     return f"{runs.pairs} {how} pairs (sequential, {args.min_pairs} to {args.pairs})"
 
 
 def cmd_gate_against(args: argparse.Namespace, overrides: dict[str, float | None]) -> int:
     """``gate --against REV``; ``overrides``: the tolerance flags given."""
-    design = sequential_design(args)
-    runs, commit, here = pairs_against(args.against, args.results, design, run_options(args), args.side_by_side,
+    design, mode = sequential_design(args), pair_mode(args)
+    runs, commit, here = pairs_against(args.against, args.results, design, run_options(args), mode.side_by_side,
                                        kept_pairs(args))
     name = f"{args.against} ({commit[:12]}), {pairs_taken(args, runs)}"
     short = commit[:len(here.partition("+")[0])] if here else commit[:12]
-    return judge_pairs(args, overrides, runs, name, [], ((args.against, short), ("this checkout", here)))
+    return judge_pairs(args, overrides, runs, name, [mode.line()], ((args.against, short), ("this checkout", here)))
 
 
 def judge_pairs(args: argparse.Namespace, overrides: dict[str, float | None], runs: PairedRuns, name: str,
@@ -79,13 +122,13 @@ def judge_pairs(args: argparse.Namespace, overrides: dict[str, float | None], ru
 def cmd_gate_env(args: argparse.Namespace, overrides: dict[str, float | None]) -> int:
     """``gate --env PYTHON``: the same scenarios of this checkout under another Python environment
     (the baseline) and under this one (the candidate), in turns; ``overrides``: the tolerance flags."""
-    design = sequential_design(args)
+    design, mode = sequential_design(args), pair_mode(args)
     other = interpreter(args.env)
     packages = tuple(args.package or ())
     base_v, cand_v = versions(other, packages), versions(sys.executable, packages)
-    runs = pairs_env(other, args.results, design, run_options(args), args.side_by_side, kept_pairs(args))
+    runs = pairs_env(other, args.results, design, run_options(args), mode.side_by_side, kept_pairs(args))
     differ = [k for k in base_v if base_v[k] != cand_v.get(k)]
-    notes = [f"environments: baseline {other}, candidate {sys.executable}",
+    notes = [mode.line(), f"environments: baseline {other}, candidate {sys.executable}",
              *(f"{k}: {base_v[k] or 'not installed'} (baseline) vs {cand_v.get(k) or 'not installed'} (candidate)"
                for k in base_v),
              f"they differ in: {', '.join(differ)}" if differ else "their Python and packages are the same versions"]
