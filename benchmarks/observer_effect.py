@@ -34,14 +34,22 @@ size (``VLM_MODELS``) on generated captioned images, the other trainers the text
 Both sides are timed alike, by the wall clock between the end of optimizer step ``--from`` and
 the end of the last step, on rank 0 (bare: a timestamp taken where mlx-lm and mlx-vlm report,
 every 10 steps, or at every step of the script and unsloth-zoo; under the harness: its ``step``
-events' times), over the global supervised tokens trained in between. Each of ``--repeats`` rounds
-runs both sides, bare first in even rounds and under the harness first in odd ones (whatever the
-order costs falls on both sides alike); the table gives every repeat, the best of each side and
-their ratio (harness / bare).
+events' times), over the global supervised tokens trained in between. Each repeat runs every side
+once per trainer, each side first in turn (bare first in even repeats where there are two), so
+whatever the order costs falls on every side alike. The figure judged is the mean of the
+per-repeat ratios (harness / bare) with its 95 % interval (``repeat_ratios``): after ``--repeats``
+repeats, more are added until every interval can tell a 2 % effect from none, up to
+``--max-repeats``; each ratio's verdict says whether it could.
+
+``--ablate PARTS`` adds a third side: the harness with those parts of what it does to a rank
+turned off (``harness.ablation``; ``all`` for every one), and two more ratios: that side over bare,
+and the harness over it (what the parts cost; below 1 they slow the trainer). Screen with ``all``,
+then halve the set.
 
 usage: python benchmarks/observer_effect.py [--model cpu3m|gpu044b]
                                             [--trainers mlx_lm,script,unsloth_zoo,mlx_vlm]
-                                            [--steps N] [--from W] [--repeats R]
+                                            [--steps N] [--from W] [--repeats R] [--max-repeats M]
+                                            [--ablate all|PART,...]
 """
 
 from __future__ import annotations
@@ -52,7 +60,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +70,10 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import timed_script  # noqa: E402
+from bare_trainers import BARE, bare_env  # noqa: E402
+from repeat_ratios import EFFECT, Ratios  # noqa: E402
+
+from harness import ablation  # noqa: E402
 
 # model config overrides (of the tiny qwen3), dtype, inputs per row, rows per step (one process)
 MODELS: dict[str, tuple[dict[str, Any], str, int, int]] = {
@@ -120,188 +131,6 @@ def scenario_text(model: str, trainers: list[str], steps: int) -> str:
             f'learning_rate = 1e-4\n{runs}\n[checks]\nreference = "{trainers[0]}"\n')
 
 
-def report_clock(base: type, marks: list[dict[str, Any]]) -> Any:
-    """A callback of ``base`` (mlx-lm's or mlx-vlm's ``TrainingCallback``) that takes one timestamp
-    per loss report, with the trained tokens it reports, and does nothing else."""
-
-    class Clock(base):  # type: ignore[misc, valid-type]
-        def on_train_loss_report(self, info: dict[str, Any]) -> None:
-            marks.append({"step": info["iteration"], "time": time.time(), "tokens": info["trained_tokens"]})
-
-    return Clock()
-
-
-def bare_mlx_lm(path: Path, run: str, out: Path) -> None:
-    """mlx-lm's ``train`` as a user calls it, on the run's model and rows; the time of each of its
-    reports (every 10 steps, and the last) to ``out``."""
-    import mlx.core as mx
-    import numpy as np
-
-    from harness.rank.models import build_model
-    from harness.rank.optimizer import build_optimizer
-    from harness.scenario import load_scenario
-    from harness.scenario.plan import plan_scenario
-    from harness.trainers.mlx_lm.rank import datasets
-
-    s = plan_scenario(load_scenario(path)).run(run).eff
-    train_set, _, vocab = datasets(s)
-    model, _ = build_model(s.model, vocab, s.seed)
-    np.random.seed(s.seed)
-    mx.random.seed(s.seed)
-    from mlx_lm.tuner.callbacks import TrainingCallback
-    from mlx_lm.tuner.trainer import TrainingArgs, train
-
-    marks: list[dict[str, Any]] = []
-    t = s.train
-    with tempfile.TemporaryDirectory() as d:
-        args = TrainingArgs(batch_size=t.global_batch, iters=t.steps, steps_per_eval=t.steps + 1,
-                            steps_per_save=t.steps + 1, max_seq_length=s.data.max_seq_len,
-                            adapter_file=str(Path(d) / "adapters.safetensors"))
-        train(model, build_optimizer(t), train_set, None, args, training_callback=report_clock(TrainingCallback, marks))
-    out.write_text(json.dumps(marks))
-
-
-def bare_mlx_vlm(path: Path, run: str, out: Path) -> None:
-    """mlx-vlm's ``Trainer`` as a user calls it on prepared rows (its defaults: ``steps_per_report``
-    10, its own SFT task and batch iterator), on the run's model and image rows; the time of each
-    of its reports (every 10 steps) and its ``trained_tokens`` to ``out``, the last step's time
-    taken when ``train()`` returns: the adapter reports its last step only then, after mlx-vlm's
-    final save of the trainable weights, so both windows hold that save."""
-    from harness.rank.models import build_model
-    from harness.rank.optimizer import build_optimizer
-    from harness.scenario import load_scenario
-    from harness.scenario.plan import plan_scenario
-    from harness.trainers.common import load_image_rows
-    from harness.trainers.mlx_vlm.rank import to_item
-
-    s = plan_scenario(load_scenario(path)).run(run).eff
-    rows, vision = load_image_rows(s)
-    train_set = [to_item(ex) for _, ex in rows.train]
-    model, _ = build_model(s.model, rows.vocab_size, s.seed, vision)
-    from mlx_vlm.trainer import Trainer, TrainingCallback, VLMTrainingArgs
-
-    marks: list[dict[str, Any]] = []
-    t = s.train
-    with tempfile.TemporaryDirectory() as d:
-        args = VLMTrainingArgs(batch_size=t.global_batch, iters=t.steps, steps_per_save=t.steps + 1,
-                               adapter_file=str(Path(d) / "adapters.safetensors"), max_seq_length=s.data.max_seq_len,
-                               pad_token_id=rows.tokenizer.pad_id, train_on_completions=True)
-        Trainer(model, args, train_dataset=train_set, optimizer=build_optimizer(t), prepared=True,
-                training_callback=report_clock(TrainingCallback, marks), seed=s.seed).train()
-    marks[-1]["time"] = time.time()  # after its final save, as the adapter's last step event
-    out.write_text(json.dumps(marks))
-
-
-def bare_unsloth_zoo(path: Path, run: str, out: Path) -> None:
-    """unsloth-zoo's ``MLXTrainer`` as a user calls it on pretokenized rows (the run's
-    ``MLXTrainingConfig``, as the adapter builds it: ``logging_steps`` 1 is its default too), on the
-    run's model and rows; the time of each logged step and its ``trained_tokens`` (through its own
-    ``add_step_callback``, no Hugging Face callback) to ``out``. ``transformers.trainer_callback`` is
-    imported before training, as the adapter's ``load_libraries`` imports it: unsloth-zoo imports it
-    at its last step (probing ``DefaultFlowCallback``), half a second on a CPU that would otherwise
-    fall in the bare window only."""
-    os.environ.setdefault("UNSLOTH_ZOO_DISABLE_GPU_INIT", "1")
-    from harness.data.rows import load_rows
-    from harness.rank.models import build_model
-    from harness.scenario import load_scenario
-    from harness.scenario.plan import plan_scenario
-    from harness.trainers.unsloth_zoo.rank import TokenizerView, to_item, training_config
-
-    s = plan_scenario(load_scenario(path)).run(run).eff
-    rows = load_rows(s)
-    train_set = [to_item(ex) for _, ex in rows.train]
-    model, _ = build_model(s.model, rows.vocab_size, s.seed)
-    import transformers.trainer_callback  # noqa: F401  (as the adapter's load_libraries: see the docstring)
-    from unsloth_zoo.mlx.trainer import MLXTrainer
-
-    marks: list[dict[str, Any]] = []
-
-    def clock(step: int, total: int, loss: float, lr: float, tok_s: float, peak: float, elapsed: float,
-              tokens: int, grad_norm: float | None = None) -> None:  # one timestamp per logged step
-        marks.append({"step": step, "time": time.time(), "tokens": tokens})
-
-    with tempfile.TemporaryDirectory() as d:
-        trainer = MLXTrainer(model, TokenizerView(rows.tokenizer, s.data.tokenizer), train_set,
-                             args=training_config(s, 1, d))
-        trainer.add_step_callback(clock)
-        trainer.train()
-    out.write_text(json.dumps(marks))
-
-
-class BareSession:
-    """What ``api.session()`` gives the script in a bare process: the scenario's model, rows and
-    optimizer, built as the harness builds them; ``probe``, ``saved`` and ``finish`` do nothing,
-    ``step`` takes a timestamp."""
-
-    def __init__(self, s: Any, run_dir: Path):
-        self.scenario, self.run_dir = s, run_dir
-        self.rank, self.world_size, self.split_rows = 0, 1, 1
-        self.seed, self.steps, self.global_batch = s.seed, s.train.steps, s.train.global_batch
-        self.learning_rate = s.train.learning_rate
-        self.marks: list[dict[str, Any]] = []
-        self.tokens = 0
-
-    def model(self) -> Any:
-        from harness.data.tokenizers import load_tokenizer
-        from harness.rank.models import build_model
-
-        return build_model(self.scenario.model, load_tokenizer(self.scenario.data).vocab_size, self.seed)[0]
-
-    def rows(self, split: str = "train") -> list[tuple[Any, Any]]:
-        from harness.data.rows import split_rows
-        from harness.data.tokenizers import load_tokenizer
-
-        tok = load_tokenizer(self.scenario.data)
-        return [(e.ids, e.supervised) for _, e in split_rows(self.scenario, tok, split)]
-
-    def optimizer(self) -> Any:
-        from harness.rank.optimizer import build_optimizer
-
-        return build_optimizer(self.scenario.train)
-
-    def probe(self, *args: Any) -> None:
-        pass
-
-    def step(self, step: int, loss: float, tokens: int, tokens_local: int, lr: Any = None, params: Any = None) -> None:
-        self.tokens += int(tokens)
-        self.marks.append({"step": int(step), "time": time.time(), "tokens": self.tokens})
-
-    def saved(self, count: int = 1) -> None:
-        pass
-
-    def finish(self, params: Any) -> None:
-        pass
-
-
-def bare_script(path: Path, run: str, out: Path) -> None:
-    """``examples/ddp_train.py``'s ``main`` (via ``timed_script.py``) alone, given a ``BareSession``."""
-    from harness.rank import script_session
-    from harness.scenario import load_scenario
-    from harness.scenario.plan import plan_scenario
-
-    s = plan_scenario(load_scenario(path)).run(run).eff
-    with tempfile.TemporaryDirectory() as d:
-        bare = BareSession(s, Path(d))
-        script_session.activate(bare)  # type: ignore[arg-type]
-        timed_script.main()
-    out.write_text(json.dumps(bare.marks))
-
-
-BARE = {"mlx_lm": bare_mlx_lm, "script": bare_script, "mlx_vlm": bare_mlx_vlm, "unsloth_zoo": bare_unsloth_zoo}
-
-
-def bare_env() -> dict[str, str]:
-    """The BLAS the harness's ranks run with (``launch.blas_preload``), one thread, as they have it."""
-    from harness.controller.launch import blas_preload
-
-    env = dict(os.environ)
-    preload = blas_preload()
-    if preload:
-        env["LD_PRELOAD"] = os.pathsep.join(p for p in (preload, env.get("LD_PRELOAD")) if p)
-        env.setdefault("OPENBLAS_NUM_THREADS", "1")
-    return env
-
-
 def window_rate(marks: list[dict[str, Any]], first: int) -> tuple[float, int, int]:
     """Global tokens per second from the mark at step ``first`` (or the first after it) to the last."""
     start = next(m for m in marks if m["step"] >= first)
@@ -335,13 +164,57 @@ def harnessed(path: Path, run: str) -> list[dict[str, Any]]:
     return marks
 
 
+def harness_side(path: Path, run: str, off: str) -> list[dict[str, Any]]:
+    """The run under the harness, with the parts ``off`` names turned off (``harness.ablation``)."""
+    if not off:
+        return harnessed(path, run)
+    os.environ[ablation.VAR] = off  # the ranks inherit it
+    try:
+        return harnessed(path, run)
+    finally:
+        del os.environ[ablation.VAR]
+
+
+def parts(value: str) -> str:
+    """``--ablate``'s parts (``all``: every one), checked; one line for a part that does not exist."""
+    if value == "all":
+        return ",".join(ablation.PARTS)
+    try:
+        ablation.ablated({ablation.VAR: value})
+    except ablation.AblationError as e:
+        raise SystemExit(f"--ablate: {e}") from None
+    return value
+
+
+def comparisons(sides: list[str]) -> list[tuple[str, str]]:
+    """(numerator, denominator) of each ratio reported: under the harness over bare, and with
+    ``--ablate``, the harness with those parts off over bare and all on over them off (the parts' effect)."""
+    return [("harness", "bare")] + ([("ablated", "bare"), ("harness", "ablated")] if "ablated" in sides else [])
+
+
+def run_side(side: str, t: str, path: Path, d: Path, a: argparse.Namespace, rates: dict[str, list[float]]) -> None:
+    if side == "bare":
+        marks = d / f"{t}.marks.json"
+        subprocess.run([sys.executable, __file__, "--bare", str(path), t, str(marks)], check=True, env=bare_env(),
+                       stdout=subprocess.DEVNULL)
+        rates["bare"].append(window_rate(json.loads(marks.read_text()), a.first)[0])
+        return
+    marks_h = harness_side(path, t, a.ablate if side == "ablated" else "")
+    rates[side].append(window_rate(marks_h, a.first)[0])
+    rates[f"{side} reported"].append(reported_rate(marks_h, a.first))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", choices=sorted(MODELS), default="cpu3m")
     p.add_argument("--trainers", default=",".join(TRAINERS))
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--from", dest="first", type=int, default=10, help="the step the timed window starts after")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3, help="repeats before the intervals are first looked at")
+    p.add_argument("--max-repeats", type=int, help="repeats are added until every interval is resolved, up to this "
+                                                   "(default: --repeats)")
+    p.add_argument("--ablate", type=parts, default="", metavar="PARTS",
+                   help="a third side: the harness with these parts off (comma-separated, or all; harness.ablation)")
     p.add_argument("--bare", nargs=3, metavar=("SCENARIO", "RUN", "OUT"), help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.bare:
@@ -349,49 +222,62 @@ def main() -> None:
         BARE[run](path, run, out)
         return
     trainers = a.trainers.split(",")
-    with tempfile.TemporaryDirectory() as d:
-        (times := Path(d) / "times").mkdir()  # timed_script.py's rows (both sides' processes inherit the variable)
+    most = max(a.repeats, a.max_repeats or a.repeats)
+    sides = ["bare", "harness", *(["ablated"] if a.ablate else [])]
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp)
+        (times := d / "times").mkdir()  # timed_script.py's rows (every side's processes inherit the variable)
         os.environ[timed_script.TIMES_VAR] = str(times)
-        split: dict[str, list[tuple[float, float]]] = {"bare": [], "harness": []}
+        split: dict[str, list[tuple[float, float]]] = {side: [] for side in sides}
         paths = {}  # each trainer's scenario: one for the text trainers, one for the vision-language ones
         for group in ([t for t in trainers if t not in VISION], [t for t in trainers if t in VISION]):
             if group:
-                path = Path(d) / f"observer_effect_{'vlm' if group[0] in VISION else 'text'}.toml"
+                path = d / f"observer_effect_{'vlm' if group[0] in VISION else 'text'}.toml"
                 path.write_text(scenario_text(a.model, group, a.steps))
                 paths.update(dict.fromkeys(group, path))
-        rates: dict[str, dict[str, list[float]]] = {t: {"bare": [], "harness": [], "reported": []} for t in trainers}
-        for i in range(a.repeats):
+        rates = {t: {k: [] for s in sides for k in (s, f"{s} reported")} for t in trainers}
+        for i in range(most):
             for t in trainers:
-                for side in ("bare", "harness") if i % 2 == 0 else ("harness", "bare"):
-                    if side == "bare":
-                        marks = Path(d) / f"{t}.marks.json"
-                        subprocess.run([sys.executable, __file__, "--bare", str(paths[t]), t, str(marks)], check=True,
-                                       env=bare_env(), stdout=subprocess.DEVNULL)
-                        rates[t]["bare"].append(window_rate(json.loads(marks.read_text()), a.first)[0])
-                    else:
-                        marks_h = harnessed(paths[t], t)
-                        rates[t]["harness"].append(window_rate(marks_h, a.first)[0])
-                        rates[t]["reported"].append(reported_rate(marks_h, a.first))
-                    for f in sorted(times.glob(f"{side}-*.json")):  # the script's, just written
+                for side in sides[i % len(sides):] + sides[:i % len(sides)]:  # each side first in turn
+                    run_side(side, t, paths[t], d, a, rates[t])
+                    for f in sorted(times.glob("*.json")):  # the script's, just written
                         split[side].append(timed_script.split(json.loads(f.read_text()), a.first))
                         f.unlink()
+            done = i + 1
+            if done >= a.repeats and all(ratios(rates[t], c).resolved() for t in trainers for c in comparisons(sides)):
+                break
+            print(f"repeat {done}: " + "; ".join(f"{t} {ratios(rates[t], c).cell()}" for t in trainers
+                                                for c in comparisons(sides)[:1]), file=sys.stderr, flush=True)
+    report(a, trainers, sides, rates, split, done, most)
+
+
+def ratios(rates: dict[str, list[float]], comparison: tuple[str, str]) -> Ratios:
+    num, den = comparison
+    return Ratios(tuple(u / b for u, b in zip(rates[num], rates[den], strict=True)))
+
+
+def report(a: argparse.Namespace, trainers: list[str], sides: list[str], rates: dict[str, dict[str, list[float]]],
+           split: dict[str, list[tuple[float, float]]], done: int, most: int) -> None:
+    off = f"; ablated: {a.ablate}" if a.ablate else ""
+    print(f"model {a.model}, 1 process, steps {a.steps}, timed after step {a.first}, {done} repeats of at most "
+          f"{most} (each side first in turn: {', '.join(sides)}){off}")
+    print(tabulate([[t, side, ", ".join(f"{r:.0f}" for r in rates[t][side]),
+                     ", ".join(f"{r:.0f}" for r in rates[t][f"{side} reported"]) if side != "bare" else "-"]
+                    for t in trainers for side in sides],
+                   headers=["trainer", "side", "tok/s per repeat", "the harness's own figure"]))
+    print(f"\nratios per repeat, their mean and its 95% interval (Student's t); resolved: the interval does not "
+          f"hold both 1 and {1 - EFFECT:g}")
     rows = []
     for t in trainers:
-        bare, under = rates[t]["bare"], rates[t]["harness"]
-        said = rates[t]["reported"]
-        rows.append([t, ", ".join(f"{r:.0f}" for r in bare), ", ".join(f"{r:.0f}" for r in under),
-                     f"{max(under) / max(bare):.3f}x",
-                     ", ".join(f"{u / b:.3f}" for b, u in zip(bare, under, strict=True)),
-                     ", ".join(f"{r:.0f}" for r in said), f"{max(said) / max(bare):.3f}x"])
-    print(f"model {a.model}, 1 process, steps {a.steps}, timed after step {a.first}, {a.repeats} repeats "
-          f"(both sides in turn, bare first in even repeats)")
-    print(tabulate(rows, headers=["trainer", "bare tok/s", "under the harness tok/s", "best / best",
-                                  "per repeat", "the harness's own figure tok/s", "its best / bare best"]))
-    if split["harness"]:
+        for c in comparisons(sides):
+            r = ratios(rates[t], c)
+            rows.append([t, f"{c[0]} / {c[1]}", ", ".join(f"{v:.3f}" for v in r.values), r.cell(), r.verdict()])
+    print(tabulate(rows, headers=["trainer", "ratio", "per repeat", "mean [95% interval]", "verdict"]))
+    if any(split[side] for side in sides if side != "bare"):
         print("\nthe script's step, ms per step over the same window, per repeat: its own time / inside run.probe "
               "and run.step")
         print(tabulate([[side, ", ".join(f"{own * 1e3:.1f}" for own, _ in split[side]),
-                         ", ".join(f"{calls * 1e3:.3f}" for _, calls in split[side])] for side in ("bare", "harness")],
+                         ", ".join(f"{calls * 1e3:.3f}" for _, calls in split[side])] for side in sides],
                        headers=["side", "the script's own", "inside the session's calls"]))
 
 

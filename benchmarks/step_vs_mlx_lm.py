@@ -26,11 +26,14 @@ kept figures' ratio with the range of the repeat-by-repeat ratios (repeat r at N
 repeat r at the first world size, measured next to each other). For every world size above
 the first, a second table puts the gradient all-reduce alone (``nn.average_gradients`` on a
 gradient of the model's shapes, ``harness.rank.anchor.allreduce``) beside what the harness's
-eager step takes over the first world size's at the same per-rank batch.
+eager step takes over the first world size's at the same per-rank batch. A third gives, per run,
+the reference's tok/s over the bare step's repeat by repeat, their mean with its 95 % interval
+(``repeat_ratios``) and whether it tells a 2 % gap from none; ``--max-repeats`` adds repeats
+until it does.
 
 usage: python benchmarks/step_vs_mlx_lm.py [--model tiny|cpu3m|gpu044b] [--world-sizes 1,2]
                                            [--modes eager,compiled] [--steps N] [--repeats R]
-                                           [--backend ring|nccl]
+                                           [--max-repeats M] [--backend ring|nccl]
 """
 
 from __future__ import annotations
@@ -47,7 +50,10 @@ from typing import Any
 
 from tabulate import tabulate
 
-from harness.controller.run_job import execute
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from repeat_ratios import EFFECT, Ratios  # noqa: E402
+
+from harness.controller.run_job import execute  # noqa: E402
 from harness.scenario import load_scenario
 from harness.scenario.job import AnchorJob
 from harness.scenario.plan import job_for
@@ -179,6 +185,11 @@ def ratio_figure(mine: list[float], base: list[float]) -> str:
     return f"{best:.2f}x ({min(pairs):.2f}-{max(pairs):.2f}x)"
 
 
+def bare_ratio(got: list[list[tuple[float, dict[str, Any]]]]) -> Ratios:
+    """The reference trainer's tok/s over mlx-lm's bare step's, repeat by repeat."""
+    return Ratios(tuple(h / b for (h, _), (b, _) in zip(got[0], got[2], strict=True)))
+
+
 def allreduce_rows(s: Any, steps: dict[tuple[int, str], float], backend: str | None) -> list[list[Any]]:
     """Per world size above one: the gradient all-reduce alone (``grad_allreduce``) beside what
     the harness's step (eager where it ran) gains over one rank at the same per-rank batch."""
@@ -203,6 +214,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default: 40 for tiny, else 12)")
     ap.add_argument("--repeats", type=int, default=3,
                     help="alternate the three this many times per run and keep each one's best median")
+    ap.add_argument("--max-repeats", type=int, default=None,
+                    help="add alternating repeats until the harness / step ratio's interval tells a 2%% effect from "
+                         "none, up to this many (default: --repeats)")
     ap.add_argument("--backend", default=None)
     args = ap.parse_args()
     sizes = [int(n) for n in args.world_sizes.split(",")]
@@ -217,7 +231,7 @@ def main() -> None:
     _, dtype, seq, per_rank = MODELS[args.model]
     name, peak = device_peak()
     mfu_ok = peak is not None and dtype in ("bfloat16", "float16")
-    rows, base, step_s, phase_rows = [], {}, {}, []
+    rows, base, step_s, phase_rows, step_rows = [], {}, {}, [], []
     for spec in s.runs:
         mode = spec.name.split("_")[1]
         if spec.name.endswith(MLX_LM) or mode not in modes:
@@ -226,11 +240,16 @@ def main() -> None:
         runs = ((spec, job_for(s, spec.name)), (theirs, job_for(s, theirs.name)),
                 (spec, AnchorJob(s.for_run(spec))))
         got: list[list[tuple[float, dict[str, Any]]]] = [[], [], []]
-        for _ in range(args.repeats):  # alternating, so that a slow phase of the machine hits all three
+        for k in range(max(args.repeats, args.max_repeats or args.repeats)):  # alternating: a slow phase hits all
             for i, (run, job) in enumerate(runs):
                 with compile_disabled(mode == "eager"):
                     got[i].append(measure(run, job, args.backend))
+            if k + 1 >= args.repeats and bare_ratio(got).resolved():
+                break
         tok_s = [[v for v, _ in g] for g in got]
+        against_step = bare_ratio(got)
+        step_rows.append([spec.world_size, mode, ", ".join(f"{v:.3f}" for v in against_step.values),
+                          against_step.cell(), against_step.verdict()])
         ours, trainer, loop = (g[kept(t)][1] for g, t in zip(got, tok_s, strict=True))
         if loop["mlx_compile"] != (mode == "compiled"):
             raise SystemExit(f"{spec.name}: MLX compiles {'' if loop['mlx_compile'] else 'not '}in the ranks")
@@ -256,6 +275,11 @@ def main() -> None:
     if args.repeats > 1:
         print("Each figure: the fastest repeat (rK/R: which), then the range over repeats. Ratios and scaling: the "
               "kept figures' ratio, then the range of the repeat-by-repeat ratios.")
+    print()
+    print(tabulate(step_rows, headers=["World size", "Mode", "Harness / step, per repeat", "Mean [95% interval]",
+                                       "Verdict"]))
+    print(f"The reference trainer over mlx-lm's bare step, repeat by repeat (Student's t interval of the mean; "
+          f"resolved where it does not hold both 1 and {1 - EFFECT:g}, repeats added up to --max-repeats until it is).")
     if phase_rows:
         print()
         print(tabulate(phase_rows, headers=["World size", "Mode", "Who", "Fetch ms", "Build ms", "Eval ms",

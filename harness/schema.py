@@ -175,6 +175,7 @@ class RankResult(_RankRequired, total=False):
     rss_peak_after_baseline_bytes: int | None
     memory_sampler_error: str | None
     memory_share: dict[str, Any]  # working set, budget, share, limit calls (``harness.memory.share``)
+    ablated: list[str]  # the parts turned off for benchmarks/observer_effect.py (``harness.ablation``)
 
 
 class _TrainRequired(TypedDict):

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from harness import schema
+from harness import ablation, schema
 from harness.controller import ring_yield, warm_ranks
 from harness.controller.devices import accelerators
 from harness.controller.ports import PortLease, lease_ports
@@ -95,17 +95,21 @@ DISTRIBUTED_VARS = ("MLX_RANK", "MLX_HOSTFILE", "MLX_WORLD_SIZE", "MLX_JACCL_COO
 
 
 def _rank_env(run_dir: Path) -> dict[str, str]:
+    """A rank's environment: this one's, less a launch's distributed variables, with the harness on
+    ``PYTHONPATH`` and what the harness sets (``harness.ablation``'s ``env`` and ``preload``)."""
     env = {k: v for k, v in os.environ.items() if k not in DISTRIBUTED_VARS}
     pkg_root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
-    env[TMPDIR_VAR] = tempfile.gettempdir()
-    env["TMPDIR"] = str(run_dir / "tmp")
-    env["PYTHONUNBUFFERED"] = "1"
-    env[ring_yield.ACTIVE_VAR] = "0"  # a rank forked from a warm server has the library mapped: not yielding
-    preload = blas_preload()
+    if ablation.on("env"):
+        env[TMPDIR_VAR] = tempfile.gettempdir()
+        env["TMPDIR"] = str(run_dir / "tmp")
+        env["PYTHONUNBUFFERED"] = "1"
+        env[ring_yield.ACTIVE_VAR] = "0"  # a rank forked from a warm server has the library mapped: not yielding
+    preload = blas_preload() if ablation.on("preload") else None
     if preload:
         env["LD_PRELOAD"] = os.pathsep.join(p for p in (preload, env.get("LD_PRELOAD")) if p)
-        env.setdefault("OPENBLAS_NUM_THREADS", "1")
+        if ablation.on("env"):
+            env.setdefault("OPENBLAS_NUM_THREADS", "1")
     return env
 
 

@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from harness import ablation
 from harness.judge.baselines import BaselineError
 from harness.memory.plan import BUDGET_VAR, parse_size
 from harness.present import soak_cli, starter
@@ -321,6 +322,9 @@ def _terminated(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)  # unwinds through the controller, which kills its ranks
 
 
+LAUNCHING = ("run", "gate", "soak", "new")  # commands that start ranks and judge them
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _terminated)
@@ -328,6 +332,10 @@ def main(argv: list[str] | None = None) -> int:
         with contextlib.suppress(OSError, ValueError, RuntimeError):
             faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
     try:
+        if args.command in LAUNCHING:
+            refused = ablation.refuse(f"mlx-ddp-harness {args.command}")
+            if refused:
+                raise ScenarioError(refused)
         return args.func(args)
     except (ScenarioError, BaselineError) as e:
         print(f"error: {e}", file=sys.stderr)

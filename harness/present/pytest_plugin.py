@@ -71,6 +71,11 @@ _HELD = pytest.StashKey[Any]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    from harness.ablation import refuse
+
+    refused = refuse("pytest with the mlx-ddp-harness plugin")
+    if refused:
+        raise pytest.UsageError(refused)
     budget = config.getoption("--mlx-ddp-memory-budget", None)
     if budget is not None:  # xdist workers get the option (and inherit the variable) too
         from harness.memory.plan import BUDGET_VAR, parse_size

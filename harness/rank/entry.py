@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from harness import schema
+from harness import ablation, schema
 from harness.memory import share as memory_share
 from harness.memory.sampler import MemorySampler, accelerator, device_baseline_kind, peak_rss_bytes
 from harness.rank import device_check, ring_arrival
@@ -155,11 +155,13 @@ def main(argv: list[str]) -> int:
     if TMPDIR_VAR in os.environ:
         os.environ["TMPDIR"] = os.environ[TMPDIR_VAR]
         tempfile.tempdir = None
-    faulthandler.enable()
-    # The watchdog's SIGUSR1 dumps the main thread's stack (the trainer's loop). Not every
-    # thread's: dumping a thread while it runs can crash the rank (faulthandler's own caveat).
-    # It is sent to the main thread (harness.main_thread_signal), and the sampler thread blocks it.
-    faulthandler.register(signal.SIGUSR1, all_threads=False)
+    off = ablation.ablated()  # for benchmarks/observer_effect.py alone
+    if "faulthandler" not in off:
+        faulthandler.enable()
+        # The watchdog's SIGUSR1 dumps the main thread's stack (the trainer's loop). Not every
+        # thread's: dumping a thread while it runs can crash the rank (faulthandler's own caveat).
+        # It is sent to the main thread (harness.main_thread_signal), and the sampler thread blocks it.
+        faulthandler.register(signal.SIGUSR1, all_threads=False)
     run_dir = Path(argv[0])
     rank = int(os.environ.get("MLX_RANK", "0"))
     events = schema.EventWriter(schema.events_path(run_dir, rank))
@@ -179,7 +181,8 @@ def main(argv: list[str]) -> int:
         world_size = int(job.world_size or 1)
         own_group = isinstance(job, TrainJob) and job.trainer.own_group  # a command's processes join it
         mutation = job.mutation if isinstance(job, TrainJob) and job.mutation in COLLECTIVE_MUTATIONS else None
-        if not own_group and (ledger_enabled() or mutation):  # every collective it issues, for the controller
+        keep_ledger = ledger_enabled() and "ledger" not in off
+        if not own_group and (keep_ledger or mutation):  # every collective it issues, for the controller
             ledger = Ledger(schema.ledger_path(run_dir, rank), world_size, rank,
                             None if mutation is None else CollectiveMutation(mutation, rank, world_size, events.emit))
             ledger.install()
@@ -194,14 +197,16 @@ def main(argv: list[str]) -> int:
         import mlx.core as mx
 
         clock.done("device")
-        if isinstance(job, TrainJob):  # a device that computes wrong is refused (or, under auto, left for the CPU)
-            result.update(device_check.for_job(job, rank, world_size, group, backend, events))
+        if isinstance(job, TrainJob) and "device_check" not in off:  # a device that computes wrong is refused
+            result.update(device_check.for_job(job, rank, world_size, group, backend, events))  # (auto: the CPU)
         if not own_group:  # every memory limit set in the rank is capped at its share (before any trainer import)
-            share = memory_share.install(job, rank)
-            warm_up(job)
+            share = memory_share.install(job, rank) if "memory_share" not in off else None
+            if "warm_up" not in off:
+                warm_up(job)
         clock.done("warm_up")
         startup_s = time.time() - float(job.launched_at or time.time())
-        load_libraries(job)
+        if "libraries" not in off:
+            load_libraries(job)
         clock.done("libraries")
         rss_runtime = peak_rss_bytes()  # what a rank holds before its job
         device = str(mx.default_device())
@@ -209,7 +214,8 @@ def main(argv: list[str]) -> int:
         events.emit("start", rank=rank, world_size=world_size, host=result["host"], pid=os.getpid(),
                     device=device, backend=backend, startup_s=startup_s, rss_runtime_bytes=rss_runtime,
                     **sampler.start_fields())
-        sampler.start()
+        if "sampler" not in off:
+            sampler.start()
         ctx = RankContext(run_dir, job, rank, world_size, group, backend, events, list(job.faults), memory=sampler,
                           startup=clock)
         payload = job_runner(job)(ctx)
@@ -227,6 +233,8 @@ def main(argv: list[str]) -> int:
         settle = getattr(e, "after_record", None)
     if share is not None:
         result["memory_share"] = share.to_json()
+    if off:
+        result["ablated"] = sorted(off)
     if sampler is not None:
         sampler.stop()
     events.emit("end", rank=rank, status=result["status"])

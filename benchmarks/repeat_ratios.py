@@ -1,0 +1,64 @@
+"""Per-repeat speed ratios a reader can trust: their mean with its 95 % confidence interval
+(Student's t over the repeats), and whether that interval can tell an effect of ``EFFECT`` (2 %)
+from none.
+
+A benchmark that alternates two sides (bare and under the harness, say) gets one ratio per
+repeat. The interval *resolves* the question "is there a 2 % effect?" when it does not hold both
+1 (no effect) and 1 - ``EFFECT`` (a 2 % slowdown): then either the effect is at most 2 % (the
+interval lies above 0.98), or there is one (it lies below 1). Until then the benchmark adds
+alternating repeats, up to its stated limit (``Ratios.resolved``)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+
+EFFECT = 0.02
+LEVEL = 0.95
+
+
+def t_quantile(p: float, df: int) -> float:
+    from scipy.stats import t
+
+    return float(t.ppf(p, df))
+
+
+@dataclass(frozen=True)
+class Ratios:
+    """One comparison's per-repeat ratios (numerator side over denominator side)."""
+
+    values: tuple[float, ...]
+
+    @property
+    def mean(self) -> float:
+        return statistics.fmean(self.values)
+
+    def interval(self, level: float = LEVEL) -> tuple[float, float]:
+        """The ``level`` confidence interval of the mean ratio (nan, nan under 2 repeats)."""
+        n = len(self.values)
+        if n < 2:
+            return math.nan, math.nan
+        half = t_quantile(0.5 + level / 2, n - 1) * statistics.stdev(self.values) / math.sqrt(n)
+        return self.mean - half, self.mean + half
+
+    def resolved(self, effect: float = EFFECT) -> bool:
+        """Whether the interval tells an effect of ``effect`` from none (module docstring)."""
+        lo, hi = self.interval()
+        return not math.isnan(lo) and not (lo < 1 - effect and hi > 1)
+
+    def verdict(self, effect: float = EFFECT) -> str:
+        lo, hi = self.interval()
+        if math.isnan(lo):
+            return "one repeat: no interval"
+        if not self.resolved(effect):
+            return f"too wide to tell a {effect:.0%} effect from none"
+        if lo >= 1 - effect:
+            return f"at most a {effect:.0%} cost" if lo < 1 else "no cost"
+        return f"a cost of {1 - hi:.1%} or more"
+
+    def cell(self) -> str:
+        lo, hi = self.interval()
+        if math.isnan(lo):
+            return f"{self.mean:.3f} (1 repeat)"
+        return f"{self.mean:.3f} [{lo:.3f}, {hi:.3f}]"

@@ -1,0 +1,57 @@
+"""What a rank of the harness does that a bare process does not, each switchable off for
+``benchmarks/observer_effect.py`` alone (``--ablate``), so that what the harness costs the trainer it
+measures can be traced to a part.
+
+``VAR`` (``MLX_DDP_HARNESS_ABLATE``) names the parts turned off, comma-separated, in the
+controller's environment, which its ranks inherit. ``run``, ``gate`` and the pytest plugin refuse
+to start with it set (``refuse``): a part turned off can blind a check (the sampler feeds the
+memory ceilings, the ledger names a hang's collective), so no verdict is ever given without it.
+A rank records what was off in its result (``ablated``).
+"""
+
+from __future__ import annotations
+
+import os
+
+VAR = "MLX_DDP_HARNESS_ABLATE"
+
+# each part and what turning it off leaves out
+PARTS: dict[str, str] = {
+    "env": "the variables the launcher sets (TMPDIR to the run's directory, PYTHONUNBUFFERED, "
+           "OPENBLAS_NUM_THREADS, the ring yield's switch)",
+    "preload": "the libraries preloaded into the rank (LD_PRELOAD: OpenBLAS on a Linux CPU)",
+    "faulthandler": "faulthandler and its stack dump on SIGUSR1",
+    "device_check": "the check that the device computes right, before training",
+    "memory_share": "the memory limits capped at the rank's share (MLX's limit functions and device_info wrapped)",
+    "warm_up": "the device's warm-up (a matmul; on a GPU a compiled gradient in the model's dtype)",
+    "libraries": "the trainer's libraries imported before training (load_libraries)",
+    "sampler": "the memory sampler's thread (sampling every 20 ms; the per-step figures are still read)",
+    "ledger": "the ledger's interposition on MLX's collectives",
+}
+
+
+class AblationError(ValueError):
+    """``VAR`` names a part that does not exist."""
+
+
+def ablated(environ: dict[str, str] | None = None) -> frozenset[str]:
+    """The parts turned off (``AblationError`` for one that does not exist)."""
+    value = (os.environ if environ is None else environ).get(VAR, "")
+    parts = frozenset(p.strip() for p in value.split(",") if p.strip())
+    unknown = sorted(parts - PARTS.keys())
+    if unknown:
+        raise AblationError(f"{VAR}: no part named {', '.join(unknown)} (parts: {', '.join(PARTS)})")
+    return parts
+
+
+def on(part: str) -> bool:
+    """Whether ``part`` (a key of ``PARTS``) runs in this process."""
+    return part not in ablated()
+
+
+def refuse(command: str) -> str | None:
+    """Why ``command`` must not run in this environment (``VAR`` set), or None."""
+    if os.environ.get(VAR):
+        return (f"{VAR} is set ({os.environ[VAR]}): it turns parts of every rank off for "
+                f"benchmarks/observer_effect.py alone, and {command} would judge runs without them; unset it")
+    return None

@@ -1,0 +1,76 @@
+"""The observer-effect benchmark's ratios (``benchmarks/repeat_ratios.py``) and the switches that
+turn a rank's parts off for it alone (``harness.ablation``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+from scipy.stats import t
+
+from harness import ablation
+from tests.conftest import REPO, cli, write_scenario
+
+_spec = importlib.util.spec_from_file_location("repeat_ratios", REPO / "benchmarks" / "repeat_ratios.py")
+repeat_ratios = importlib.util.module_from_spec(_spec)
+sys.modules["repeat_ratios"] = repeat_ratios  # its dataclass looks its module up there
+_spec.loader.exec_module(repeat_ratios)
+Ratios = repeat_ratios.Ratios
+
+
+def test_the_interval_is_students_over_the_repeats() -> None:
+    r = Ratios((0.95, 0.97, 0.96, 0.98))
+    lo, hi = r.interval()
+    half = t.ppf(0.975, 3) * statistics.stdev(r.values) / 2
+    assert r.mean == pytest.approx(0.965) and (lo, hi) == pytest.approx((0.965 - half, 0.965 + half))
+
+
+def test_an_interval_resolves_only_when_it_cannot_hold_both_no_effect_and_a_two_percent_one() -> None:
+    # the H200's script, two repeats: 0.946 and 0.900: far too wide
+    wide = Ratios((0.946, 0.900))
+    assert not wide.resolved() and wide.verdict() == "too wide to tell a 2% effect from none"
+    level = Ratios((0.995, 1.004, 0.999, 1.002, 0.998))  # tight around 1: at most a 2 % cost
+    assert level.resolved() and level.interval()[0] > 0.98 and level.verdict() == "at most a 2% cost"
+    slower = Ratios((0.95, 0.955, 0.948, 0.952))  # tight below 0.98: a cost
+    assert slower.resolved() and slower.verdict().startswith("a cost of 4.") and slower.interval()[1] < 0.98
+    faster = Ratios((1.03, 1.031, 1.029))
+    assert faster.resolved() and faster.verdict() == "no cost"
+    one = Ratios((0.99,))
+    assert not one.resolved() and one.verdict() == "one repeat: no interval" and one.cell() == "0.990 (1 repeat)"
+
+
+def test_the_parts_a_benchmark_turns_off_are_named_and_checked() -> None:
+    assert ablation.ablated({}) == frozenset()
+    assert ablation.ablated({ablation.VAR: "sampler, ledger"}) == {"sampler", "ledger"}
+    with pytest.raises(ablation.AblationError, match="no part named samplr"):
+        ablation.ablated({ablation.VAR: "samplr"})
+
+
+@pytest.mark.parametrize("command", [["run", "scenarios/text_parity.toml"], ["soak"]])
+def test_no_verdict_is_given_with_a_part_turned_off(command: list[str]) -> None:
+    p = cli(*command, env={ablation.VAR: "sampler"})
+    assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
+    assert p.stderr.startswith(f"error: {ablation.VAR} is set (sampler): it turns parts of every rank off"), p.stderr
+
+
+@pytest.mark.ranks
+def test_a_rank_with_every_part_turned_off_trains_and_says_what_was_off(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from harness import schema
+    from harness.controller.run_job import execute
+    from harness.scenario import load_scenario
+    from harness.scenario.plan import job_for
+
+    job = job_for(load_scenario(write_scenario(tmp_path, "parts", world_sizes=(1,), steps=3)), "single")
+    whole = execute("whole", job, 1, keep_to=tmp_path / "whole")
+    monkeypatch.setenv(ablation.VAR, ",".join(ablation.PARTS))
+    bare = execute("bare", job, 1, keep_to=tmp_path / "bare")
+    assert whole.ok and bare.ok, (whole.failure, bare.failure)
+    assert "ablated" not in whole.result(0) and bare.result(0)["ablated"] == sorted(ablation.PARTS)
+    assert "memory_share" in whole.result(0) and "memory_share" not in bare.result(0)
+    assert schema.ledger_path(tmp_path / "whole", 0).exists() and not schema.ledger_path(tmp_path / "bare", 0).exists()
+    steps = [e for e in bare.ranks[0].events if e.get("kind") == "step"]
+    assert [e["step"] for e in steps] == [1, 2, 3]  # its steps are still reported: the benchmark times them
