@@ -320,6 +320,14 @@ def test_pairs_run_side_by_side_by_default_only_where_the_cpu_computes_and_speed
     assert not mode("cpu", speed=False).side_by_side and "kept results can be reused" in mode("cpu", speed=False).why
     assert mode("gpu", side_by_side=True).side_by_side and not mode("cpu", in_turns=True).side_by_side
     assert mode("cpu", in_turns=True).line() == "each pair's two sides run in turns: --in-turns asked for it"
+    if cpus >= 2:  # pinned to one CPU, this process cannot give each side its own
+        mine = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, {min(mine)})
+        try:
+            one = mode("cpu")
+        finally:
+            os.sched_setaffinity(0, mine)
+        assert not one.side_by_side and one.why == "the runs compute on the CPU, and this process has one CPU"
 
 
 def test_gate_against_a_bad_revision_is_one_line(tmp_path: Path) -> None:

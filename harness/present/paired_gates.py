@@ -56,7 +56,9 @@ def pair_mode(args: argparse.Namespace, speed_judged: bool = True) -> PairMode:
         return PairMode(False, "the runs compute on the GPU, which two sides at once would share "
                                "(--side-by-side runs them at once anyway)")
     cpus = usable_cpus()
-    if cpus is None or not hasattr(os, "sched_setaffinity") or len(cpus) < 2:
+    if cpus is not None and len(cpus) < 2:
+        return PairMode(False, "the runs compute on the CPU, and this process has one CPU")
+    if cpus is None or not hasattr(os, "sched_setaffinity"):
         return PairMode(False, "the runs compute on the CPU, and this system cannot give each side its own half of "
                                "them (--side-by-side runs them at once, unpinned)")
     return PairMode(True, f"the runs compute on the CPU, each side on its own half of this process's {len(cpus)} "
