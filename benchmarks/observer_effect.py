@@ -37,9 +37,10 @@ every 10 steps, or at every step of the script and unsloth-zoo; under the harnes
 events' times), over the global supervised tokens trained in between. Each repeat runs every side
 once per trainer, each side first in turn (bare first in even repeats where there are two), so
 whatever the order costs falls on every side alike. The figure judged is the mean of the
-per-repeat ratios (harness / bare) with its 95 % interval (``repeat_ratios``): after ``--repeats``
-repeats, more are added until every interval can tell a 2 % effect from none, up to
-``--max-repeats``; each ratio's verdict says whether it could.
+per-repeat ratios (harness / bare) with its interval (``repeat_ratios``: 95 % over the looks):
+after ``--repeats`` repeats, more are added a rotation of the sides at a time until every interval
+can tell a 2 % effect from none, up to ``--max-repeats`` (both rounded up to whole rotations, so
+every side goes first equally often); each ratio's verdict says whether it could.
 
 ``--ablate PARTS`` adds a third side: the harness with those parts of what it does to a rank
 turned off (``harness.ablation``; ``all`` for every one), and two more ratios: that side over bare,
@@ -71,7 +72,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import timed_script  # noqa: E402
 from bare_trainers import BARE, bare_env  # noqa: E402
-from repeat_ratios import EFFECT, Ratios  # noqa: E402
+from repeat_ratios import EFFECT, Ratios, look_level, looks  # noqa: E402
 
 from harness import ablation  # noqa: E402
 
@@ -180,9 +181,11 @@ def parts(value: str) -> str:
     if value == "all":
         return ",".join(ablation.PARTS)
     try:
-        ablation.ablated({ablation.VAR: value})
+        named = ablation.ablated({ablation.VAR: value}, strict=True)
     except ablation.AblationError as e:
         raise SystemExit(f"--ablate: {e}") from None
+    if not named:
+        raise SystemExit(f"--ablate: name parts to turn off, or all ({', '.join(ablation.PARTS)})")
     return value
 
 
@@ -210,9 +213,10 @@ def main() -> None:
     p.add_argument("--trainers", default=",".join(TRAINERS))
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--from", dest="first", type=int, default=10, help="the step the timed window starts after")
-    p.add_argument("--repeats", type=int, default=3, help="repeats before the intervals are first looked at")
-    p.add_argument("--max-repeats", type=int, help="repeats are added until every interval is resolved, up to this "
-                                                   "(default: --repeats)")
+    p.add_argument("--repeats", type=int, default=3, help="repeats before the intervals are first looked at "
+                                                          "(rounded up to whole rotations of the sides)")
+    p.add_argument("--max-repeats", type=int, help="repeats are added a rotation at a time until every interval is "
+                                                   "resolved, up to this (default: --repeats; rounded up alike)")
     p.add_argument("--ablate", type=parts, default="", metavar="PARTS",
                    help="a third side: the harness with these parts off (comma-separated, or all; harness.ablation)")
     p.add_argument("--bare", nargs=3, metavar=("SCENARIO", "RUN", "OUT"), help=argparse.SUPPRESS)
@@ -221,9 +225,15 @@ def main() -> None:
         path, run, out = Path(a.bare[0]), a.bare[1], Path(a.bare[2])
         BARE[run](path, run, out)
         return
+    if os.environ.get(ablation.VAR):
+        raise SystemExit(f"{ablation.VAR} is set: the harness side would run with parts off; unset it (--ablate "
+                         f"runs a side with them off)")
+    if a.repeats < 1:
+        raise SystemExit(f"--repeats must be at least 1, got {a.repeats}")
     trainers = a.trainers.split(",")
-    most = max(a.repeats, a.max_repeats or a.repeats)
     sides = ["bare", "harness", *(["ablated"] if a.ablate else [])]
+    points = looks(a.repeats, a.max_repeats or a.repeats, len(sides))
+    most, level = points[-1], look_level(len(points))
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
         (times := d / "times").mkdir()  # timed_script.py's rows (every side's processes inherit the variable)
@@ -244,33 +254,34 @@ def main() -> None:
                         split[side].append(timed_script.split(json.loads(f.read_text()), a.first))
                         f.unlink()
             done = i + 1
-            if done >= a.repeats and all(ratios(rates[t], c).resolved() for t in trainers for c in comparisons(sides)):
+            if done in points and all(ratios(rates[t], c, level).resolved() for t in trainers
+                                      for c in comparisons(sides)):
                 break
-            print(f"repeat {done}: " + "; ".join(f"{t} {ratios(rates[t], c).cell()}" for t in trainers
+            print(f"repeat {done}: " + "; ".join(f"{t} {ratios(rates[t], c, level).cell()}" for t in trainers
                                                 for c in comparisons(sides)[:1]), file=sys.stderr, flush=True)
-    report(a, trainers, sides, rates, split, done, most)
+    report(a, trainers, sides, rates, split, done, points, level)
 
 
-def ratios(rates: dict[str, list[float]], comparison: tuple[str, str]) -> Ratios:
+def ratios(rates: dict[str, list[float]], comparison: tuple[str, str], level: float) -> Ratios:
     num, den = comparison
-    return Ratios(tuple(u / b for u, b in zip(rates[num], rates[den], strict=True)))
+    return Ratios(tuple(u / b for u, b in zip(rates[num], rates[den], strict=True)), level)
 
 
 def report(a: argparse.Namespace, trainers: list[str], sides: list[str], rates: dict[str, dict[str, list[float]]],
-           split: dict[str, list[tuple[float, float]]], done: int, most: int) -> None:
+           split: dict[str, list[tuple[float, float]]], done: int, points: list[int], level: float) -> None:
     off = f"; ablated: {a.ablate}" if a.ablate else ""
     print(f"model {a.model}, 1 process, steps {a.steps}, timed after step {a.first}, {done} repeats of at most "
-          f"{most} (each side first in turn: {', '.join(sides)}){off}")
+          f"{points[-1]} (each side first in turn: {', '.join(sides)}; looked at after {points}){off}")
     print(tabulate([[t, side, ", ".join(f"{r:.0f}" for r in rates[t][side]),
                      ", ".join(f"{r:.0f}" for r in rates[t][f"{side} reported"]) if side != "bare" else "-"]
                     for t in trainers for side in sides],
                    headers=["trainer", "side", "tok/s per repeat", "the harness's own figure"]))
-    print(f"\nratios per repeat, their mean and its 95% interval (Student's t); resolved: the interval does not "
-          f"hold both 1 and {1 - EFFECT:g}")
+    print(f"\nratios per repeat, their mean and its interval (Student's t at {level:.4g} per look: 95% over the "
+          f"{len(points)} looks); resolved: the interval does not hold both 1 and {1 - EFFECT:g}")
     rows = []
     for t in trainers:
         for c in comparisons(sides):
-            r = ratios(rates[t], c)
+            r = ratios(rates[t], c, level)
             rows.append([t, f"{c[0]} / {c[1]}", ", ".join(f"{v:.3f}" for v in r.values), r.cell(), r.verdict()])
     print(tabulate(rows, headers=["trainer", "ratio", "per repeat", "mean [95% interval]", "verdict"]))
     if any(split[side] for side in sides if side != "bare"):

@@ -6,7 +6,9 @@ A benchmark that alternates two sides (bare and under the harness, say) gets one
 repeat. The interval *resolves* the question "is there a 2 % effect?" when it does not hold both
 1 (no effect) and 1 - ``EFFECT`` (a 2 % slowdown): then either the effect is at most 2 % (the
 interval lies above 0.98), or there is one (it lies below 1). Until then the benchmark adds
-alternating repeats, up to its stated limit (``Ratios.resolved``)."""
+alternating repeats, up to its stated limit (``Ratios.resolved``). It looks only after whole
+rotations of its sides (``looks``), and each look's interval is at ``1 - 0.05 / looks`` (Bonferroni),
+so that stopping at the first resolved look keeps the stated 95 % over the whole run."""
 
 from __future__ import annotations
 
@@ -24,22 +26,37 @@ def t_quantile(p: float, df: int) -> float:
     return float(t.ppf(p, df))
 
 
+def looks(first: int, most: int, unit: int) -> list[int]:
+    """The repeats after which the intervals are looked at: ``first`` to ``most``, each rounded up
+    to whole rotations of ``unit`` sides (every side first equally often), one rotation apart."""
+    def whole(n: int) -> int:
+        return -(-max(n, 1) // unit) * unit
+
+    return list(range(whole(first), whole(max(first, most)) + 1, unit))
+
+
+def look_level(n_looks: int) -> float:
+    """Each look's confidence level, so that the run's is ``LEVEL`` over ``n_looks`` looks."""
+    return 1 - (1 - LEVEL) / max(1, n_looks)
+
+
 @dataclass(frozen=True)
 class Ratios:
-    """One comparison's per-repeat ratios (numerator side over denominator side)."""
+    """One comparison's per-repeat ratios (numerator side over denominator side), judged at ``level``."""
 
     values: tuple[float, ...]
+    level: float = LEVEL
 
     @property
     def mean(self) -> float:
         return statistics.fmean(self.values)
 
-    def interval(self, level: float = LEVEL) -> tuple[float, float]:
+    def interval(self) -> tuple[float, float]:
         """The ``level`` confidence interval of the mean ratio (nan, nan under 2 repeats)."""
         n = len(self.values)
         if n < 2:
             return math.nan, math.nan
-        half = t_quantile(0.5 + level / 2, n - 1) * statistics.stdev(self.values) / math.sqrt(n)
+        half = t_quantile(0.5 + self.level / 2, n - 1) * statistics.stdev(self.values) / math.sqrt(n)
         return self.mean - half, self.mean + half
 
     def resolved(self, effect: float = EFFECT) -> bool:

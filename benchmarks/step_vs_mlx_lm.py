@@ -19,11 +19,12 @@ scaling over the first world size, the model FLOPs utilization where the device'
 (``PEAKS``: the vendors' dense bf16/fp16 tensor-core figures; none for CPUs), and the padded input
 width each trained at (its ``input_widths``, per optimizer step: min-max, ``?`` when unreported).
 
-Each run alternates the three ``--repeats`` times and keeps each one's best post-step-1 median,
-so that a slow phase of a shared machine does not decide the ratio; every figure says which
-repeat was kept and the range over repeats (``77780 (r2/3: 75100-77780)``), and a scaling is the
-kept figures' ratio with the range of the repeat-by-repeat ratios (repeat r at N ranks over
-repeat r at the first world size, measured next to each other). For every world size above
+Each run alternates the three ``--repeats`` times (each of them first in turn) and keeps each
+one's best post-step-1 median, so that a slow phase of a shared machine does not decide the
+ratio; every figure says which repeat was kept and the range over repeats (``77780 (r2/3:
+75100-77780)``), and a scaling is the kept figures' ratio with the range of the repeat-by-repeat
+ratios (repeat r at N ranks over repeat r at the first world size; where ``--max-repeats`` gave
+one more repeats, its first ones). For every world size above
 the first, a second table puts the gradient all-reduce alone (``nn.average_gradients`` on a
 gradient of the model's shapes, ``harness.rank.anchor.allreduce``) beside what the harness's
 eager step takes over the first world size's at the same per-rank batch. A third gives, per run,
@@ -51,7 +52,7 @@ from typing import Any
 from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from repeat_ratios import EFFECT, Ratios  # noqa: E402
+from repeat_ratios import EFFECT, Ratios, look_level, looks  # noqa: E402
 
 from harness.controller.run_job import execute  # noqa: E402
 from harness.scenario import load_scenario
@@ -181,13 +182,13 @@ def ratio_figure(mine: list[float], base: list[float]) -> str:
     best = max(mine) / max(base)
     if len(mine) == 1:
         return f"{best:.2f}x"
-    pairs = [a / b for a, b in zip(mine, base, strict=True)]
+    pairs = [a / b for a, b in zip(mine, base, strict=False)]  # a run given more repeats: its first ones
     return f"{best:.2f}x ({min(pairs):.2f}-{max(pairs):.2f}x)"
 
 
-def bare_ratio(got: list[list[tuple[float, dict[str, Any]]]]) -> Ratios:
+def bare_ratio(got: list[list[tuple[float, dict[str, Any]]]], level: float) -> Ratios:
     """The reference trainer's tok/s over mlx-lm's bare step's, repeat by repeat."""
-    return Ratios(tuple(h / b for (h, _), (b, _) in zip(got[0], got[2], strict=True)))
+    return Ratios(tuple(h / b for (h, _), (b, _) in zip(got[0], got[2], strict=True)), level)
 
 
 def allreduce_rows(s: Any, steps: dict[tuple[int, str], float], backend: str | None) -> list[list[Any]]:
@@ -232,6 +233,8 @@ def main() -> None:
     name, peak = device_peak()
     mfu_ok = peak is not None and dtype in ("bfloat16", "float16")
     rows, base, step_s, phase_rows, step_rows = [], {}, {}, [], []
+    points = looks(args.repeats, args.max_repeats or args.repeats, 1)  # its three runs rotate within a repeat
+    level = look_level(len(points))
     for spec in s.runs:
         mode = spec.name.split("_")[1]
         if spec.name.endswith(MLX_LM) or mode not in modes:
@@ -240,14 +243,14 @@ def main() -> None:
         runs = ((spec, job_for(s, spec.name)), (theirs, job_for(s, theirs.name)),
                 (spec, AnchorJob(s.for_run(spec))))
         got: list[list[tuple[float, dict[str, Any]]]] = [[], [], []]
-        for k in range(max(args.repeats, args.max_repeats or args.repeats)):  # alternating: a slow phase hits all
-            for i, (run, job) in enumerate(runs):
+        for k in range(points[-1]):  # alternating, each first in turn: a slow phase or an order hits all three
+            for i in [*range(3)][k % 3:] + [*range(3)][:k % 3]:
                 with compile_disabled(mode == "eager"):
-                    got[i].append(measure(run, job, args.backend))
-            if k + 1 >= args.repeats and bare_ratio(got).resolved():
+                    got[i].append(measure(runs[i][0], runs[i][1], args.backend))
+            if k + 1 in points and bare_ratio(got, level).resolved():
                 break
         tok_s = [[v for v, _ in g] for g in got]
-        against_step = bare_ratio(got)
+        against_step = bare_ratio(got, level)
         step_rows.append([spec.world_size, mode, ", ".join(f"{v:.3f}" for v in against_step.values),
                           against_step.cell(), against_step.verdict()])
         ours, trainer, loop = (g[kept(t)][1] for g, t in zip(got, tok_s, strict=True))
@@ -266,7 +269,7 @@ def main() -> None:
                      *(widths(r) for r in (ours, trainer, loop))])
         print("done:", " | ".join(map(str, rows[-1])), file=sys.stderr, flush=True)  # kept if a later run fails
     print(f"{args.model}: qwen3 {params / 1e6:.2f}M, {dtype}, {per_rank} x {seq} inputs per rank, {args.steps} steps, "
-          f"best of {args.repeats}, on {name} (peak: {'%.0f TFLOP/s' % (peak / 1e12) if peak else 'unknown'})")
+          f"the best of each run's repeats, on {name} (peak: {'%.0f TFLOP/s' % (peak / 1e12) if peak else 'unknown'})")
     print(tabulate(rows, headers=["World size", "Mode", "Harness tok/s", "mlx-lm trainer tok/s", "mlx-lm step tok/s",
                                   "Harness / trainer", f"Scaling vs {sizes[0]} (harness/trainer/step)",
                                   "MFU harness", "MFU trainer", "Width harness", "Width trainer", "Width step"]))
@@ -278,8 +281,9 @@ def main() -> None:
     print()
     print(tabulate(step_rows, headers=["World size", "Mode", "Harness / step, per repeat", "Mean [95% interval]",
                                        "Verdict"]))
-    print(f"The reference trainer over mlx-lm's bare step, repeat by repeat (Student's t interval of the mean; "
-          f"resolved where it does not hold both 1 and {1 - EFFECT:g}, repeats added up to --max-repeats until it is).")
+    print(f"The reference trainer over mlx-lm's bare step, repeat by repeat (Student's t interval of the mean at "
+          f"{level:.4g} a look, 95% over {len(points)} looks; resolved where it does not hold both 1 and "
+          f"{1 - EFFECT:g}, repeats added up to --max-repeats until it is).")
     if phase_rows:
         print()
         print(tabulate(phase_rows, headers=["World size", "Mode", "Who", "Fetch ms", "Build ms", "Eval ms",

@@ -3,8 +3,8 @@
 measures can be traced to a part.
 
 ``VAR`` (``MLX_DDP_HARNESS_ABLATE``) names the parts turned off, comma-separated, in the
-controller's environment, which its ranks inherit. ``run``, ``gate`` and the pytest plugin refuse
-to start with it set (``refuse``): a part turned off can blind a check (the sampler feeds the
+controller's environment, which its ranks inherit. ``run``, ``gate``, ``soak``, ``doctor`` and the
+pytest plugin refuse to start with it set (``refuse``): a part turned off can blind a check (the sampler feeds the
 memory ceilings, the ledger names a hang's collective), so no verdict is ever given without it.
 A rank records what was off in its result (``ablated``).
 """
@@ -18,7 +18,7 @@ VAR = "MLX_DDP_HARNESS_ABLATE"
 # each part and what turning it off leaves out
 PARTS: dict[str, str] = {
     "env": "the variables the launcher sets (TMPDIR to the run's directory, PYTHONUNBUFFERED, "
-           "OPENBLAS_NUM_THREADS, the ring yield's switch)",
+           "OPENBLAS_NUM_THREADS)",
     "preload": "the libraries preloaded into the rank (LD_PRELOAD: OpenBLAS on a Linux CPU)",
     "faulthandler": "faulthandler and its stack dump on SIGUSR1",
     "device_check": "the check that the device computes right, before training",
@@ -34,14 +34,15 @@ class AblationError(ValueError):
     """``VAR`` names a part that does not exist."""
 
 
-def ablated(environ: dict[str, str] | None = None) -> frozenset[str]:
-    """The parts turned off (``AblationError`` for one that does not exist)."""
+def ablated(environ: dict[str, str] | None = None, strict: bool = False) -> frozenset[str]:
+    """The parts turned off; ``strict``: ``AblationError`` for a name that is no part (else such a
+    name turns nothing off: the benchmark checks its ``--ablate`` strictly before it sets ``VAR``)."""
     value = (os.environ if environ is None else environ).get(VAR, "")
     parts = frozenset(p.strip() for p in value.split(",") if p.strip())
     unknown = sorted(parts - PARTS.keys())
-    if unknown:
+    if unknown and strict:
         raise AblationError(f"{VAR}: no part named {', '.join(unknown)} (parts: {', '.join(PARTS)})")
-    return parts
+    return parts & PARTS.keys()
 
 
 def on(part: str) -> bool:
@@ -53,5 +54,5 @@ def refuse(command: str) -> str | None:
     """Why ``command`` must not run in this environment (``VAR`` set), or None."""
     if os.environ.get(VAR):
         return (f"{VAR} is set ({os.environ[VAR]}): it turns parts of every rank off for "
-                f"benchmarks/observer_effect.py alone, and {command} would judge runs without them; unset it")
+                f"benchmarks/observer_effect.py alone, and {command} gives no verdict without them; unset it")
     return None

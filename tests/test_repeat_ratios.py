@@ -42,11 +42,21 @@ def test_an_interval_resolves_only_when_it_cannot_hold_both_no_effect_and_a_two_
     assert not one.resolved() and one.verdict() == "one repeat: no interval" and one.cell() == "0.990 (1 repeat)"
 
 
+def test_the_intervals_are_looked_at_after_whole_rotations_at_a_level_that_holds_over_the_looks() -> None:
+    assert repeat_ratios.looks(3, 3, 2) == [4]  # two sides: each first twice
+    assert repeat_ratios.looks(3, 8, 3) == [3, 6, 9]
+    assert repeat_ratios.looks(4, 2, 1) == [4]  # a limit below the first look: the first look
+    assert repeat_ratios.look_level(1) == pytest.approx(0.95) and repeat_ratios.look_level(5) == pytest.approx(0.99)
+    tighter = Ratios((0.95, 0.97, 0.96, 0.98), repeat_ratios.look_level(5))
+    assert tighter.interval()[0] < Ratios(tighter.values).interval()[0]  # wider at each of five looks
+
+
 def test_the_parts_a_benchmark_turns_off_are_named_and_checked() -> None:
     assert ablation.ablated({}) == frozenset()
     assert ablation.ablated({ablation.VAR: "sampler, ledger"}) == {"sampler", "ledger"}
     with pytest.raises(ablation.AblationError, match="no part named samplr"):
-        ablation.ablated({ablation.VAR: "samplr"})
+        ablation.ablated({ablation.VAR: "samplr"}, strict=True)
+    assert ablation.ablated({ablation.VAR: "samplr,ledger"}) == {"ledger"}  # a rank turns off what it knows
 
 
 @pytest.mark.parametrize("command", [["run", "scenarios/text_parity.toml"], ["soak"]])

@@ -100,11 +100,11 @@ def _rank_env(run_dir: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in DISTRIBUTED_VARS}
     pkg_root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
+    env[ring_yield.ACTIVE_VAR] = "0"  # a rank forked from a warm server has the library mapped: not yielding
     if ablation.on("env"):
         env[TMPDIR_VAR] = tempfile.gettempdir()
         env["TMPDIR"] = str(run_dir / "tmp")
         env["PYTHONUNBUFFERED"] = "1"
-        env[ring_yield.ACTIVE_VAR] = "0"  # a rank forked from a warm server has the library mapped: not yielding
     preload = blas_preload() if ablation.on("preload") else None
     if preload:
         env["LD_PRELOAD"] = os.pathsep.join(p for p in (preload, env.get("LD_PRELOAD")) if p)

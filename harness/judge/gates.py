@@ -50,7 +50,7 @@ INCONCLUSIVE = "INCONCLUSIVE"
 
 @dataclass
 class PairedGate(Gate):
-    """A gate of two sides run in turns; ``inconclusive``: it could not decide (a paired speed
+    """A gate of two sides run pair by pair; ``inconclusive``: it could not decide (a paired speed
     test out of pairs with neither hypothesis rejected, a check that failed in some of the
     candidate's runs only), so it neither passed nor failed."""
 

@@ -130,7 +130,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="result.json files or --out directories (with --against: scenario files)")
     g.add_argument("--baseline", help="baseline file, or a directory of per-platform baselines")
     g.add_argument("--against", metavar="REV",
-                   help="run the scenarios here and at git revision REV (a temporary worktree), in turns")
+                   help="run the scenarios here and at git revision REV (a temporary worktree), a pair at a time")
     g.add_argument("--bisect", metavar="GOOD..BAD",
                    help="find the first commit of BAD's first-parent line after GOOD (GOOD..: up to HEAD) at which "
                         "a gated metric regresses, each probe a paired gate against GOOD (exit 1 found, 0 none, "
@@ -147,7 +147,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                         "(a check's verdict), loss, memory and speed (default: all); a run that fails always does")
     g.add_argument("--env", metavar="PYTHON",
                    help="run the scenarios under this Python environment (an interpreter, or tox:NAME for "
-                        ".tox/NAME) and this one, in turns: gate a dependency upgrade")
+                        ".tox/NAME) and this one, a pair at a time: gate a dependency upgrade")
     g.add_argument("--package", action="append", metavar="NAME",
                    help="with --env: a package whose versions the report names too (the trainer's own; repeatable)")
     g.add_argument("--pairs", type=int, default=10,

@@ -322,7 +322,7 @@ def _terminated(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)  # unwinds through the controller, which kills its ranks
 
 
-LAUNCHING = ("run", "gate", "soak")  # commands that start ranks and judge them
+LAUNCHING = ("run", "gate", "soak", "doctor")  # commands that start ranks
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -101,8 +101,8 @@ def gate_table(gates: list[Gate], fmt: str = "plain") -> str:
 
 
 SPEED_UNDECIDED = ("INCONCLUSIVE is neither a pass nor a failure: the pairs allowed could not tell the speeds "
-                   "apart from the noise (the interval above); rerun with a larger --pairs to decide, or, "
-                   "on a shared machine, side by side (--side-by-side; docs/reports.md)")
+                   "apart from the noise (the interval above); rerun with a larger --pairs to decide (on a shared "
+                   "CPU machine whose pairs ran in turns, side by side: docs/reports.md#side-by-side)")
 CHECKS_UNDECIDED = ("INCONCLUSIVE checks failed in some of the candidate's runs and passed in others: a flaky "
                     "check or a defect that shows only at times; neither a pass nor a failure (more pairs will not "
                     "settle it: run the scenario with --repeat to see how often it fails)")

@@ -36,7 +36,9 @@ def pair_mode(args: argparse.Namespace, speed_judged: bool = True) -> PairMode:
     """``--side-by-side`` or ``--in-turns`` as asked; by default side by side where speed is judged,
     the runs compute on the CPU and this process can pin itself to two halves of its CPUs (the
     sides then meet the same spell of a shared machine's noise), in turns otherwise (the sides
-    would share one GPU; a bisection that judges no speed reuses a commit's kept results)."""
+    would share one GPU; a bisection that judges no speed reuses a commit's kept results). Where
+    the runs compute is ``--device``'s, else ``auto``'s choice here (a scenario's own ``[train]
+    device`` is not read)."""
     import os
 
     if args.side_by_side and args.in_turns:
@@ -50,8 +52,8 @@ def pair_mode(args: argparse.Namespace, speed_judged: bool = True) -> PairMode:
 
     try:
         device, _ = plan_device(args.device or "auto")
-    except DeviceRefused:
-        device = "gpu"  # the sides' runs say why they cannot run
+    except DeviceRefused:  # the sides' runs say why they cannot run
+        return PairMode(False, f"--device {args.device}, which MLX does not see here")
     if device == "gpu":
         return PairMode(False, "the runs compute on the GPU, which two sides at once would share "
                                "(--side-by-side runs them at once anyway)")
@@ -123,7 +125,7 @@ def judge_pairs(args: argparse.Namespace, overrides: dict[str, float | None], ru
 
 def cmd_gate_env(args: argparse.Namespace, overrides: dict[str, float | None]) -> int:
     """``gate --env PYTHON``: the same scenarios of this checkout under another Python environment
-    (the baseline) and under this one (the candidate), in turns; ``overrides``: the tolerance flags."""
+    (the baseline) and under this one (the candidate), a pair at a time; ``overrides``: the tolerance flags."""
     design, mode = sequential_design(args), pair_mode(args)
     other = interpreter(args.env)
     packages = tuple(args.package or ())

@@ -155,7 +155,7 @@ def main(argv: list[str]) -> int:
     if TMPDIR_VAR in os.environ:
         os.environ["TMPDIR"] = os.environ[TMPDIR_VAR]
         tempfile.tempdir = None
-    off = ablation.ablated()  # for benchmarks/observer_effect.py alone
+    off = ablation.ablated()  # for benchmarks/observer_effect.py alone (names it does not know: none)
     if "faulthandler" not in off:
         faulthandler.enable()
         # The watchdog's SIGUSR1 dumps the main thread's stack (the trainer's loop). Not every

@@ -1,6 +1,6 @@
 """``gate --bisect GOOD..BAD``: the first commit between two revisions at which a gated metric
 regresses. Every probe is a paired gate of GOOD against one commit, each in its own temporary
-worktree and run in turns as ``gate --against`` runs them (``harness.run.pairs``), GOOD's side
+worktree and run a pair at a time as ``gate --against`` runs them (``harness.run.pairs``), GOOD's side
 rerun at every probe; the bookkeeping (which commit next, the false-alarm budget, the answer)
 is ``harness.judge.bisection``. A probe's runs are kept under ``--out`` where one is given, and
 each commit's or release's own results (``result.json``, never GOOD's) in the cache

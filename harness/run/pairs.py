@@ -1,12 +1,12 @@
-"""The paired gates' runs: both sides of a gate run in turns on this machine, pair after pair,
-until the sequential paired test (``harness.judge.paired``) has decided every run's speed.
-``pairs_against``: this checkout against a git revision, built in a temporary worktree (which
-runs its own ``harness`` package when it has one: the harness's own repository; else this
-one, so a trainer script's repository can be gated the same way). ``pairs_env``: this
-environment against another Python environment, which runs without this one's ``PYTHONPATH``,
-``PYTHONHOME`` and ``VIRTUAL_ENV``. Pair k runs the scenarios once on each side, the order
-alternating (the baseline first in even pairs), so drift in the machine's speed lands on both
-sides. ``harness.present.paired_gates`` judges and reports them."""
+"""The paired gates' runs: both sides of a gate run on this machine, pair after pair (in turns, or
+side by side: ``harness.run.sides_at_once``), until the sequential paired test
+(``harness.judge.paired``) has decided every run's speed. ``pairs_against``: this checkout against
+a git revision, built in a temporary worktree (which runs its own ``harness`` package when it has
+one: the harness's own repository; else this one, so a trainer script's repository can be gated the
+same way). ``pairs_env``: this environment against another Python environment, which runs without
+this one's ``PYTHONPATH``, ``PYTHONHOME`` and ``VIRTUAL_ENV``. Pair k runs the scenarios once on
+each side; in turns, the order alternating (the baseline first in even pairs), so drift in the
+machine's speed lands on both sides. ``harness.present.paired_gates`` judges and reports them."""
 
 from __future__ import annotations
 
