@@ -217,7 +217,7 @@ def main() -> None:
                                                           "(rounded up to whole rotations of the sides)")
     p.add_argument("--max-repeats", type=int, help="repeats are added a rotation at a time until every interval is "
                                                    "resolved, up to this (default: --repeats; rounded up alike)")
-    p.add_argument("--ablate", type=parts, default="", metavar="PARTS",
+    p.add_argument("--ablate", type=parts, default=None, metavar="PARTS",
                    help="a third side: the harness with these parts off (comma-separated, or all; harness.ablation)")
     p.add_argument("--bare", nargs=3, metavar=("SCENARIO", "RUN", "OUT"), help=argparse.SUPPRESS)
     a = p.parse_args()
