@@ -47,8 +47,8 @@ def pair_mode(args: argparse.Namespace, speed_judged: bool = True) -> PairMode:
         return PairMode(args.side_by_side, f"--{'side-by-side' if args.side_by_side else 'in-turns'} asked for it")
     if not speed_judged:
         return PairMode(False, "no speed is judged (--metrics), so a commit's kept results can be reused")
-    from harness.controller.cpu_use import usable_cpus
     from harness.controller.devices import DeviceRefused, plan_device
+    from harness.run.sides_at_once import halves
 
     try:
         device, _ = plan_device(args.device or "auto")
@@ -57,13 +57,15 @@ def pair_mode(args: argparse.Namespace, speed_judged: bool = True) -> PairMode:
     if device == "gpu":
         return PairMode(False, "the runs compute on the GPU, which two sides at once would share "
                                "(--side-by-side runs them at once anyway)")
-    cpus = usable_cpus()
-    if cpus is not None and len(cpus) < 2:
+    try:
+        split = halves()  # the split a side-by-side gate pins its sides to
+    except ScenarioError:
         return PairMode(False, "the runs compute on the CPU, and this process has one CPU")
-    if cpus is None or not hasattr(os, "sched_setaffinity"):
+    if split is None:
         return PairMode(False, "the runs compute on the CPU, and this system cannot give each side its own half of "
                                "them (--side-by-side runs them at once, unpinned)")
-    return PairMode(True, f"the runs compute on the CPU, each side on its own half of this process's {len(cpus)} "
+    cpus = len(os.sched_getaffinity(0))
+    return PairMode(True, f"the runs compute on the CPU, each side on its own half of this process's {cpus} "
                           f"CPUs (--in-turns runs them one after the other)")
 
 

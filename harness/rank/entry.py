@@ -181,8 +181,7 @@ def main(argv: list[str]) -> int:
         world_size = int(job.world_size or 1)
         own_group = isinstance(job, TrainJob) and job.trainer.own_group  # a command's processes join it
         mutation = job.mutation if isinstance(job, TrainJob) and job.mutation in COLLECTIVE_MUTATIONS else None
-        keep_ledger = ledger_enabled() and "ledger" not in off
-        if not own_group and (keep_ledger or mutation):  # every collective it issues, for the controller
+        if not own_group and (ledger_enabled() or mutation):  # every collective it issues, for the controller
             ledger = Ledger(schema.ledger_path(run_dir, rank), world_size, rank,
                             None if mutation is None else CollectiveMutation(mutation, rank, world_size, events.emit))
             ledger.install()

@@ -27,6 +27,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from harness import ablation
 from harness.rank.collective_mutations import CollectiveMutation, is_gradient, is_measuring
 
 OPS = ("all_sum", "all_gather", "all_max", "all_min", "sum_scatter", "send", "recv", "recv_like")
@@ -35,8 +36,9 @@ SWITCH = "MLX_DDP_HARNESS_LEDGER"
 
 
 def enabled() -> bool:
-    """Whether ranks keep a ledger (``MLX_DDP_HARNESS_LEDGER=0`` turns it off)."""
-    return os.environ.get(SWITCH, "1") != "0"
+    """Whether ranks keep a ledger (``MLX_DDP_HARNESS_LEDGER=0`` turns it off, and so does the
+    observer benchmark's ``ledger`` part: ``harness.ablation``)."""
+    return os.environ.get(SWITCH, "1") != "0" and ablation.on("ledger")
 
 
 def _mlx_dir() -> tuple[str, ...]:
