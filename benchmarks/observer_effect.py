@@ -40,7 +40,9 @@ whatever the order costs falls on every side alike. The figure judged is the mea
 per-repeat ratios (harness / bare) with its interval (``repeat_ratios``: 95 % over the looks):
 after ``--repeats`` repeats, more are added a rotation of the sides at a time until every interval
 can tell a 2 % effect from none, up to ``--max-repeats`` (both rounded up to whole rotations, so
-every side goes first equally often); each ratio's verdict says whether it could.
+every side goes first equally often); each ratio's verdict says whether it could. ``--record FILE``
+keeps each repeat in FILE as it finishes and continues the repeats already there (``repeat_record``):
+one comparison carried over several invocations, judged over all of them.
 
 ``--ablate PARTS`` adds a third side: the harness with those parts of what it does to a rank
 turned off (``harness.ablation``; ``all`` for every one), and two more ratios: that side over bare,
@@ -50,7 +52,7 @@ then halve the set.
 usage: python benchmarks/observer_effect.py [--model cpu3m|gpu044b]
                                             [--trainers mlx_lm,script,unsloth_zoo,mlx_vlm]
                                             [--steps N] [--from W] [--repeats R] [--max-repeats M]
-                                            [--ablate all|PART,...]
+                                            [--ablate all|PART,...] [--record FILE]
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import timed_script  # noqa: E402
 from bare_trainers import BARE, bare_env  # noqa: E402
 from repeat_ratios import EFFECT, Ratios, look_level, looks  # noqa: E402
+from repeat_record import RepeatRecord  # noqa: E402
 
 from harness import ablation  # noqa: E402
 
@@ -195,16 +198,30 @@ def comparisons(sides: list[str]) -> list[tuple[str, str]]:
     return [("harness", "bare")] + ([("ablated", "bare"), ("harness", "ablated")] if "ablated" in sides else [])
 
 
-def run_side(side: str, t: str, path: Path, d: Path, a: argparse.Namespace, rates: dict[str, list[float]]) -> None:
+def run_side(side: str, t: str, path: Path, d: Path, a: argparse.Namespace) -> dict[str, float]:
+    """One side's run of trainer ``t``: its tok/s over the window (and under the harness, its own figure)."""
     if side == "bare":
         marks = d / f"{t}.marks.json"
         subprocess.run([sys.executable, __file__, "--bare", str(path), t, str(marks)], check=True, env=bare_env(),
                        stdout=subprocess.DEVNULL)
-        rates["bare"].append(window_rate(json.loads(marks.read_text()), a.first)[0])
-        return
+        return {"bare": window_rate(json.loads(marks.read_text()), a.first)[0]}
     marks_h = harness_side(path, t, a.ablate if side == "ablated" else "")
-    rates[side].append(window_rate(marks_h, a.first)[0])
-    rates[f"{side} reported"].append(reported_rate(marks_h, a.first))
+    return {side: window_rate(marks_h, a.first)[0], f"{side} reported": reported_rate(marks_h, a.first)}
+
+
+def gathered(record: RepeatRecord, trainers: list[str], sides: list[str]) -> dict[str, dict[str, list[float]]]:
+    """Per trainer, each side's tok/s (and the harness's own figure) repeat by repeat."""
+    keys = [k for s in sides for k in (s, f"{s} reported") if k != "bare reported"]
+    return {t: {k: [r["rates"][t][k] for r in record.data()] for k in keys} for t in trainers}
+
+
+def finished(record: RepeatRecord, trainers: list[str], sides: list[str], points: list[int], level: float) -> bool:
+    """Whether the repeats so far end the run: at a look where every interval is resolved, or at the last."""
+    done = len(record.repeats)
+    if done >= points[-1]:
+        return True
+    rates = gathered(record, trainers, sides)
+    return done in points and all(ratios(rates[t], c, level).resolved() for t in trainers for c in comparisons(sides))
 
 
 def main() -> None:
@@ -219,6 +236,9 @@ def main() -> None:
                                                    "resolved, up to this (default: --repeats; rounded up alike)")
     p.add_argument("--ablate", type=parts, default=None, metavar="PARTS",
                    help="a third side: the harness with these parts off (comma-separated, or all; harness.ablation)")
+    p.add_argument("--record", type=Path, metavar="FILE",
+                   help="keep each repeat in FILE as it finishes, and continue the repeats already there (same "
+                        "options), judging them all together (repeat_record)")
     p.add_argument("--bare", nargs=3, metavar=("SCENARIO", "RUN", "OUT"), help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.bare:
@@ -233,33 +253,37 @@ def main() -> None:
     trainers = a.trainers.split(",")
     sides = ["bare", "harness", *(["ablated"] if a.ablate else [])]
     points = looks(a.repeats, a.max_repeats or a.repeats, len(sides))
-    most, level = points[-1], look_level(len(points))
+    level = look_level(len(points))
+    plan = {"model": a.model, "trainers": trainers, "steps": a.steps, "from": a.first, "sides": sides,
+            "ablate": a.ablate, "looks": points}
+    record = RepeatRecord.open(a.record, "observer_effect", plan)
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
         (times := d / "times").mkdir()  # timed_script.py's rows (every side's processes inherit the variable)
         os.environ[timed_script.TIMES_VAR] = str(times)
-        split: dict[str, list[tuple[float, float]]] = {side: [] for side in sides}
         paths = {}  # each trainer's scenario: one for the text trainers, one for the vision-language ones
         for group in ([t for t in trainers if t not in VISION], [t for t in trainers if t in VISION]):
             if group:
                 path = d / f"observer_effect_{'vlm' if group[0] in VISION else 'text'}.toml"
                 path.write_text(scenario_text(a.model, group, a.steps))
                 paths.update(dict.fromkeys(group, path))
-        rates = {t: {k: [] for s in sides for k in (s, f"{s} reported")} for t in trainers}
-        for i in range(most):
+        if record.repeats:
+            print(f"continuing {a.record}: {record.provenance()}", file=sys.stderr, flush=True)
+        while not finished(record, trainers, sides, points, level):
+            i = len(record.repeats)
+            rep: dict[str, dict[str, float]] = {t: {} for t in trainers}
+            split: dict[str, list[tuple[float, float]]] = {side: [] for side in sides}
             for t in trainers:
                 for side in sides[i % len(sides):] + sides[:i % len(sides)]:  # each side first in turn
-                    run_side(side, t, paths[t], d, a, rates[t])
+                    rep[t].update(run_side(side, t, paths[t], d, a))
                     for f in sorted(times.glob("*.json")):  # the script's, just written
                         split[side].append(timed_script.split(json.loads(f.read_text()), a.first))
                         f.unlink()
-            done = i + 1
-            if done in points and all(ratios(rates[t], c, level).resolved() for t in trainers
-                                      for c in comparisons(sides)):
-                break
-            print(f"repeat {done}: " + "; ".join(f"{t} {ratios(rates[t], c, level).cell()}" for t in trainers
+            record.add({"rates": rep, "split": split})
+            rates = gathered(record, trainers, sides)
+            print(f"repeat {i + 1}: " + "; ".join(f"{t} {ratios(rates[t], c, level).cell()}" for t in trainers
                                                 for c in comparisons(sides)[:1]), file=sys.stderr, flush=True)
-    report(a, trainers, sides, rates, split, done, points, level)
+    report(a, record, trainers, sides, points, level)
 
 
 def ratios(rates: dict[str, list[float]], comparison: tuple[str, str], level: float) -> Ratios:
@@ -267,11 +291,15 @@ def ratios(rates: dict[str, list[float]], comparison: tuple[str, str], level: fl
     return Ratios(tuple(u / b for u, b in zip(rates[num], rates[den], strict=True)), level)
 
 
-def report(a: argparse.Namespace, trainers: list[str], sides: list[str], rates: dict[str, dict[str, list[float]]],
-           split: dict[str, list[tuple[float, float]]], done: int, points: list[int], level: float) -> None:
+def report(a: argparse.Namespace, record: RepeatRecord, trainers: list[str], sides: list[str], points: list[int],
+           level: float) -> None:
+    rates, done = gathered(record, trainers, sides), len(record.repeats)
+    split = {side: [tuple(x) for r in record.data() for x in r["split"][side]] for side in sides}
     off = f"; ablated: {a.ablate}" if a.ablate else ""
     print(f"model {a.model}, 1 process, steps {a.steps}, timed after step {a.first}, {done} repeats of at most "
           f"{points[-1]} (each side first in turn: {', '.join(sides)}; looked at after {points}){off}")
+    if a.record:
+        print(f"record {a.record}: {record.provenance()}")
     print(tabulate([[t, side, ", ".join(f"{r:.0f}" for r in rates[t][side]),
                      ", ".join(f"{r:.0f}" for r in rates[t][f"{side} reported"]) if side != "bare" else "-"]
                     for t in trainers for side in sides],

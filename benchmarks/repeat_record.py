@@ -1,0 +1,103 @@
+"""A benchmark's repeats kept in a file as each one finishes, so that one comparison can be carried
+over several invocations (a lent GPU's calls of a few minutes each, say) and judged over all of them.
+
+The file is JSON Lines: a first line naming the benchmark and its *plan* (everything that must be
+the same for repeats to be pooled: the model, the steps, the sides, the repeats before the first look
+and the most; ``repeat_ratios.looks``), then one line per finished repeat with where and when it ran
+and what it measured. A repeat is appended whole (one write, flushed to disk) before the next
+starts, so an invocation stopped mid-repeat loses only that repeat. Continuing a record with another
+plan is refused in one line naming what differs: the looks and their level are the plan's, so its
+stated 95 % holds over every invocation together. Each repeat's ratios are paired within it (its
+sides ran back to back on one machine), so repeats from different machines of one kind pool.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+VERSION = 1
+
+
+class RecordError(SystemExit):
+    """A record that cannot be continued: its one-line reason."""
+
+
+def _commit() -> str | None:
+    """This tree's commit, where it is a git checkout (None elsewhere)."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent,
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None
+
+
+@dataclass
+class RepeatRecord:
+    """The repeats of one plan so far, and where new ones go (``path``; None: kept in memory only)."""
+
+    benchmark: str
+    plan: dict[str, Any]
+    path: Path | None = None
+    repeats: list[dict[str, Any]] = field(default_factory=list)
+    where: str = ""
+
+    @classmethod
+    def open(cls, path: Path | None, benchmark: str, plan: dict[str, Any], where: str = "") -> RepeatRecord:
+        """The record at ``path`` (a new one where it does not exist), checked to hold ``plan``."""
+        rec = cls(benchmark, json.loads(json.dumps(plan)), path, [], where or socket.gethostname())
+        if path is None or not path.exists() or path.stat().st_size == 0:
+            if path is not None:
+                rec._write({"record": benchmark, "version": VERSION, "plan": rec.plan})
+            return rec
+        lines = path.read_text().splitlines()
+        try:
+            head, body = json.loads(lines[0]), [json.loads(line) for line in lines[1:] if line.strip()]
+        except (json.JSONDecodeError, IndexError) as e:
+            raise RecordError(f"{path}: not a repeat record ({e})") from None
+        if head.get("record") != benchmark or head.get("version") != VERSION:
+            raise RecordError(f"{path}: a record of {head.get('record')!r} version {head.get('version')}, "
+                              f"not of {benchmark!r} version {VERSION}")
+        differ = [k for k in sorted(set(head["plan"]) | set(rec.plan)) if head["plan"].get(k) != rec.plan.get(k)]
+        if differ:
+            k = differ[0]
+            raise RecordError(f"{path}: its repeats were run with {k} = {head['plan'].get(k)!r}, this invocation "
+                              f"asks for {rec.plan.get(k)!r}; continue it with the same options, or start a new record")
+        rec.repeats = body
+        return rec
+
+    def add(self, data: dict[str, Any]) -> None:
+        """One finished repeat's figures, written at once."""
+        entry = {"repeat": len(self.repeats) + 1, "where": self.where, "commit": _commit(),
+                 "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "data": data}
+        self.repeats.append(entry)
+        if self.path is not None:
+            self._write(entry)
+
+    def _write(self, line: dict[str, Any]) -> None:
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, (json.dumps(line) + "\n").encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def data(self) -> list[dict[str, Any]]:
+        return [r["data"] for r in self.repeats]
+
+    def provenance(self) -> str:
+        """Where and when the repeats ran, e.g. ``12 repeats: 8 on gpu-a (ab12cd3), 4 on gpu-b (ab12cd3)``."""
+        if not self.repeats:
+            return "no repeats"
+        groups: dict[tuple[str, str | None], int] = {}
+        for r in self.repeats:
+            groups[(r["where"], r.get("commit"))] = groups.get((r["where"], r.get("commit")), 0) + 1
+        parts = ", ".join(f"{n} on {w}" + (f" ({c})" if c else "") for (w, c), n in groups.items())
+        return f"{len(self.repeats)} repeats, {self.repeats[0]['at']} to {self.repeats[-1]['at']}: {parts}"
