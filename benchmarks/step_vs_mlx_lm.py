@@ -30,11 +30,12 @@ gradient of the model's shapes, ``harness.rank.anchor.allreduce``) beside what t
 eager step takes over the first world size's at the same per-rank batch. A third gives, per run,
 the reference's tok/s over the bare step's repeat by repeat, their mean with its 95 % interval
 (``repeat_ratios``) and whether it tells a 2 % gap from none; ``--max-repeats`` adds repeats
-until it does.
+until it does. ``--record FILE`` keeps each repeat in FILE as it finishes and continues the
+repeats already there (``repeat_record``): a run's repeats carried over several invocations.
 
 usage: python benchmarks/step_vs_mlx_lm.py [--model tiny|cpu3m|gpu044b] [--world-sizes 1,2]
                                            [--modes eager,compiled] [--steps N] [--repeats R]
-                                           [--max-repeats M] [--backend ring|nccl]
+                                           [--max-repeats M] [--backend ring|nccl] [--record FILE]
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from repeat_ratios import EFFECT, Ratios, look_level, looks  # noqa: E402
+from repeat_record import RepeatRecord  # noqa: E402
 
 from harness.controller.run_job import execute  # noqa: E402
 from harness.scenario import load_scenario
@@ -191,6 +193,12 @@ def bare_ratio(got: list[list[tuple[float, dict[str, Any]]]], level: float) -> R
     return Ratios(tuple(h / b for (h, _), (b, _) in zip(got[0], got[2], strict=True)), level)
 
 
+def finished(got: list[list[tuple[float, dict[str, Any]]]], points: list[int], level: float) -> bool:
+    """Whether a run's repeats so far end it: at a look where its interval is resolved, or at the last."""
+    done = len(got[0])
+    return done >= points[-1] or (done in points and bare_ratio(got, level).resolved())
+
+
 def allreduce_rows(s: Any, steps: dict[tuple[int, str], float], backend: str | None) -> list[list[Any]]:
     """Per world size above one: the gradient all-reduce alone (``grad_allreduce``) beside what
     the harness's step (eager where it ran) gains over one rank at the same per-rank batch."""
@@ -219,6 +227,9 @@ def main() -> None:
                     help="add alternating repeats until the harness / step ratio's interval tells a 2%% effect from "
                          "none, up to this many (default: --repeats)")
     ap.add_argument("--backend", default=None)
+    ap.add_argument("--record", type=Path, metavar="FILE",
+                    help="keep each repeat in FILE as it finishes, and continue the repeats already there (same "
+                         "options), judging them all together (repeat_record)")
     args = ap.parse_args()
     sizes = [int(n) for n in args.world_sizes.split(",")]
     modes = [m for m in args.modes.split(",") if m]
@@ -235,6 +246,9 @@ def main() -> None:
     rows, base, step_s, phase_rows, step_rows = [], {}, {}, [], []
     points = looks(args.repeats, args.max_repeats or args.repeats, 1)  # its three runs rotate within a repeat
     level = look_level(len(points))
+    record = RepeatRecord.open(args.record, "step_vs_mlx_lm", {
+        "model": args.model, "world_sizes": sizes, "modes": modes, "steps": args.steps, "backend": args.backend,
+        "looks": points})
     for spec in s.runs:
         mode = spec.name.split("_")[1]
         if spec.name.endswith(MLX_LM) or mode not in modes:
@@ -243,12 +257,17 @@ def main() -> None:
         runs = ((spec, job_for(s, spec.name)), (theirs, job_for(s, theirs.name)),
                 (spec, AnchorJob(s.for_run(spec))))
         got: list[list[tuple[float, dict[str, Any]]]] = [[], [], []]
-        for k in range(points[-1]):  # alternating, each first in turn: a slow phase or an order hits all three
+        for kept_repeat in (r["got"] for r in record.data() if r["run"] == spec.name):  # earlier invocations'
+            for i in range(3):
+                got[i].append(tuple(kept_repeat[i]))
+        while not finished(got, points, level):  # alternating, each first in turn: a slow phase or order hits all
+            k, repeat = len(got[0]), [None, None, None]
             for i in [*range(3)][k % 3:] + [*range(3)][:k % 3]:
                 with compile_disabled(mode == "eager"):
-                    got[i].append(measure(runs[i][0], runs[i][1], args.backend))
-            if k + 1 in points and bare_ratio(got, level).resolved():
-                break
+                    repeat[i] = measure(runs[i][0], runs[i][1], args.backend)
+            for i in range(3):
+                got[i].append(repeat[i])
+            record.add({"run": spec.name, "got": repeat})
         tok_s = [[v for v, _ in g] for g in got]
         against_step = bare_ratio(got, level)
         step_rows.append([spec.world_size, mode, ", ".join(f"{v:.3f}" for v in against_step.values),
@@ -268,6 +287,8 @@ def main() -> None:
                      scaling if spec.world_size != sizes[0] else "1.00x/1.00x/1.00x", *mfu,
                      *(widths(r) for r in (ours, trainer, loop))])
         print("done:", " | ".join(map(str, rows[-1])), file=sys.stderr, flush=True)  # kept if a later run fails
+    if args.record:
+        print(f"record {args.record}: {record.provenance()}")
     print(f"{args.model}: qwen3 {params / 1e6:.2f}M, {dtype}, {per_rank} x {seq} inputs per rank, {args.steps} steps, "
           f"the best of each run's repeats, on {name} (peak: {'%.0f TFLOP/s' % (peak / 1e12) if peak else 'unknown'})")
     print(tabulate(rows, headers=["World size", "Mode", "Harness tok/s", "mlx-lm trainer tok/s", "mlx-lm step tok/s",

@@ -19,6 +19,10 @@ repeat_ratios = importlib.util.module_from_spec(_spec)
 sys.modules["repeat_ratios"] = repeat_ratios  # its dataclass looks its module up there
 _spec.loader.exec_module(repeat_ratios)
 Ratios = repeat_ratios.Ratios
+_spec = importlib.util.spec_from_file_location("repeat_record", REPO / "benchmarks" / "repeat_record.py")
+repeat_record = importlib.util.module_from_spec(_spec)
+sys.modules["repeat_record"] = repeat_record
+_spec.loader.exec_module(repeat_record)
 
 
 def test_the_interval_is_students_over_the_repeats() -> None:
@@ -49,6 +53,29 @@ def test_the_intervals_are_looked_at_after_whole_rotations_at_a_level_that_holds
     assert repeat_ratios.look_level(1) == pytest.approx(0.95) and repeat_ratios.look_level(5) == pytest.approx(0.99)
     tighter = Ratios((0.95, 0.97, 0.96, 0.98), repeat_ratios.look_level(5))
     assert tighter.interval()[0] < Ratios(tighter.values).interval()[0]  # wider at each of five looks
+
+
+def test_a_record_carries_one_plans_repeats_over_invocations_and_refuses_another_plan(tmp_path: Path) -> None:
+    path, plan = tmp_path / "script.jsonl", {"model": "gpu044b", "steps": 40, "looks": [20]}
+    first = repeat_record.RepeatRecord.open(path, "observer_effect", plan, where="gpu-a")
+    first.add({"rates": {"bare": 100.0, "harness": 99.0}})
+    first.add({"rates": {"bare": 101.0, "harness": 101.5}})
+    again = repeat_record.RepeatRecord.open(path, "observer_effect", plan, where="gpu-b")  # a later invocation
+    assert again.data() == first.data() and [r["repeat"] for r in again.repeats] == [1, 2]
+    again.add({"rates": {"bare": 98.0, "harness": 97.0}})
+    third = repeat_record.RepeatRecord.open(path, "observer_effect", plan)
+    assert len(third.repeats) == 3 and [r["where"] for r in third.repeats] == ["gpu-a", "gpu-a", "gpu-b"]
+    assert third.provenance().startswith("3 repeats, ") and "2 on gpu-a" in third.provenance()
+    assert "1 on gpu-b" in third.provenance()
+    with pytest.raises(SystemExit, match=r"run with steps = 40, this invocation asks for 30; continue it with the same"):
+        repeat_record.RepeatRecord.open(path, "observer_effect", {**plan, "steps": 30})
+    with pytest.raises(SystemExit, match="a record of 'observer_effect' version 1, not of 'step_vs_mlx_lm'"):
+        repeat_record.RepeatRecord.open(path, "step_vs_mlx_lm", plan)
+    (bad := tmp_path / "bad.jsonl").write_text("not json\n")
+    with pytest.raises(SystemExit, match="bad.jsonl: not a repeat record"):
+        repeat_record.RepeatRecord.open(bad, "observer_effect", plan)
+    assert repeat_record.RepeatRecord.open(None, "observer_effect", plan).repeats == []  # kept in memory only
+    assert len(path.read_text().splitlines()) == 4  # its head and three repeats: nothing rewritten
 
 
 def test_the_parts_a_benchmark_turns_off_are_named_and_checked() -> None:
