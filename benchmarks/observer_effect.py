@@ -75,7 +75,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import timed_script  # noqa: E402
 from bare_trainers import BARE, bare_env  # noqa: E402
 from repeat_ratios import EFFECT, Ratios, look_level, looks  # noqa: E402
-from repeat_record import RepeatRecord  # noqa: E402
+from repeat_record import RepeatRecord, TimeLimit  # noqa: E402
 
 from harness import ablation  # noqa: E402
 
@@ -239,6 +239,9 @@ def main() -> None:
     p.add_argument("--record", type=Path, metavar="FILE",
                    help="keep each repeat in FILE as it finishes, and continue the repeats already there (same "
                         "options), judging them all together (repeat_record)")
+    p.add_argument("--time-limit", type=float, metavar="SECONDS",
+                   help="with --record: start no repeat that would end past SECONDS from now (judged by the longest "
+                        "so far); the same command continues")
     p.add_argument("--bare", nargs=3, metavar=("SCENARIO", "RUN", "OUT"), help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.bare:
@@ -250,6 +253,8 @@ def main() -> None:
                          f"runs a side with them off)")
     if a.repeats < 1:
         raise SystemExit(f"--repeats must be at least 1, got {a.repeats}")
+    if a.time_limit is not None and not a.record:
+        raise SystemExit("--time-limit stops before the plan's repeats are done: give --record FILE to keep them")
     trainers = a.trainers.split(",")
     sides = ["bare", "harness", *(["ablated"] if a.ablate else [])]
     points = looks(a.repeats, a.max_repeats or a.repeats, len(sides))
@@ -269,7 +274,13 @@ def main() -> None:
                 paths.update(dict.fromkeys(group, path))
         if record.repeats:
             print(f"continuing {a.record}: {record.provenance()}", file=sys.stderr, flush=True)
+        limit = TimeLimit(a.time_limit)
         while not finished(record, trainers, sides, points, level):
+            if not limit.room():
+                print(f"stopped at the time limit ({a.time_limit:g} s; the longest repeat took {limit.longest:.0f} "
+                      f"s): {len(record.repeats)} of at most {points[-1]} repeats in {a.record}, continued by the "
+                      f"same command", file=sys.stderr, flush=True)
+                break
             i = len(record.repeats)
             rep: dict[str, dict[str, float]] = {t: {} for t in trainers}
             split: dict[str, list[tuple[float, float]]] = {side: [] for side in sides}
@@ -310,7 +321,8 @@ def report(a: argparse.Namespace, record: RepeatRecord, trainers: list[str], sid
     for t in trainers:
         for c in comparisons(sides):
             r = ratios(rates[t], c, level)
-            rows.append([t, f"{c[0]} / {c[1]}", ", ".join(f"{v:.3f}" for v in r.values), r.cell(), r.verdict()])
+            verdict = r.verdict() if done in points else f"none before a look ({', '.join(map(str, points))})"
+            rows.append([t, f"{c[0]} / {c[1]}", ", ".join(f"{v:.3f}" for v in r.values), r.cell(), verdict])
     print(tabulate(rows, headers=["trainer", "ratio", "per repeat", "mean [95% interval]", "verdict"]))
     if any(split[side] for side in sides if side != "bare"):
         print("\nthe script's step, ms per step over the same window, per repeat: its own time / inside run.probe "

@@ -101,3 +101,23 @@ class RepeatRecord:
             groups[(r["where"], r.get("commit"))] = groups.get((r["where"], r.get("commit")), 0) + 1
         parts = ", ".join(f"{n} on {w}" + (f" ({c})" if c else "") for (w, c), n in groups.items())
         return f"{len(self.repeats)} repeats, {self.repeats[0]['at']} to {self.repeats[-1]['at']}: {parts}"
+
+
+@dataclass
+class TimeLimit:
+    """Start no repeat that would not end within ``seconds`` of the invocation's start, judged by the
+    longest repeat so far (a machine lent for calls of a few minutes: the record is continued by the
+    next call, nothing killed mid-repeat). The first repeat always starts; None: no limit."""
+
+    seconds: float | None
+    started: float = field(default_factory=lambda: time.monotonic())
+    longest: float = 0.0
+    _mark: float | None = None
+
+    def room(self) -> bool:
+        """Whether another repeat fits; called before each one (it times the one before)."""
+        now = time.monotonic()
+        if self._mark is not None:
+            self.longest = max(self.longest, now - self._mark)
+        self._mark = now
+        return self.seconds is None or self.longest == 0.0 or now + self.longest <= self.started + self.seconds

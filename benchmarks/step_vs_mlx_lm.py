@@ -54,7 +54,7 @@ from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from repeat_ratios import EFFECT, Ratios, look_level, looks  # noqa: E402
-from repeat_record import RepeatRecord  # noqa: E402
+from repeat_record import RepeatRecord, TimeLimit  # noqa: E402
 
 from harness.controller.run_job import execute  # noqa: E402
 from harness.scenario import load_scenario
@@ -230,8 +230,13 @@ def main() -> None:
     ap.add_argument("--record", type=Path, metavar="FILE",
                     help="keep each repeat in FILE as it finishes, and continue the repeats already there (same "
                          "options), judging them all together (repeat_record)")
+    ap.add_argument("--time-limit", type=float, metavar="SECONDS",
+                    help="with --record: start no repeat that would end past SECONDS from now (judged by the longest "
+                         "so far); the same command continues")
     args = ap.parse_args()
     sizes = [int(n) for n in args.world_sizes.split(",")]
+    if args.time_limit is not None and not args.record:
+        raise SystemExit("--time-limit stops before the plan's repeats are done: give --record FILE to keep them")
     modes = [m for m in args.modes.split(",") if m]
     if not modes or set(modes) - set(MODES):
         raise SystemExit(f"--modes: each of {', '.join(MODES)}, got {args.modes!r}")
@@ -249,6 +254,7 @@ def main() -> None:
     record = RepeatRecord.open(args.record, "step_vs_mlx_lm", {
         "model": args.model, "world_sizes": sizes, "modes": modes, "steps": args.steps, "backend": args.backend,
         "looks": points})
+    limit, stopped = TimeLimit(args.time_limit), False
     for spec in s.runs:
         mode = spec.name.split("_")[1]
         if spec.name.endswith(MLX_LM) or mode not in modes:
@@ -260,7 +266,12 @@ def main() -> None:
         for kept_repeat in (r["got"] for r in record.data() if r["run"] == spec.name):  # earlier invocations'
             for i in range(3):
                 got[i].append(tuple(kept_repeat[i]))
-        while not finished(got, points, level):  # alternating, each first in turn: a slow phase or order hits all
+        while not finished(got, points, level) and not stopped:  # alternating, each first in turn
+            if not limit.room():
+                stopped = True
+                print(f"stopped at the time limit ({args.time_limit:g} s; the longest repeat took {limit.longest:.0f} "
+                      f"s); {args.record} is continued by the same command", file=sys.stderr, flush=True)
+                break
             k, repeat = len(got[0]), [None, None, None]
             for i in [*range(3)][k % 3:] + [*range(3)][:k % 3]:
                 with compile_disabled(mode == "eager"):
@@ -268,10 +279,13 @@ def main() -> None:
             for i in range(3):
                 got[i].append(repeat[i])
             record.add({"run": spec.name, "got": repeat})
+        if not got[0]:
+            continue
         tok_s = [[v for v, _ in g] for g in got]
         against_step = bare_ratio(got, level)
         step_rows.append([spec.world_size, mode, ", ".join(f"{v:.3f}" for v in against_step.values),
-                          against_step.cell(), against_step.verdict()])
+                          against_step.cell(), against_step.verdict() if finished(got, points, level)
+                          else f"none before a look ({', '.join(map(str, points))})"])
         ours, trainer, loop = (g[kept(t)][1] for g, t in zip(got, tok_s, strict=True))
         if loop["mlx_compile"] != (mode == "compiled"):
             raise SystemExit(f"{spec.name}: MLX compiles {'' if loop['mlx_compile'] else 'not '}in the ranks")
@@ -311,7 +325,7 @@ def main() -> None:
                                             "Step ms"]))
         print("Rank 0, median after step 1 of the best repeat. Fetch: batch and token-count agreement; build: the "
               "lazy graph; eval: mx.eval of the step.")
-    reduce_rows = allreduce_rows(s, step_s, args.backend)
+    reduce_rows = [] if stopped else allreduce_rows(s, step_s, args.backend)
     if reduce_rows:
         print()
         print(tabulate(reduce_rows, headers=["World size", "Mode", "Gradient MiB", "all-reduce ms (alone)",

@@ -4,7 +4,9 @@ turn a rank's parts off for it alone (``harness.ablation``)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -67,7 +69,7 @@ def test_a_record_carries_one_plans_repeats_over_invocations_and_refuses_another
     assert len(third.repeats) == 3 and [r["where"] for r in third.repeats] == ["gpu-a", "gpu-a", "gpu-b"]
     assert third.provenance().startswith("3 repeats, ") and "2 on gpu-a" in third.provenance()
     assert "1 on gpu-b" in third.provenance()
-    with pytest.raises(SystemExit, match=r"run with steps = 40, this invocation asks for 30; continue it with the same"):
+    with pytest.raises(SystemExit, match=r"run with steps = 40, this invocation asks for 30; continue it with"):
         repeat_record.RepeatRecord.open(path, "observer_effect", {**plan, "steps": 30})
     with pytest.raises(SystemExit, match="a record of 'observer_effect' version 1, not of 'step_vs_mlx_lm'"):
         repeat_record.RepeatRecord.open(path, "step_vs_mlx_lm", plan)
@@ -76,6 +78,21 @@ def test_a_record_carries_one_plans_repeats_over_invocations_and_refuses_another
         repeat_record.RepeatRecord.open(bad, "observer_effect", plan)
     assert repeat_record.RepeatRecord.open(None, "observer_effect", plan).repeats == []  # kept in memory only
     assert len(path.read_text().splitlines()) == 4  # its head and three repeats: nothing rewritten
+
+
+def test_a_time_limit_starts_no_repeat_that_would_end_past_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = [100.0]
+    monkeypatch.setattr(repeat_record.time, "monotonic", lambda: clock[0])
+    limit = repeat_record.TimeLimit(300)
+    assert limit.room()  # the first repeat always starts
+    clock[0] += 90
+    assert limit.room() and limit.longest == 90  # 190 + 90 <= 400
+    clock[0] += 70
+    assert limit.room() and limit.longest == 90  # 260 + 90 <= 400: judged by the longest
+    clock[0] += 95
+    assert not limit.room() and limit.longest == 95  # 355 + 95 > 400
+    unlimited = repeat_record.TimeLimit(None)
+    assert unlimited.room() and unlimited.room()
 
 
 def test_the_parts_a_benchmark_turns_off_are_named_and_checked() -> None:
@@ -111,3 +128,31 @@ def test_a_rank_with_every_part_turned_off_trains_and_says_what_was_off(tmp_path
     assert schema.ledger_path(tmp_path / "whole", 0).exists() and not schema.ledger_path(tmp_path / "bare", 0).exists()
     steps = [e for e in bare.ranks[0].events if e.get("kind") == "step"]
     assert [e["step"] for e in steps] == [1, 2, 3]  # its steps are still reported: the benchmark times them
+
+
+@pytest.mark.full  # a benchmark, run small: both sides, their ratio, and a record continued
+@pytest.mark.ranks
+def test_the_observer_benchmark_runs_both_sides_and_continues_its_record(tmp_path: Path) -> None:
+    record = tmp_path / "script.jsonl"
+
+    def observe(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(REPO / "benchmarks" / "observer_effect.py"), "--model", "cpu3m",
+                               "--trainers", "script", "--steps", "6", "--from", "2", "--record", str(record),
+                               *extra], capture_output=True, text=True, cwd=REPO, timeout=600)
+
+    first = observe("--repeats", "2")
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    lines = record.read_text().splitlines()
+    assert len(lines) == 3  # its plan and two repeats, the second with the harness first
+    rates = [json.loads(line)["data"]["rates"]["script"] for line in lines[1:]]
+    assert list(rates[0]) == ["bare", "harness", "harness reported"] and list(rates[1])[0] == "harness"
+    assert all(v > 0 for r in rates for v in r.values())  # the bare side (--bare, a process of its own) timed too
+    row = next(line for line in first.stdout.splitlines() if line.startswith("script     harness / bare"))
+    ratios = [rates[i]["harness"] / rates[i]["bare"] for i in range(2)]
+    assert f"{ratios[0]:.3f}, {ratios[1]:.3f}" in row and f"{sum(ratios) / 2:.3f} [" in row
+    again = observe("--repeats", "2")  # a later invocation: the two repeats are all the plan asks for
+    assert again.returncode == 0 and "continuing" in again.stderr and row in again.stdout
+    other = observe("--repeats", "4")
+    assert other.returncode == 1 and other.stderr.count("\n") == 1 and "Traceback" not in other.stderr
+    assert "its repeats were run with looks = [2], this invocation asks for [4]" in other.stderr
+    assert record.read_text().splitlines() == lines  # nothing already written is lost
