@@ -330,6 +330,26 @@ def test_pairs_run_side_by_side_by_default_only_where_the_cpu_computes_and_speed
         assert not one.side_by_side and one.why == "the runs compute on the CPU, and this process has one CPU"
 
 
+def test_without_device_the_pairs_follow_each_runs_own_device(tmp_path: Path) -> None:
+    def mode(*scenarios: Path, device: str | None = None) -> PairMode:
+        args = argparse.Namespace(device=device, side_by_side=False, in_turns=False)
+        return pair_mode(args, scenarios=[str(s) for s in scenarios])
+
+    on_cpu = write_scenario(tmp_path, "on_cpu", world_sizes=(1,), extra='train = { device = "cpu" }\n')
+    on_gpu = write_scenario(tmp_path, "on_gpu", world_sizes=(1, 2), extra='train = { device = "gpu" }\n')
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0
+    assert mode(on_cpu).side_by_side == (cpus >= 2)  # a run that asks for the CPU, on any machine
+    from harness.controller.devices import accelerators
+
+    gpu = mode(on_cpu, on_gpu)
+    assert not gpu.side_by_side  # its second run asks for the GPU: the sides would share it, or it is not here
+    if accelerators().kind == "cpu":
+        assert gpu.why == f"{on_gpu}'s run ddp2 asks for device gpu, which MLX does not see here", gpu.why
+    else:
+        assert gpu.why.startswith(f"the runs compute on the GPU ({on_gpu}'s run ddp2), which two sides"), gpu.why
+    assert mode(on_cpu, on_gpu, device="cpu").side_by_side == (cpus >= 2)  # --device decides for every run
+
+
 def test_gate_against_a_bad_revision_is_one_line(tmp_path: Path) -> None:
     if shutil.which("git") is None:
         pytest.skip("needs git")

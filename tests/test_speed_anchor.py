@@ -53,7 +53,7 @@ def test_the_side_by_side_benchmark_prints_the_three() -> None:
                        timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     lines = p.stdout.splitlines()
-    assert lines[0].startswith("tiny: qwen3 0.09M, float32, 8 x 160 inputs per rank, 3 steps, best of 1")
+    assert lines[0].startswith("tiny: qwen3 0.09M, float32, 8 x 160 inputs per rank, 3 steps, the best of each run")
     rows = [line.split() for line in lines[3:7]]
     assert [(r[0], r[1]) for r in rows] == [("1", "eager"), ("1", "compiled"), ("2", "eager"), ("2", "compiled")]
     for r in rows:  # tok/s of the harness, mlx-lm's trainer and its step; harness / trainer; scaling; MFU; widths

@@ -106,7 +106,7 @@ def cmd_gate_bisect(args: argparse.Namespace, overrides: dict[str, float | None]
                             "--baseline, --against or --env")
     out = Path(args.out).resolve() if args.out else None
     metrics = _metrics(args)
-    mode = pair_mode(args, speed_judged="speed" in metrics)
+    mode = pair_mode(args, speed_judged="speed" in metrics, scenarios=args.results)
     settings = ProbeSettings(sequential_design(args), Tolerances().updated(**overrides), args.slowdown_margin,
                              run_options(args), out, metrics, mode.side_by_side)
     if args.bisect:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,13 +33,13 @@ class PairMode:
         return f"each pair's two sides run {'side by side' if self.side_by_side else 'in turns'}: {self.why}"
 
 
-def pair_mode(args: argparse.Namespace, speed_judged: bool = True) -> PairMode:
+def pair_mode(args: argparse.Namespace, speed_judged: bool = True, scenarios: Sequence[str] = ()) -> PairMode:
     """``--side-by-side`` or ``--in-turns`` as asked; by default side by side where speed is judged,
-    the runs compute on the CPU and this process can pin itself to two halves of its CPUs (the
+    every run computes on the CPU and this process can pin itself to two halves of its CPUs (the
     sides then meet the same spell of a shared machine's noise), in turns otherwise (the sides
     would share one GPU; a bisection that judges no speed reuses a commit's kept results). Where
-    the runs compute is ``--device``'s, else ``auto``'s choice here (a scenario's own ``[train]
-    device`` is not read)."""
+    the runs compute: ``--device``'s choice, else each run's ``[train] device`` in ``scenarios``
+    (``auto`` for one that cannot be read: its run says why)."""
     import os
 
     if args.side_by_side and args.in_turns:
@@ -50,13 +51,15 @@ def pair_mode(args: argparse.Namespace, speed_judged: bool = True) -> PairMode:
     from harness.controller.devices import DeviceRefused, plan_device
     from harness.run.sides_at_once import halves
 
-    try:
-        device, _ = plan_device(args.device or "auto")
-    except DeviceRefused:  # the sides' runs say why they cannot run
-        return PairMode(False, f"--device {args.device}, which MLX does not see here")
-    if device == "gpu":
-        return PairMode(False, "the runs compute on the GPU, which two sides at once would share "
-                               "(--side-by-side runs them at once anyway)")
+    for run, asked in devices_asked(args, scenarios):
+        try:
+            device, _ = plan_device(asked)
+        except DeviceRefused:  # the sides' runs say why they cannot run
+            return PairMode(False, f"{run + ' asks for device ' if run else '--device '}{asked}, which MLX does "
+                                   f"not see here")
+        if device == "gpu":
+            return PairMode(False, f"the runs compute on the GPU{f' ({run})' if run else ''}, which two sides at "
+                                   f"once would share (--side-by-side runs them at once anyway)")
     try:
         split = halves()  # the split a side-by-side gate pins its sides to
     except ScenarioError:
@@ -67,6 +70,23 @@ def pair_mode(args: argparse.Namespace, speed_judged: bool = True) -> PairMode:
     cpus = len(os.sched_getaffinity(0))
     return PairMode(True, f"the runs compute on the CPU, each side on its own half of this process's {cpus} "
                           f"CPUs (--in-turns runs them one after the other)")
+
+
+def devices_asked(args: argparse.Namespace, scenarios: Sequence[str]) -> list[tuple[str, str]]:
+    """(which run asks, the device it asks for) of the gate's runs: ``--device`` for every run
+    (named ``""``), or each run's own (``tiny.toml's run single``)."""
+    if getattr(args, "device", None):
+        return [("", args.device)]
+    from harness.scenario import load_scenario
+
+    asked: list[tuple[str, str]] = []
+    for path in scenarios:
+        try:
+            s = load_scenario(Path(path))
+        except (ScenarioError, OSError):
+            continue  # its runs will say what is wrong with it
+        asked += [(f"{path}'s run {r.name}", s.for_run(r).train.device) for r in s.runs]
+    return asked or [("", "auto")]
 
 
 def run_options(args: argparse.Namespace) -> list[str]:
@@ -102,7 +122,7 @@ def pairs_taken(args: argparse.Namespace, runs: PairedRuns) -> str:
 
 def cmd_gate_against(args: argparse.Namespace, overrides: dict[str, float | None]) -> int:
     """``gate --against REV``; ``overrides``: the tolerance flags given."""
-    design, mode = sequential_design(args), pair_mode(args)
+    design, mode = sequential_design(args), pair_mode(args, scenarios=args.results)
     runs, commit, here = pairs_against(args.against, args.results, design, run_options(args), mode.side_by_side,
                                        kept_pairs(args))
     name = f"{args.against} ({commit[:12]}), {pairs_taken(args, runs)}"
@@ -128,7 +148,7 @@ def judge_pairs(args: argparse.Namespace, overrides: dict[str, float | None], ru
 def cmd_gate_env(args: argparse.Namespace, overrides: dict[str, float | None]) -> int:
     """``gate --env PYTHON``: the same scenarios of this checkout under another Python environment
     (the baseline) and under this one (the candidate), a pair at a time; ``overrides``: the tolerance flags."""
-    design, mode = sequential_design(args), pair_mode(args)
+    design, mode = sequential_design(args), pair_mode(args, scenarios=args.results)
     other = interpreter(args.env)
     packages = tuple(args.package or ())
     base_v, cand_v = versions(other, packages), versions(sys.executable, packages)
