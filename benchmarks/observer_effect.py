@@ -75,7 +75,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import timed_script  # noqa: E402
 from bare_trainers import BARE, bare_env  # noqa: E402
 from repeat_ratios import EFFECT, Ratios, look_level, looks  # noqa: E402
-from repeat_record import RepeatRecord, TimeLimit  # noqa: E402
+from repeat_record import RepeatRecord, TimeLimit, add_options, check_options  # noqa: E402
 
 from harness import ablation  # noqa: E402
 
@@ -236,12 +236,7 @@ def main() -> None:
                                                    "resolved, up to this (default: --repeats; rounded up alike)")
     p.add_argument("--ablate", type=parts, default=None, metavar="PARTS",
                    help="a third side: the harness with these parts off (comma-separated, or all; harness.ablation)")
-    p.add_argument("--record", type=Path, metavar="FILE",
-                   help="keep each repeat in FILE as it finishes, and continue the repeats already there (same "
-                        "options), judging them all together (repeat_record)")
-    p.add_argument("--time-limit", type=float, metavar="SECONDS",
-                   help="with --record: start no repeat that would end past SECONDS from now (judged by the longest "
-                        "so far); the same command continues")
+    add_options(p)
     p.add_argument("--bare", nargs=3, metavar=("SCENARIO", "RUN", "OUT"), help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.bare:
@@ -253,8 +248,7 @@ def main() -> None:
                          f"runs a side with them off)")
     if a.repeats < 1:
         raise SystemExit(f"--repeats must be at least 1, got {a.repeats}")
-    if a.time_limit is not None and not a.record:
-        raise SystemExit("--time-limit stops before the plan's repeats are done: give --record FILE to keep them")
+    check_options(a)
     trainers = a.trainers.split(",")
     sides = ["bare", "harness", *(["ablated"] if a.ablate else [])]
     points = looks(a.repeats, a.max_repeats or a.repeats, len(sides))

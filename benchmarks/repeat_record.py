@@ -13,6 +13,7 @@ sides ran back to back on one machine), so repeats from different machines of on
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import socket
@@ -121,3 +122,18 @@ class TimeLimit:
             self.longest = max(self.longest, now - self._mark)
         self._mark = now
         return self.seconds is None or self.longest == 0.0 or now + self.longest <= self.started + self.seconds
+
+
+def add_options(parser: argparse.ArgumentParser) -> None:
+    """``--record FILE`` and ``--time-limit SECONDS``, as every benchmark with repeats takes them."""
+    parser.add_argument("--record", type=Path, metavar="FILE",
+                        help="keep each repeat in FILE as it finishes, and continue the repeats already there (same "
+                             "options), judging them all together (repeat_record)")
+    parser.add_argument("--time-limit", type=float, metavar="SECONDS",
+                        help="with --record: start no repeat that would end past SECONDS from now (judged by the "
+                             "longest so far); the same command continues")
+
+
+def check_options(args: argparse.Namespace) -> None:
+    if args.time_limit is not None and not args.record:
+        raise SystemExit("--time-limit stops before the plan's repeats are done: give --record FILE to keep them")

@@ -54,7 +54,7 @@ from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from repeat_ratios import EFFECT, Ratios, look_level, looks  # noqa: E402
-from repeat_record import RepeatRecord, TimeLimit  # noqa: E402
+from repeat_record import RepeatRecord, TimeLimit, add_options, check_options  # noqa: E402
 
 from harness.controller.run_job import execute  # noqa: E402
 from harness.scenario import load_scenario
@@ -227,16 +227,10 @@ def main() -> None:
                     help="add alternating repeats until the harness / step ratio's interval tells a 2%% effect from "
                          "none, up to this many (default: --repeats)")
     ap.add_argument("--backend", default=None)
-    ap.add_argument("--record", type=Path, metavar="FILE",
-                    help="keep each repeat in FILE as it finishes, and continue the repeats already there (same "
-                         "options), judging them all together (repeat_record)")
-    ap.add_argument("--time-limit", type=float, metavar="SECONDS",
-                    help="with --record: start no repeat that would end past SECONDS from now (judged by the longest "
-                         "so far); the same command continues")
+    add_options(ap)
     args = ap.parse_args()
     sizes = [int(n) for n in args.world_sizes.split(",")]
-    if args.time_limit is not None and not args.record:
-        raise SystemExit("--time-limit stops before the plan's repeats are done: give --record FILE to keep them")
+    check_options(args)
     modes = [m for m in args.modes.split(",") if m]
     if not modes or set(modes) - set(MODES):
         raise SystemExit(f"--modes: each of {', '.join(MODES)}, got {args.modes!r}")
