@@ -52,7 +52,7 @@ then halve the set.
 usage: python benchmarks/observer_effect.py [--model cpu3m|gpu044b]
                                             [--trainers mlx_lm,script,unsloth_zoo,mlx_vlm]
                                             [--steps N] [--from W] [--repeats R] [--max-repeats M]
-                                            [--ablate all|PART,...] [--record FILE]
+                                            [--ablate all|PART,...] [--record FILE [--time-limit S]]
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import timed_script  # noqa: E402
 from bare_trainers import BARE, bare_env  # noqa: E402
 from repeat_ratios import EFFECT, Ratios, look_level, looks  # noqa: E402
-from repeat_record import RepeatRecord, TimeLimit, add_options, check_options  # noqa: E402
+from repeat_record import RepeatRecord, TimeLimit, add_options, check_options, device_name  # noqa: E402
 
 from harness import ablation  # noqa: E402
 
@@ -253,8 +253,9 @@ def main() -> None:
     sides = ["bare", "harness", *(["ablated"] if a.ablate else [])]
     points = looks(a.repeats, a.max_repeats or a.repeats, len(sides))
     level = look_level(len(points))
-    plan = {"model": a.model, "trainers": trainers, "steps": a.steps, "from": a.first, "sides": sides,
-            "ablate": a.ablate, "looks": points}
+    plan = {"device": device_name(), "--model": a.model, "--trainers": trainers, "--steps": a.steps,
+            "--from": a.first, "--ablate": sorted(a.ablate.split(",")) if a.ablate else None,
+            "--repeats/--max-repeats (looks after)": points}
     record = RepeatRecord.open(a.record, "observer_effect", plan)
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)

@@ -2,13 +2,14 @@
 over several invocations (a lent GPU's calls of a few minutes each, say) and judged over all of them.
 
 The file is JSON Lines: a first line naming the benchmark and its *plan* (everything that must be
-the same for repeats to be pooled: the model, the steps, the sides, the repeats before the first look
-and the most; ``repeat_ratios.looks``), then one line per finished repeat with where and when it ran
-and what it measured. A repeat is appended whole (one write, flushed to disk) before the next
-starts, so an invocation stopped mid-repeat loses only that repeat. Continuing a record with another
-plan is refused in one line naming what differs: the looks and their level are the plan's, so its
-stated 95 % holds over every invocation together. Each repeat's ratios are paired within it (its
-sides ran back to back on one machine), so repeats from different machines of one kind pool.
+the same for repeats to be pooled: the device, the model, the steps, the sides, the repeats before
+the first look and the most; ``repeat_ratios.looks``), then one line per finished repeat with where
+and when it ran and what it measured. A repeat is appended whole (flushed to disk) before the next
+starts, so an invocation stopped mid-repeat loses only that repeat (a line cut short is dropped).
+Continuing a record with another plan is refused in one line naming the option that differs: the
+looks and their level are the plan's, so its stated 95 % holds over every invocation together.
+Each repeat's ratios are paired within it (its sides ran back to back on one machine), so repeats
+from different machines with the plan's device pool.
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ import argparse
 import json
 import os
 import socket
-import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 VERSION = 1
+INVOKED = time.monotonic()  # about when this invocation began: a time limit counts from here
 
 
 class RecordError(SystemExit):
@@ -31,18 +33,53 @@ class RecordError(SystemExit):
 
 
 def _commit() -> str | None:
-    """This tree's commit, where it is a git checkout (None elsewhere)."""
+    """This tree's commit (``+dirty`` with changes to tracked files), where it is a git checkout."""
+    from harness.controller.environment import git_revision
+
+    return git_revision(Path(__file__).parent)
+
+
+def device_name() -> str:
+    """What the ranks compute on here (``cuda: NVIDIA H200``), part of a plan: repeats pool on one kind."""
+    from harness.controller.devices import accelerators
+
+    acc = accelerators()
+    return f"{acc.kind}: {acc.name}"
+
+
+def _read(path: Path) -> list[str]:
+    """The record's lines; a last line cut short (a write stopped part way) is dropped from the file, saying so."""
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent,
-                             capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return out.stdout.strip() or None
+        text = path.read_bytes().decode()
+    except (OSError, UnicodeDecodeError) as e:
+        raise RecordError(f"{path}: cannot read it as a repeat record ({e.__class__.__name__}: {e})") from None
+    if text and not text.endswith("\n"):
+        kept = text[:text.rfind("\n") + 1]
+        with open(path, "r+b") as f:
+            f.truncate(len(kept.encode()))
+        print(f"{path}: its last line was cut short (a repeat stopped while it was written): dropped", file=sys.stderr)
+        text = kept
+    return text.splitlines()
+
+
+def _entries(path: Path, lines: list[str]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The record's head and its repeats, each checked for the fields a reader takes from it."""
+    try:
+        head, body = json.loads(lines[0]), [json.loads(line) for line in lines[1:] if line.strip()]
+    except (json.JSONDecodeError, IndexError) as e:
+        raise RecordError(f"{path}: not a repeat record ({e})") from None
+    if not isinstance(head, dict) or not isinstance(head.get("plan"), dict):
+        raise RecordError(f"{path}: not a repeat record (its first line names no plan)")
+    for n, r in enumerate(body, 2):
+        if not isinstance(r, dict) or not {"where", "at", "data"} <= set(r):
+            raise RecordError(f"{path}: line {n} is not a repeat (where, at and data)")
+    return head, body
 
 
 @dataclass
 class RepeatRecord:
-    """The repeats of one plan so far, and where new ones go (``path``; None: kept in memory only)."""
+    """The repeats of one plan so far, and where new ones go (``path``; None: kept in memory only).
+    The plan's keys name the options that set them (``--steps``), which a refusal names."""
 
     benchmark: str
     plan: dict[str, Any]
@@ -54,23 +91,24 @@ class RepeatRecord:
     def open(cls, path: Path | None, benchmark: str, plan: dict[str, Any], where: str = "") -> RepeatRecord:
         """The record at ``path`` (a new one where it does not exist), checked to hold ``plan``."""
         rec = cls(benchmark, json.loads(json.dumps(plan)), path, [], where or socket.gethostname())
+        if path is not None and path.is_dir():
+            raise RecordError(f"{path}: a folder; --record takes a file")
         if path is None or not path.exists() or path.stat().st_size == 0:
             if path is not None:
+                if not path.parent.is_dir():
+                    raise RecordError(f"{path}: its folder {path.parent} does not exist")
                 rec._write({"record": benchmark, "version": VERSION, "plan": rec.plan})
             return rec
-        lines = path.read_text().splitlines()
-        try:
-            head, body = json.loads(lines[0]), [json.loads(line) for line in lines[1:] if line.strip()]
-        except (json.JSONDecodeError, IndexError) as e:
-            raise RecordError(f"{path}: not a repeat record ({e})") from None
+        head, body = _entries(path, _read(path))
         if head.get("record") != benchmark or head.get("version") != VERSION:
             raise RecordError(f"{path}: a record of {head.get('record')!r} version {head.get('version')}, "
                               f"not of {benchmark!r} version {VERSION}")
-        differ = [k for k in sorted(set(head["plan"]) | set(rec.plan)) if head["plan"].get(k) != rec.plan.get(k)]
+        was = head["plan"]
+        differ = [k for k in sorted(set(was) | set(rec.plan)) if was.get(k) != rec.plan.get(k)]
         if differ:
             k = differ[0]
-            raise RecordError(f"{path}: its repeats were run with {k} = {head['plan'].get(k)!r}, this invocation "
-                              f"asks for {rec.plan.get(k)!r}; continue it with the same options, or start a new record")
+            raise RecordError(f"{path}: its repeats were run with {k} {was.get(k)!r}, this invocation has "
+                              f"{rec.plan.get(k)!r}; continue it with the same options, or start a new record")
         rec.repeats = body
         return rec
 
@@ -83,9 +121,11 @@ class RepeatRecord:
             self._write(entry)
 
     def _write(self, line: dict[str, Any]) -> None:
+        data = (json.dumps(line) + "\n").encode()
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
-            os.write(fd, (json.dumps(line) + "\n").encode())
+            while data:
+                data = data[os.write(fd, data):]
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -106,12 +146,13 @@ class RepeatRecord:
 
 @dataclass
 class TimeLimit:
-    """Start no repeat that would not end within ``seconds`` of the invocation's start, judged by the
-    longest repeat so far (a machine lent for calls of a few minutes: the record is continued by the
-    next call, nothing killed mid-repeat). The first repeat always starts; None: no limit."""
+    """Start no repeat that would not end within ``seconds`` of the invocation's start (``INVOKED``),
+    judged by the longest repeat so far (a machine lent for calls of a few minutes: the record is
+    continued by the next call, nothing killed mid-repeat). The first repeat always starts; None: no
+    limit."""
 
     seconds: float | None
-    started: float = field(default_factory=lambda: time.monotonic())
+    started: float = INVOKED
     longest: float = 0.0
     _mark: float | None = None
 

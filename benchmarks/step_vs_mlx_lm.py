@@ -24,8 +24,8 @@ one's best post-step-1 median, so that a slow phase of a shared machine does not
 ratio; every figure says which repeat was kept and the range over repeats (``77780 (r2/3:
 75100-77780)``), and a scaling is the kept figures' ratio with the range of the repeat-by-repeat
 ratios (repeat r at N ranks over repeat r at the first world size; where ``--max-repeats`` gave
-one more repeats, its first ones). For every world size above
-the first, a second table puts the gradient all-reduce alone (``nn.average_gradients`` on a
+one more repeats, its first ones). For every world size above the first (and without
+``--time-limit``), a second table puts the gradient all-reduce alone (``nn.average_gradients`` on a
 gradient of the model's shapes, ``harness.rank.anchor.allreduce``) beside what the harness's
 eager step takes over the first world size's at the same per-rank batch. A third gives, per run,
 the reference's tok/s over the bare step's repeat by repeat, their mean with its 95 % interval
@@ -35,7 +35,8 @@ repeats already there (``repeat_record``): a run's repeats carried over several 
 
 usage: python benchmarks/step_vs_mlx_lm.py [--model tiny|cpu3m|gpu044b] [--world-sizes 1,2]
                                            [--modes eager,compiled] [--steps N] [--repeats R]
-                                           [--max-repeats M] [--backend ring|nccl] [--record FILE]
+                                           [--max-repeats M] [--backend ring|nccl]
+                                           [--record FILE [--time-limit S]]
 """
 
 from __future__ import annotations
@@ -246,8 +247,8 @@ def main() -> None:
     points = looks(args.repeats, args.max_repeats or args.repeats, 1)  # its three runs rotate within a repeat
     level = look_level(len(points))
     record = RepeatRecord.open(args.record, "step_vs_mlx_lm", {
-        "model": args.model, "world_sizes": sizes, "modes": modes, "steps": args.steps, "backend": args.backend,
-        "looks": points})
+        "device": name, "--model": args.model, "--world-sizes": sizes, "--modes": modes, "--steps": args.steps,
+        "--backend": args.backend, "--repeats/--max-repeats (looks after)": points})
     limit, stopped = TimeLimit(args.time_limit), False
     for spec in s.runs:
         mode = spec.name.split("_")[1]
@@ -278,7 +279,7 @@ def main() -> None:
         tok_s = [[v for v, _ in g] for g in got]
         against_step = bare_ratio(got, level)
         step_rows.append([spec.world_size, mode, ", ".join(f"{v:.3f}" for v in against_step.values),
-                          against_step.cell(), against_step.verdict() if finished(got, points, level)
+                          against_step.cell(), against_step.verdict() if len(got[0]) in points
                           else f"none before a look ({', '.join(map(str, points))})"])
         ours, trainer, loop = (g[kept(t)][1] for g, t in zip(got, tok_s, strict=True))
         if loop["mlx_compile"] != (mode == "compiled"):
@@ -319,7 +320,7 @@ def main() -> None:
                                             "Step ms"]))
         print("Rank 0, median after step 1 of the best repeat. Fetch: batch and token-count agreement; build: the "
               "lazy graph; eval: mx.eval of the step.")
-    reduce_rows = [] if stopped else allreduce_rows(s, step_s, args.backend)
+    reduce_rows = [] if args.time_limit is not None else allreduce_rows(s, step_s, args.backend)
     if reduce_rows:
         print()
         print(tabulate(reduce_rows, headers=["World size", "Mode", "Gradient MiB", "all-reduce ms (alone)",

@@ -336,13 +336,13 @@ def test_without_device_the_pairs_follow_each_runs_own_device(tmp_path: Path) ->
         return pair_mode(args, scenarios=[str(s) for s in scenarios])
 
     on_cpu = write_scenario(tmp_path, "on_cpu", world_sizes=(1,), extra='train = { device = "cpu" }\n')
-    on_gpu = write_scenario(tmp_path, "on_gpu", world_sizes=(1, 2), extra='train = { device = "gpu" }\n')
+    on_gpu = write_scenario(tmp_path, "on_gpu", world_sizes=(2,), extra='train = { device = "gpu" }\n')
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0
     assert mode(on_cpu).side_by_side == (cpus >= 2)  # a run that asks for the CPU, on any machine
     from harness.controller.devices import accelerators
 
     gpu = mode(on_cpu, on_gpu)
-    assert not gpu.side_by_side  # its second run asks for the GPU: the sides would share it, or it is not here
+    assert not gpu.side_by_side  # its run asks for the GPU: the sides would share it, or it is not here
     if accelerators().kind == "cpu":
         assert gpu.why == f"{on_gpu}'s run ddp2 asks for device gpu, which MLX does not see here", gpu.why
     else:

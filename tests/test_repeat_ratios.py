@@ -58,9 +58,10 @@ def test_the_intervals_are_looked_at_after_whole_rotations_at_a_level_that_holds
 
 
 def test_a_record_carries_one_plans_repeats_over_invocations_and_refuses_another_plan(tmp_path: Path) -> None:
-    path, plan = tmp_path / "script.jsonl", {"model": "gpu044b", "steps": 40, "looks": [20]}
+    path, plan = tmp_path / "script.jsonl", {"device": "cuda: NVIDIA H200", "--steps": 40, "--repeats (looks)": [20]}
     first = repeat_record.RepeatRecord.open(path, "observer_effect", plan, where="gpu-a")
     first.add({"rates": {"bare": 100.0, "harness": 99.0}})
+    lines = path.read_text().splitlines()
     first.add({"rates": {"bare": 101.0, "harness": 101.5}})
     again = repeat_record.RepeatRecord.open(path, "observer_effect", plan, where="gpu-b")  # a later invocation
     assert again.data() == first.data() and [r["repeat"] for r in again.repeats] == [1, 2]
@@ -69,21 +70,35 @@ def test_a_record_carries_one_plans_repeats_over_invocations_and_refuses_another
     assert len(third.repeats) == 3 and [r["where"] for r in third.repeats] == ["gpu-a", "gpu-a", "gpu-b"]
     assert third.provenance().startswith("3 repeats, ") and "2 on gpu-a" in third.provenance()
     assert "1 on gpu-b" in third.provenance()
-    with pytest.raises(SystemExit, match=r"run with steps = 40, this invocation asks for 30; continue it with"):
-        repeat_record.RepeatRecord.open(path, "observer_effect", {**plan, "steps": 30})
+    with pytest.raises(SystemExit, match=r"run with --steps 40, this invocation has 30; continue it with the same"):
+        repeat_record.RepeatRecord.open(path, "observer_effect", {**plan, "--steps": 30})
+    with pytest.raises(SystemExit, match=r"run with device 'cuda: NVIDIA H200', this invocation has 'cuda: NVIDIA H1"):
+        repeat_record.RepeatRecord.open(path, "observer_effect", {**plan, "device": "cuda: NVIDIA H100 80GB HBM3"})
     with pytest.raises(SystemExit, match="a record of 'observer_effect' version 1, not of 'step_vs_mlx_lm'"):
         repeat_record.RepeatRecord.open(path, "step_vs_mlx_lm", plan)
-    (bad := tmp_path / "bad.jsonl").write_text("not json\n")
-    with pytest.raises(SystemExit, match="bad.jsonl: not a repeat record"):
-        repeat_record.RepeatRecord.open(bad, "observer_effect", plan)
+    for text, why in (("not json\n", "not a repeat record"), ("[1]\n", "its first line names no plan"),
+                      (lines[0] + '\n{"data": {}}\n', "line 2 is not a repeat")):
+        (bad := tmp_path / "bad.jsonl").write_text(text)
+        with pytest.raises(SystemExit, match=f"bad.jsonl: .*{why}"):
+            repeat_record.RepeatRecord.open(bad, "observer_effect", plan)
+    with pytest.raises(SystemExit, match="a folder; --record takes a file"):
+        repeat_record.RepeatRecord.open(tmp_path, "observer_effect", plan)
+    with pytest.raises(SystemExit, match="its folder .* does not exist"):
+        repeat_record.RepeatRecord.open(tmp_path / "no" / "r.jsonl", "observer_effect", plan)
     assert repeat_record.RepeatRecord.open(None, "observer_effect", plan).repeats == []  # kept in memory only
     assert len(path.read_text().splitlines()) == 4  # its head and three repeats: nothing rewritten
+    with open(path, "a") as f:
+        f.write('{"repeat": 4, "where"')  # a write stopped part way
+    cut = repeat_record.RepeatRecord.open(path, "observer_effect", plan)
+    assert len(cut.repeats) == 3 and path.read_text().endswith("}\n")  # that line dropped, the rest kept
+    cut.add({"rates": {"bare": 99.0, "harness": 99.0}})
+    assert len(repeat_record.RepeatRecord.open(path, "observer_effect", plan).repeats) == 4
 
 
 def test_a_time_limit_starts_no_repeat_that_would_end_past_it(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = [100.0]
     monkeypatch.setattr(repeat_record.time, "monotonic", lambda: clock[0])
-    limit = repeat_record.TimeLimit(300)
+    limit = repeat_record.TimeLimit(300, started=100.0)
     assert limit.room()  # the first repeat always starts
     clock[0] += 90
     assert limit.room() and limit.longest == 90  # 190 + 90 <= 400
@@ -154,5 +169,5 @@ def test_the_observer_benchmark_runs_both_sides_and_continues_its_record(tmp_pat
     assert again.returncode == 0 and "continuing" in again.stderr and row in again.stdout
     other = observe("--repeats", "4")
     assert other.returncode == 1 and other.stderr.count("\n") == 1 and "Traceback" not in other.stderr
-    assert "its repeats were run with looks = [2], this invocation asks for [4]" in other.stderr
+    assert "were run with --repeats/--max-repeats (looks after) [2], this invocation has [4]" in other.stderr
     assert record.read_text().splitlines() == lines  # nothing already written is lost

@@ -38,8 +38,9 @@ def pair_mode(args: argparse.Namespace, speed_judged: bool = True, scenarios: Se
     every run computes on the CPU and this process can pin itself to two halves of its CPUs (the
     sides then meet the same spell of a shared machine's noise), in turns otherwise (the sides
     would share one GPU; a bisection that judges no speed reuses a commit's kept results). Where
-    the runs compute: ``--device``'s choice, else each run's ``[train] device`` in ``scenarios``
-    (``auto`` for one that cannot be read: its run says why)."""
+    the runs compute: ``--device``'s choice, else each run's ``[train] device`` in ``scenarios`` as
+    this checkout has them (one that cannot be read is passed over: its run says why; ``auto``
+    where none can be)."""
     import os
 
     if args.side_by_side and args.in_turns:
