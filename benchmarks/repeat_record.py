@@ -86,11 +86,12 @@ class RepeatRecord:
     path: Path | None = None
     repeats: list[dict[str, Any]] = field(default_factory=list)
     where: str = ""
+    commit: str | None = None  # of the code this invocation runs, taken when it opens the record
 
     @classmethod
     def open(cls, path: Path | None, benchmark: str, plan: dict[str, Any], where: str = "") -> RepeatRecord:
         """The record at ``path`` (a new one where it does not exist), checked to hold ``plan``."""
-        rec = cls(benchmark, json.loads(json.dumps(plan)), path, [], where or socket.gethostname())
+        rec = cls(benchmark, json.loads(json.dumps(plan)), path, [], where or socket.gethostname(), _commit())
         if path is not None and path.is_dir():
             raise RecordError(f"{path}: a folder; --record takes a file")
         if path is None or not path.exists() or path.stat().st_size == 0:
@@ -114,7 +115,7 @@ class RepeatRecord:
 
     def add(self, data: dict[str, Any]) -> None:
         """One finished repeat's figures, written at once."""
-        entry = {"repeat": len(self.repeats) + 1, "where": self.where, "commit": _commit(),
+        entry = {"repeat": len(self.repeats) + 1, "where": self.where, "commit": self.commit,
                  "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "data": data}
         self.repeats.append(entry)
         if self.path is not None:
