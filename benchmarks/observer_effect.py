@@ -10,7 +10,9 @@ under the harness, on the same model, rows, batch and process count, alternating
   ``run.finish`` doing nothing and ``run.step`` taking a timestamp; under the harness it is the
   script as shipped. Both sides run it through ``timed_script.py``, which times the session's
   calls: a second table splits each side's step into the script's own time and the time inside
-  ``run.probe`` and ``run.step`` (under the harness, all the harness does in the script's step).
+  ``run.probe`` and ``run.step`` (under the harness, all the harness does in the script's step),
+  and gives the time in the garbage collector, its full collections, the objects it tracks and
+  the median of the script's own time a step (a cost in every step moves it, one in a few does not).
 - **mlx-vlm**: bare is ``mlx_vlm.trainer.Trainer(model, VLMTrainingArgs(...), train_dataset=rows,
   optimizer=..., prepared=True, training_callback=..., seed=...).train()`` with its own SFT task and
   batch iterator and its defaults (``steps_per_report`` 10), on the qwen2_vl and prepared image rows
@@ -278,7 +280,7 @@ def main() -> None:
                 break
             i = len(record.repeats)
             rep: dict[str, dict[str, float]] = {t: {} for t in trainers}
-            split: dict[str, list[tuple[float, float]]] = {side: [] for side in sides}
+            split: dict[str, list[list[float]]] = {side: [] for side in sides}
             for t in trainers:
                 for side in sides[i % len(sides):] + sides[:i % len(sides)]:  # each side first in turn
                     rep[t].update(run_side(side, t, paths[t], d, a))
@@ -300,7 +302,7 @@ def ratios(rates: dict[str, list[float]], comparison: tuple[str, str], level: fl
 def report(a: argparse.Namespace, record: RepeatRecord, trainers: list[str], sides: list[str], points: list[int],
            level: float) -> None:
     rates, done = gathered(record, trainers, sides), len(record.repeats)
-    split = {side: [tuple(x) for r in record.data() for x in r["split"][side]] for side in sides}
+    split = {side: [x for r in record.data() for x in r["split"][side]] for side in sides}
     off = f"; ablated: {a.ablate}" if a.ablate else ""
     print(f"model {a.model}, 1 process, steps {a.steps}, timed after step {a.first}, {done} repeats of at most "
           f"{points[-1]} (each side first in turn: {', '.join(sides)}; looked at after {points}){off}")
@@ -320,11 +322,17 @@ def report(a: argparse.Namespace, record: RepeatRecord, trainers: list[str], sid
             rows.append([t, f"{c[0]} / {c[1]}", ", ".join(f"{v:.3f}" for v in r.values), r.cell(), verdict])
     print(tabulate(rows, headers=["trainer", "ratio", "per repeat", "mean [95% interval]", "verdict"]))
     if any(split[side] for side in sides if side != "bare"):
-        print("\nthe script's step, ms per step over the same window, per repeat: its own time / inside run.probe "
-              "and run.step")
-        print(tabulate([[side, ", ".join(f"{own * 1e3:.1f}" for own, _ in split[side]),
-                         ", ".join(f"{calls * 1e3:.3f}" for _, calls in split[side])] for side in sides],
-                       headers=["side", "the script's own", "inside the session's calls"]))
+        print("\nthe script's step over the same window, per repeat: its own ms (mean; median last), ms inside "
+              "run.probe and run.step, ms in the garbage collector and full collections a step (where recorded), "
+              "objects tracked")
+        print(tabulate([[side, *(", ".join(form(x[i]) if i < len(x) else "-" for x in split[side])
+                                 for i, form in enumerate(SPLIT_FORMS))] for side in sides],
+                       headers=["side", "the script's own", "inside the session's calls", "in gc", "full gcs",
+                                "objects at step 1", "own, median"]))
+
+
+SPLIT_FORMS = (lambda v: f"{v * 1e3:.1f}", lambda v: f"{v * 1e3:.3f}", lambda v: f"{v * 1e3:.2f}",
+               lambda v: f"{v:.2f}", lambda v: f"{v / 1e3:.0f}k", lambda v: f"{v * 1e3:.1f}")
 
 
 if __name__ == "__main__":

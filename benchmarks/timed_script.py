@@ -1,14 +1,18 @@
 """``examples/ddp_train.py`` with its session's calls timed (``observer_effect.py`` runs it bare and
-under the harness alike): at each ``run.step`` it notes the time and the seconds spent so far inside
-``run.probe`` and ``run.step``, and at ``run.finish`` writes those rows to a JSON file in the
-directory ``TIMES_VAR`` names (``bare-PID.json`` or ``harness-PID.json``). Two clock reads per call:
-the same on both sides."""
+under the harness alike): at each ``run.step`` it notes the time, the seconds spent so far inside
+``run.probe`` and ``run.step``, and in the garbage collector (``gc.callbacks``) with its count of
+full (generation 2) collections; at ``run.finish`` it writes those rows and the objects the
+collector tracked at the first step to a JSON file in the directory ``TIMES_VAR`` names
+(``bare-PID.json`` or ``harness-PID.json``). Two clock reads per call and per collection: the same
+on both sides."""
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import os
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -23,7 +27,17 @@ class TimedSession:
     def __init__(self, session: Any):
         self.session = session
         self.marks: list[list[float]] = []
-        self.in_probe = self.in_step = 0.0
+        self.in_probe = self.in_step = self.in_gc = 0.0
+        self.full_collections, self.objects = 0, 0
+        self._gc_began = 0.0
+        gc.callbacks.append(self._collecting)
+
+    def _collecting(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._gc_began = time.perf_counter()
+            return
+        self.in_gc += time.perf_counter() - self._gc_began
+        self.full_collections += info["generation"] == 2
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.session, name)
@@ -35,14 +49,17 @@ class TimedSession:
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         t = time.perf_counter()
-        self.marks.append([t, self.in_probe, self.in_step])
+        self.marks.append([t, self.in_probe, self.in_step, self.in_gc, self.full_collections])
+        if len(self.marks) == 1:
+            self.objects = len(gc.get_objects())
         self.session.step(*args, **kwargs)
         self.in_step += time.perf_counter() - t
 
     def finish(self, params: Any) -> None:
         if os.environ.get(TIMES_VAR):
             side = "bare" if type(self.session).__name__ == "BareSession" else "harness"
-            (Path(os.environ[TIMES_VAR]) / f"{side}-{os.getpid()}.json").write_text(json.dumps(self.marks))
+            (Path(os.environ[TIMES_VAR]) / f"{side}-{os.getpid()}.json").write_text(
+                json.dumps({"rows": self.marks, "objects": self.objects}))
         self.session.finish(params)
 
 
@@ -64,12 +81,17 @@ def main() -> None:
     script.main()
 
 
-def split(rows: list[list[float]], first: int) -> tuple[float, float]:
-    """Seconds per step from step ``first`` to the last: the script's own, and inside the session's calls."""
+def split(written: dict[str, Any], first: int) -> list[float]:
+    """Per step from step ``first`` to the last: the script's own seconds, the seconds inside the
+    session's calls, the seconds in the garbage collector (inside either), the full collections;
+    the objects the collector tracked at the first step; the median of the script's own seconds."""
+    rows = written["rows"]
     a, b = rows[first - 1], rows[-1]
     n = len(rows) - first
     calls = (b[1] - a[1] + b[2] - a[2]) / n
-    return (b[0] - a[0]) / n - calls, calls
+    own = [(y[0] - x[0]) - (y[1] - x[1] + y[2] - x[2]) for x, y in zip(rows[first - 1:-1], rows[first:], strict=True)]
+    return [(b[0] - a[0]) / n - calls, calls, (b[3] - a[3]) / n, (b[4] - a[4]) / n, written["objects"],
+            statistics.median(own)]
 
 
 if __name__ == "__main__":
