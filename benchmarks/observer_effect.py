@@ -49,12 +49,14 @@ one comparison carried over several invocations, judged over all of them.
 ``--ablate PARTS`` adds a third side: the harness with those parts of what it does to a rank
 turned off (``harness.ablation``; ``all`` for every one), and two more ratios: that side over bare,
 and the harness over it (what the parts cost; below 1 they slow the trainer). Screen with ``all``,
-then halve the set.
+then halve the set. ``--sides harness,ablated`` runs those two alone (the parts' effect, without
+the bare side).
 
 usage: python benchmarks/observer_effect.py [--model cpu3m|gpu044b]
                                             [--trainers mlx_lm,script,unsloth_zoo,mlx_vlm]
                                             [--steps N] [--from W] [--repeats R] [--max-repeats M]
-                                            [--ablate all|PART,...] [--record FILE [--time-limit S]]
+                                            [--ablate all|PART,...] [--sides SIDES]
+                                            [--record FILE [--time-limit S]]
 """
 
 from __future__ import annotations
@@ -195,9 +197,10 @@ def parts(value: str) -> str:
 
 
 def comparisons(sides: list[str]) -> list[tuple[str, str]]:
-    """(numerator, denominator) of each ratio reported: under the harness over bare, and with
-    ``--ablate``, the harness with those parts off over bare and all on over them off (the parts' effect)."""
-    return [("harness", "bare")] + ([("ablated", "bare"), ("harness", "ablated")] if "ablated" in sides else [])
+    """(numerator, denominator) of each ratio reported, of the sides run: under the harness over bare,
+    and with ``--ablate``, the harness with those parts off over bare and all on over them off (the
+    parts' effect)."""
+    return [c for c in (("harness", "bare"), ("ablated", "bare"), ("harness", "ablated")) if set(c) <= set(sides)]
 
 
 def run_side(side: str, t: str, path: Path, d: Path, a: argparse.Namespace) -> dict[str, float]:
@@ -226,6 +229,22 @@ def finished(record: RepeatRecord, trainers: list[str], sides: list[str], points
     return done in points and all(ratios(rates[t], c, level).resolved() for t in trainers for c in comparisons(sides))
 
 
+def chosen_sides(a: argparse.Namespace) -> list[str]:
+    """The sides each repeat runs: ``--sides`` (two or three of bare, harness, ablated), else bare
+    and the harness, and the harness with parts off where ``--ablate`` names them."""
+    if not a.sides:
+        return ["bare", "harness", *(["ablated"] if a.ablate else [])]
+    sides = [x.strip() for x in a.sides.split(",") if x.strip()]
+    unknown = [x for x in sides if x not in ("bare", "harness", "ablated")]
+    if unknown or len(set(sides)) != len(sides) or len(sides) < 2:
+        raise SystemExit(f"--sides: two or three of bare, harness, ablated, each once; got {a.sides!r}")
+    if "ablated" in sides and not a.ablate:
+        raise SystemExit("--sides: the ablated side needs --ablate PARTS (the parts it turns off)")
+    if a.ablate and "ablated" not in sides:
+        raise SystemExit("--ablate runs the ablated side: add it to --sides")
+    return sides
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", choices=sorted(MODELS), default="cpu3m")
@@ -238,6 +257,9 @@ def main() -> None:
                                                    "resolved, up to this (default: --repeats; rounded up alike)")
     p.add_argument("--ablate", type=parts, default=None, metavar="PARTS",
                    help="a third side: the harness with these parts off (comma-separated, or all; harness.ablation)")
+    p.add_argument("--sides", metavar="SIDES", help="the sides each repeat runs, two or three of bare, harness, "
+                   "ablated (default: bare, harness and, with --ablate, ablated); harness,ablated alone measures "
+                   "what the parts cost at two thirds of a three-side repeat's time")
     add_options(p)
     p.add_argument("--bare", nargs=3, metavar=("SCENARIO", "RUN", "OUT"), help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -252,11 +274,12 @@ def main() -> None:
         raise SystemExit(f"--repeats must be at least 1, got {a.repeats}")
     check_options(a)
     trainers = a.trainers.split(",")
-    sides = ["bare", "harness", *(["ablated"] if a.ablate else [])]
+    sides = chosen_sides(a)
     points = looks(a.repeats, a.max_repeats or a.repeats, len(sides))
     level = look_level(len(points))
     plan = {"device": device_name(), "--model": a.model, "--trainers": trainers, "--steps": a.steps,
             "--from": a.first, "--ablate": sorted(a.ablate.split(",")) if a.ablate else None,
+            **({"--sides": sides} if a.sides else {}),
             "--repeats/--max-repeats (looks after)": points}
     record = RepeatRecord.open(a.record, "observer_effect", plan)
     with tempfile.TemporaryDirectory() as tmp:

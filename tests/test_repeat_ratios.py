@@ -171,3 +171,15 @@ def test_the_observer_benchmark_runs_both_sides_and_continues_its_record(tmp_pat
     assert other.returncode == 1 and other.stderr.count("\n") == 1 and "Traceback" not in other.stderr
     assert "were run with --repeats/--max-repeats (looks after) [2], this invocation has [4]" in other.stderr
     assert record.read_text().splitlines() == lines  # nothing already written is lost
+
+
+@pytest.mark.parametrize(("args", "line"), [
+    (["--sides", "harness"], "--sides: two or three of bare, harness, ablated, each once; got 'harness'"),
+    (["--sides", "harness,ablated"], "--sides: the ablated side needs --ablate PARTS (the parts it turns off)"),
+    (["--ablate", "sampler", "--sides", "bare,harness"], "--ablate runs the ablated side: add it to --sides"),
+    (["--time-limit", "60"], "--time-limit stops before the plan's repeats are done: give --record FILE to keep them"),
+])
+def test_the_observer_benchmarks_bad_options_are_one_line(args: list[str], line: str) -> None:
+    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "observer_effect.py"), *args], capture_output=True,
+                       text=True, cwd=REPO, timeout=120)
+    assert p.returncode == 1 and p.stderr == line + "\n", p.stderr
