@@ -6,7 +6,9 @@ measures can be traced to a part.
 controller's environment, which its ranks inherit. ``run``, ``gate``, ``soak``, ``doctor`` and the
 pytest plugin refuse to start with it set (``refuse``): a part turned off can blind a check (the sampler feeds the
 memory ceilings, the ledger names a hang's collective), so no verdict is ever given without it.
-A rank records what was off in its result (``ablated``).
+A rank records what was off in its result (``ablated``). ``sampler/K`` instead runs the memory
+sampler in alternate blocks of K steps (``alternating``; ``benchmarks/alternating_part.py``), recorded
+as ``alternated``.
 """
 
 from __future__ import annotations
@@ -34,15 +36,42 @@ class AblationError(ValueError):
     """``VAR`` names a part that does not exist."""
 
 
+ALTERNATING = ("sampler",)  # the parts that can also run in alternate blocks of steps (``part/K``)
+
+
+def _names(environ: dict[str, str] | None) -> frozenset[str]:
+    value = (os.environ if environ is None else environ).get(VAR, "")
+    return frozenset(p.strip() for p in value.split(",") if p.strip())
+
+
 def ablated(environ: dict[str, str] | None = None, strict: bool = False) -> frozenset[str]:
     """The parts turned off; ``strict``: ``AblationError`` for a name that is no part (else such a
-    name turns nothing off: the benchmark checks its ``--ablate`` strictly before it sets ``VAR``)."""
-    value = (os.environ if environ is None else environ).get(VAR, "")
-    parts = frozenset(p.strip() for p in value.split(",") if p.strip())
-    unknown = sorted(parts - PARTS.keys())
+    name turns nothing off: the benchmark checks its ``--ablate`` strictly before it sets ``VAR``).
+    ``part/K`` is not off: it alternates (``alternating``)."""
+    names = _names(environ)
+    plain = frozenset(n for n in names if "/" not in n)
+    unknown = sorted(plain - PARTS.keys())
     if unknown and strict:
         raise AblationError(f"{VAR}: no part named {', '.join(unknown)} (parts: {', '.join(PARTS)})")
-    return parts & PARTS.keys()
+    if strict:
+        alternating(environ, strict=True)
+    return plain & PARTS.keys()
+
+
+def alternating(environ: dict[str, str] | None = None, strict: bool = False) -> dict[str, int]:
+    """The parts named ``part/K``: each runs in the first K steps, not in the next K, and so on,
+    so that one run times its steps with the part and without it (``benchmarks/alternating_part.py``)."""
+    found: dict[str, int] = {}
+    for name in _names(environ):
+        if "/" not in name:
+            continue
+        part, _, block = name.partition("/")
+        if part in ALTERNATING and block.isdigit() and int(block) >= 1:
+            found[part] = int(block)
+        elif strict:
+            raise AblationError(f"{VAR}: {name!r}: only {', '.join(ALTERNATING)} alternates, as part/K with K >= 1 "
+                                f"steps")
+    return found
 
 
 def on(part: str) -> bool:

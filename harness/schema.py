@@ -176,6 +176,7 @@ class RankResult(_RankRequired, total=False):
     memory_sampler_error: str | None
     memory_share: dict[str, Any]  # working set, budget, share, limit calls (``harness.memory.share``)
     ablated: list[str]  # the parts turned off for benchmarks/observer_effect.py (``harness.ablation``)
+    alternated: dict[str, int]  # parts run in alternate blocks of this many steps (``harness.ablation``)
 
 
 class _TrainRequired(TypedDict):

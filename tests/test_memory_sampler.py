@@ -10,7 +10,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from harness import schema
+from harness import ablation, schema
 from harness.memory.sampler import (
     FIRST_STEP,
     JOB_START,
@@ -103,3 +103,44 @@ def test_the_sampler_thread_leaves_the_stack_dump_signal_to_the_main_thread(tmp_
         sampler.stop()
         events.close()
     assert blocked & (1 << (signal.SIGUSR1 - 1)) and not main & (1 << (signal.SIGUSR1 - 1))
+
+
+def test_an_alternating_sampler_samples_in_its_blocks_with_and_sleeps_in_those_without(tmp_path: Path,
+                                                                                      monkeypatch: pytest.MonkeyPatch
+                                                                                      ) -> None:
+    events = schema.EventWriter(tmp_path / "events.jsonl")
+    sampler = MemorySampler(events, 0, peak_rss_bytes(), JOB_START, every_s=0.005)
+    taken: list[float] = []
+    monkeypatch.setattr(sampler, "sample", lambda: taken.append(time.monotonic()))
+    sampler.alternate(2)  # steps 1-2 with it, 3-4 without, 5-6 with
+    sampler.start()
+
+    def samples_over(seconds: float) -> int:
+        before = len(taken)
+        time.sleep(seconds)
+        return len(taken) - before
+
+    try:
+        assert samples_over(0.2) >= 3  # step 1 runs: sampling
+        sampler.step_ended(1)
+        assert samples_over(0.2) >= 3  # step 2: still its block with
+        sampler.step_ended(2)
+        time.sleep(0.02)  # a sample under way when the block ended
+        assert samples_over(0.3) == 0  # steps 3 and 4: none
+        assert sampler.step_ended(3)["rss_bytes"] > 0  # each step's own figures are still taken
+        assert samples_over(0.1) == 0
+        sampler.step_ended(4)
+        assert samples_over(0.2) >= 3  # step 5: sampling again
+    finally:
+        sampler.stop()
+        events.close()
+    assert sampler.error is None
+
+
+def test_only_the_sampler_alternates_and_a_part_alternating_is_not_off() -> None:
+    env = {ablation.VAR: "sampler/5,ledger"}
+    assert ablation.alternating(env) == {"sampler": 5} and ablation.ablated(env, strict=True) == {"ledger"}
+    for bad in ("ledger/5", "sampler/0", "sampler/x"):
+        with pytest.raises(ablation.AblationError, match=f"{bad!r}: only sampler alternates"):
+            ablation.ablated({ablation.VAR: bad}, strict=True)
+        assert ablation.alternating({ablation.VAR: bad}) == {}  # a rank ignores what it cannot do

@@ -143,6 +143,11 @@ def test_a_rank_with_every_part_turned_off_trains_and_says_what_was_off(tmp_path
     assert schema.ledger_path(tmp_path / "whole", 0).exists() and not schema.ledger_path(tmp_path / "bare", 0).exists()
     steps = [e for e in bare.ranks[0].events if e.get("kind") == "step"]
     assert [e["step"] for e in steps] == [1, 2, 3]  # its steps are still reported: the benchmark times them
+    monkeypatch.setenv(ablation.VAR, "sampler/2")  # the sampler in steps 1-2, not in 3 (alternating_part.py)
+    alternating = execute("alternating", job, 1, keep_to=tmp_path / "alternating")
+    assert alternating.ok, alternating.failure
+    assert alternating.result(0)["alternated"] == {"sampler": 2} and "ablated" not in alternating.result(0)
+    assert alternating.result(0)["memory_sampler_error"] is None
 
 
 @pytest.mark.full  # a benchmark, run small: both sides, their ratio, and a record continued

@@ -90,6 +90,9 @@ class MemorySampler:
         self.error: str | None = None  # why sampling stopped before the job ended
         self.followed: int | None = None  # the pid of the trainer process followed
         self.reported_mlx = 0  # the followed process's MLX peak, as it reported it
+        self.block: int | None = None  # sampling only in alternate blocks of this many steps (``alternate``)
+        self._running = threading.Event()
+        self._running.set()
 
     def follow(self, pid: int) -> None:
         """Sample process ``pid`` (the rank's trainer) from now on, from a first-step baseline."""
@@ -130,8 +133,15 @@ class MemorySampler:
         self._thread = threading.Thread(target=self._run, name="memory-sampler", daemon=True)
         self._thread.start()
 
+    def alternate(self, block: int) -> None:
+        """Sample in steps 1 to ``block``, not in the next ``block``, and so on (a benchmark's
+        measure of what sampling costs a step, ``harness.ablation.alternating``): the thread sleeps
+        through the blocks without, and no figure is taken there but at each step's end."""
+        self.block = block
+
     def stop(self) -> None:
         self._stop.set()
+        self._running.set()
         if self._thread is not None:
             self._thread.join(timeout=2.0)
             self._thread = None
@@ -141,6 +151,9 @@ class MemorySampler:
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
         try:
             while not self._stop.wait(self.every_s):
+                if not self._running.is_set():
+                    self._running.wait()  # a block without sampling (``alternate``): no wake-ups
+                    continue
                 self.sample()
         except Exception as e:  # noqa: BLE001 - the result says the sampled figures stopped there
             self.error = f"{type(e).__name__}: {e}"
@@ -171,6 +184,8 @@ class MemorySampler:
     def step_ended(self, step: int) -> dict[str, Any]:
         """Optimizer step ``step`` ended: the memory fields of its ``step`` event (the baseline's,
         at the step that set it)."""
+        if self.block is not None:  # the next step's block: with sampling or without
+            (self._running.set if (step // self.block) % 2 == 0 else self._running.clear)()
         rss = self._rss()
         fields: dict[str, Any] = {"mlx_peak_bytes": self._mlx_now()[1], "rss_bytes": rss}
         with self._lock:

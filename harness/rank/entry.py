@@ -213,6 +213,8 @@ def main(argv: list[str]) -> int:
         events.emit("start", rank=rank, world_size=world_size, host=result["host"], pid=os.getpid(),
                     device=device, backend=backend, startup_s=startup_s, rss_runtime_bytes=rss_runtime,
                     **sampler.start_fields())
+        if "sampler" in ablation.alternating():
+            sampler.alternate(ablation.alternating()["sampler"])
         if "sampler" not in off:
             sampler.start()
         ctx = RankContext(run_dir, job, rank, world_size, group, backend, events, list(job.faults), memory=sampler,
@@ -234,6 +236,8 @@ def main(argv: list[str]) -> int:
         result["memory_share"] = share.to_json()
     if off:
         result["ablated"] = sorted(off)
+    if ablation.alternating():
+        result["alternated"] = ablation.alternating()
     if sampler is not None:
         sampler.stop()
     events.emit("end", rank=rank, status=result["status"])
