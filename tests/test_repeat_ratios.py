@@ -188,3 +188,14 @@ def test_the_observer_benchmarks_bad_options_are_one_line(args: list[str], line:
     p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "observer_effect.py"), *args], capture_output=True,
                        text=True, cwd=REPO, timeout=120)
     assert p.returncode == 1 and p.stderr == line + "\n", p.stderr
+
+
+@pytest.mark.parametrize(("args", "line"), [
+    (["--block", "0"], "--block and --repeats must be at least 1, got 0 and 3"),
+    (["--steps", "12", "--from", "8", "--block", "3"],
+     "--steps 12 after --from 8 hold less than a block with the part and one without (3 steps each)"),
+])
+def test_the_alternating_benchmarks_bad_options_are_one_line(args: list[str], line: str) -> None:
+    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "alternating_part.py"), *args], capture_output=True,
+                       text=True, cwd=REPO, timeout=120)
+    assert p.returncode == 1 and p.stderr == line + "\n", p.stderr
