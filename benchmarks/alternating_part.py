@@ -29,7 +29,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from observer_effect import MODELS, TRAINERS, VISION, harness_side, scenario_text  # noqa: E402
-from repeat_ratios import EFFECT, Ratios, look_level, looks  # noqa: E402
+from repeat_ratios import EFFECT, Ratios, ended, look_level, looks  # noqa: E402
 from repeat_record import RepeatRecord, TimeLimit, add_options, check_options, device_name  # noqa: E402
 
 from harness import ablation  # noqa: E402
@@ -84,10 +84,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "alternating.toml"
         path.write_text(scenario_text(a.model, [a.trainer], a.steps))
-        while not (len(record.repeats) >= points[-1] or (len(record.repeats) in points and ratios().resolved())):
+        while not ended(len(record.repeats), points, lambda: ratios().resolved()):
             if not limit.room():
-                print(f"stopped at the time limit ({a.time_limit:g} s): {len(record.repeats)} runs in {a.record}, "
-                      f"continued by the same command", file=sys.stderr, flush=True)
+                limit.stopped(record, len(record.repeats), points[-1])
                 break
             with_part, without = block_rates(harness_side(path, a.trainer, f"{PART}/{a.block}"), a.first, a.block)
             record.add({"with": with_part, "without": without})

@@ -78,7 +78,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import timed_script  # noqa: E402
 from bare_trainers import BARE, bare_env  # noqa: E402
-from repeat_ratios import EFFECT, Ratios, look_level, looks  # noqa: E402
+from repeat_ratios import EFFECT, Ratios, ended, look_level, looks  # noqa: E402
 from repeat_record import RepeatRecord, TimeLimit, add_options, check_options, device_name  # noqa: E402
 
 from harness import ablation  # noqa: E402
@@ -222,11 +222,11 @@ def gathered(record: RepeatRecord, trainers: list[str], sides: list[str]) -> dic
 
 def finished(record: RepeatRecord, trainers: list[str], sides: list[str], points: list[int], level: float) -> bool:
     """Whether the repeats so far end the run: at a look where every interval is resolved, or at the last."""
-    done = len(record.repeats)
-    if done >= points[-1]:
-        return True
-    rates = gathered(record, trainers, sides)
-    return done in points and all(ratios(rates[t], c, level).resolved() for t in trainers for c in comparisons(sides))
+    def resolved() -> bool:
+        rates = gathered(record, trainers, sides)
+        return all(ratios(rates[t], c, level).resolved() for t in trainers for c in comparisons(sides))
+
+    return ended(len(record.repeats), points, resolved)
 
 
 def chosen_sides(a: argparse.Namespace) -> list[str]:
@@ -297,9 +297,7 @@ def main() -> None:
         limit = TimeLimit(a.time_limit)
         while not finished(record, trainers, sides, points, level):
             if not limit.room():
-                print(f"stopped at the time limit ({a.time_limit:g} s; the longest repeat took {limit.longest:.0f} "
-                      f"s): {len(record.repeats)} of at most {points[-1]} repeats in {a.record}, continued by the "
-                      f"same command", file=sys.stderr, flush=True)
+                limit.stopped(record, len(record.repeats), points[-1])
                 break
             i = len(record.repeats)
             rep: dict[str, dict[str, float]] = {t: {} for t in trainers}

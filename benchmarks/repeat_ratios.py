@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 
 EFFECT = 0.02
@@ -38,6 +39,12 @@ def looks(first: int, most: int, unit: int) -> list[int]:
 def look_level(n_looks: int) -> float:
     """Each look's confidence level, so that the run's is ``LEVEL`` over ``n_looks`` looks."""
     return 1 - (1 - LEVEL) / max(1, n_looks)
+
+
+def ended(done: int, points: list[int], resolved: Callable[[], bool]) -> bool:
+    """Whether ``done`` repeats end a run looked at after ``points``: at the last look, or at a
+    look where ``resolved()`` (asked only there)."""
+    return done >= points[-1] or (done in points and resolved())
 
 
 @dataclass(frozen=True)

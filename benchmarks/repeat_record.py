@@ -165,6 +165,12 @@ class TimeLimit:
         self._mark = now
         return self.seconds is None or self.longest == 0.0 or now + self.longest <= self.started + self.seconds
 
+    def stopped(self, record: RepeatRecord, done: int, most: int) -> None:
+        """Say on stderr that the invocation stops here, at ``done`` of a run's ``most`` repeats, and how it goes on."""
+        print(f"stopped at the time limit ({self.seconds:g} s; the longest repeat took {self.longest:.0f} s): "
+              f"{done} of at most {most} repeats in {record.path}, continued by the same command",
+              file=sys.stderr, flush=True)
+
 
 def add_options(parser: argparse.ArgumentParser) -> None:
     """``--record FILE`` and ``--time-limit SECONDS``, as every benchmark with repeats takes them."""

@@ -54,7 +54,7 @@ from typing import Any
 from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from repeat_ratios import EFFECT, Ratios, look_level, looks  # noqa: E402
+from repeat_ratios import EFFECT, Ratios, ended, look_level, looks  # noqa: E402
 from repeat_record import RepeatRecord, TimeLimit, add_options, check_options  # noqa: E402
 
 from harness.controller.run_job import execute  # noqa: E402
@@ -196,8 +196,7 @@ def bare_ratio(got: list[list[tuple[float, dict[str, Any]]]], level: float) -> R
 
 def finished(got: list[list[tuple[float, dict[str, Any]]]], points: list[int], level: float) -> bool:
     """Whether a run's repeats so far end it: at a look where its interval is resolved, or at the last."""
-    done = len(got[0])
-    return done >= points[-1] or (done in points and bare_ratio(got, level).resolved())
+    return ended(len(got[0]), points, lambda: bare_ratio(got, level).resolved())
 
 
 def allreduce_rows(s: Any, steps: dict[tuple[int, str], float], backend: str | None) -> list[list[Any]]:
@@ -264,8 +263,7 @@ def main() -> None:
         while not finished(got, points, level) and not stopped:  # alternating, each first in turn
             if not limit.room():
                 stopped = True
-                print(f"stopped at the time limit ({args.time_limit:g} s; the longest repeat took {limit.longest:.0f} "
-                      f"s); {args.record} is continued by the same command", file=sys.stderr, flush=True)
+                limit.stopped(record, len(got[0]), points[-1])
                 break
             k, repeat = len(got[0]), [None, None, None]
             for i in [*range(3)][k % 3:] + [*range(3)][:k % 3]:

@@ -156,6 +156,7 @@ def main(argv: list[str]) -> int:
         os.environ["TMPDIR"] = os.environ[TMPDIR_VAR]
         tempfile.tempdir = None
     off = ablation.ablated()  # for benchmarks/observer_effect.py alone (names it does not know: none)
+    alternated = ablation.alternating()  # for benchmarks/alternating_part.py alone
     if "faulthandler" not in off:
         faulthandler.enable()
         # The watchdog's SIGUSR1 dumps the main thread's stack (the trainer's loop). Not every
@@ -213,8 +214,8 @@ def main(argv: list[str]) -> int:
         events.emit("start", rank=rank, world_size=world_size, host=result["host"], pid=os.getpid(),
                     device=device, backend=backend, startup_s=startup_s, rss_runtime_bytes=rss_runtime,
                     **sampler.start_fields())
-        if "sampler" in ablation.alternating():
-            sampler.alternate(ablation.alternating()["sampler"])
+        if "sampler" in alternated:
+            sampler.alternate(alternated["sampler"])
         if "sampler" not in off:
             sampler.start()
         ctx = RankContext(run_dir, job, rank, world_size, group, backend, events, list(job.faults), memory=sampler,
@@ -236,8 +237,8 @@ def main(argv: list[str]) -> int:
         result["memory_share"] = share.to_json()
     if off:
         result["ablated"] = sorted(off)
-    if ablation.alternating():
-        result["alternated"] = ablation.alternating()
+    if alternated:
+        result["alternated"] = alternated
     if sampler is not None:
         sampler.stop()
     events.emit("end", rank=rank, status=result["status"])
