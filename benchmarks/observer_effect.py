@@ -50,12 +50,14 @@ one comparison carried over several invocations, judged over all of them.
 turned off (``harness.ablation``; ``all`` for every one), and two more ratios: that side over bare,
 and the harness over it (what the parts cost; below 1 they slow the trainer). Screen with ``all``,
 then halve the set. ``--sides harness,ablated`` runs those two alone (the parts' effect, without
-the bare side).
+the bare side). ``--node N`` runs this process and every one it starts on NUMA node N's CPUs
+(their affinity, inherited): where the script's split shows the sides' steps on different nodes,
+this tells what placement costs from what the harness does.
 
 usage: python benchmarks/observer_effect.py [--model cpu3m|gpu044b]
                                             [--trainers mlx_lm,script,unsloth_zoo,mlx_vlm]
                                             [--steps N] [--from W] [--repeats R] [--max-repeats M]
-                                            [--ablate all|PART,...] [--sides SIDES]
+                                            [--ablate all|PART,...] [--sides SIDES] [--node N]
                                             [--record FILE [--time-limit S]]
 """
 
@@ -260,6 +262,7 @@ def main() -> None:
     p.add_argument("--sides", metavar="SIDES", help="the sides each repeat runs, two or three of bare, harness, "
                    "ablated (default: bare, harness and, with --ablate, ablated); harness,ablated alone measures "
                    "what the parts cost at two thirds of a three-side repeat's time")
+    p.add_argument("--node", type=int, metavar="N", help="run every side on NUMA node N's CPUs (Linux)")
     add_options(p)
     p.add_argument("--bare", nargs=3, metavar=("SCENARIO", "RUN", "OUT"), help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -273,13 +276,18 @@ def main() -> None:
     if a.repeats < 1:
         raise SystemExit(f"--repeats must be at least 1, got {a.repeats}")
     check_options(a)
+    if a.node is not None:
+        try:
+            os.sched_setaffinity(0, timed_script.node_cpus(a.node))  # every side's processes inherit it
+        except (ValueError, AttributeError, OSError) as e:
+            raise SystemExit(f"--node {a.node}: {e}") from None
     trainers = a.trainers.split(",")
     sides = chosen_sides(a)
     points = looks(a.repeats, a.max_repeats or a.repeats, len(sides))
     level = look_level(len(points))
     plan = {"device": device_name(), "--model": a.model, "--trainers": trainers, "--steps": a.steps,
             "--from": a.first, "--ablate": sorted(a.ablate.split(",")) if a.ablate else None,
-            **({"--sides": sides} if a.sides else {}),
+            **({"--sides": sides} if a.sides else {}), **({"--node": a.node} if a.node is not None else {}),
             "--repeats/--max-repeats (looks after)": points}
     record = RepeatRecord.open(a.record, "observer_effect", plan)
     with tempfile.TemporaryDirectory() as tmp:
@@ -345,15 +353,17 @@ def report(a: argparse.Namespace, record: RepeatRecord, trainers: list[str], sid
     if any(split[side] for side in sides if side != "bare"):
         print("\nthe script's step over the same window, per repeat: its own ms (mean; median last), ms inside "
               "run.probe and run.step, ms in the garbage collector and full collections a step (where recorded), "
-              "objects tracked")
+              "objects tracked, the NUMA node most steps began on and their share (where recorded; here: "
+              f"{timed_script.numa_layout()})")
         print(tabulate([[side, *(", ".join(form(x[i]) if i < len(x) else "-" for x in split[side])
                                  for i, form in enumerate(SPLIT_FORMS))] for side in sides],
                        headers=["side", "the script's own", "inside the session's calls", "in gc", "full gcs",
-                                "objects at step 1", "own, median"]))
+                                "objects at step 1", "own, median", "node", "steps there"]))
 
 
 SPLIT_FORMS = (lambda v: f"{v * 1e3:.1f}", lambda v: f"{v * 1e3:.3f}", lambda v: f"{v * 1e3:.2f}",
-               lambda v: f"{v:.2f}", lambda v: f"{v / 1e3:.0f}k", lambda v: f"{v * 1e3:.1f}")
+               lambda v: f"{v:.2f}", lambda v: f"{v / 1e3:.0f}k", lambda v: f"{v * 1e3:.1f}",
+               lambda v: "?" if v < 0 else f"{v:.0f}", lambda v: f"{v:.0%}")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
 """``examples/ddp_train.py`` with its session's calls timed (``observer_effect.py`` runs it bare and
 under the harness alike): at each ``run.step`` it notes the time, the seconds spent so far inside
 ``run.probe`` and ``run.step``, and in the garbage collector (``gc.callbacks``) with its count of
-full (generation 2) collections; at ``run.finish`` it writes those rows and the objects the
-collector tracked at the first step to a JSON file in the directory ``TIMES_VAR`` names
-(``bare-PID.json`` or ``harness-PID.json``). Two clock reads per call and per collection: the same
-on both sides."""
+full (generation 2) collections, and the CPU the main thread is on (Linux; -1 elsewhere); at
+``run.finish`` it writes those rows and the objects the collector tracked at the first step to a JSON
+file in the directory ``TIMES_VAR`` names (``bare-PID.json`` or ``harness-PID.json``). Two clock
+reads per call and per collection and one small read of ``/proc`` per step: the same on both sides.
+The CPU says which NUMA node the step's host work ran on (``placement``): a GPU's step that launches
+many small kernels runs slower from the node away from the GPU."""
 
 from __future__ import annotations
 
@@ -14,11 +16,67 @@ import json
 import os
 import statistics
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 TIMES_VAR = "OBSERVER_EFFECT_TIMES"
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "ddp_train.py"
+
+
+def cpu_now() -> int:
+    """The CPU the calling thread runs on (field 39 of ``/proc/thread-self/stat``), -1 where unknown."""
+    try:
+        stat = Path("/proc/thread-self/stat").read_text()
+        return int(stat[stat.rindex(")") + 2:].split()[36])
+    except (OSError, ValueError, IndexError):
+        return -1
+
+
+def node_of(cpu: int) -> int:
+    """The NUMA node of ``cpu`` (Linux's sysfs), -1 where unknown."""
+    found = sorted(Path(f"/sys/devices/system/cpu/cpu{cpu}").glob("node[0-9]*")) if cpu >= 0 else []
+    return int(found[0].name[4:]) if found else -1
+
+
+def node_cpus(node: int) -> set[int]:
+    """The CPUs of NUMA node ``node`` (sysfs ``cpulist``, as ``0-7,16-23``); ValueError where none."""
+    try:
+        text = Path(f"/sys/devices/system/node/node{node}/cpulist").read_text()
+    except OSError:
+        raise ValueError(f"this machine has no NUMA node {node} ({numa_layout()})") from None
+    return cpu_list(text)
+
+
+def cpu_list(text: str) -> set[int]:
+    """The CPUs a kernel CPU list names (``0-7,16-23``)."""
+    cpus: set[int] = set()
+    for part in filter(None, text.strip().split(",")):
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+def placement(cpus: list[int]) -> tuple[int, float]:
+    """The NUMA node most of the steps' marks were taken on, and their share (-1, 0: unknown)."""
+    nodes = Counter(node_of(c) for c in cpus if c >= 0)
+    if not nodes:
+        return -1, 0.0
+    node, count = nodes.most_common(1)[0]
+    return node, count / len(cpus)
+
+
+def numa_layout() -> str:
+    """This machine's NUMA nodes and the nodes its NVIDIA GPUs hang off (sysfs; Linux), in words."""
+    nodes = sorted(Path("/sys/devices/system/node").glob("node[0-9]*"))
+    gpus = []
+    for dev in sorted(Path("/sys/bus/pci/devices").glob("*")):
+        try:
+            if (dev / "vendor").read_text().strip() == "0x10de" and (dev / "class").read_text().startswith("0x03"):
+                gpus.append(f"{dev.name} on node {(dev / 'numa_node').read_text().strip()}")
+        except OSError:
+            continue
+    return f"{len(nodes) or 'no'} NUMA nodes; NVIDIA GPUs: {', '.join(gpus) or 'none'}"
 
 
 class TimedSession:
@@ -48,8 +106,9 @@ class TimedSession:
         self.in_probe += time.perf_counter() - t
 
     def step(self, *args: Any, **kwargs: Any) -> None:
+        cpu = cpu_now()  # the script's own time, on both sides alike
         t = time.perf_counter()
-        self.marks.append([t, self.in_probe, self.in_step, self.in_gc, self.full_collections])
+        self.marks.append([t, self.in_probe, self.in_step, self.in_gc, self.full_collections, cpu])
         if len(self.marks) == 1:
             self.objects = len(gc.get_objects())
         self.session.step(*args, **kwargs)
@@ -84,14 +143,16 @@ def main() -> None:
 def split(written: dict[str, Any], first: int) -> list[float]:
     """Per step from step ``first`` to the last: the script's own seconds, the seconds inside the
     session's calls, the seconds in the garbage collector (inside either), the full collections;
-    the objects the collector tracked at the first step; the median of the script's own seconds."""
+    the objects the collector tracked at the first step; the median of the script's own seconds; the
+    NUMA node most steps' marks were on and their share (``placement``; where recorded)."""
     rows = written["rows"]
     a, b = rows[first - 1], rows[-1]
     n = len(rows) - first
     calls = (b[1] - a[1] + b[2] - a[2]) / n
     own = [(y[0] - x[0]) - (y[1] - x[1] + y[2] - x[2]) for x, y in zip(rows[first - 1:-1], rows[first:], strict=True)]
+    where = list(placement([r[5] for r in rows[first - 1:]])) if len(a) > 5 else []
     return [(b[0] - a[0]) / n - calls, calls, (b[3] - a[3]) / n, (b[4] - a[4]) / n, written["objects"],
-            statistics.median(own)]
+            statistics.median(own), *where]
 
 
 if __name__ == "__main__":

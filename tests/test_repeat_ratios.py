@@ -25,6 +25,9 @@ _spec = importlib.util.spec_from_file_location("repeat_record", REPO / "benchmar
 repeat_record = importlib.util.module_from_spec(_spec)
 sys.modules["repeat_record"] = repeat_record
 _spec.loader.exec_module(repeat_record)
+_spec = importlib.util.spec_from_file_location("timed_script", REPO / "benchmarks" / "timed_script.py")
+timed_script = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(timed_script)
 
 
 def test_the_interval_is_students_over_the_repeats() -> None:
@@ -170,6 +173,7 @@ def test_the_observer_benchmark_runs_both_sides_and_continues_its_record(tmp_pat
     row = next(line for line in first.stdout.splitlines() if line.startswith("script     harness / bare"))
     ratios = [rates[i]["harness"] / rates[i]["bare"] for i in range(2)]
     assert f"{ratios[0]:.3f}, {ratios[1]:.3f}" in row and f"{sum(ratios) / 2:.3f} [" in row
+    assert "own, median    node    steps there" in first.stdout  # the script's split, with where its steps ran
     again = observe("--repeats", "2")  # a later invocation: the two repeats are all the plan asks for
     assert again.returncode == 0 and "continuing" in again.stderr and row in again.stdout
     other = observe("--repeats", "4")
@@ -188,6 +192,26 @@ def test_the_observer_benchmarks_bad_options_are_one_line(args: list[str], line:
     p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "observer_effect.py"), *args], capture_output=True,
                        text=True, cwd=REPO, timeout=120)
     assert p.returncode == 1 and p.stderr == line + "\n", p.stderr
+
+
+def test_the_scripts_split_says_which_numa_node_its_steps_ran_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert timed_script.cpu_list("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11}
+    monkeypatch.setattr(timed_script, "node_of", lambda cpu: cpu // 8)  # two nodes of 8 CPUs
+    assert timed_script.placement([9, 12, 3, 15]) == (1, 0.75)
+    assert timed_script.placement([-1, -1]) == (-1, 0.0)  # not known (off Linux)
+    # rows: time, s in probe, s in step, s in gc, full collections, CPU; the window starts after step 2
+    rows = [[0.0, 0, 0, 0, 0, 1], [1.0, 0, 0.1, 0, 0, 1], [2.0, 0, 0.2, 0, 0, 9], [3.0, 0, 0.3, 0, 0, 10]]
+    split = timed_script.split({"rows": rows, "objects": 100}, 2)
+    assert split[:2] == pytest.approx([0.9, 0.1]) and split[-2:] == [1, pytest.approx(2 / 3)]
+    old = timed_script.split({"rows": [r[:5] for r in rows], "objects": 100}, 2)  # a record's rows before the CPU
+    assert len(old) == 6 and old[:2] == split[:2]
+
+
+def test_a_numa_node_the_machine_lacks_is_refused_in_one_line() -> None:
+    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "observer_effect.py"), "--node", "999"],
+                       capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert p.returncode == 1 and p.stderr.startswith("--node 999: this machine has no NUMA node 999 (")
+    assert p.stderr.count("\n") == 1, p.stderr
 
 
 @pytest.mark.parametrize(("args", "line"), [
