@@ -29,6 +29,8 @@ PARTS: dict[str, str] = {
     "libraries": "the trainer's libraries imported before training (load_libraries)",
     "sampler": "the memory sampler's thread (sampling every 20 ms; the per-step figures are still read)",
     "ledger": "the ledger's interposition on MLX's collectives",
+    "start": "the digest of the parameters training starts from and the copy rank 0 keeps of them (both read "
+             "every parameter to the host before the first step)",
 }
 
 

@@ -14,6 +14,7 @@ import pytest
 from scipy.stats import t
 
 from harness import ablation
+from harness.rank.models import START_ABLATED
 from tests.conftest import REPO, cli, write_scenario
 
 _spec = importlib.util.spec_from_file_location("repeat_ratios", REPO / "benchmarks" / "repeat_ratios.py")
@@ -144,6 +145,7 @@ def test_a_rank_with_every_part_turned_off_trains_and_says_what_was_off(tmp_path
     assert "ablated" not in whole.result(0) and bare.result(0)["ablated"] == sorted(ablation.PARTS)
     assert "memory_share" in whole.result(0) and "memory_share" not in bare.result(0)
     assert schema.ledger_path(tmp_path / "whole", 0).exists() and not schema.ledger_path(tmp_path / "bare", 0).exists()
+    assert bare.result(0)["digests"]["0"] == START_ABLATED != whole.result(0)["digests"]["0"]  # no host read at start
     steps = [e for e in bare.ranks[0].events if e.get("kind") == "step"]
     assert [e["step"] for e in steps] == [1, 2, 3]  # its steps are still reported: the benchmark times them
     monkeypatch.setenv(ablation.VAR, "sampler/2")  # the sampler in steps 1-2, not in 3 (alternating_part.py)

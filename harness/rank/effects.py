@@ -59,7 +59,9 @@ class MainRankEffects:
 
     @property
     def keeps_start(self) -> bool:
-        return self.active and self.keep_start
+        from harness import ablation
+
+        return self.active and self.keep_start and ablation.on("start")
 
     def save_start(self, params: Any) -> None:
         """Rank 0 writes the parameters training starts from (``schema.start_params_path``), where

@@ -85,6 +85,17 @@ def build_model(spec: ModelSpec, vocab_size: int, seed: int, vision: Any = None)
     return model, config
 
 
+START_ABLATED = "not taken: the start part was turned off"  # what a benchmark's rank reports instead
+
+
+def start_digest(params: Any) -> str:
+    """``tree_digest`` of the parameters training starts from (``START_ABLATED`` where a benchmark
+    turned the ``start`` part off: ``harness.ablation``)."""
+    from harness import ablation
+
+    return tree_digest(params) if ablation.on("start") else START_ABLATED
+
+
 def param_digest(model: Any) -> str:
     """sha256 over every parameter's name, dtype, shape and bytes: equal iff replicas are equal."""
     return tree_digest(model.parameters())

@@ -19,7 +19,7 @@ from typing import Any
 
 from harness import schema
 from harness.rank.context import RankContext, ReportedFailure
-from harness.rank.models import param_count, tree_digest
+from harness.rank.models import param_count, start_digest, tree_digest
 from harness.scenario import Scenario
 
 
@@ -143,7 +143,7 @@ class StepReporter:
         if self.history["losses"]:
             raise ReportedFailure(f"{self.name} said where training starts after step {self.steps}: run.split and "
                                   f"run.start come before the first step")
-        self.digests[self.done] = digest if digest is not None else tree_digest(params)
+        self.digests[self.done] = digest if digest is not None else start_digest(params)
         if saved is not None and self.effects.keeps_start:
             import os
 

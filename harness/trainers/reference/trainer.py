@@ -36,7 +36,7 @@ from harness.rank import step_probe
 from harness.rank.consensus import Coordinator, RankFailure
 from harness.rank.context import RankContext
 from harness.rank.effects import MainRankEffects
-from harness.rank.models import build_model, param_digest
+from harness.rank.models import build_model, param_digest, start_digest
 from harness.rank.optimizer import build_optimizer
 from harness.rank.precision import rank_precision
 from harness.rank.reporter import global_rng_states, rng_changes
@@ -229,7 +229,7 @@ class Trainer:
             restored = coord.attempt("resume", done, self._restore, *loaded[:3])
             coord.agree()
             self.resumed = {**self.resumed, **restored}
-        self.progress.digests[self.progress.start_step - 1] = param_digest(self.model)
+        self.progress.digests[self.progress.start_step - 1] = start_digest(self.model.parameters())
         coord.attempt("save", self.progress.start_step - 1, self.effects.save_start, self.model)  # agreed at step 1
 
         ctx.phase("train")
