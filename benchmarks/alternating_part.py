@@ -30,7 +30,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from observer_effect import MODELS, TRAINERS, VISION, harness_side, scenario_text  # noqa: E402
 from repeat_ratios import EFFECT, Ratios, ended, look_level, looks  # noqa: E402
-from repeat_record import RepeatRecord, TimeLimit, add_options, check_options, device_name  # noqa: E402
+from repeat_record import RepeatRecord, TimeLimit, add_options, check_options, device_name, quiet_pipe  # noqa: E402
 
 from harness import ablation  # noqa: E402
 
@@ -106,4 +106,4 @@ def main() -> None:
 if __name__ == "__main__":
     if ablation.VAR in os.environ:
         raise SystemExit(f"{ablation.VAR} is set: unset it (this benchmark sets it for its runs)")
-    main()
+    quiet_pipe(main)

@@ -81,7 +81,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import timed_script  # noqa: E402
 from bare_trainers import BARE, bare_env  # noqa: E402
 from repeat_ratios import EFFECT, Ratios, ended, look_level, looks  # noqa: E402
-from repeat_record import RepeatRecord, TimeLimit, add_options, check_options, device_name  # noqa: E402
+from repeat_record import RepeatRecord, TimeLimit, add_options, check_options, device_name, quiet_pipe  # noqa: E402
 
 from harness import ablation  # noqa: E402
 
@@ -367,4 +367,4 @@ SPLIT_FORMS = (lambda v: f"{v * 1e3:.1f}", lambda v: f"{v * 1e3:.3f}", lambda v:
 
 
 if __name__ == "__main__":
-    main()
+    quiet_pipe(main)

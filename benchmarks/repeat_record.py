@@ -20,6 +20,7 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -170,6 +171,15 @@ class TimeLimit:
         print(f"stopped at the time limit ({self.seconds:g} s; the longest repeat took {self.longest:.0f} s): "
               f"{done} of at most {most} repeats in {record.path}, continued by the same command",
               file=sys.stderr, flush=True)
+
+
+def quiet_pipe(main: Callable[[], None]) -> None:
+    """``main()``, where a reader of the report that went away (``| head``) ends it quietly: every
+    repeat is in the record by then."""
+    try:
+        main()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
 
 
 def add_options(parser: argparse.ArgumentParser) -> None:

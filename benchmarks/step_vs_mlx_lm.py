@@ -55,7 +55,7 @@ from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from repeat_ratios import EFFECT, Ratios, ended, look_level, looks  # noqa: E402
-from repeat_record import RepeatRecord, TimeLimit, add_options, check_options  # noqa: E402
+from repeat_record import RepeatRecord, TimeLimit, add_options, check_options, quiet_pipe  # noqa: E402
 
 from harness.controller.run_job import execute  # noqa: E402
 from harness.scenario import load_scenario
@@ -327,4 +327,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    quiet_pipe(main)

@@ -225,3 +225,11 @@ def test_the_alternating_benchmarks_bad_options_are_one_line(args: list[str], li
     p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "alternating_part.py"), *args], capture_output=True,
                        text=True, cwd=REPO, timeout=120)
     assert p.returncode == 1 and p.stderr == line + "\n", p.stderr
+
+
+def test_a_report_whose_reader_went_away_ends_quietly() -> None:
+    code = ("import sys; sys.path.insert(0, 'benchmarks'); from repeat_record import quiet_pipe\n"
+            "quiet_pipe(lambda: [print('x' * 1000, flush=True) for _ in range(10000)])")
+    p = subprocess.run(f"{sys.executable} -c \"{code}\" | head -c 10 >/dev/null; echo \"${{PIPESTATUS[0]}}\"",
+                       shell=True, executable="/bin/bash", capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert p.stdout == "0\n" and "Traceback" not in p.stderr and "BrokenPipe" not in p.stderr, p.stderr
