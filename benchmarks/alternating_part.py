@@ -15,7 +15,7 @@ benchmarks' are (``repeat_ratios``); ``--record`` and ``--time-limit`` carry it 
 
 usage: python benchmarks/alternating_part.py [--model cpu3m|gpu044b] [--trainer script|mlx_lm|unsloth_zoo]
                                              [--steps N] [--from W] [--block K] [--repeats R]
-                                             [--max-repeats M] [--record FILE [--time-limit S]]
+                                             [--max-repeats M] [--record FILE [--time-limit S | --report-only]]
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from observer_effect import MODELS, TRAINERS, VISION, harness_side, scenario_text  # noqa: E402
 from repeat_ratios import EFFECT, Ratios, ended, look_level, looks  # noqa: E402
-from repeat_record import RepeatRecord, TimeLimit, add_options, check_options, device_name, quiet_pipe  # noqa: E402
+from repeat_record import RepeatRecord, add_options, check_options, device_name, quiet_pipe, time_limit  # noqa: E402
 
 from harness import ablation  # noqa: E402
 
@@ -75,8 +75,8 @@ def main() -> None:
     level = look_level(len(points))
     plan = {"device": device_name(), "part": PART, "--model": a.model, "--trainer": a.trainer, "--steps": a.steps,
             "--from": a.first, "--block": a.block, "--repeats/--max-repeats (looks after)": points}
-    record = RepeatRecord.open(a.record, "alternating_part", plan)
-    limit = TimeLimit(a.time_limit)
+    record = RepeatRecord.open(a.record, "alternating_part", plan, any_device=a.report_only)
+    limit = time_limit(a)
 
     def ratios() -> Ratios:
         return Ratios(tuple(r["with"] / r["without"] for r in record.data()), level)

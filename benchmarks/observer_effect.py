@@ -58,7 +58,7 @@ usage: python benchmarks/observer_effect.py [--model cpu3m|gpu044b]
                                             [--trainers mlx_lm,script,unsloth_zoo,mlx_vlm]
                                             [--steps N] [--from W] [--repeats R] [--max-repeats M]
                                             [--ablate all|PART,...] [--sides SIDES] [--node N]
-                                            [--record FILE [--time-limit S]]
+                                            [--record FILE [--time-limit S | --report-only]]
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import timed_script  # noqa: E402
 from bare_trainers import BARE, bare_env  # noqa: E402
 from repeat_ratios import EFFECT, Ratios, ended, look_level, looks  # noqa: E402
-from repeat_record import RepeatRecord, TimeLimit, add_options, check_options, device_name, quiet_pipe  # noqa: E402
+from repeat_record import RepeatRecord, add_options, check_options, device_name, quiet_pipe, time_limit  # noqa: E402
 
 from harness import ablation  # noqa: E402
 
@@ -289,7 +289,7 @@ def main() -> None:
             "--from": a.first, "--ablate": sorted(a.ablate.split(",")) if a.ablate else None,
             **({"--sides": sides} if a.sides else {}), **({"--node": a.node} if a.node is not None else {}),
             "--repeats/--max-repeats (looks after)": points}
-    record = RepeatRecord.open(a.record, "observer_effect", plan)
+    record = RepeatRecord.open(a.record, "observer_effect", plan, any_device=a.report_only)
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
         (times := d / "times").mkdir()  # timed_script.py's rows (every side's processes inherit the variable)
@@ -301,8 +301,9 @@ def main() -> None:
                 path.write_text(scenario_text(a.model, group, a.steps))
                 paths.update(dict.fromkeys(group, path))
         if record.repeats:
-            print(f"continuing {a.record}: {record.provenance()}", file=sys.stderr, flush=True)
-        limit = TimeLimit(a.time_limit)
+            doing = "reporting" if a.report_only else "continuing"
+            print(f"{doing} {a.record}: {record.provenance()}", file=sys.stderr, flush=True)
+        limit = time_limit(a)
         while not finished(record, trainers, sides, points, level):
             if not limit.room():
                 limit.stopped(record, len(record.repeats), points[-1])
@@ -316,7 +317,7 @@ def main() -> None:
                     for f in sorted(times.glob("*.json")):  # the script's, just written
                         split[side].append(timed_script.split(json.loads(f.read_text()), a.first))
                         f.unlink()
-            record.add({"rates": rep, "split": split})
+            record.add({"rates": rep, "split": split, "numa": timed_script.numa_layout()})
             rates = gathered(record, trainers, sides)
             print(f"repeat {i + 1}: " + "; ".join(f"{t} {ratios(rates[t], c, level).cell()}" for t in trainers
                                                 for c in comparisons(sides)[:1]), file=sys.stderr, flush=True)
@@ -353,8 +354,8 @@ def report(a: argparse.Namespace, record: RepeatRecord, trainers: list[str], sid
     if any(split[side] for side in sides if side != "bare"):
         print("\nthe script's step over the same window, per repeat: its own ms (mean; median last), ms inside "
               "run.probe and run.step, ms in the garbage collector and full collections a step (where recorded), "
-              "objects tracked, the NUMA node most steps began on and their share (where recorded; here: "
-              f"{timed_script.numa_layout()})")
+              "objects tracked, the NUMA node most steps began on and their share (where recorded: "
+              f"{'; '.join(sorted({r['numa'] for r in record.data() if 'numa' in r})) or 'not'})")
         print(tabulate([[side, *(", ".join(form(x[i]) if i < len(x) else "-" for x in split[side])
                                  for i, form in enumerate(SPLIT_FORMS))] for side in sides],
                        headers=["side", "the script's own", "inside the session's calls", "in gc", "full gcs",

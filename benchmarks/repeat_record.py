@@ -90,8 +90,10 @@ class RepeatRecord:
     commit: str | None = None  # of the code this invocation runs, taken when it opens the record
 
     @classmethod
-    def open(cls, path: Path | None, benchmark: str, plan: dict[str, Any], where: str = "") -> RepeatRecord:
-        """The record at ``path`` (a new one where it does not exist), checked to hold ``plan``."""
+    def open(cls, path: Path | None, benchmark: str, plan: dict[str, Any], where: str = "",
+             any_device: bool = False) -> RepeatRecord:
+        """The record at ``path`` (a new one where it does not exist), checked to hold ``plan``; with
+        ``any_device`` (a report of it, no repeat run), its device may be another than this one's."""
         rec = cls(benchmark, json.loads(json.dumps(plan)), path, [], where or socket.gethostname(), _commit())
         if path is not None and path.is_dir():
             raise RecordError(f"{path}: a folder; --record takes a file")
@@ -106,12 +108,15 @@ class RepeatRecord:
             raise RecordError(f"{path}: a record of {head.get('record')!r} version {head.get('version')}, "
                               f"not of {benchmark!r} version {VERSION}")
         was = head["plan"]
-        differ = [k for k in sorted(set(was) | set(rec.plan)) if was.get(k) != rec.plan.get(k)]
+        differ = [k for k in sorted(set(was) | set(rec.plan)) if was.get(k) != rec.plan.get(k)
+                  and not (any_device and k == "device")]
         if differ:
             k = differ[0]
             raise RecordError(f"{path}: its repeats were run with {k} {was.get(k)!r}, this invocation has "
                               f"{rec.plan.get(k)!r}; continue it with the same options, or start a new record")
         rec.repeats = body
+        if any_device:
+            rec.plan["device"] = was.get("device")
         return rec
 
     def add(self, data: dict[str, Any]) -> None:
@@ -154,12 +159,15 @@ class TimeLimit:
     limit."""
 
     seconds: float | None
+    report_only: bool = False  # ``--report-only``: no repeat starts
     started: float = INVOKED
     longest: float = 0.0
     _mark: float | None = None
 
     def room(self) -> bool:
         """Whether another repeat fits; called before each one (it times the one before)."""
+        if self.report_only:
+            return False
         now = time.monotonic()
         if self._mark is not None:
             self.longest = max(self.longest, now - self._mark)
@@ -168,6 +176,10 @@ class TimeLimit:
 
     def stopped(self, record: RepeatRecord, done: int, most: int) -> None:
         """Say on stderr that the invocation stops here, at ``done`` of a run's ``most`` repeats, and how it goes on."""
+        if self.report_only:
+            print(f"{done} of at most {most} repeats in {record.path} reported; the same command without --report-only "
+                  f"continues it", file=sys.stderr, flush=True)
+            return
         print(f"stopped at the time limit ({self.seconds:g} s; the longest repeat took {self.longest:.0f} s): "
               f"{done} of at most {most} repeats in {record.path}, continued by the same command",
               file=sys.stderr, flush=True)
@@ -183,15 +195,26 @@ def quiet_pipe(main: Callable[[], None]) -> None:
 
 
 def add_options(parser: argparse.ArgumentParser) -> None:
-    """``--record FILE`` and ``--time-limit SECONDS``, as every benchmark with repeats takes them."""
+    """``--record FILE``, ``--time-limit SECONDS`` and ``--report-only``, as every benchmark with repeats
+    takes them."""
     parser.add_argument("--record", type=Path, metavar="FILE",
                         help="keep each repeat in FILE as it finishes, and continue the repeats already there (same "
                              "options), judging them all together (repeat_record)")
     parser.add_argument("--time-limit", type=float, metavar="SECONDS",
                         help="with --record: start no repeat that would end past SECONDS from now (judged by the "
                              "longest so far); the same command continues")
+    parser.add_argument("--report-only", action="store_true",
+                        help="with --record: report the repeats in FILE and run none, on any machine (the other "
+                             "options as the record's)")
 
 
 def check_options(args: argparse.Namespace) -> None:
     if args.time_limit is not None and not args.record:
         raise SystemExit("--time-limit stops before the plan's repeats are done: give --record FILE to keep them")
+    if args.report_only and not (args.record and args.record.is_file()):
+        raise SystemExit(f"--report-only reports a record: {args.record or '--record FILE'} is not one")
+
+
+def time_limit(args: argparse.Namespace) -> TimeLimit:
+    """The options' limit on starting repeats (``--time-limit``, ``--report-only``)."""
+    return TimeLimit(args.time_limit, args.report_only)

@@ -36,7 +36,7 @@ repeats already there (``repeat_record``): a run's repeats carried over several 
 usage: python benchmarks/step_vs_mlx_lm.py [--model tiny|cpu3m|gpu044b] [--world-sizes 1,2]
                                            [--modes eager,compiled] [--steps N] [--repeats R]
                                            [--max-repeats M] [--backend ring|nccl]
-                                           [--record FILE [--time-limit S]]
+                                           [--record FILE [--time-limit S | --report-only]]
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from repeat_ratios import EFFECT, Ratios, ended, look_level, looks  # noqa: E402
-from repeat_record import RepeatRecord, TimeLimit, add_options, check_options, quiet_pipe  # noqa: E402
+from repeat_record import RepeatRecord, add_options, check_options, quiet_pipe, time_limit  # noqa: E402
 
 from harness.controller.run_job import execute  # noqa: E402
 from harness.scenario import load_scenario
@@ -247,8 +247,12 @@ def main() -> None:
     level = look_level(len(points))
     record = RepeatRecord.open(args.record, "step_vs_mlx_lm", {
         "device": name, "--model": args.model, "--world-sizes": sizes, "--modes": modes, "--steps": args.steps,
-        "--backend": args.backend, "--repeats/--max-repeats (looks after)": points})
-    limit, stopped = TimeLimit(args.time_limit), False
+        "--backend": args.backend, "--repeats/--max-repeats (looks after)": points}, any_device=args.report_only)
+    if args.report_only:  # the record's device, wherever it is reported
+        name = record.plan["device"]
+        peak = PEAKS.get(name)
+        mfu_ok = peak is not None and dtype in ("bfloat16", "float16")
+    limit, stopped = time_limit(args), False
     for spec in s.runs:
         mode = spec.name.split("_")[1]
         if spec.name.endswith(MLX_LM) or mode not in modes:
@@ -318,7 +322,7 @@ def main() -> None:
                                             "Step ms"]))
         print("Rank 0, median after step 1 of the best repeat. Fetch: batch and token-count agreement; build: the "
               "lazy graph; eval: mx.eval of the step.")
-    reduce_rows = [] if args.time_limit is not None else allreduce_rows(s, step_s, args.backend)
+    reduce_rows = [] if args.time_limit is not None or args.report_only else allreduce_rows(s, step_s, args.backend)
     if reduce_rows:
         print()
         print(tabulate(reduce_rows, headers=["World size", "Mode", "Gradient MiB", "all-reduce ms (alone)",

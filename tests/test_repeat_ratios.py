@@ -189,6 +189,8 @@ def test_the_observer_benchmark_runs_both_sides_and_continues_its_record(tmp_pat
     (["--sides", "harness,ablated"], "--sides: the ablated side needs --ablate PARTS (the parts it turns off)"),
     (["--ablate", "sampler", "--sides", "bare,harness"], "--ablate runs the ablated side: add it to --sides"),
     (["--time-limit", "60"], "--time-limit stops before the plan's repeats are done: give --record FILE to keep them"),
+    (["--report-only"], "--report-only reports a record: --record FILE is not one"),
+    (["--report-only", "--record", "no.jsonl"], "--report-only reports a record: no.jsonl is not one"),
 ])
 def test_the_observer_benchmarks_bad_options_are_one_line(args: list[str], line: str) -> None:
     p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "observer_effect.py"), *args], capture_output=True,
@@ -233,3 +235,20 @@ def test_a_report_whose_reader_went_away_ends_quietly() -> None:
     p = subprocess.run(f"{sys.executable} -c \"{code}\" | head -c 10 >/dev/null; echo \"${{PIPESTATUS[0]}}\"",
                        shell=True, executable="/bin/bash", capture_output=True, text=True, cwd=REPO, timeout=60)
     assert p.stdout == "0\n" and "Traceback" not in p.stderr and "BrokenPipe" not in p.stderr, p.stderr
+
+
+def test_a_record_is_reported_on_another_device_where_no_repeat_runs(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    path, plan = tmp_path / "r.jsonl", {"device": "cuda: NVIDIA H200", "--steps": 40}
+    repeat_record.RepeatRecord.open(path, "observer_effect", plan, where="gpu-a").add({"x": 1})
+    here = {**plan, "device": "cpu: a laptop"}
+    with pytest.raises(SystemExit, match="with device 'cuda: NVIDIA H200', this invocation has 'cpu: a laptop'"):
+        repeat_record.RepeatRecord.open(path, "observer_effect", here)  # to continue it, the same device
+    shown = repeat_record.RepeatRecord.open(path, "observer_effect", here, any_device=True)
+    assert shown.plan["device"] == "cuda: NVIDIA H200" and shown.data() == [{"x": 1}]
+    with pytest.raises(SystemExit, match="were run with --steps 40, this invocation has 30"):
+        repeat_record.RepeatRecord.open(path, "observer_effect", {**here, "--steps": 30}, any_device=True)
+    limit = repeat_record.TimeLimit(None, report_only=True)
+    assert not limit.room()  # no repeat starts
+    limit.stopped(shown, 1, 12)
+    assert "1 of at most 12 repeats in" in capsys.readouterr().err
