@@ -30,7 +30,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from observer_effect import MODELS, TRAINERS, VISION, harness_side, scenario_text  # noqa: E402
 from repeat_ratios import EFFECT, Ratios, ended, look_level, looks  # noqa: E402
-from repeat_record import RepeatRecord, add_options, check_options, device_name, quiet_pipe, time_limit  # noqa: E402
+from repeat_record import RepeatRecord, add_options, check_options, planned_device, quiet_pipe, time_limit  # noqa: E402
 
 from harness import ablation  # noqa: E402
 
@@ -73,14 +73,17 @@ def main() -> None:
                          f"without ({a.block} steps each)")
     points = looks(a.repeats, a.max_repeats or a.repeats, 1)
     level = look_level(len(points))
-    plan = {"device": device_name(), "part": PART, "--model": a.model, "--trainer": a.trainer, "--steps": a.steps,
+    plan = {"device": planned_device(a), "part": PART, "--model": a.model, "--trainer": a.trainer, "--steps": a.steps,
             "--from": a.first, "--block": a.block, "--repeats/--max-repeats (looks after)": points}
-    record = RepeatRecord.open(a.record, "alternating_part", plan, any_device=a.report_only)
+    record = RepeatRecord.open(a.record, "alternating_part", plan, report_only=a.report_only)
     limit = time_limit(a)
 
     def ratios() -> Ratios:
         return Ratios(tuple(r["with"] / r["without"] for r in record.data()), level)
 
+    if record.repeats:
+        doing = "reporting" if a.report_only else "continuing"
+        print(f"{doing} {a.record}: {record.provenance()}", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "alternating.toml"
         path.write_text(scenario_text(a.model, [a.trainer], a.steps))

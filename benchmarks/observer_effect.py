@@ -81,7 +81,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import timed_script  # noqa: E402
 from bare_trainers import BARE, bare_env  # noqa: E402
 from repeat_ratios import EFFECT, Ratios, ended, look_level, looks  # noqa: E402
-from repeat_record import RepeatRecord, add_options, check_options, device_name, quiet_pipe, time_limit  # noqa: E402
+from repeat_record import RepeatRecord, add_options, check_options, planned_device, quiet_pipe, time_limit  # noqa: E402
 
 from harness import ablation  # noqa: E402
 
@@ -276,7 +276,7 @@ def main() -> None:
     if a.repeats < 1:
         raise SystemExit(f"--repeats must be at least 1, got {a.repeats}")
     check_options(a)
-    if a.node is not None:
+    if a.node is not None and not a.report_only:  # a report runs nothing here
         try:
             os.sched_setaffinity(0, timed_script.node_cpus(a.node))  # every side's processes inherit it
         except (ValueError, AttributeError, OSError) as e:
@@ -285,11 +285,11 @@ def main() -> None:
     sides = chosen_sides(a)
     points = looks(a.repeats, a.max_repeats or a.repeats, len(sides))
     level = look_level(len(points))
-    plan = {"device": device_name(), "--model": a.model, "--trainers": trainers, "--steps": a.steps,
+    plan = {"device": planned_device(a), "--model": a.model, "--trainers": trainers, "--steps": a.steps,
             "--from": a.first, "--ablate": sorted(a.ablate.split(",")) if a.ablate else None,
             **({"--sides": sides} if a.sides else {}), **({"--node": a.node} if a.node is not None else {}),
             "--repeats/--max-repeats (looks after)": points}
-    record = RepeatRecord.open(a.record, "observer_effect", plan, any_device=a.report_only)
+    record = RepeatRecord.open(a.record, "observer_effect", plan, report_only=a.report_only)
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
         (times := d / "times").mkdir()  # timed_script.py's rows (every side's processes inherit the variable)
@@ -354,7 +354,7 @@ def report(a: argparse.Namespace, record: RepeatRecord, trainers: list[str], sid
     if any(split[side] for side in sides if side != "bare"):
         print("\nthe script's step over the same window, per repeat: its own ms (mean; median last), ms inside "
               "run.probe and run.step, ms in the garbage collector and full collections a step (where recorded), "
-              "objects tracked, the NUMA node most steps began on and their share (where recorded: "
+              "objects tracked, the NUMA node most steps ended on and their share (where recorded: "
               f"{'; '.join(sorted({r['numa'] for r in record.data() if 'numa' in r})) or 'not'})")
         print(tabulate([[side, *(", ".join(form(x[i]) if i < len(x) else "-" for x in split[side])
                                  for i, form in enumerate(SPLIT_FORMS))] for side in sides],

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import socket
 import sys
 import time
@@ -48,17 +49,26 @@ def device_name() -> str:
     return f"{acc.kind}: {acc.name}"
 
 
-def _read(path: Path) -> list[str]:
-    """The record's lines; a last line cut short (a write stopped part way) is dropped from the file, saying so."""
+def planned_device(args: argparse.Namespace) -> str | None:
+    """The plan's device: this machine's (``device_name``); none where ``--report-only`` reports a
+    record (its own is read from it, and this machine's is not asked)."""
+    return None if args.report_only else device_name()
+
+
+def _read(path: Path, write: bool = True) -> list[str]:
+    """The record's lines; a last line cut short (a write stopped part way) is dropped, saying so, and
+    from the file where ``write``."""
     try:
         text = path.read_bytes().decode()
     except (OSError, UnicodeDecodeError) as e:
         raise RecordError(f"{path}: cannot read it as a repeat record ({e.__class__.__name__}: {e})") from None
     if text and not text.endswith("\n"):
         kept = text[:text.rfind("\n") + 1]
-        with open(path, "r+b") as f:
-            f.truncate(len(kept.encode()))
-        print(f"{path}: its last line was cut short (a repeat stopped while it was written): dropped", file=sys.stderr)
+        if write:
+            with open(path, "r+b") as f:
+                f.truncate(len(kept.encode()))
+        print(f"{path}: its last line was cut short (a repeat stopped while it was written): dropped"
+              f"{'' if write else ' from this report'}", file=sys.stderr)
         text = kept
     return text.splitlines()
 
@@ -91,31 +101,36 @@ class RepeatRecord:
 
     @classmethod
     def open(cls, path: Path | None, benchmark: str, plan: dict[str, Any], where: str = "",
-             any_device: bool = False) -> RepeatRecord:
+             report_only: bool = False) -> RepeatRecord:
         """The record at ``path`` (a new one where it does not exist), checked to hold ``plan``; with
-        ``any_device`` (a report of it, no repeat run), its device may be another than this one's."""
+        ``report_only`` (``--report-only``), one with repeats, read and never written, whose device
+        may be another than this one's (``plan``'s is not read)."""
         rec = cls(benchmark, json.loads(json.dumps(plan)), path, [], where or socket.gethostname(), _commit())
         if path is not None and path.is_dir():
             raise RecordError(f"{path}: a folder; --record takes a file")
+        if report_only and (path is None or not path.is_file() or path.stat().st_size == 0):
+            raise RecordError(f"--report-only reports a record: {path or '--record FILE'} is not one")
         if path is None or not path.exists() or path.stat().st_size == 0:
             if path is not None:
                 if not path.parent.is_dir():
                     raise RecordError(f"{path}: its folder {path.parent} does not exist")
                 rec._write({"record": benchmark, "version": VERSION, "plan": rec.plan})
             return rec
-        head, body = _entries(path, _read(path))
+        head, body = _entries(path, _read(path, write=not report_only))
         if head.get("record") != benchmark or head.get("version") != VERSION:
             raise RecordError(f"{path}: a record of {head.get('record')!r} version {head.get('version')}, "
                               f"not of {benchmark!r} version {VERSION}")
         was = head["plan"]
         differ = [k for k in sorted(set(was) | set(rec.plan)) if was.get(k) != rec.plan.get(k)
-                  and not (any_device and k == "device")]
+                  and not (report_only and k == "device")]
         if differ:
             k = differ[0]
             raise RecordError(f"{path}: its repeats were run with {k} {was.get(k)!r}, this invocation has "
                               f"{rec.plan.get(k)!r}; continue it with the same options, or start a new record")
         rec.repeats = body
-        if any_device:
+        if report_only:
+            if not body:
+                raise RecordError(f"{path}: no repeats yet: nothing to report")
             rec.plan["device"] = was.get("device")
         return rec
 
@@ -191,7 +206,19 @@ def quiet_pipe(main: Callable[[], None]) -> None:
     try:
         main()
     except BrokenPipeError:
+        if not _reader_gone():  # a pipe of the benchmark's own work: an error
+            raise
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+
+
+def _reader_gone() -> bool:
+    """Whether stdout is a pipe whose reading end is closed (``poll`` says so with ``POLLERR``)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll, or no file behind stdout
+        return False
 
 
 def add_options(parser: argparse.ArgumentParser) -> None:

@@ -25,7 +25,7 @@ ratio; every figure says which repeat was kept and the range over repeats (``777
 75100-77780)``), and a scaling is the kept figures' ratio with the range of the repeat-by-repeat
 ratios (repeat r at N ranks over repeat r at the first world size; where ``--max-repeats`` gave
 one more repeats, its first ones). For every world size above the first (and without
-``--time-limit``), a second table puts the gradient all-reduce alone (``nn.average_gradients`` on a
+``--time-limit`` or ``--report-only``), a second table puts the gradient all-reduce alone (``nn.average_gradients`` on a
 gradient of the model's shapes, ``harness.rank.anchor.allreduce``) beside what the harness's
 eager step takes over the first world size's at the same per-rank batch. A third gives, per run,
 the reference's tok/s over the bare step's repeat by repeat, their mean with its 95 % interval
@@ -55,7 +55,7 @@ from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from repeat_ratios import EFFECT, Ratios, ended, look_level, looks  # noqa: E402
-from repeat_record import RepeatRecord, add_options, check_options, quiet_pipe, time_limit  # noqa: E402
+from repeat_record import RepeatRecord, add_options, check_options, planned_device, quiet_pipe, time_limit  # noqa: E402
 
 from harness.controller.run_job import execute  # noqa: E402
 from harness.scenario import load_scenario
@@ -110,16 +110,6 @@ def flops_per_token(params: int, config: dict[str, Any], seq: int) -> float:
     """6 N per trained token, plus the attention scores and values (12 x layers x seq x width)."""
     width = config["num_attention_heads"] * config["head_dim"]
     return 6 * params + 12 * config["num_hidden_layers"] * seq * width
-
-
-def device_peak() -> tuple[str, float | None]:
-    import mlx.core as mx
-
-    try:
-        name = str(mx.device_info().get("device_name", mx.default_device()))
-    except Exception:
-        name = str(mx.default_device())
-    return name, PEAKS.get(name)
 
 
 @contextmanager
@@ -240,18 +230,16 @@ def main() -> None:
         path.write_text(scenario_text(args.model, sizes, args.steps))
         s = load_scenario(path)
     _, dtype, seq, per_rank = MODELS[args.model]
-    name, peak = device_peak()
-    mfu_ok = peak is not None and dtype in ("bfloat16", "float16")
     rows, base, step_s, phase_rows, step_rows = [], {}, {}, [], []
     points = looks(args.repeats, args.max_repeats or args.repeats, 1)  # its three runs rotate within a repeat
     level = look_level(len(points))
     record = RepeatRecord.open(args.record, "step_vs_mlx_lm", {
-        "device": name, "--model": args.model, "--world-sizes": sizes, "--modes": modes, "--steps": args.steps,
-        "--backend": args.backend, "--repeats/--max-repeats (looks after)": points}, any_device=args.report_only)
-    if args.report_only:  # the record's device, wherever it is reported
-        name = record.plan["device"]
-        peak = PEAKS.get(name)
-        mfu_ok = peak is not None and dtype in ("bfloat16", "float16")
+        "device": planned_device(args), "--model": args.model, "--world-sizes": sizes, "--modes": modes,
+        "--steps": args.steps, "--backend": args.backend, "--repeats/--max-repeats (looks after)": points},
+        report_only=args.report_only)
+    name = record.plan["device"]  # this machine's (``cuda: NVIDIA H200``), or where reported only, the record's
+    peak = PEAKS.get(name.partition(": ")[2])
+    mfu_ok = peak is not None and dtype in ("bfloat16", "float16")
     limit, stopped = time_limit(args), False
     for spec in s.runs:
         mode = spec.name.split("_")[1]

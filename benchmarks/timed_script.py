@@ -45,7 +45,10 @@ def node_cpus(node: int) -> set[int]:
         text = Path(f"/sys/devices/system/node/node{node}/cpulist").read_text()
     except OSError:
         raise ValueError(f"this machine has no NUMA node {node} ({numa_layout()})") from None
-    return cpu_list(text)
+    cpus = cpu_list(text)
+    if not cpus:
+        raise ValueError(f"NUMA node {node} has no CPUs ({numa_layout()})")
+    return cpus
 
 
 def cpu_list(text: str) -> set[int]:
@@ -58,7 +61,7 @@ def cpu_list(text: str) -> set[int]:
 
 
 def placement(cpus: list[int]) -> tuple[int, float]:
-    """The NUMA node most of the steps' marks were taken on, and their share (-1, 0: unknown)."""
+    """The NUMA node most of ``cpus`` (a CPU read as each step ended) lie on, and their share (-1, 0: unknown)."""
     nodes = Counter(node_of(c) for c in cpus if c >= 0)
     if not nodes:
         return -1, 0.0
@@ -144,13 +147,13 @@ def split(written: dict[str, Any], first: int) -> list[float]:
     """Per step from step ``first`` to the last: the script's own seconds, the seconds inside the
     session's calls, the seconds in the garbage collector (inside either), the full collections;
     the objects the collector tracked at the first step; the median of the script's own seconds; the
-    NUMA node most steps' marks were on and their share (``placement``; where recorded)."""
+    NUMA node most of the window's steps ended on and their share (``placement``; where recorded)."""
     rows = written["rows"]
     a, b = rows[first - 1], rows[-1]
     n = len(rows) - first
     calls = (b[1] - a[1] + b[2] - a[2]) / n
     own = [(y[0] - x[0]) - (y[1] - x[1] + y[2] - x[2]) for x, y in zip(rows[first - 1:-1], rows[first:], strict=True)]
-    where = list(placement([r[5] for r in rows[first - 1:]])) if len(a) > 5 else []
+    where = list(placement([r[5] for r in rows[first:]])) if len(a) > 5 else []  # each read as its step ended
     return [(b[0] - a[0]) / n - calls, calls, (b[3] - a[3]) / n, (b[4] - a[4]) / n, written["objects"],
             statistics.median(own), *where]
 

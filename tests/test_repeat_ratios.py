@@ -206,7 +206,7 @@ def test_the_scripts_split_says_which_numa_node_its_steps_ran_on(monkeypatch: py
     # rows: time, s in probe, s in step, s in gc, full collections, CPU; the window starts after step 2
     rows = [[0.0, 0, 0, 0, 0, 1], [1.0, 0, 0.1, 0, 0, 1], [2.0, 0, 0.2, 0, 0, 9], [3.0, 0, 0.3, 0, 0, 10]]
     split = timed_script.split({"rows": rows, "objects": 100}, 2)
-    assert split[:2] == pytest.approx([0.9, 0.1]) and split[-2:] == [1, pytest.approx(2 / 3)]
+    assert split[:2] == pytest.approx([0.9, 0.1]) and split[-2:] == [1, 1.0]  # steps 3 and 4 ended on CPUs 9 and 10
     old = timed_script.split({"rows": [r[:5] for r in rows], "objects": 100}, 2)  # a record's rows before the CPU
     assert len(old) == 6 and old[:2] == split[:2]
 
@@ -244,11 +244,47 @@ def test_a_record_is_reported_on_another_device_where_no_repeat_runs(tmp_path: P
     here = {**plan, "device": "cpu: a laptop"}
     with pytest.raises(SystemExit, match="with device 'cuda: NVIDIA H200', this invocation has 'cpu: a laptop'"):
         repeat_record.RepeatRecord.open(path, "observer_effect", here)  # to continue it, the same device
-    shown = repeat_record.RepeatRecord.open(path, "observer_effect", here, any_device=True)
+    shown = repeat_record.RepeatRecord.open(path, "observer_effect", here, report_only=True)
     assert shown.plan["device"] == "cuda: NVIDIA H200" and shown.data() == [{"x": 1}]
     with pytest.raises(SystemExit, match="were run with --steps 40, this invocation has 30"):
-        repeat_record.RepeatRecord.open(path, "observer_effect", {**here, "--steps": 30}, any_device=True)
+        repeat_record.RepeatRecord.open(path, "observer_effect", {**here, "--steps": 30}, report_only=True)
+    path.write_bytes(path.read_bytes() + b'{"repeat": 2, "whe')  # a repeat cut short while it was written
+    before = path.read_bytes()
+    assert len(repeat_record.RepeatRecord.open(path, "observer_effect", here, report_only=True).repeats) == 1
+    assert path.read_bytes() == before  # a report writes nothing
+    empty = tmp_path / "empty.jsonl"
+    repeat_record.RepeatRecord.open(empty, "observer_effect", plan)  # its plan alone: its first repeat never ended
+    with pytest.raises(SystemExit, match="empty.jsonl: no repeats yet: nothing to report"):
+        repeat_record.RepeatRecord.open(empty, "observer_effect", here, report_only=True)
+    with pytest.raises(SystemExit, match="--report-only reports a record: .*none.jsonl is not one"):
+        repeat_record.RepeatRecord.open(tmp_path / "none.jsonl", "observer_effect", here, report_only=True)
+    assert not (tmp_path / "none.jsonl").exists()
     limit = repeat_record.TimeLimit(None, report_only=True)
     assert not limit.room()  # no repeat starts
     limit.stopped(shown, 1, 12)
     assert "1 of at most 12 repeats in" in capsys.readouterr().err
+
+
+def test_the_observer_reports_a_record_of_another_machine_without_running_a_side(tmp_path: Path) -> None:
+    record = tmp_path / "gpu.jsonl"
+    lines = (REPO / "benchmarks" / "records" / "observer-cpu3m-2cpu-vm.jsonl").read_text().splitlines()
+    head = json.loads(lines[0])
+    head["plan"].update({"device": "cuda: a GPU not here", "--node": 7})  # a node this machine lacks
+    record.write_text("\n".join([json.dumps(head), *lines[1:]]) + "\n")
+    before = record.read_bytes()
+    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "observer_effect.py"), "--model", "cpu3m",
+                        "--trainers", "mlx_lm,script,unsloth_zoo", "--steps", "30", "--from", "10", "--repeats", "20",
+                        "--node", "7", "--record", str(record), "--report-only"],
+                       capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stderr.startswith(f"reporting {record}: 20 repeats") and "Traceback" not in p.stderr
+    assert "script       harness / bare  1.004, 0.990, 1.013" in p.stdout and "1.000 [0.986, 1.015]" in p.stdout
+    assert record.read_bytes() == before
+
+
+def test_a_broken_pipe_that_is_not_the_reports_reader_is_raised(capsys: pytest.CaptureFixture[str]) -> None:
+    def fails() -> None:
+        raise BrokenPipeError("a pipe of the benchmark's own")
+
+    with pytest.raises(BrokenPipeError, match="of the benchmark's own"):
+        repeat_record.quiet_pipe(fails)
