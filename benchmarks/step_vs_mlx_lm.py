@@ -18,6 +18,8 @@ rank confirms. It prints post-step-1 median tok/s, the ratio reference / mlx-lm 
 scaling over the first world size, the model FLOPs utilization where the device's peak is known
 (``PEAKS``: the vendors' dense bf16/fp16 tensor-core figures; none for CPUs), and the padded input
 width each trained at (its ``input_widths``, per optimizer step: min-max, ``?`` when unreported).
+``--without-trainer`` leaves mlx-lm's trainer out (its columns ``-``): the reference against the
+bare step alone, at two thirds of a repeat's time.
 
 Each run alternates the three ``--repeats`` times (each of them first in turn) and keeps each
 one's best post-step-1 median, so that a slow phase of a shared machine does not decide the
@@ -35,7 +37,7 @@ repeats already there (``repeat_record``): a run's repeats carried over several 
 
 usage: python benchmarks/step_vs_mlx_lm.py [--model tiny|cpu3m|gpu044b] [--world-sizes 1,2]
                                            [--modes eager,compiled] [--steps N] [--repeats R]
-                                           [--max-repeats M] [--backend ring|nccl]
+                                           [--max-repeats M] [--backend ring|nccl] [--without-trainer]
                                            [--record FILE [--time-limit S | --report-only]]
 """
 
@@ -217,6 +219,8 @@ def main() -> None:
                     help="add alternating repeats until the harness / step ratio's interval tells a 2%% effect from "
                          "none, up to this many (default: --repeats)")
     ap.add_argument("--backend", default=None)
+    ap.add_argument("--without-trainer", action="store_true",
+                    help="leave mlx-lm's trainer out: the reference against the bare step alone")
     add_options(ap)
     args = ap.parse_args()
     sizes = [int(n) for n in args.world_sizes.split(",")]
@@ -233,10 +237,11 @@ def main() -> None:
     rows, base, step_s, phase_rows, step_rows = [], {}, {}, [], []
     points = looks(args.repeats, args.max_repeats or args.repeats, 1)  # its three runs rotate within a repeat
     level = look_level(len(points))
-    record = RepeatRecord.open(args.record, "step_vs_mlx_lm", {
-        "device": planned_device(args), "--model": args.model, "--world-sizes": sizes, "--modes": modes,
-        "--steps": args.steps, "--backend": args.backend, "--repeats/--max-repeats (looks after)": points},
-        report_only=args.report_only)
+    plan = {"device": planned_device(args), "--model": args.model, "--world-sizes": sizes, "--modes": modes,
+            "--steps": args.steps, "--backend": args.backend,
+            **({"--without-trainer": True} if args.without_trainer else {}),
+            "--repeats/--max-repeats (looks after)": points}
+    record = RepeatRecord.open(args.record, "step_vs_mlx_lm", plan, report_only=args.report_only)
     name = record.plan["device"]  # this machine's (``cuda: NVIDIA H200``), or where reported only, the record's
     peak = PEAKS.get(name.partition(": ")[2])
     mfu_ok = peak is not None and dtype in ("bfloat16", "float16")
@@ -249,8 +254,9 @@ def main() -> None:
         runs = ((spec, job_for(s, spec.name)), (theirs, job_for(s, theirs.name)),
                 (spec, AnchorJob(s.for_run(spec))))
         got: list[list[tuple[float, dict[str, Any]]]] = [[], [], []]
+        which = [0, 2] if args.without_trainer else [0, 1, 2]  # the harness, mlx-lm's trainer, the bare step
         for kept_repeat in (r["got"] for r in record.data() if r["run"] == spec.name):  # earlier invocations'
-            for i in range(3):
+            for i in which:
                 got[i].append(tuple(kept_repeat[i]))
         while not finished(got, points, level) and not stopped:  # alternating, each first in turn
             if not limit.room():
@@ -258,33 +264,35 @@ def main() -> None:
                 limit.stopped(record, len(got[0]), points[-1])
                 break
             k, repeat = len(got[0]), [None, None, None]
-            for i in [*range(3)][k % 3:] + [*range(3)][:k % 3]:
+            for i in which[k % len(which):] + which[:k % len(which)]:  # each first in turn
                 with compile_disabled(mode == "eager"):
                     repeat[i] = measure(runs[i][0], runs[i][1], args.backend)
-            for i in range(3):
+            for i in which:
                 got[i].append(repeat[i])
             record.add({"run": spec.name, "got": repeat})
         if not got[0]:
             continue
-        tok_s = [[v for v, _ in g] for g in got]
+        tok_s = [[v for v, _ in g] for g in got]  # mlx-lm's trainer's empty where left out
         against_step = bare_ratio(got, level)
         step_rows.append([spec.world_size, mode, ", ".join(f"{v:.3f}" for v in against_step.values),
                           against_step.cell(), against_step.verdict() if len(got[0]) in points
                           else f"none before a look ({', '.join(map(str, points))})"])
-        ours, trainer, loop = (g[kept(t)][1] for g, t in zip(got, tok_s, strict=True))
+        ours, trainer, loop = (g[kept(t)][1] if g else None for g, t in zip(got, tok_s, strict=True))
         if loop["mlx_compile"] != (mode == "compiled"):
             raise SystemExit(f"{spec.name}: MLX compiles {'' if loop['mlx_compile'] else 'not '}in the ranks")
         phase_rows += [r for r in (phase_row(spec, mode, "harness", ours), phase_row(spec, mode, "step", loop)) if r]
+        has = [bool(t) for t in tok_s]
         params = ours["param_count"]
         base.setdefault(mode, tok_s)
-        best = [max(t) for t in tok_s]
+        best = [max(t) if t else 0.0 for t in tok_s]
         step_s[(spec.world_size, mode)] = ours["tokens_global_per_step"][0] / best[0]
         per_token = flops_per_token(params, ours["model_config"], seq)  # the config the model was built from
-        mfu = [f"{v * per_token / (peak * spec.world_size):.1%}" if mfu_ok else "-" for v in best[:2]]
-        scaling = "/".join(ratio_figure(v, b) for v, b in zip(tok_s, base[mode], strict=True))
-        rows.append([spec.world_size, mode, *(figure(t) for t in tok_s), ratio_figure(tok_s[0], tok_s[1]),
-                     scaling if spec.world_size != sizes[0] else "1.00x/1.00x/1.00x", *mfu,
-                     *(widths(r) for r in (ours, trainer, loop))])
+        mfu = [f"{v * per_token / (peak * spec.world_size):.1%}" if mfu_ok and v else "-" for v in best[:2]]
+        scaling = "/".join(ratio_figure(v, b) if h else "-" for v, b, h in zip(tok_s, base[mode], has, strict=True))
+        rows.append([spec.world_size, mode, *(figure(t) if h else "-" for t, h in zip(tok_s, has, strict=True)),
+                     ratio_figure(tok_s[0], tok_s[1]) if has[1] else "-",
+                     scaling if spec.world_size != sizes[0] else "/".join("1.00x" if h else "-" for h in has), *mfu,
+                     *(widths(r) if r else "-" for r in (ours, trainer, loop))])
         print("done:", " | ".join(map(str, rows[-1])), file=sys.stderr, flush=True)  # kept if a later run fails
     if args.record:
         print(f"record {args.record}: {record.provenance()}")

@@ -3,9 +3,11 @@ trainer, mlx-lm's trainer and that step), with real ranks under mlx.launch."""
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -92,3 +94,26 @@ def test_a_figure_over_repeats_names_the_repeat_kept_and_the_range() -> None:
     # scaling: the kept figures' ratio, then the range of repeat r over repeat r (measured next to each other)
     assert ratio_figure([160.0, 200.0], [100.0, 90.0]) == "2.00x (1.60-2.22x)"
     assert ratio_figure([180.0], [100.0]) == "1.80x"
+
+
+@pytest.mark.ranks  # a benchmark, run small: the reference against the bare step alone, recorded, then reported
+def test_the_benchmark_without_the_trainer_runs_two_and_reports_its_record(tmp_path: Path) -> None:
+    record = tmp_path / "step.jsonl"
+
+    def bench(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(REPO / "benchmarks" / "step_vs_mlx_lm.py"), "--model", "tiny",
+                               "--steps", "3", "--world-sizes", "1", "--modes", "eager", "--repeats", "1",
+                               "--without-trainer", "--record", str(record), *extra], capture_output=True, text=True,
+                              cwd=REPO, timeout=600)
+
+    p = bench()
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    (got,) = [json.loads(line)["data"]["got"] for line in record.read_text().splitlines()[1:]]
+    assert got[1] is None and got[0][0] > 0 and got[2][0] > 0  # the reference and the bare step ran, no trainer
+    row = next(line.split() for line in p.stdout.splitlines() if line.split()[:2] == ["1", "eager"])
+    assert float(row[2]) > 0 and row[3] == "-" and float(row[4]) > 0 and row[5] == "-"  # the trainer's tok/s, ratio
+    assert row[6] == "1.00x/-/1.00x" and row[9:] == ["160", "-", "160"]  # its scaling and width left out too
+    before = record.read_bytes()
+    again = bench("--report-only")
+    assert again.returncode == 0 and again.stdout == p.stdout, again.stderr  # the same report from the record alone
+    assert record.read_bytes() == before
