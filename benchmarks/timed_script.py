@@ -6,7 +6,7 @@ full (generation 2) collections, and the CPU the main thread is on (Linux; -1 el
 file in the directory ``TIMES_VAR`` names (``bare-PID.json`` or ``harness-PID.json``). Two clock
 reads per call and per collection and one small read of ``/proc`` per step: the same on both sides.
 The CPU says which NUMA node the step's host work ran on (``placement``): a GPU's step that launches
-many small kernels runs slower from the node away from the GPU."""
+many small kernels can run slower from the node away from the GPU."""
 
 from __future__ import annotations
 
