@@ -125,8 +125,11 @@ class RepeatRecord:
                   and not (report_only and k == "device")]
         if differ:
             k = differ[0]
-            raise RecordError(f"{path}: its repeats were run with {k} {was.get(k)!r}, this invocation has "
-                              f"{rec.plan.get(k)!r}; continue it with the same options, or start a new record")
+            def said(v: Any) -> str:
+                return "not given" if v is None else repr(v)
+
+            raise RecordError(f"{path}: its repeats were run with {k} {said(was.get(k))}, this invocation has "
+                              f"{said(rec.plan.get(k))}; continue it with the same options, or start a new record")
         rec.repeats = body
         if report_only:
             if not body:
@@ -212,11 +215,12 @@ def quiet_pipe(main: Callable[[], None]) -> None:
 
 
 def _reader_gone() -> bool:
-    """Whether stdout is a pipe whose reading end is closed (``poll`` says so with ``POLLERR``)."""
+    """Whether stdout is a pipe whose reading end is closed (``poll`` says so: ``POLLERR`` on Linux,
+    ``POLLHUP`` on some other systems; a pipe's writing end gets neither while it is read)."""
     try:
         poller = select.poll()
         poller.register(sys.stdout.fileno(), select.POLLOUT)
-        return any(events & select.POLLERR for _, events in poller.poll(0))
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
     except (AttributeError, OSError, ValueError):  # no poll, or no file behind stdout
         return False
 

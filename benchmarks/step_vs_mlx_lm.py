@@ -19,7 +19,7 @@ scaling over the first world size, the model FLOPs utilization where the device'
 (``PEAKS``: the vendors' dense bf16/fp16 tensor-core figures; none for CPUs), and the padded input
 width each trained at (its ``input_widths``, per optimizer step: min-max, ``?`` when unreported).
 ``--without-trainer`` leaves mlx-lm's trainer out (its columns ``-``): the reference against the
-bare step alone, at two thirds of a repeat's time.
+bare step alone, in two of a repeat's three runs.
 
 Each run alternates the three ``--repeats`` times (each of them first in turn) and keeps each
 one's best post-step-1 median, so that a slow phase of a shared machine does not decide the
@@ -242,8 +242,11 @@ def main() -> None:
             **({"--without-trainer": True} if args.without_trainer else {}),
             "--repeats/--max-repeats (looks after)": points}
     record = RepeatRecord.open(args.record, "step_vs_mlx_lm", plan, report_only=args.report_only)
+    if record.repeats:
+        doing = "reporting" if args.report_only else "continuing"
+        print(f"{doing} {args.record}: {record.provenance()}", file=sys.stderr, flush=True)
     name = record.plan["device"]  # this machine's (``cuda: NVIDIA H200``), or where reported only, the record's
-    peak = PEAKS.get(name.partition(": ")[2])
+    peak = PEAKS.get(name.partition(": ")[2] or name)
     mfu_ok = peak is not None and dtype in ("bfloat16", "float16")
     limit, stopped = time_limit(args), False
     for spec in s.runs:
