@@ -230,3 +230,25 @@ def test_a_foreign_rank_that_fails_is_named_in_one_line_and_leaves_nothing(tmp_p
     assert "Traceback" not in p.stdout + p.stderr and "survived" not in p.stdout
     left = [q for q in psutil.process_iter(["cmdline"]) if str(exe) in " ".join(q.info["cmdline"] or [])]
     assert left == []
+
+
+def test_a_followed_executables_growth_after_its_last_sample_counts_in_its_peak(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+    import time
+
+    from harness.memory.sampler import FIRST_STEP, MemorySampler
+    from harness.trainers.command.rank import ended
+
+    sampler = MemorySampler(schema.EventWriter(tmp_path / "events.jsonl"), 0, 0, FIRST_STEP, every_s=60.0)
+    grow = "import time; time.sleep(0.5); b = bytearray(256 << 20); b[::4096] = b'x' * len(b[::4096])"
+    proc = subprocess.Popen([sys.executable, "-c", grow])
+    sampler.follow(proc.pid)
+    baseline = sampler.step_ended(1)["rss_bytes"]  # the first step's end, before the growth; no sample after it
+    while (done := ended(proc))[0] is None:
+        time.sleep(0.05)
+    assert done[0] == 0 and proc.poll() == 0 and done[1] > baseline + (200 << 20)
+    sampler.followed_ended(done[1])
+    figures = sampler.figures()
+    assert figures["rss_baseline_bytes"] == baseline and figures["rss_peak_after_baseline_bytes"] == done[1]
+    assert sampler.peaks()["rss_peak_bytes"] == done[1]

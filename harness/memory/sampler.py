@@ -103,6 +103,14 @@ class MemorySampler:
             self.baseline, self.baseline_bytes, self.rss_peak = FIRST_STEP, None, 0
             self.last_rss = 0
 
+    def followed_ended(self, peak_bytes: int) -> None:
+        """The followed process ended, its peak RSS ``peak_bytes`` as the kernel counted it: part of
+        the peak after the baseline once one was taken (as this process's own kernel peak is)."""
+        with self._lock:
+            self.last_rss = max(self.last_rss, peak_bytes)
+            if self.baseline_bytes is not None:
+                self.rss_peak = max(self.rss_peak, peak_bytes)
+
     def reported(self, mlx_peak_bytes: int) -> None:
         """The followed process's MLX peak memory, from its step event."""
         self.reported_mlx = max(self.reported_mlx, int(mlx_peak_bytes))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,22 @@ def write_job(ctx: RankContext, s: Scenario, out: Path) -> dict[str, str]:
     return {schema.COMMAND_ENV[k]: str(v) for k, v in job.items()}
 
 
+def ended(proc: subprocess.Popen) -> tuple[int | None, int | None]:
+    """The executable's exit code once it has ended (None while it runs), and then its peak RSS in
+    bytes as the kernel counted it (``wait4``), which sees what fell between the sampler's reads: a
+    fast executable's growth after its last sample counts too (None where the system does not say)."""
+    if not hasattr(os, "wait4"):
+        return proc.poll(), None
+    try:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+    except ChildProcessError:  # reaped already
+        return proc.poll(), None
+    if pid == 0:
+        return None, None
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return proc.returncode, usage.ru_maxrss * (1 if sys.platform == "darwin" else 1024)  # bytes there, KiB here
+
+
 def run(ctx: RankContext) -> dict[str, Any]:
     s = ctx.job.scenario
     exe = str(s.trainer.path)
@@ -80,10 +97,12 @@ def run(ctx: RankContext) -> dict[str, Any]:
     if ctx.memory is not None:
         ctx.memory.follow(proc.pid)  # its RSS, from the end of its first step
     try:
-        while (code := proc.poll()) is None:
+        while (code := (done := ended(proc))[0]) is None:
             feed.read()
             time.sleep(POLL_S)
         feed.read()
+        if ctx.memory is not None and done[1]:
+            ctx.memory.followed_ended(done[1])
     finally:
         if proc.poll() is None:  # a malformed event, or the rank interrupted: the executable goes too
             proc.kill()
