@@ -76,12 +76,13 @@ class Session:
         here on, training must leave the global RNGs (numpy's and MLX's) as they are."""
         import mlx.core as mx
 
-        from harness.rank.models import START_ABLATED, start_digest
+        from harness import ablation
+        from harness.rank.models import start_digest
         from harness.rank.precision import coarsest_dtype
 
         mx.eval(params)  # on every rank alike: weights that are a collective's result must not be computed on one
         digest = start_digest(params)
-        if self.rank == 0 and self._ctx.job.keep_start and digest != START_ABLATED:  # the run compared with
+        if self.rank == 0 and self._ctx.job.keep_start and ablation.on("start"):  # the run the others are compared with
             self._out.params(params, "start_params")
         dtype = {"dtype": d} if (d := coarsest_dtype(params)) else {}
         self._out.event("start", rank=self.rank, world_size=self.world_size, digest=digest, **dtype)

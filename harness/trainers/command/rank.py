@@ -97,12 +97,14 @@ def run(ctx: RankContext) -> dict[str, Any]:
     if ctx.memory is not None:
         ctx.memory.follow(proc.pid)  # its RSS, from the end of its first step
     try:
-        while (code := (done := ended(proc))[0]) is None:
+        code, peak = ended(proc)
+        while code is None:
             feed.read()
             time.sleep(POLL_S)
+            code, peak = ended(proc)
         feed.read()
-        if ctx.memory is not None and done[1]:
-            ctx.memory.followed_ended(done[1])
+        if ctx.memory is not None and peak:
+            ctx.memory.followed_ended(peak)
     finally:
         if proc.poll() is None:  # a malformed event, or the rank interrupted: the executable goes too
             proc.kill()
