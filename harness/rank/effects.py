@@ -7,7 +7,6 @@ records go to ``rank{r}.callbacks.jsonl`` named after the rank that wrote them.
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
 
 from harness import schema
@@ -70,13 +69,9 @@ class MainRankEffects:
             self._write(schema.start_params_path(self.run_dir), params)
 
     def _write(self, final: Any, params: Any) -> None:
-        import mlx.core as mx
-        from mlx.utils import tree_flatten
+        from harness.rank.host_read import write_safetensors
 
-        tmp = final.with_name(f".{final.name}.tmp.safetensors")
-        params = params.parameters() if hasattr(params, "parameters") else params
-        mx.save_safetensors(str(tmp), dict(tree_flatten(params)))
-        os.replace(tmp, final)
+        write_safetensors(final, params)
 
     def save_params(self, model: Any, count: bool = True) -> None:
         """Rank 0 writes the final parameters (of a model, or a parameter tree) atomically: a

@@ -102,16 +102,14 @@ def param_digest(model: Any) -> str:
 
 
 def tree_digest(params: Any) -> str:
-    """``param_digest`` of a parameter tree (nested dicts and lists of arrays)."""
-    import mlx.core as mx
-    import numpy as np
-    from mlx.utils import tree_flatten
+    """``param_digest`` of a parameter tree (nested dicts and lists of arrays), read through
+    ``host_read`` (bfloat16 arrays hashed as their float32 values)."""
+    from harness.rank.host_read import host_bytes
 
     h = hashlib.sha256()
-    for name, p in sorted(tree_flatten(params)):
-        a = np.array(p.astype(mx.float32)) if p.dtype == mx.bfloat16 else np.array(p)
+    for name, p, data in host_bytes(params, widen_bfloat16=True):
         h.update(f"{name}:{p.dtype}:{p.shape}".encode())
-        h.update(np.ascontiguousarray(a).tobytes())
+        h.update(data)
     return h.hexdigest()
 
 

@@ -6,7 +6,6 @@ each record checked against the protocol's JSON Schemas (``harness/protocol``)."
 from __future__ import annotations
 
 import json
-import os
 import signal
 from pathlib import Path
 from typing import Any
@@ -53,12 +52,9 @@ class Writer:
 
     def params(self, tree: Any, name: str = "params") -> None:
         """A parameter tree into the protocol's ``name`` file ("params", or "start_params")."""
-        import mlx.core as mx
-        from mlx.utils import tree_flatten
+        from harness.rank.host_read import write_safetensors
 
-        tmp = self.out / f".{FILES[name]}.tmp.safetensors"
-        mx.save_safetensors(str(tmp), dict(tree_flatten(tree)))
-        os.replace(tmp, self.out / FILES[name])
+        write_safetensors(self.out / FILES[name], tree)
 
     def result(self, **fields: Any) -> None:
         self._events.close()
