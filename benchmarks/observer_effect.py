@@ -13,6 +13,8 @@ under the harness, on the same model, rows, batch and process count, alternating
   ``run.probe`` and ``run.step`` (under the harness, all the harness does in the script's step),
   and gives the time in the garbage collector, its full collections, the objects it tracks and
   the median of the script's own time a step (a cost in every step moves it, one in a few does not).
+  Where ``nvidia-smi`` answers, the same window's GPU SM clock, power and temperature are added
+  (``gpu_clocks.py``): whether a slower run was a slower GPU.
 - **mlx-vlm**: bare is ``mlx_vlm.trainer.Trainer(model, VLMTrainingArgs(...), train_dataset=rows,
   optimizer=..., prepared=True, training_callback=..., seed=...).train()`` with its own SFT task and
   batch iterator and its defaults (``steps_per_report`` 10), on the qwen2_vl and prepared image rows
@@ -80,6 +82,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import timed_script  # noqa: E402
 from bare_trainers import BARE, bare_env  # noqa: E402
+from gpu_clocks import GpuClocks  # noqa: E402
 from repeat_ratios import EFFECT, Ratios, ended, look_level, looks  # noqa: E402
 from repeat_record import RepeatRecord, add_options, check_options, planned_device, quiet_pipe, time_limit  # noqa: E402
 
@@ -304,24 +307,35 @@ def main() -> None:
             doing = "reporting" if a.report_only else "continuing"
             print(f"{doing} {a.record}: {record.provenance()}", file=sys.stderr, flush=True)
         limit = time_limit(a)
-        while not finished(record, trainers, sides, points, level):
-            if not limit.room():
-                limit.stopped(record, len(record.repeats), points[-1])
-                break
-            i = len(record.repeats)
-            rep: dict[str, dict[str, float]] = {t: {} for t in trainers}
-            split: dict[str, list[list[float]]] = {side: [] for side in sides}
-            for t in trainers:
-                for side in sides[i % len(sides):] + sides[:i % len(sides)]:  # each side first in turn
-                    rep[t].update(run_side(side, t, paths[t], d, a))
-                    for f in sorted(times.glob("*.json")):  # the script's, just written
-                        split[side].append(timed_script.split(json.loads(f.read_text()), a.first))
-                        f.unlink()
-            record.add({"rates": rep, "split": split, "numa": timed_script.numa_layout()})
-            rates = gathered(record, trainers, sides)
-            print(f"repeat {i + 1}: " + "; ".join(f"{t} {ratios(rates[t], c, level).cell()}" for t in trainers
-                                                for c in comparisons(sides)[:1]), file=sys.stderr, flush=True)
+        with GpuClocks(read=not a.report_only) as clocks:  # a report runs nothing here
+            repeat_until_done(a, record, trainers, sides, points, level, limit, clocks, paths, d)
     report(a, record, trainers, sides, points, level)
+
+
+def repeat_until_done(a: argparse.Namespace, record: RepeatRecord, trainers: list[str], sides: list[str],
+                      points: list[int], level: float, limit: Any, clocks: GpuClocks, paths: dict[str, Path],
+                      d: Path) -> None:
+    """Repeats into ``record`` until every interval is resolved at a look, the last look, or the time limit."""
+    times = d / "times"
+    while not finished(record, trainers, sides, points, level):
+        if not limit.room():
+            limit.stopped(record, len(record.repeats), points[-1])
+            break
+        i = len(record.repeats)
+        rep: dict[str, dict[str, float]] = {t: {} for t in trainers}
+        split: dict[str, list[list[float]]] = {side: [] for side in sides}
+        for t in trainers:
+            for side in sides[i % len(sides):] + sides[:i % len(sides)]:  # each side first in turn
+                rep[t].update(run_side(side, t, paths[t], d, a))
+                for f in sorted(times.glob("*.json")):  # the script's, just written
+                    written = json.loads(f.read_text())
+                    window = written["rows"][a.first - 1][0], written["rows"][-1][0]
+                    split[side].append(timed_script.split(written, a.first) + clocks.over(*window))
+                    f.unlink()
+        record.add({"rates": rep, "split": split, "numa": timed_script.numa_layout()})
+        rates = gathered(record, trainers, sides)
+        print(f"repeat {i + 1}: " + "; ".join(f"{t} {ratios(rates[t], c, level).cell()}" for t in trainers
+                                            for c in comparisons(sides)[:1]), file=sys.stderr, flush=True)
 
 
 def ratios(rates: dict[str, list[float]], comparison: tuple[str, str], level: float) -> Ratios:
@@ -355,16 +369,19 @@ def report(a: argparse.Namespace, record: RepeatRecord, trainers: list[str], sid
         print("\nthe script's step over the same window, per repeat: its own ms (mean; median last), ms inside "
               "run.probe and run.step, ms in the garbage collector and full collections a step (where recorded), "
               "objects tracked, the NUMA node most steps ended on and their share (where recorded: "
-              f"{'; '.join(sorted({r['numa'] for r in record.data() if 'numa' in r})) or 'not'})")
+              f"{'; '.join(sorted({r['numa'] for r in record.data() if 'numa' in r})) or 'not'}), the GPU's mean "
+              "SM clock and power and its highest temperature (nvidia-smi, where recorded)")
         print(tabulate([[side, *(", ".join(form(x[i]) if i < len(x) else "-" for x in split[side])
                                  for i, form in enumerate(SPLIT_FORMS))] for side in sides],
                        headers=["side", "the script's own", "inside the session's calls", "in gc", "full gcs",
-                                "objects at step 1", "own, median", "node", "steps there"]))
+                                "objects at step 1", "own, median", "node", "steps there", "GPU SM MHz", "GPU W",
+                                "GPU max C"]))
 
 
 SPLIT_FORMS = (lambda v: f"{v * 1e3:.1f}", lambda v: f"{v * 1e3:.3f}", lambda v: f"{v * 1e3:.2f}",
                lambda v: f"{v:.2f}", lambda v: f"{v / 1e3:.0f}k", lambda v: f"{v * 1e3:.1f}",
-               lambda v: "?" if v < 0 else f"{v:.0f}", lambda v: f"{v:.0%}")
+               lambda v: "?" if v < 0 else f"{v:.0f}", lambda v: f"{v:.0%}", lambda v: f"{v:.0f}",
+               lambda v: f"{v:.0f}", lambda v: f"{v:.0f}")
 
 
 if __name__ == "__main__":

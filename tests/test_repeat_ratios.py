@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -29,6 +30,9 @@ _spec.loader.exec_module(repeat_record)
 _spec = importlib.util.spec_from_file_location("timed_script", REPO / "benchmarks" / "timed_script.py")
 timed_script = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(timed_script)
+_spec = importlib.util.spec_from_file_location("gpu_clocks", REPO / "benchmarks" / "gpu_clocks.py")
+gpu_clocks = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gpu_clocks)
 
 
 def test_the_interval_is_students_over_the_repeats() -> None:
@@ -160,12 +164,18 @@ def test_a_rank_with_every_part_turned_off_trains_and_says_what_was_off(tmp_path
 def test_the_observer_benchmark_runs_both_sides_and_continues_its_record(tmp_path: Path) -> None:
     record = tmp_path / "script.jsonl"
 
-    def observe(*extra: str) -> subprocess.CompletedProcess:
+    tools = tmp_path / "bin"  # an nvidia-smi that reads a steady GPU, for the first invocation
+    tools.mkdir()
+    (tools / "nvidia-smi").write_text("#!/bin/sh\nwhile true; do echo '1410, 250.5, 51'; sleep 0.05; done\n")
+    (tools / "nvidia-smi").chmod(0o755)
+
+    def observe(*extra: str, path: str = os.environ["PATH"]) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, str(REPO / "benchmarks" / "observer_effect.py"), "--model", "cpu3m",
                                "--trainers", "script", "--steps", "6", "--from", "2", "--record", str(record),
-                               *extra], capture_output=True, text=True, cwd=REPO, timeout=600)
+                               *extra], capture_output=True, text=True, cwd=REPO, timeout=600,
+                              env={**os.environ, "PATH": path})
 
-    first = observe("--repeats", "2")
+    first = observe("--repeats", "2", path=f"{tools}{os.pathsep}{os.environ['PATH']}")
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
     lines = record.read_text().splitlines()
     assert len(lines) == 3  # its plan and two repeats, the second with the harness first
@@ -176,6 +186,9 @@ def test_the_observer_benchmark_runs_both_sides_and_continues_its_record(tmp_pat
     ratios = [rates[i]["harness"] / rates[i]["bare"] for i in range(2)]
     assert f"{ratios[0]:.3f}, {ratios[1]:.3f}" in row and f"{sum(ratios) / 2:.3f} [" in row
     assert "own, median    node    steps there" in first.stdout  # the script's split, with where its steps ran
+    split = [json.loads(line)["data"]["split"] for line in lines[1:]]
+    assert all(r[-3:] == [1410.0, 250.5, 51.0] for s in split for side in s.values() for r in side)  # the GPU's
+    assert "GPU SM MHz" in first.stdout and "GPU max C" in first.stdout and "1410, 1410" in first.stdout
     again = observe("--repeats", "2")  # a later invocation: the two repeats are all the plan asks for
     assert again.returncode == 0 and "continuing" in again.stderr and row in again.stdout
     other = observe("--repeats", "4")
@@ -196,6 +209,19 @@ def test_the_observer_benchmarks_bad_options_are_one_line(args: list[str], line:
     p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "observer_effect.py"), *args], capture_output=True,
                        text=True, cwd=REPO, timeout=120)
     assert p.returncode == 1 and p.stderr == line + "\n", p.stderr
+
+
+def test_the_gpus_readings_are_summed_up_over_a_timed_window_alone() -> None:
+    assert gpu_clocks.reading("1980, 612.31, 47\n") == [1980.0, 612.31, 47.0]
+    assert gpu_clocks.reading("1980, [N/A], 47") == [1980.0, None, 47.0]
+    assert gpu_clocks.reading("[N/A], [N/A], [N/A]") is None and gpu_clocks.reading("No devices were found") is None
+    samples = [(0.5, [900.0, 100.0, 40.0]), (1.0, [1900.0, 500.0, 60.0]), (2.0, [1700.0, None, 62.0]),
+               (3.5, [800.0, 90.0, 70.0])]
+    assert gpu_clocks.summary(samples, 1.0, 3.0) == [1800.0, 500.0, 62.0]  # the window's readings, no others
+    assert gpu_clocks.summary(samples, 5.0, 6.0) == []  # none read in it
+    assert gpu_clocks.summary([(1.0, [None, None, 50.0])], 0.0, 2.0) == []  # no clock: nothing said after it
+    with gpu_clocks.GpuClocks(tool="no-such-tool-here") as g:  # a machine without nvidia-smi
+        assert g.over(0.0, float("inf")) == []
 
 
 def test_the_scripts_split_says_which_numa_node_its_steps_ran_on(monkeypatch: pytest.MonkeyPatch) -> None:
