@@ -19,7 +19,9 @@ import json
 import os
 import select
 import socket
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,11 +36,40 @@ class RecordError(SystemExit):
     """A record that cannot be continued: its one-line reason."""
 
 
+HERE = Path(__file__).resolve().parent
+
+
 def _commit() -> str | None:
     """This tree's commit (``+dirty`` with changes to tracked files), where it is a git checkout."""
     from harness.controller.environment import git_revision
 
-    return git_revision(Path(__file__).parent)
+    return git_revision(HERE)
+
+
+def _git(root: Path, *args: str, index: Path | None = None) -> str | None:
+    env = {**os.environ, "GIT_INDEX_FILE": str(index)} if index else None
+    try:
+        p = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=30, env=env)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return p.stdout.strip() if p.returncode == 0 else None
+
+
+def tree_of(root: Path) -> str | None:
+    """The git tree of the checkout at ``root``'s tracked files as they are now: named by their
+    content alone, so equal to a commit's tree exactly when the files are that commit's (a copy of a
+    tree whose ``.git`` lags behind its files still names the commit it runs). None outside git."""
+    with tempfile.TemporaryDirectory() as d:
+        index = Path(d) / "index"  # a scratch index: the checkout's own is left as it is
+        if _git(root, "read-tree", "HEAD", index=index) is None or _git(root, "add", "-u", index=index) is None:
+            return None
+        return _git(root, "write-tree", index=index)
+
+
+def commits_by_tree(root: Path, depth: int = 2000) -> dict[str, str]:
+    """The short commit of each tree among the last ``depth`` commits of the checkout at ``root``."""
+    out = _git(root, "log", f"-{depth}", "--format=%T %h") or ""
+    return {t: c for t, c in (line.split() for line in reversed(out.splitlines()))}
 
 
 def device_name() -> str:
@@ -98,6 +129,7 @@ class RepeatRecord:
     repeats: list[dict[str, Any]] = field(default_factory=list)
     where: str = ""
     commit: str | None = None  # of the code this invocation runs, taken when it opens the record
+    tree: str | None = None  # its tracked files' git tree (``tree_of``)
 
     @classmethod
     def open(cls, path: Path | None, benchmark: str, plan: dict[str, Any], where: str = "",
@@ -105,7 +137,8 @@ class RepeatRecord:
         """The record at ``path`` (a new one where it does not exist), checked to hold ``plan``; with
         ``report_only`` (``--report-only``), one with repeats, read and never written, whose device
         may be another than this one's (``plan``'s is not read)."""
-        rec = cls(benchmark, json.loads(json.dumps(plan)), path, [], where or socket.gethostname(), _commit())
+        rec = cls(benchmark, json.loads(json.dumps(plan)), path, [], where or socket.gethostname(), _commit(),
+                  None if report_only else tree_of(HERE))
         if path is not None and path.is_dir():
             raise RecordError(f"{path}: a folder; --record takes a file")
         if report_only and (path is None or not path.is_file() or path.stat().st_size == 0):
@@ -139,7 +172,7 @@ class RepeatRecord:
 
     def add(self, data: dict[str, Any]) -> None:
         """One finished repeat's figures, written at once."""
-        entry = {"repeat": len(self.repeats) + 1, "where": self.where, "commit": self.commit,
+        entry = {"repeat": len(self.repeats) + 1, "where": self.where, "commit": self.commit, "tree": self.tree,
                  "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "data": data}
         self.repeats.append(entry)
         if self.path is not None:
@@ -158,13 +191,19 @@ class RepeatRecord:
     def data(self) -> list[dict[str, Any]]:
         return [r["data"] for r in self.repeats]
 
-    def provenance(self) -> str:
-        """Where and when the repeats ran, e.g. ``12 repeats: 8 on gpu-a (ab12cd3), 4 on gpu-b (ab12cd3)``."""
+    def provenance(self, root: Path | None = None) -> str:
+        """Where and when the repeats ran, e.g. ``12 repeats: 8 on gpu-a (ab12cd3), 4 on gpu-b (ab12cd3)``;
+        a commit with ``+dirty`` whose files are those of a commit of ``root``'s checkout names it too
+        (``9cc3ea4+dirty, the files of a017734``)."""
         if not self.repeats:
             return "no repeats"
+        known = commits_by_tree(root or HERE)
         groups: dict[tuple[str, str | None], int] = {}
         for r in self.repeats:
-            groups[(r["where"], r.get("commit"))] = groups.get((r["where"], r.get("commit")), 0) + 1
+            c = r.get("commit")
+            if c and c.endswith("+dirty") and r.get("tree") in known:
+                c += f", the files of {known[r['tree']]}"
+            groups[(r["where"], c)] = groups.get((r["where"], c), 0) + 1
         parts = ", ".join(f"{n} on {w}" + (f" ({c})" if c else "") for (w, c), n in groups.items())
         return f"{len(self.repeats)} repeats, {self.repeats[0]['at']} to {self.repeats[-1]['at']}: {parts}"
 

@@ -314,3 +314,29 @@ def test_a_broken_pipe_that_is_not_the_reports_reader_is_raised() -> None:
             "quiet_pipe(work)")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)  # read
     assert p.returncode == 1 and p.stdout == "a report line\n" and "BrokenPipeError: a pipe of its own work" in p.stderr
+
+
+def test_a_repeat_names_the_commit_whose_files_it_ran_though_its_git_lags_behind(tmp_path: Path) -> None:
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                              capture_output=True, text=True, check=True).stdout.strip()
+
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "a.py")
+    git("commit", "-qm", "first")
+    first = git("rev-parse", "--short", "HEAD")
+    assert repeat_record.tree_of(tmp_path) == git("rev-parse", "HEAD^{tree}")
+    (tmp_path / "a.py").write_text("x = 2\n")  # the files a later commit will hold, under the first's .git
+    (tmp_path / "untracked.txt").write_text("not the code\n")
+    ran = repeat_record.tree_of(tmp_path)
+    assert ran != git("rev-parse", "HEAD^{tree}") and git("status", "--porcelain", "a.py")  # its own index untouched
+    rec = repeat_record.RepeatRecord("observer_effect", {}, repeats=[
+        {"where": "vm", "commit": f"{first}+dirty", "tree": ran, "at": "t0"},
+        {"where": "vm", "commit": f"{first}+dirty", "tree": None, "at": "t1"}])  # a repeat from before trees
+    assert rec.provenance(tmp_path).endswith(f": 2 on vm ({first}+dirty)")  # no commit holds those files yet
+    git("commit", "-qam", "second")
+    second = git("rev-parse", "--short", "HEAD")
+    said = rec.provenance(tmp_path)
+    assert f"1 on vm ({first}+dirty, the files of {second}), 1 on vm ({first}+dirty)" in said
+    assert repeat_record.tree_of(tmp_path / "no-such") is None
