@@ -15,13 +15,13 @@ from different machines with the plan's device pool.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import select
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -46,30 +46,49 @@ def _commit() -> str | None:
     return git_revision(HERE)
 
 
-def _git(root: Path, *args: str, index: Path | None = None) -> str | None:
-    env = {**os.environ, "GIT_INDEX_FILE": str(index)} if index else None
+def _git(root: Path, *args: str, stdin: str | None = None) -> str | None:
     try:
-        p = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=30, env=env)
+        p = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=60, input=stdin)
     except (OSError, subprocess.SubprocessError):
         return None
     return p.stdout.strip() if p.returncode == 0 else None
 
 
-def tree_of(root: Path) -> str | None:
-    """The git tree of the checkout at ``root``'s tracked files as they are now: named by their
-    content alone, so equal to a commit's tree exactly when the files are that commit's (a copy of a
-    tree whose ``.git`` lags behind its files still names the commit it runs). None outside git."""
-    with tempfile.TemporaryDirectory() as d:
-        index = Path(d) / "index"  # a scratch index: the checkout's own is left as it is
-        if _git(root, "read-tree", "HEAD", index=index) is None or _git(root, "add", "-u", index=index) is None:
-            return None
-        return _git(root, "write-tree", index=index)
+def _is_code(path: str) -> bool:
+    """What a benchmark runs: the package, the examples and the benchmarks' own modules (not records)."""
+    return path.startswith(("harness/", "examples/")) or (
+        path.startswith("benchmarks/") and path.count("/") == 1 and path.endswith(".py"))
 
 
-def commits_by_tree(root: Path, depth: int = 2000) -> dict[str, str]:
-    """The short commit of each tree among the last ``depth`` commits of the checkout at ``root``."""
-    out = _git(root, "log", f"-{depth}", "--format=%T %h") or ""
-    return {t: c for t, c in (line.split() for line in reversed(out.splitlines()))}
+def _fingerprint(blobs: dict[str, str]) -> str:
+    text = "".join(f"{p} {b}\n" for p, b in sorted(blobs.items()) if _is_code(p))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def code_of(root: Path) -> str | None:
+    """A fingerprint of the code in the checkout at ``root`` as its files are now (``_is_code``; git
+    blob ids, so equal to a commit's exactly when the files are that commit's, untracked new ones
+    included): a copy whose ``.git`` lags behind its files still names the commit it runs. None
+    outside git."""
+    top = _git(root, "rev-parse", "--show-toplevel")
+    listed = _git(Path(top), "ls-files", "-co", "--exclude-standard") if top else None
+    if listed is None:
+        return None
+    paths = [p for p in dict.fromkeys(listed.splitlines()) if _is_code(p) and (Path(top) / p).is_file()]
+    blobs = _git(Path(top), "hash-object", "--stdin-paths", stdin="\n".join(paths)) if paths else ""
+    if blobs is None:
+        return None
+    return _fingerprint(dict(zip(paths, blobs.splitlines(), strict=True)))
+
+
+def commit_of_code(root: Path, base: str, code: str) -> str | None:
+    """The first commit after ``base`` (a short commit) in the checkout at ``root`` whose code is ``code``."""
+    for commit in (_git(root, "rev-list", "--reverse", "--abbrev-commit", f"{base}..HEAD") or "").split():
+        listed = _git(root, "ls-tree", "-r", "--full-tree", commit) or ""
+        blobs = {line.partition("\t")[2]: line.split()[2] for line in listed.splitlines() if "\t" in line}
+        if _fingerprint(blobs) == code:
+            return commit
+    return None
 
 
 def device_name() -> str:
@@ -129,7 +148,7 @@ class RepeatRecord:
     repeats: list[dict[str, Any]] = field(default_factory=list)
     where: str = ""
     commit: str | None = None  # of the code this invocation runs, taken when it opens the record
-    tree: str | None = None  # its tracked files' git tree (``tree_of``)
+    code: str | None = None  # its code's fingerprint (``code_of``)
 
     @classmethod
     def open(cls, path: Path | None, benchmark: str, plan: dict[str, Any], where: str = "",
@@ -138,7 +157,7 @@ class RepeatRecord:
         ``report_only`` (``--report-only``), one with repeats, read and never written, whose device
         may be another than this one's (``plan``'s is not read)."""
         rec = cls(benchmark, json.loads(json.dumps(plan)), path, [], where or socket.gethostname(), _commit(),
-                  None if report_only else tree_of(HERE))
+                  None if report_only else code_of(HERE))
         if path is not None and path.is_dir():
             raise RecordError(f"{path}: a folder; --record takes a file")
         if report_only and (path is None or not path.is_file() or path.stat().st_size == 0):
@@ -172,7 +191,7 @@ class RepeatRecord:
 
     def add(self, data: dict[str, Any]) -> None:
         """One finished repeat's figures, written at once."""
-        entry = {"repeat": len(self.repeats) + 1, "where": self.where, "commit": self.commit, "tree": self.tree,
+        entry = {"repeat": len(self.repeats) + 1, "where": self.where, "commit": self.commit, "code": self.code,
                  "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "data": data}
         self.repeats.append(entry)
         if self.path is not None:
@@ -193,16 +212,18 @@ class RepeatRecord:
 
     def provenance(self, root: Path | None = None) -> str:
         """Where and when the repeats ran, e.g. ``12 repeats: 8 on gpu-a (ab12cd3), 4 on gpu-b (ab12cd3)``;
-        a commit with ``+dirty`` whose files are those of a commit of ``root``'s checkout names it too
-        (``9cc3ea4+dirty, the files of a017734``)."""
+        a commit with ``+dirty`` whose code is that of a later commit of ``root``'s checkout names it
+        too (``9cc3ea4+dirty: the code of a017734``)."""
         if not self.repeats:
             return "no repeats"
-        known = commits_by_tree(root or HERE)
         groups: dict[tuple[str, str | None], int] = {}
+        found: dict[tuple[str, str], str | None] = {}
         for r in self.repeats:
-            c = r.get("commit")
-            if c and c.endswith("+dirty") and r.get("tree") in known:
-                c += f", the files of {known[r['tree']]}"
+            c, code = r.get("commit"), r.get("code")
+            if c and c.endswith("+dirty") and code:
+                if (c, code) not in found:
+                    found[(c, code)] = commit_of_code(root or HERE, c.removesuffix("+dirty"), code)
+                c += f": the code of {found[(c, code)]}" if found[(c, code)] else ""
             groups[(r["where"], c)] = groups.get((r["where"], c), 0) + 1
         parts = ", ".join(f"{n} on {w}" + (f" ({c})" if c else "") for (w, c), n in groups.items())
         return f"{len(self.repeats)} repeats, {self.repeats[0]['at']} to {self.repeats[-1]['at']}: {parts}"

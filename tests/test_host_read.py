@@ -1,55 +1,106 @@
-"""The harness's host reads through device copies (harness.rank.host_read): exact bits, and a
-safetensors file MLX reads back as the arrays written."""
+"""The harness's host reads through device copies (harness.rank.host_read): exact bits, never the
+trainer's own arrays, the digest as it always was, and a safetensors file any reader reads back."""
+
+from __future__ import annotations
 
 import hashlib
+import json
+from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
+import pytest
+from mlx.utils import tree_flatten
 
+from harness.rank import host_read
 from harness.rank.host_read import host_bytes, write_safetensors
 from harness.rank.models import tree_digest
 
 
-def _tree():
+def _tree() -> dict[str, Any]:
     f = mx.random.normal((4, 3), key=mx.random.key(1))
     odd = mx.array([[float("nan"), -0.0, float("inf")], [-float("inf"), 1e-40, 0.0]])
     f = mx.concatenate([f, odd])
-    return {"w": f, "t": f.T, "b": f.astype(mx.bfloat16), "h": f.astype(mx.float16),
-            "blocks": [{"i": mx.arange(6, dtype=mx.int32)}, {"u": mx.array([True, False]), "s": mx.array(2.5),
-                       "c": (f[:2] + 1j * f[:2]).astype(mx.complex64), "q": mx.arange(3).astype(mx.uint64)}]}
+    return {"w": f, "t": f.T, "b": f.astype(mx.bfloat16), "h": f.astype(mx.float16), "e": mx.zeros((0, 3)),
+            "blocks": [{"i": mx.arange(6, dtype=mx.int32), "k": mx.arange(-3, 3).astype(mx.int8)},
+                       {"u": mx.array([True, False]), "s": mx.array(2.5), "r": f[::-2, 1:],
+                        "c": (f[:2] + 1j * f[:2]).astype(mx.complex64), "q": mx.arange(3).astype(mx.uint64)}]}
 
 
-def _bits(a):
+def _bits(a: Any) -> np.ndarray:
     width = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}[a.dtype.size]
     return np.array(a.view(width))
 
 
-def test_host_bytes_are_each_arrays_bits_in_name_order():
+def _digest_as_it_was(params: Any) -> str:
+    """The digest before host_read: the arrays read directly."""
+    h = hashlib.sha256()
+    for name, p in sorted(tree_flatten(params)):
+        a = np.array(p.astype(mx.float32)) if p.dtype == mx.bfloat16 else np.array(p)
+        h.update(f"{name}:{p.dtype}:{p.shape}".encode())
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
+
+
+def test_host_bytes_are_each_arrays_bits_in_name_order_read_from_copies(monkeypatch: pytest.MonkeyPatch) -> None:
     tree = _tree()
+    leaves = [p for _, p in tree_flatten(tree)]
+    read: list[Any] = []
+    bytes_of = host_read._bytes_of
+    monkeypatch.setattr(host_read, "_bytes_of", lambda a: read.append(a) or bytes_of(a))
     got = list(host_bytes(tree))
     names = [n for n, _, _ in got]
-    assert names == sorted(names) and "blocks.1.c" in names
+    assert names == sorted(names) and "blocks.1.c" in names and len(read) == len(leaves) == len(got)
+    assert not any(a is p for a in read for p in leaves)  # the host never reads the trainer's own array
     for _name, p, data in got:
-        assert data == np.ascontiguousarray(_bits(p)).tobytes()  # NaN, -0.0, a transposed view: bit for bit
+        assert data == np.ascontiguousarray(_bits(p)).tobytes()  # NaN, -0.0, views, empty: bit for bit
 
 
-def test_the_digest_hashes_bfloat16_as_its_float32_value():
+def test_the_digest_is_as_it_was_and_hashes_bfloat16_as_its_float32_value() -> None:
+    tree = _tree()
+    assert tree_digest(tree) == _digest_as_it_was(tree) and tree_digest({}) == _digest_as_it_was({})
     b = {"b": mx.array([1.5, -0.0, float("nan")], dtype=mx.bfloat16)}
-    h = hashlib.sha256(b"b:mlx.core.bfloat16:(3,)" + np.array(b["b"].astype(mx.float32)).tobytes())
-    assert tree_digest(b) == h.hexdigest()
-    assert tree_digest(b) != tree_digest({"b": b["b"].astype(mx.float32)})
+    assert tree_digest(b) != tree_digest({"b": b["b"].astype(mx.float32)})  # the dtype is part of it
 
 
-def test_a_written_file_loads_back_bit_for_bit(tmp_path):
+def test_a_written_file_is_safetensors_and_loads_back_bit_for_bit(tmp_path: Path) -> None:
     tree = _tree()
     path = tmp_path / "p.safetensors"
     write_safetensors(path, tree, {"step": "3"})
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    assert n % 8 == 0 and header["__metadata__"] == {"format": "mlx", "step": "3"}
+    spans = sorted(v["data_offsets"] for k, v in header.items() if k != "__metadata__")
+    assert spans[0][0] == 0 and spans[-1][1] == len(raw) - 8 - n  # the data section, in order, no gaps
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))
     back, meta = mx.load(str(path), return_metadata=True)
-    assert meta["step"] == "3" and not list(tmp_path.glob(".*"))  # the temporary file was replaced
-    from mlx.utils import tree_flatten
-
+    assert meta["step"] == "3" and [p.name for p in tmp_path.iterdir()] == ["p.safetensors"]  # no temporary left
     flat = dict(tree_flatten(tree))
     assert set(back) == set(flat)
     for name, p in flat.items():
         assert back[name].dtype == p.dtype and back[name].shape == p.shape
         assert np.array_equal(_bits(back[name]), _bits(p)), name
+    from safetensors import safe_open  # another reader of the format
+
+    with safe_open(str(path), framework="numpy") as f:
+        assert np.array_equal(f.get_tensor("blocks.0.i"), np.arange(6, dtype=np.int32))
+    write_safetensors(tmp_path / "empty.safetensors", {})
+    assert mx.load(str(tmp_path / "empty.safetensors")) == {}
+
+
+def test_a_write_that_fails_part_way_leaves_the_old_file_and_no_temporary(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "p.safetensors"
+    write_safetensors(path, {"a": mx.ones((3,))})
+    before = path.read_bytes()
+
+    def failing(params: Any, widen_bfloat16: bool = False) -> Any:
+        yield "a", None, b"\0" * 12
+        raise OSError("disk full")
+
+    monkeypatch.setattr(host_read, "host_bytes", failing)
+    with pytest.raises(OSError, match="disk full"):
+        write_safetensors(path, {"a": mx.zeros((3,)), "b": mx.zeros((2,))})
+    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["p.safetensors"]

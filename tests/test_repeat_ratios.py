@@ -9,6 +9,7 @@ import os
 import statistics
 import subprocess
 import sys
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -166,7 +167,10 @@ def test_the_observer_benchmark_runs_both_sides_and_continues_its_record(tmp_pat
 
     tools = tmp_path / "bin"  # an nvidia-smi that reads a steady GPU, for the first invocation
     tools.mkdir()
-    (tools / "nvidia-smi").write_text("#!/bin/sh\nwhile true; do echo '1410, 250.5, 51'; sleep 0.05; done\n")
+    (tools / "nvidia-smi").write_text(  # it answers only the command line the sampler should give
+        "#!/bin/sh\n[ \"$*\" = '--id=0 --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu "
+        "--format=csv,noheader,nounits --loop-ms=200' ] || exit 3\n"
+        "while true; do echo \"$(date '+%Y/%m/%d %H:%M:%S.%3N'), 1410, 250.5, 51\"; sleep 0.05; done\n")
     (tools / "nvidia-smi").chmod(0o755)
 
     def observe(*extra: str, path: str = os.environ["PATH"]) -> subprocess.CompletedProcess:
@@ -212,9 +216,11 @@ def test_the_observer_benchmarks_bad_options_are_one_line(args: list[str], line:
 
 
 def test_the_gpus_readings_are_summed_up_over_a_timed_window_alone() -> None:
-    assert gpu_clocks.reading("1980, 612.31, 47\n") == [1980.0, 612.31, 47.0]
-    assert gpu_clocks.reading("1980, [N/A], 47") == [1980.0, None, 47.0]
-    assert gpu_clocks.reading("[N/A], [N/A], [N/A]") is None and gpu_clocks.reading("No devices were found") is None
+    at = datetime(2026, 12, 3, 9, 29, 44, 125000).timestamp()  # nvidia-smi prints local time
+    assert gpu_clocks.reading("2026/12/03 09:29:44.125, 1980, 612.31, 47\n") == (at, [1980.0, 612.31, 47.0])
+    assert gpu_clocks.reading("2026/12/03 09:29:44, 1980, [N/A], 47") == (at - 0.125, [1980.0, None, 47.0])
+    assert gpu_clocks.reading("2026/12/03 09:29:44.125, [N/A], [N/A], [N/A]") is None
+    assert gpu_clocks.reading("No devices were found") is None and gpu_clocks.reading("1980, 600, 40, 1") is None
     samples = [(0.5, [900.0, 100.0, 40.0]), (1.0, [1900.0, 500.0, 60.0]), (2.0, [1700.0, None, 62.0]),
                (3.5, [800.0, 90.0, 70.0])]
     assert gpu_clocks.summary(samples, 1.0, 3.0) == [1800.0, 500.0, 62.0]  # the window's readings, no others
@@ -316,27 +322,33 @@ def test_a_broken_pipe_that_is_not_the_reports_reader_is_raised() -> None:
     assert p.returncode == 1 and p.stdout == "a report line\n" and "BrokenPipeError: a pipe of its own work" in p.stderr
 
 
-def test_a_repeat_names_the_commit_whose_files_it_ran_though_its_git_lags_behind(tmp_path: Path) -> None:
+def test_a_repeat_names_the_commit_whose_code_it_ran_though_its_git_lags_behind(tmp_path: Path) -> None:
     def git(*args: str) -> str:
         return subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", *args],
                               capture_output=True, text=True, check=True).stdout.strip()
 
     git("init", "-q")
-    (tmp_path / "a.py").write_text("x = 1\n")
-    git("add", "a.py")
+    (tmp_path / "harness").mkdir()
+    (tmp_path / "harness" / "a.py").write_text("x = 1\n")
+    git("add", "-A")
     git("commit", "-qm", "first")
     first = git("rev-parse", "--short", "HEAD")
-    assert repeat_record.tree_of(tmp_path) == git("rev-parse", "HEAD^{tree}")
-    (tmp_path / "a.py").write_text("x = 2\n")  # the files a later commit will hold, under the first's .git
-    (tmp_path / "untracked.txt").write_text("not the code\n")
-    ran = repeat_record.tree_of(tmp_path)
-    assert ran != git("rev-parse", "HEAD^{tree}") and git("status", "--porcelain", "a.py")  # its own index untouched
+    at_first = repeat_record.code_of(tmp_path)
+    index = (tmp_path / ".git" / "index").read_bytes()
+    (tmp_path / "harness" / "a.py").write_text("x = 2\n")  # a later commit's code, under the first's .git:
+    (tmp_path / "harness" / "new.py").write_text("y = 1\n")  # a file changed and a file added
+    (tmp_path / "notes.txt").write_text("not code\n")  # and something that is not code
+    ran = repeat_record.code_of(tmp_path)
+    assert ran not in (None, at_first) and (tmp_path / ".git" / "index").read_bytes() == index  # its index untouched
     rec = repeat_record.RepeatRecord("observer_effect", {}, repeats=[
-        {"where": "vm", "commit": f"{first}+dirty", "tree": ran, "at": "t0"},
-        {"where": "vm", "commit": f"{first}+dirty", "tree": None, "at": "t1"}])  # a repeat from before trees
-    assert rec.provenance(tmp_path).endswith(f": 2 on vm ({first}+dirty)")  # no commit holds those files yet
-    git("commit", "-qam", "second")
+        {"where": "vm", "commit": f"{first}+dirty", "code": ran, "at": "t0"},
+        {"where": "vm", "commit": f"{first}+dirty", "at": "t1"}])  # a repeat from before fingerprints
+    assert rec.provenance(tmp_path).endswith(f": 2 on vm ({first}+dirty)")  # no commit holds that code yet
+    git("add", "harness")
+    git("commit", "-qm", "second")
     second = git("rev-parse", "--short", "HEAD")
+    git("commit", "-q", "--allow-empty", "-m", "third")  # the same code again: the first commit holding it
     said = rec.provenance(tmp_path)
-    assert f"1 on vm ({first}+dirty, the files of {second}), 1 on vm ({first}+dirty)" in said
-    assert repeat_record.tree_of(tmp_path / "no-such") is None
+    assert f"1 on vm ({first}+dirty: the code of {second}), 1 on vm ({first}+dirty)" in said
+    assert repeat_record.code_of(tmp_path) == ran  # notes.txt is no part of it
+    assert repeat_record.code_of(tmp_path / "no-such-folder") is None

@@ -4,9 +4,11 @@ On MLX's CUDA backend (``mlx/backend/cuda/allocator.cpp``) a buffer the host rea
 device memory to managed memory for good, and a freed buffer stays in MLX's cache, from which
 later allocations of its size are served. Reading the trainer's own arrays would therefore leave
 its step on managed buffers that a bare process would not have. Every read here copies one array
-on the device, reads the copy, drops it, and clears MLX's cache at the end, so the trainer's arrays
-and the cache stay as they were (beyond the cache being emptied). On unified memory (Metal, CPU)
-the copies cost one array's size at a time and nothing else.
+on the device, reads the copy and drops it, so the trainer's arrays are never read by the host;
+on CUDA MLX's cache is then cleared, so that no read copy is served again (the next step allocates
+afresh: a cost at each step the harness reads, which is the start and each ``digest_every`` step).
+On unified memory (Metal, CPU) nothing moves and the cache is left as it is; the copies cost one
+array's size at a time.
 """
 
 from __future__ import annotations
@@ -46,10 +48,12 @@ def host_bytes(params: Any, widen_bfloat16: bool = False) -> Iterator[tuple[str,
                 bits = getattr(mx, _TYPES[dtype_name(p)][1])
                 copy = mx.bitwise_or(p.view(bits), mx.array(0, dtype=bits))
             mx.eval(copy)
-            yield name, p, _bytes_of(copy)
-            del copy
+            data = _bytes_of(copy)
+            del copy  # freed before the caller goes on (or stops): the cache clear below sees it
+            yield name, p, data
     finally:
-        mx.clear_cache()
+        if mx.cuda.is_available():
+            mx.clear_cache()
 
 
 def _bytes_of(a: Any) -> bytes:
@@ -64,27 +68,31 @@ def write_safetensors(final: Path | str, params: Any, metadata: dict[str, str] |
     params = params.parameters() if hasattr(params, "parameters") else params
     final = Path(final)
     tmp = final.with_name(f".{final.name}.tmp")
-    header: dict[str, Any] = {"__metadata__": {"format": "mlx", **(metadata or {})}}
-    entries = list(_layout(params, header))
+    header, entries = _layout(params, {"format": "mlx", **(metadata or {})})
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    with open(tmp, "wb") as f:
-        f.write(len(text).to_bytes(8, "little") + text)
-        for (name, _p, data), size in zip(host_bytes(params), entries, strict=True):
-            if len(data) != size:
-                raise RuntimeError(f"{name}: read {len(data)} bytes, its header says {size}")
-            f.write(data)
-    os.replace(tmp, final)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(len(text).to_bytes(8, "little") + text)
+            for (name, _p, data), size in zip(host_bytes(params), entries, strict=True):
+                if len(data) != size:
+                    raise RuntimeError(f"{name}: read {len(data)} bytes, its header says {size}")
+                f.write(data)
+        os.replace(tmp, final)
+    finally:
+        tmp.unlink(missing_ok=True)  # a write that failed part way leaves nothing behind
 
 
-def _layout(params: Any, header: dict[str, Any]) -> Iterator[int]:
-    """Each array's header entry (in ``host_bytes``'s order), yielding its size in bytes."""
+def _layout(params: Any, metadata: dict[str, str]) -> tuple[dict[str, Any], list[int]]:
+    """The safetensors header of ``params`` (in ``host_bytes``'s order) and each array's size in bytes."""
     from mlx.utils import tree_flatten
 
-    offset = 0
+    header: dict[str, Any] = {"__metadata__": metadata}
+    sizes, offset = [], 0
     for name, p in sorted(tree_flatten(params), key=lambda kv: kv[0]):
         size = p.size * p.dtype.size
         header[name] = {"dtype": _TYPES[dtype_name(p)][0], "shape": list(p.shape),
                         "data_offsets": [offset, offset + size]}
         offset += size
-        yield size
+        sizes.append(size)
+    return header, sizes

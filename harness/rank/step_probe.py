@@ -200,19 +200,16 @@ def compare(step: int, loss: Any, grads: Any, tokens: int, ref: dict[str, Any]) 
 
 
 def write_probe(path: Path, model: Any, grads: Any, meta: dict[str, Any]) -> None:
-    """The reference's parameters and gradient at a probe step (rank 0, atomically)."""
-    import os
-
-    import mlx.core as mx
+    """The reference's parameters and gradient at a probe step (rank 0, atomically; ``host_read``)."""
     from mlx.utils import tree_flatten
+
+    from harness.rank.host_read import write_safetensors
 
     arrays = {f"param.{k}": v for k, v in tree_flatten(model.parameters())}
     arrays.update({f"grad.{k}": v for k, v in tree_flatten(grads)})
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.tmp.safetensors")
     metadata = {k: str(v) for k, v in meta.items()} | {"schema_version": str(schema.SCHEMA_VERSION)}
-    mx.save_safetensors(str(tmp), arrays, metadata=metadata)
-    os.replace(tmp, path)
+    write_safetensors(path, arrays, metadata)
 
 
 def read_probe(path: Path) -> dict[str, Any]:
