@@ -20,7 +20,6 @@ import json
 import os
 import select
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -46,14 +45,6 @@ def _commit() -> str | None:
     return git_revision(HERE)
 
 
-def _git(root: Path, *args: str, stdin: str | None = None) -> str | None:
-    try:
-        p = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=60, input=stdin)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return p.stdout.strip() if p.returncode == 0 else None
-
-
 def _is_code(path: str) -> bool:
     """What a benchmark runs: the package, the examples and the benchmarks' own modules (not records)."""
     return path.startswith(("harness/", "examples/")) or (
@@ -70,12 +61,14 @@ def code_of(root: Path) -> str | None:
     blob ids, so equal to a commit's exactly when the files are that commit's, untracked new ones
     included): a copy whose ``.git`` lags behind its files still names the commit it runs. None
     outside git."""
-    top = _git(root, "rev-parse", "--show-toplevel")
-    listed = _git(Path(top), "ls-files", "-co", "--exclude-standard") if top else None
+    from harness.controller.environment import git_output
+
+    top = git_output(root, "rev-parse", "--show-toplevel")
+    listed = git_output(Path(top), "ls-files", "-co", "--exclude-standard") if top else None
     if listed is None:
         return None
     paths = [p for p in dict.fromkeys(listed.splitlines()) if _is_code(p) and (Path(top) / p).is_file()]
-    blobs = _git(Path(top), "hash-object", "--stdin-paths", stdin="\n".join(paths)) if paths else ""
+    blobs = git_output(Path(top), "hash-object", "--stdin-paths", stdin="\n".join(paths)) if paths else ""
     if blobs is None:
         return None
     return _fingerprint(dict(zip(paths, blobs.splitlines(), strict=True)))
@@ -83,8 +76,10 @@ def code_of(root: Path) -> str | None:
 
 def commit_of_code(root: Path, base: str, code: str) -> str | None:
     """The first commit after ``base`` (a short commit) in the checkout at ``root`` whose code is ``code``."""
-    for commit in (_git(root, "rev-list", "--reverse", "--abbrev-commit", f"{base}..HEAD") or "").split():
-        listed = _git(root, "ls-tree", "-r", "--full-tree", commit) or ""
+    from harness.controller.environment import git_output
+
+    for commit in (git_output(root, "rev-list", "--reverse", "--abbrev-commit", f"{base}..HEAD") or "").split():
+        listed = git_output(root, "ls-tree", "-r", "--full-tree", commit) or ""
         blobs = {line.partition("\t")[2]: line.split()[2] for line in listed.splitlines() if "\t" in line}
         if _fingerprint(blobs) == code:
             return commit

@@ -67,19 +67,24 @@ def device_description() -> str:
     return f"{dev}{f' ({name})' if name else ''}"
 
 
+def git_output(path: Path, *args: str, stdin: str | None = None, timeout: float = 30) -> str | None:
+    """git's output (stripped) for ``args`` in the checkout holding ``path``; None where it fails."""
+    try:
+        p = subprocess.run(["git", "-C", str(path), *args], capture_output=True, text=True, timeout=timeout,
+                           input=stdin)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return p.stdout.strip() if p.returncode == 0 else None
+
+
 def git_revision(path: Path) -> str | None:
     """The short commit of the checkout holding ``path``, with ``+dirty`` when tracked files are
     modified; ``None`` outside a git checkout."""
-    try:
-        head = subprocess.run(["git", "-C", str(path), "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True, timeout=5)
-        if head.returncode != 0 or not head.stdout.strip():
-            return None
-        dirty = subprocess.run(["git", "-C", str(path), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
+    head = git_output(path, "rev-parse", "--short", "HEAD", timeout=5)
+    if not head:
         return None
-    return head.stdout.strip() + ("+dirty" if dirty else "")
+    dirty = git_output(path, "status", "--porcelain", "--untracked-files=no", timeout=10)
+    return head + ("+dirty" if dirty else "")
 
 
 def os_description() -> tuple[str, str]:
