@@ -33,7 +33,9 @@ def collate(rows):
 
 
 def scaled(grads, factor):
-    return tree_map(lambda g: g * factor, grads)
+    """Each gradient times ``factor`` (a float32 array), back in the gradient's own dtype: left as
+    the float32 product, a bfloat16 model's update would turn its weights float32."""
+    return tree_map(lambda g: (g * factor).astype(g.dtype), grads)
 
 
 def token_loss_sum(model, inputs, targets, mask):

@@ -31,8 +31,9 @@ def token_loss_sum(model, inputs, targets, mask):
 
 
 def global_gradient(grads, tokens, group):
-    """The ranks' gradients summed (an all-reduce) over the global batch's supervised tokens."""
-    return tree_map(lambda g: mx.distributed.all_sum(g, group=group) / tokens, grads)
+    """The ranks' gradients summed (an all-reduce) over the global batch's supervised tokens, each
+    in its own dtype (``tokens`` is float32: a bfloat16 model would otherwise train in float32)."""
+    return tree_map(lambda g: (mx.distributed.all_sum(g, group=group) / tokens).astype(g.dtype), grads)
 
 
 def main():

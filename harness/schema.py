@@ -239,6 +239,7 @@ class TrainResult(_TrainRequired, total=False):
     from_rank0: dict[str, Any] | None  # figures every rank took from rank 0, and why
     global_rng_changed: list[str]  # the global RNGs training changed ("numpy", "mlx")
     param_count_frozen: int  # the frozen parameters beside the trained ones (a LoRA run's base), where known
+    dtype_changes: dict[str, Any] | None  # the parameters whose final dtype is not their start's (``dtype_held``)
 
 
 def _keys_problem(record: dict[str, Any], *types: Any, closed: bool = True) -> str | None:

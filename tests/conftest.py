@@ -306,6 +306,7 @@ def train_result(**fields: object) -> dict:
         "compile": {"mode": "off", "scope": "none", "fallback_reason": None}, "side_effects": {"saves": 0},
         "data": {"streaming": False, "bytes_held": 0}, "rss_step_peak_bytes": 0, "seed_used": 0,
         "precision": {}, "global_rng_untouched": True, "probes": None,
+        "dtype_changes": {"compared": 1, "changed_count": 0, "changed": []},
     }
     record.update(fields)
     return schema.check_rank_result(record, "test result")

@@ -10,6 +10,7 @@ from harness.controller.outcome import RankOutcome, RunOutcome, WatchReport
 from harness.controller.rank_budget import Neighbours
 from harness.judge.checks import (
     data_share,
+    dtype_held,
     expected_failure,
     rank0_side_effects,
     ranks_agree,
@@ -59,6 +60,21 @@ def test_replica_consistency_fails_when_a_rank_differs() -> None:
     assert replica_consistency(_run("d", 2, [1.0], ["a", "a"])).passed
     bad = replica_consistency(_run("d", 2, [1.0], ["a", "b"]))
     assert not bad.passed and bad.value == 2 and "differ at steps 0, 4" in bad.detail
+
+
+def test_dtype_held_names_the_parameters_that_changed_dtype_and_says_when_it_cannot_decide() -> None:
+    run = _run("d", 2, [1.0], ["a", "a"])
+    assert dtype_held(run).passed and dtype_held(run).value == 0
+    promoted = {"compared": 9, "changed_count": 7, "changed": [[f"layers.{i}.weight", "bfloat16", "float32"]
+                                                                for i in range(5)]}
+    run.ranks[1].result["dtype_changes"] = promoted
+    bad = dtype_held(run)
+    assert not bad.passed and bad.value == 7
+    assert bad.detail.startswith("7 of 9 parameters ended training in another dtype than they started in (rank 1)")
+    assert "layers.0.weight bfloat16 -> float32" in bad.detail and "and 2 more" in bad.detail
+    run.ranks[0].result["dtype_changes"] = None
+    unknown = dtype_held(run)
+    assert not unknown.passed and unknown.value is None and unknown.detail.startswith("cannot decide: rank 0")
 
 
 def test_token_accounting_fails_on_mismatch_with_reference() -> None:

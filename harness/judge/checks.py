@@ -298,6 +298,31 @@ def global_rng_untouched(run: RunOutcome) -> Check:
     return Check(CheckName.global_rng_untouched, run.name, False, len(changed), 0, detail)
 
 
+def dtype_held(run: RunOutcome) -> Check:
+    """Every parameter ends training in the dtype it started in, on every rank: a bfloat16 model
+    promoted to float32 by its own update (a float32 factor multiplied into its gradients, say)
+    trains at twice the memory and on a GPU several times slower than the run it claims to be."""
+    records = [(o.rank, (o.result or {}).get("dtype_changes")) for o in run.ranks]
+    known = [(r, c) for r, c in records if c is not None]
+    if len(known) < len(records):
+        return Check(CheckName.dtype_held, run.name, False, None, 0,
+                     f"cannot decide: rank {', '.join(str(r) for r, c in records if c is None)} recorded no dtypes of "
+                     f"the parameters training started from")
+    changed = [(r, c) for r, c in known if c["changed_count"]]
+    compared = max(c["compared"] for _, c in known)
+    if not changed:
+        return Check(CheckName.dtype_held, run.name, True, 0, 0,
+                     f"{compared} parameters each in its start dtype at the end, on {ranks(run.world_size)}")
+    r, c = changed[0]
+    shown = ", ".join(f"{k} {a} -> {b}" for k, a, b in c["changed"])
+    more = f" and {c['changed_count'] - len(c['changed'])} more" if c["changed_count"] > len(c["changed"]) else ""
+    detail = (f"{c['changed_count']} of {c['compared']} parameters ended training in another dtype than they started "
+              f"in (rank {r}{f' and {len(changed) - 1} more ranks' if len(changed) > 1 else ''}): {shown}{more}; an "
+              f"update in a wider dtype than its weight promotes the weight: cast each gradient back to its "
+              f"parameter's dtype")
+    return Check(CheckName.dtype_held, run.name, False, c["changed_count"], 0, detail)
+
+
 def data_share(run: RunOutcome, ref: RunOutcome, slack: float, micro_rows: int | None = None) -> Check:
     """Each rank holds about its share of the data bytes one process holds (seed 003's criterion).
 

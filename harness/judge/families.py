@@ -124,7 +124,7 @@ def every_run(j: Judged) -> list[Check]:
     return [run_checks.token_accounting(j.run, j.ref if j.s.kind == "parity" else None),
             run_checks.replica_consistency(j.run), run_checks.ranks_agree(j.run),
             run_checks.rank0_side_effects(j.run, j.planned.eff.trainer, j.planned.trainer),
-            run_checks.global_rng_untouched(j.run)]
+            run_checks.global_rng_untouched(j.run), run_checks.dtype_held(j.run)]
 
 
 def collectives(j: Judged) -> list[Check]:

@@ -51,3 +51,22 @@ def rank_precision(seen: str, declared: str | None = None) -> dict[str, Any]:
     if seen != "float32":
         out["probe"] = measure_precision("float32")
     return out
+
+
+def param_dtypes(tree: Any) -> dict[str, str]:
+    """Each array's dtype name by its path in ``tree`` (a parameter tree); no array is read."""
+    from mlx.utils import tree_flatten
+
+    return {k: str(v.dtype).rsplit(".", 1)[-1] for k, v in tree_flatten(tree) if hasattr(v, "dtype")}
+
+
+def dtype_changes(start: dict[str, str] | None, params: Any, shown: int = 5) -> dict[str, Any] | None:
+    """The result's ``dtype_changes``: the parameters of ``start`` (``param_dtypes`` where training
+    started) that ``params``, the final ones, hold in another dtype (the first ``shown`` as [path,
+    start dtype, end dtype]), and how many were compared; None where the start is not known."""
+    if start is None:
+        return None
+    end = param_dtypes(params)
+    both = [k for k in end if k in start]
+    changed = [[k, start[k], end[k]] for k in both if start[k] != end[k]]
+    return {"compared": len(both), "changed_count": len(changed), "changed": changed[:shown]}

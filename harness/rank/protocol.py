@@ -105,7 +105,7 @@ class Feed:
                 self.rep.saw_dtype(e["dtype"])
             if "digest" in e:
                 saved = self.path.parent / FILES["start_params"]
-                self.rep.starting(digest=e["digest"], saved=saved if saved.exists() else None)
+                self.rep.starting(digest=e["digest"], saved=saved if saved.exists() else None, dtypes=e.get("dtypes"))
 
 
 def exit_words(code: int) -> str:

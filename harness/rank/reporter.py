@@ -99,6 +99,7 @@ class StepReporter:
         self.step_width: int | None = None
         self.dtype_seen: str | None = None  # the coarsest dtype the trainer was seen computing in (``saw_dtype``)
         self.frozen_count: int | None = None  # the model's frozen parameters (``saw_model``)
+        self.start_dtypes: dict[str, str] | None = None  # each parameter's dtype where training started
 
     @property
     def steps(self) -> int:
@@ -133,17 +134,23 @@ class StepReporter:
 
         self.dtype_seen = coarsest(d for d in (self.dtype_seen, dtype) if d)
 
-    def starting(self, params: Any = None, digest: str | None = None, saved: Any = None) -> None:
+    def starting(self, params: Any = None, digest: str | None = None, saved: Any = None,
+                 dtypes: dict[str, str] | None = None) -> None:
         """Training starts from ``params`` (or parameters of ``digest``, kept by rank 0 in the
         file ``saved``): their digest is the replica digest before the first step, compared with
         every other run's (``start_parity``), and rank 0 keeps them where the job asks
         (``keep_start``), to measure how far training moved them. A later call before the first
         step replaces an earlier one (a script that broadcasts its weights after building them
-        reports again); one after it is refused."""
+        reports again); one after it is refused. ``dtypes``: each parameter's dtype there, where
+        ``params`` are not given (a script's start event), compared with the final ones'
+        (``dtype_held``)."""
         if self.history["losses"]:
             raise ReportedFailure(f"{self.name} said where training starts after step {self.steps}: run.split and "
                                   f"run.start come before the first step")
         self.digests[self.done] = digest if digest is not None else start_digest(params)
+        from harness.rank.precision import param_dtypes
+
+        self.start_dtypes = param_dtypes(params) if params is not None else dtypes
         if saved is not None and self.effects.keeps_start:
             import os
 
@@ -254,7 +261,13 @@ class StepReporter:
         every = self.s.train.digest_every
         self.digests = {k: v for k, v in self.digests.items() if k == self.done or (every and k % every == 0)}
         self.digests[last] = tree_digest(params)
-        from harness.rank.precision import rank_precision
+        from harness.rank.precision import dtype_changes, rank_precision
+
+        if self.start_dtypes is None:
+            from harness.scenario.names import CheckName
+
+            why = "the trainer said no dtypes of the parameters it starts from"
+            self.not_applicable.setdefault(CheckName.dtype_held, why)
 
         lrs = self.history["learning_rates"]
         self.finished = schema.train_result(**{
@@ -276,6 +289,7 @@ class StepReporter:
             "digests": {str(k): v for k, v in self.digests.items()},
             "final_digest": self.digests[last],
             "param_count": param_count(params),
+            "dtype_changes": dtype_changes(self.start_dtypes, params),
             "evals": self.evals,
             "stop": None,
             "compile": {"mode": self.s.train.compile, "scope": self.compile_scope,

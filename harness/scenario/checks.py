@@ -96,7 +96,8 @@ def _data_share(s: Scenario, spec: RunSpec) -> list[str]:
     return [N.data_share_bytes] if more and not s.for_run(spec).data.streaming else []
 
 
-EVERY_RUN = (N.token_accounting, N.replica_consistency, N.ranks_agree, N.rank0_side_effects, N.global_rng_untouched)
+EVERY_RUN = (N.token_accounting, N.replica_consistency, N.ranks_agree, N.rank0_side_effects, N.global_rng_untouched,
+             N.dtype_held)
 
 
 def _every_run(s: Scenario, spec: RunSpec) -> list[str]:
@@ -151,7 +152,8 @@ BUILTIN = (  # in judging order
                 "Each rank of a run of more ranks than the reference holds about its share of the data bytes."),
     CheckFamily("every_run", EVERY_RUN, _every_run, f"{JUDGES}:every_run",
                 "Every run: its tokens add up, its replicas stay identical, its ranks agree, its side effects "
-                "happen on rank 0 only, and training leaves the global RNGs untouched."),
+                "happen on rank 0 only, training leaves the global RNGs untouched, and every parameter keeps its "
+                "dtype."),
     CheckFamily("collectives", (N.collective_agreement,), _collectives, f"{JUDGES}:collectives",
                 "Every run of more than one rank: its ranks issued the same collectives (op, shape, dtype, group) "
                 "in the same order, or the first that differs is named with each side's call site and step."),

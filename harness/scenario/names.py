@@ -101,6 +101,7 @@ class CheckName(StrEnum):
     collective_agreement = auto()
     rank0_side_effects = auto()
     global_rng_untouched = auto()
+    dtype_held = auto()
     compile_scope = auto()
     stop_step = auto()
     resume_step = auto()

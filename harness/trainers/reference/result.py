@@ -8,6 +8,7 @@ from typing import Any
 
 from harness import schema
 from harness.rank.models import param_count
+from harness.rank.precision import dtype_changes
 from harness.trainers.reference import TRAINER
 
 
@@ -39,6 +40,7 @@ def rank_result(t: Any, last: int, runtime: float, data_rss: int, rng: dict[str,
         "checkpoints": t.checkpoints,
         "rss_step_peak_bytes": t.rss_peak,
         "param_count": param_count(t.model),
+        "dtype_changes": dtype_changes(t.start_dtypes, t.model.parameters()),
         "model_config": t.config,
         "stop": t.stop,
         "compile": {"mode": t.spec.compile, "scope": t.runner.scope,

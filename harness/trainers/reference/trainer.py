@@ -38,7 +38,7 @@ from harness.rank.context import RankContext
 from harness.rank.effects import MainRankEffects
 from harness.rank.models import build_model, param_digest, start_digest
 from harness.rank.optimizer import build_optimizer
-from harness.rank.precision import rank_precision
+from harness.rank.precision import param_dtypes, rank_precision
 from harness.rank.reporter import global_rng_states, rng_changes
 from harness.trainers.reference import resume
 from harness.trainers.reference.batching import LocalBatch, collate, uneven_last
@@ -75,6 +75,7 @@ class Trainer:
         self.checkpoints: list[dict[str, Any]] = []
         self.last_checkpoint = 0
         self.resumed: dict[str, Any] | None = None
+        self.start_dtypes: dict[str, str] | None = None  # each parameter's dtype where training started
         self.step_phases: dict[str, float] = {}  # fetch_s, build_s, eval_s of the step being trained
         self.t_train = time.perf_counter()
         self.input_widths: list[int] = []  # per step this run trained: its widest micro-batch, padding included
@@ -230,6 +231,7 @@ class Trainer:
             coord.agree()
             self.resumed = {**self.resumed, **restored}
         self.progress.digests[self.progress.start_step - 1] = start_digest(self.model.parameters())
+        self.start_dtypes = param_dtypes(self.model.parameters())
         coord.attempt("save", self.progress.start_step - 1, self.effects.save_start, self.model)  # agreed at step 1
 
         ctx.phase("train")

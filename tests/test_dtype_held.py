@@ -1,0 +1,39 @@
+"""``dtype_held`` on real ranks: the user's script (``examples/ddp_train.py``) in bfloat16 keeps its
+weights bfloat16 and passes; the same script scaling its bfloat16 gradients by a float32 array
+without casting them back (what it did before) trains in float32 from its first update, and fails
+naming the parameters."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, cli, script_scenario
+
+SCRIPT = (REPO / "examples" / "ddp_train.py").read_text()
+CAST = "    return tree_map(lambda g: (g * factor).astype(g.dtype), grads)\n"
+PROMOTED = "    return tree_map(lambda g: g * factor, grads)\n"
+
+
+def scenario(d: Path, script: str, name: str) -> Path:
+    path = script_scenario(d, script, name, world_sizes=(2,))
+    path.write_text(path.read_text().replace('arch = "llama"\n', 'arch = "llama"\ndtype = "bfloat16"\n')
+                    .replace("steps = 6\n", "steps = 2\n"))
+    return path
+
+
+@pytest.mark.ranks
+def test_a_script_that_promotes_its_bfloat16_weights_fails_dtype_held_and_the_example_passes(tmp_path: Path) -> None:
+    assert CAST in SCRIPT
+    paths = [scenario(tmp_path, SCRIPT, "cast"), scenario(tmp_path, SCRIPT.replace(CAST, PROMOTED), "promoted")]
+    p = cli("run", *map(str, paths), "--out", str(tmp_path / "out"))
+    doc = json.loads((tmp_path / "out" / "result.json").read_text())
+    held = {s["name"]: next(c for c in s["checks"] if c["name"] == "dtype_held") for s in doc["scenarios"]}
+    assert held["cast"]["passed"] and held["cast"]["value"] == 0, p.stdout[-3000:]
+    assert "each in its start dtype at the end, on 2 ranks" in held["cast"]["detail"]
+    bad = held["promoted"]
+    assert not bad["passed"] and bad["value"] > 0, p.stdout[-3000:]
+    assert "bfloat16 -> float32" in bad["detail"] and "ended training in another dtype" in bad["detail"]
+    assert p.returncode != 0
