@@ -36,3 +36,23 @@ def test_a_result_with_a_renamed_key_is_refused_where_it_is_read(tmp_path: Path)
     assert schema.check_rank_result(probe, "probe") == probe
     failed = {"rank": 0, "pid": 1, "host": "h", "job": "train", "status": "error", "error": "x", "traceback": "t"}
     assert schema.check_rank_result(failed, "failed") == failed
+
+
+def test_an_event_is_checked_against_its_own_branch_with_the_whole_schemas_verdict() -> None:
+    """``protocol_problem`` checks an event of a known kind against that kind's branch of the schema
+    alone: every record gets the problem the whole schema names first (or none)."""
+    from harness.schema import _protocol_validator, protocol_problem
+
+    def whole(record: dict) -> str | None:
+        errors = sorted(_protocol_validator("event").iter_errors(record), key=lambda e: list(e.path))
+        return f"{'.'.join(map(str, errors[0].path)) or 'the record'}: {errors[0].message}" if errors else None
+
+    step = {"protocol": 1, "kind": "step", "step": 3, "loss": 5.2, "tokens_global": 80, "tokens_local": 40}
+    start = {"protocol": 1, "kind": "start", "rank": 0, "world_size": 2, "digest": "d", "dtypes": {"w": "bfloat16"}}
+    records = [step, start, {**step, "loss": "x"}, {**step, "kind": "nope"}, {**step, "extra": 1}, {**step, "step": 0},
+               {"protocol": 1, "kind": "start"}, {"protocol": 1, "kind": "eval", "step": 1}, {"protocol": 1, "kind": 5},
+               {"protocol": 1}, {**start, "dtypes": {"w": 3}}, {**start, "dtype": "int8"}]
+    assert [protocol_problem("event", r) for r in records] == [whole(r) for r in records]
+    assert protocol_problem("event", step) is None and protocol_problem("event", start) is None
+    assert protocol_problem("event", {**step, "loss": "x"}) == "loss: 'x' is not of type 'number'"
+    assert _protocol_validator("event", "step") is not None and _protocol_validator("event", "nope") is None
