@@ -72,6 +72,9 @@ def test_dtype_held_names_the_parameters_that_changed_dtype_and_says_when_it_can
     assert not bad.passed and bad.value == 7
     assert bad.detail.startswith("7 of 9 parameters ended training in another dtype than they started in (rank 1)")
     assert "layers.0.weight bfloat16 -> float32" in bad.detail and "and 2 more" in bad.detail
+    for o in run.ranks:
+        o.result["dtype_changes"] = {"compared": 0, "changed_count": 0, "changed": []}
+    assert not dtype_held(run).passed and dtype_held(run).detail.startswith("cannot decide: no final parameter")
     run.ranks[0].result["dtype_changes"] = None
     unknown = dtype_held(run)
     assert not unknown.passed and unknown.value is None and unknown.detail.startswith("cannot decide: rank 0")

@@ -310,6 +310,9 @@ def dtype_held(run: RunOutcome) -> Check:
                      f"the parameters training started from")
     changed = [(r, c) for r, c in known if c["changed_count"]]
     compared = max(c["compared"] for _, c in known)
+    if not compared:
+        return Check(CheckName.dtype_held, run.name, False, None, 0,
+                     "cannot decide: no final parameter has the path of one training started from")
     if not changed:
         return Check(CheckName.dtype_held, run.name, True, 0, 0,
                      f"{compared} parameters each in its start dtype at the end, on {ranks(run.world_size)}")
