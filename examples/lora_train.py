@@ -57,7 +57,7 @@ def main():
         """The step's global loss, all-reduced gradient and supervised tokens, from this rank's rows."""
         tokens = mx.distributed.all_sum(mask.sum(), group=group)
         loss_sum, grads = grad_fn(model, inputs, targets, mask)
-        grads = tree_map(lambda g: (mx.distributed.all_sum(g, group=group) / tokens).astype(g.dtype), grads)
+        grads = tree_map(lambda g: mx.distributed.all_sum(g, group=group) / tokens, grads)
         return mx.distributed.all_sum(loss_sum, group=group) / tokens, grads, tokens
 
     for step in range(1, run.steps + 1):

@@ -336,19 +336,21 @@ def _protocol_validator(name: str, kind: str | None = None) -> Any:
     import jsonschema
 
     doc = _protocol_schema(name)
+    whole = jsonschema.Draft202012Validator(doc)
     if kind is None:
-        return jsonschema.Draft202012Validator(doc)
+        return whole
     for branch in doc.get("allOf", ()):
         if branch.get("if", {}).get("properties", {}).get("kind", {}).get("const") == kind:
-            return jsonschema.Draft202012Validator(branch["then"])
+            return whole.evolve(schema=branch["then"])  # references still resolve against the whole
     return None
 
 
 def protocol_problem(name: str, record: Any) -> str | None:
     """Why ``record`` is not a valid ``name`` record ("job", "event", "result", "collective") of the
     rank protocol (its JSON Schemas are in ``harness/protocol/``), or None."""
-    if isinstance(record, dict) and record.get("protocol") != COMMAND_PROTOCOL:
-        return f"protocol {record.get('protocol')!r}, the harness speaks {COMMAND_PROTOCOL}"
+    said = record.get("protocol") if isinstance(record, dict) else COMMAND_PROTOCOL
+    if said != COMMAND_PROTOCOL or isinstance(said, bool):  # True == 1 in Python, not in JSON
+        return f"protocol {said!r}, the harness speaks {COMMAND_PROTOCOL}"
     kind = record.get("kind") if isinstance(record, dict) else None
     validator = _protocol_validator(name, kind) if isinstance(kind, str) else None
     if validator is not None and validator.is_valid(record):

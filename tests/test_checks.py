@@ -72,6 +72,11 @@ def test_dtype_held_names_the_parameters_that_changed_dtype_and_says_when_it_can
     assert not bad.passed and bad.value == 7
     assert bad.detail.startswith("7 of 9 parameters ended training in another dtype than they started in (rank 1)")
     assert "layers.0.weight bfloat16 -> float32" in bad.detail and "and 2 more" in bad.detail
+    assert "cast each gradient back to its parameter's dtype" in bad.detail
+    narrowing = {"compared": 9, "changed_count": 1, "changed": [["w", "float32", "bfloat16"]]}
+    run.ranks[0].result["dtype_changes"] = narrowing
+    assert dtype_held(run).detail.startswith("1 of 9 parameters ended training in another dtype than they started in "
+                                             "(rank 0; 2 ranks in all): w float32 -> bfloat16; a weight narrowed")
     for o in run.ranks:
         o.result["dtype_changes"] = {"compared": 0, "changed_count": 0, "changed": []}
     assert not dtype_held(run).passed and dtype_held(run).detail.startswith("cannot decide: no final parameter")

@@ -37,3 +37,22 @@ def test_a_script_that_promotes_its_bfloat16_weights_fails_dtype_held_and_the_ex
     assert not bad["passed"] and bad["value"] > 0, p.stdout[-3000:]
     assert "bfloat16 -> float32" in bad["detail"] and "ended training in another dtype" in bad["detail"]
     assert p.returncode != 0
+
+
+@pytest.mark.ranks
+def test_unsloth_zoos_own_float32_norm_weights_are_where_its_training_starts(tmp_path: Path) -> None:
+    """unsloth-zoo's ``train()`` casts a bfloat16 model's norm weights to float32 before its first
+    step, by design: the dtypes its first step starts from are the ones compared, so a correct
+    full fine-tune passes while its final norm weights are float32."""
+    from tests.conftest import needs_unsloth
+
+    needs_unsloth()
+    path = tmp_path / "unsloth_bf16.toml"
+    path.write_text(f'[scenario]\nextends = "{REPO / "scenarios" / "unsloth_compiled.toml"}"\nname = "unsloth_bf16"\n'
+                    '\n[model]\ndtype = "bfloat16"\n\n[train]\nsteps = 2\neval_every = 0\ndigest_every = 1\n'
+                    '\n[[runs]]\nname = "single"\nworld_size = 1\n\n[checks]\nreference = "single"\n')
+    p = cli("run", str(path), "--out", str(tmp_path / "out"))
+    doc = json.loads((tmp_path / "out" / "result.json").read_text())
+    held = next(c for c in doc["scenarios"][0]["checks"] if c["name"] == "dtype_held")
+    assert held["passed"], (held, p.stdout[-3000:])
+    assert "of them cast by the trainer's own setup before its first step" in held["detail"], held["detail"]

@@ -51,8 +51,10 @@ def test_an_event_is_checked_against_its_own_branch_with_the_whole_schemas_verdi
     start = {"protocol": 1, "kind": "start", "rank": 0, "world_size": 2, "digest": "d", "dtypes": {"w": "bfloat16"}}
     records = [step, start, {**step, "loss": "x"}, {**step, "kind": "nope"}, {**step, "extra": 1}, {**step, "step": 0},
                {"protocol": 1, "kind": "start"}, {"protocol": 1, "kind": "eval", "step": 1}, {"protocol": 1, "kind": 5},
-               {"protocol": 1}, {**start, "dtypes": {"w": 3}}, {**start, "dtype": "int8"}]
+               {"protocol": 1}, {**start, "dtypes": {"w": 3}}, {**start, "dtypes": {"w": "BF16"}},
+               {**start, "dtype": "int8"}]
     assert [protocol_problem("event", r) for r in records] == [whole(r) for r in records]
     assert protocol_problem("event", step) is None and protocol_problem("event", start) is None
     assert protocol_problem("event", {**step, "loss": "x"}) == "loss: 'x' is not of type 'number'"
     assert _protocol_validator("event", "step") is not None and _protocol_validator("event", "nope") is None
+    assert protocol_problem("event", {**step, "protocol": True}) == "protocol True, the harness speaks 1"

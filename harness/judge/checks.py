@@ -308,22 +308,38 @@ def dtype_held(run: RunOutcome) -> Check:
         return Check(CheckName.dtype_held, run.name, False, None, 0,
                      f"cannot decide: rank {', '.join(str(r) for r, c in records if c is None)} recorded no dtypes of "
                      f"the parameters training started from")
-    changed = [(r, c) for r, c in known if c["changed_count"]]
-    compared = max(c["compared"] for _, c in known)
-    if not compared:
+    unmatched = [r for r, c in known if not c["compared"]]
+    if unmatched:
         return Check(CheckName.dtype_held, run.name, False, None, 0,
-                     "cannot decide: no final parameter has the path of one training started from")
+                     f"cannot decide: no final parameter has the path of one training started from (rank "
+                     f"{listed(unmatched)})")
+    changed = [(r, c) for r, c in known if c["changed_count"]]
     if not changed:
+        compared = max(c["compared"] for _, c in known)
+        cast = max(c.get("setup_casts", 0) for _, c in known)
+        setup = f"; {cast} of them cast by the trainer's own setup before its first step, their start" if cast else ""
         return Check(CheckName.dtype_held, run.name, True, 0, 0,
-                     f"{compared} parameters each in its start dtype at the end, on {ranks(run.world_size)}")
+                     f"{compared} parameters each in its start dtype at the end, on {ranks(run.world_size)}{setup}")
     r, c = changed[0]
     shown = ", ".join(f"{k} {a} -> {b}" for k, a, b in c["changed"])
     more = f" and {c['changed_count'] - len(c['changed'])} more" if c["changed_count"] > len(c["changed"]) else ""
+    also = f"; {len(changed)} ranks in all" if len(changed) > 1 else ""
     detail = (f"{c['changed_count']} of {c['compared']} parameters ended training in another dtype than they started "
-              f"in (rank {r}{f' and {len(changed) - 1} more ranks' if len(changed) > 1 else ''}): {shown}{more}; an "
-              f"update in a wider dtype than its weight promotes the weight: cast each gradient back to its "
-              f"parameter's dtype")
+              f"in (rank {r}{also}): {shown}{more}; {DTYPE_REMEDY[widened(c['changed'])]}")
     return Check(CheckName.dtype_held, run.name, False, c["changed_count"], 0, detail)
+
+
+DTYPE_REMEDY = {
+    True: "an update in a wider dtype than its weight widens the weight (a float32 factor multiplied into a bfloat16 "
+          "gradient, say): cast each gradient back to its parameter's dtype",
+    False: "a weight narrowed or changed its kind after training started: cast the model before saying where "
+           "training starts (run.split or run.start)"}
+
+
+def widened(changed: list[list[str]]) -> bool:
+    """Whether every change shown is to a floating dtype of more bits (what promotion in an update does)."""
+    bits = {"float16": 16, "bfloat16": 16, "float32": 32, "float64": 64}
+    return all(a in bits and b in bits and bits[b] > bits[a] for _, a, b in changed)
 
 
 def data_share(run: RunOutcome, ref: RunOutcome, slack: float, micro_rows: int | None = None) -> Check:

@@ -60,13 +60,16 @@ def param_dtypes(tree: Any) -> dict[str, str]:
     return {k: str(v.dtype).rsplit(".", 1)[-1] for k, v in tree_flatten(tree) if hasattr(v, "dtype")}
 
 
-def dtype_changes(start: dict[str, str] | None, params: Any, shown: int = 5) -> dict[str, Any] | None:
+def dtype_changes(start: dict[str, str] | None, params: Any, setup_casts: int = 0,
+                  shown: int = 5) -> dict[str, Any] | None:
     """The result's ``dtype_changes``: the parameters of ``start`` (``param_dtypes`` where training
     started) that ``params``, the final ones, hold in another dtype (the first ``shown`` as [path,
-    start dtype, end dtype]), and how many were compared; None where the start is not known."""
+    start dtype, end dtype]), how many were compared, and how many of the start's dtypes the
+    trainer's own setup set (``setup_casts``); None where the start is not known."""
     if start is None:
         return None
     end = param_dtypes(params)
     both = [k for k in end if k in start]
     changed = [[k, start[k], end[k]] for k in both if start[k] != end[k]]
-    return {"compared": len(both), "changed_count": len(changed), "changed": changed[:shown]}
+    return {"compared": len(both), "changed_count": len(changed), "changed": changed[:shown],
+            "setup_casts": setup_casts}

@@ -100,6 +100,7 @@ class StepReporter:
         self.dtype_seen: str | None = None  # the coarsest dtype the trainer was seen computing in (``saw_dtype``)
         self.frozen_count: int | None = None  # the model's frozen parameters (``saw_model``)
         self.start_dtypes: dict[str, str] | None = None  # each parameter's dtype where training started
+        self.setup_casts = 0  # the parameters the trainer's own setup cast after ``start`` (``first_step``)
 
     @property
     def steps(self) -> int:
@@ -159,6 +160,17 @@ class StepReporter:
             self.effects.save_start(params)
         if self.rng_from_start:
             self.rng_before = global_rng_states()
+
+    def first_step(self, params: Any) -> None:
+        """The trainer's first step is about to update ``params``: a trainer whose own setup casts
+        some weights after ``start`` (unsloth-zoo keeps its norm weights float32) trains from their
+        dtypes, which ``dtype_held`` compares the final ones with. Called before the first step."""
+        from harness.rank.precision import param_dtypes
+
+        if not self.history["losses"]:
+            now, before = param_dtypes(params), self.start_dtypes or {}
+            self.setup_casts = sum(1 for k, d in now.items() if before.get(k, d) != d)
+            self.start_dtypes = now
 
     def probe(self, step: int, model: Any, compute: Callable[[], tuple[Any, Any, int]],
               micros: Callable[[], list[tuple[Any, Any, Any]] | None] | None = None) -> None:
@@ -266,7 +278,7 @@ class StepReporter:
         if self.start_dtypes is None:
             from harness.scenario.names import CheckName
 
-            why = "the trainer said no dtypes of the parameters it starts from"
+            why = "the trainer said no dtypes of the parameters it started from"
             self.not_applicable.setdefault(CheckName.dtype_held, why)
 
         lrs = self.history["learning_rates"]
@@ -289,7 +301,7 @@ class StepReporter:
             "digests": {str(k): v for k, v in self.digests.items()},
             "final_digest": self.digests[last],
             "param_count": param_count(params),
-            "dtype_changes": dtype_changes(self.start_dtypes, params),
+            "dtype_changes": dtype_changes(self.start_dtypes, params, self.setup_casts),
             "evals": self.evals,
             "stop": None,
             "compile": {"mode": self.s.train.compile, "scope": self.compile_scope,

@@ -31,7 +31,8 @@ NOT_APPLICABLE = {
 NOT_STARTED = ("the script never said what training starts from (harness.api: run.split(model), or "
                "run.start(params) before the first step)")
 UNSTARTED = {CheckName.start_parity: NOT_STARTED,
-             CheckName.global_rng_untouched: f"{NOT_STARTED}, so building its model cannot be told from training"}
+             CheckName.global_rng_untouched: f"{NOT_STARTED}, so building its model cannot be told from training",
+             CheckName.dtype_held: f"{NOT_STARTED}, so the dtypes its weights started in are not known"}
 
 
 def run(ctx: RankContext) -> dict[str, Any]:

@@ -292,6 +292,8 @@ def make_callback(rep: StepReporter, trainer: Any, eval_tokens: int, probes: boo
     class Report:
         def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             step = int(state.global_step) + 1
+            if step == rep.done + 1:  # after unsloth-zoo's own setup, which keeps norm weights float32
+                rep.first_step(trainer.model.parameters())
             if probes and step in rep.probes.steps:
                 if not loss:
                     loss.append(run_loss(trainer))
