@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from harness.controller.outcome import RunOutcome
-from harness.dtypes import UNIT_ROUNDOFF, coarsest
+from harness.dtypes import FLOAT_BITS, UNIT_ROUNDOFF, coarsest
 from harness.scenario import RunSpec, TrainerSpec
 from harness.scenario.checks import STEP_LOCAL, CheckName, families
 from harness.scenario.trainers import TrainerInfo
@@ -306,8 +306,8 @@ def dtype_held(run: RunOutcome) -> Check:
     known = [(r, c) for r, c in records if c is not None]
     if len(known) < len(records):
         return Check(CheckName.dtype_held, run.name, False, None, 0,
-                     f"cannot decide: rank {', '.join(str(r) for r, c in records if c is None)} recorded no dtypes of "
-                     f"the parameters training started from")
+                     f"cannot decide: rank {listed(r for r, c in records if c is None)} recorded no dtypes of the "
+                     f"parameters training started from")
     unmatched = [r for r, c in known if not c["compared"]]
     if unmatched:
         return Check(CheckName.dtype_held, run.name, False, None, 0,
@@ -338,8 +338,7 @@ DTYPE_REMEDY = {
 
 def widened(changed: list[list[str]]) -> bool:
     """Whether every change shown is to a floating dtype of more bits (what promotion in an update does)."""
-    bits = {"float16": 16, "bfloat16": 16, "float32": 32, "float64": 64}
-    return all(a in bits and b in bits and bits[b] > bits[a] for _, a, b in changed)
+    return all(a in FLOAT_BITS and b in FLOAT_BITS and FLOAT_BITS[b] > FLOAT_BITS[a] for _, a, b in changed)
 
 
 def data_share(run: RunOutcome, ref: RunOutcome, slack: float, micro_rows: int | None = None) -> Check:

@@ -19,6 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from harness.dtypes import dtype_name
+
 # MLX dtype name -> (safetensors dtype, unsigned type of the same width that carries its bits)
 _TYPES = {
     "bool": ("BOOL", "uint8"), "uint8": ("U8", "uint8"), "int8": ("I8", "uint8"),
@@ -27,10 +29,6 @@ _TYPES = {
     "float32": ("F32", "uint32"), "uint64": ("U64", "uint64"), "int64": ("I64", "uint64"),
     "float64": ("F64", "uint64"), "complex64": ("C64", "uint64"),
 }
-
-
-def dtype_name(a: Any) -> str:
-    return str(a.dtype).rpartition(".")[2]
 
 
 def host_bytes(params: Any, widen_bfloat16: bool = False) -> Iterator[tuple[str, Any, bytes]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from harness.dtypes import UNIT_ROUNDOFF, coarsest
+from harness.dtypes import UNIT_ROUNDOFF, coarsest, dtype_name
 
 TF32_SEEN = 2.0**-16  # a float32 matmul rounding its operands coarser than this rounds them to TF32 (2^-11)
 
@@ -14,10 +14,7 @@ def coarsest_dtype(*trees: Any) -> str | None:
     """The floating dtype of coarsest rounding among the arrays of ``trees`` (parameter trees,
     frozen weights included): what a forward and backward through them compute in. A bfloat16
     base under float32 LoRA adapters is a bfloat16 computation. None where no array is floating."""
-    from mlx.utils import tree_flatten
-
-    names = {str(v.dtype).rsplit(".", 1)[-1] for tree in trees for _, v in tree_flatten(tree) if hasattr(v, "dtype")}
-    return coarsest(names)
+    return coarsest({d for tree in trees for d in param_dtypes(tree).values()})
 
 
 def measure_precision(dtype: str, declared: str | None = None) -> dict[str, Any]:
@@ -57,7 +54,7 @@ def param_dtypes(tree: Any) -> dict[str, str]:
     """Each array's dtype name by its path in ``tree`` (a parameter tree); no array is read."""
     from mlx.utils import tree_flatten
 
-    return {k: str(v.dtype).rsplit(".", 1)[-1] for k, v in tree_flatten(tree) if hasattr(v, "dtype")}
+    return {k: dtype_name(v) for k, v in tree_flatten(tree) if hasattr(v, "dtype")}
 
 
 def dtype_changes(start: dict[str, str] | None, params: Any, setup_casts: int = 0,
