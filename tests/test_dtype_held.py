@@ -56,3 +56,20 @@ def test_unsloth_zoos_own_float32_norm_weights_are_where_its_training_starts(tmp
     held = next(c for c in doc["scenarios"][0]["checks"] if c["name"] == "dtype_held")
     assert held["passed"], (held, p.stdout[-3000:])
     assert "of them cast by the trainer's own setup before its first step" in held["detail"], held["detail"]
+
+
+@pytest.mark.ranks
+def test_a_float32_script_that_casts_its_model_after_training_started_fails_dtype_held(tmp_path: Path) -> None:
+    """In float32 the defect is the other way: the script casts the model ``run.model()`` built
+    (where training starts) to bfloat16, so it trains narrower than the run it reports."""
+    built = "    model = run.model()\n"
+    assert built in SCRIPT
+    path = script_scenario(tmp_path, SCRIPT.replace(built, built + "    model.set_dtype(mx.bfloat16)\n"), "narrowed",
+                           world_sizes=(2,))
+    path.write_text(path.read_text().replace("steps = 6\n", "steps = 2\n"))
+    p = cli("run", str(path), "--out", str(tmp_path / "out"))
+    doc = json.loads((tmp_path / "out" / "result.json").read_text())
+    held = next(c for c in doc["scenarios"][0]["checks"] if c["name"] == "dtype_held")
+    assert not held["passed"] and held["value"] > 0, p.stdout[-3000:]
+    assert "float32 -> bfloat16" in held["detail"] and "cast the model before saying where training starts" in \
+        held["detail"]
