@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from observer_effect import MODELS, TRAINERS, VISION, harness_side, scenario_text  # noqa: E402
+from observer_effect import MODELS, TRAINERS, VISION, scenario_text  # noqa: E402
+from observer_sides import harness_side  # noqa: E402
 from repeat_ratios import EFFECT, Ratios, ended, look_level, looks  # noqa: E402
 from repeat_record import RepeatRecord, add_options, check_options, planned_device, quiet_pipe, time_limit  # noqa: E402
 

@@ -54,12 +54,17 @@ and the harness over it (what the parts cost; below 1 they slow the trainer). Sc
 then halve the set. ``--sides harness,ablated`` runs those two alone (the parts' effect, without
 the bare side). ``--node N`` runs this process and every one it starts on NUMA node N's CPUs
 (their affinity, inherited): where the script's split shows the sides' steps on different nodes,
-this tells what placement costs from what the harness does.
+this tells what placement costs from what the harness does. ``--turns K`` (the script, bare
+against one harness side) runs a repeat's two sides at once, taking turns K steps at a time from
+step ``--from`` (``timed_script.Baton``), the window starting once both have reached it: a
+machine whose speed drifts between the sides of a repeat drifts under both alike. Each side's
+rate is its tokens over its own turns (the seconds it waited left out); what a side does in the
+background runs through the other's turns too, at the same rate as through its own.
 
 usage: python benchmarks/observer_effect.py [--model cpu3m|gpu044b]
                                             [--trainers mlx_lm,script,unsloth_zoo,mlx_vlm]
                                             [--steps N] [--from W] [--repeats R] [--max-repeats M]
-                                            [--ablate all|PART,...] [--sides SIDES] [--node N]
+                                            [--ablate all|PART,...] [--sides SIDES] [--node N] [--turns K]
                                             [--record FILE [--time-limit S | --report-only]]
 """
 
@@ -68,7 +73,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -81,8 +85,9 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import timed_script  # noqa: E402
-from bare_trainers import BARE, bare_env  # noqa: E402
+from bare_trainers import BARE  # noqa: E402
 from gpu_clocks import GpuClocks  # noqa: E402
+from observer_sides import run_side, run_turns  # noqa: E402
 from repeat_ratios import EFFECT, Ratios, ended, look_level, looks  # noqa: E402
 from repeat_record import RepeatRecord, add_options, check_options, planned_device, quiet_pipe, time_limit  # noqa: E402
 
@@ -144,50 +149,6 @@ def scenario_text(model: str, trainers: list[str], steps: int) -> str:
             f'learning_rate = 1e-4\n{runs}\n[checks]\nreference = "{trainers[0]}"\n')
 
 
-def window_rate(marks: list[dict[str, Any]], first: int) -> tuple[float, int, int]:
-    """Global tokens per second from the mark at step ``first`` (or the first after it) to the last."""
-    start = next(m for m in marks if m["step"] >= first)
-    end = marks[-1]
-    return (end["tokens"] - start["tokens"]) / (end["time"] - start["time"]), start["step"], end["step"]
-
-
-def reported_rate(marks: list[dict[str, Any]], first: int) -> float:
-    """What the harness itself reports over the same window: tokens over its steps' ``step_time_s``
-    (the time between steps, less what its step-local probes took)."""
-    later = [m for m in marks if m["step"] > first]
-    return (later[-1]["tokens"] - marks[first - 1]["tokens"]) / sum(m["step_time_s"] for m in later)
-
-
-def harnessed(path: Path, run: str) -> list[dict[str, Any]]:
-    """The run under the harness: rank 0's step events as marks (cumulative global tokens)."""
-    from harness.controller.run_job import execute
-    from harness.scenario import load_scenario
-    from harness.scenario.plan import job_for
-
-    s = load_scenario(path)
-    job = job_for(s, run)
-    out = execute(f"observer_{run}", job, 1)
-    if not out.ok:
-        raise SystemExit(f"{run} under the harness: {out.failure}")
-    marks, total = [], 0
-    for e in out.ranks[0].events:
-        if e.get("kind") == "step":
-            total += int(e["tokens_global"])
-            marks.append({"step": e["step"], "time": e["time"], "tokens": total, "step_time_s": e["step_time_s"]})
-    return marks
-
-
-def harness_side(path: Path, run: str, off: str) -> list[dict[str, Any]]:
-    """The run under the harness, with the parts ``off`` names turned off (``harness.ablation``)."""
-    if not off:
-        return harnessed(path, run)
-    os.environ[ablation.VAR] = off  # the ranks inherit it
-    try:
-        return harnessed(path, run)
-    finally:
-        del os.environ[ablation.VAR]
-
-
 def parts(value: str) -> str:
     """``--ablate``'s parts (``all``: every one), checked; one line for a part that does not exist."""
     if value == "all":
@@ -206,17 +167,6 @@ def comparisons(sides: list[str]) -> list[tuple[str, str]]:
     and with ``--ablate``, the harness with those parts off over bare and all on over them off (the
     parts' effect)."""
     return [c for c in (("harness", "bare"), ("ablated", "bare"), ("harness", "ablated")) if set(c) <= set(sides)]
-
-
-def run_side(side: str, t: str, path: Path, d: Path, a: argparse.Namespace) -> dict[str, float]:
-    """One side's run of trainer ``t``: its tok/s over the window (and under the harness, its own figure)."""
-    if side == "bare":
-        marks = d / f"{t}.marks.json"
-        subprocess.run([sys.executable, __file__, "--bare", str(path), t, str(marks)], check=True, env=bare_env(),
-                       stdout=subprocess.DEVNULL)
-        return {"bare": window_rate(json.loads(marks.read_text()), a.first)[0]}
-    marks_h = harness_side(path, t, a.ablate if side == "ablated" else "")
-    return {side: window_rate(marks_h, a.first)[0], f"{side} reported": reported_rate(marks_h, a.first)}
 
 
 def gathered(record: RepeatRecord, trainers: list[str], sides: list[str]) -> dict[str, dict[str, list[float]]]:
@@ -266,6 +216,8 @@ def main() -> None:
                    "ablated (default: bare, harness and, with --ablate, ablated); harness,ablated alone measures "
                    "what the parts cost at two thirds of a three-side repeat's time")
     p.add_argument("--node", type=int, metavar="N", help="run every side on NUMA node N's CPUs (Linux)")
+    p.add_argument("--turns", type=int, metavar="K", help="the script's two sides (bare and one under the harness) "
+                   "at once, taking turns K steps at a time from step --from")
     add_options(p)
     p.add_argument("--bare", nargs=3, metavar=("SCENARIO", "RUN", "OUT"), help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -286,11 +238,15 @@ def main() -> None:
             raise SystemExit(f"--node {a.node}: {e}") from None
     trainers = a.trainers.split(",")
     sides = chosen_sides(a)
+    if a.turns is not None and (a.turns < 1 or trainers != ["script"] or len(sides) != 2 or "bare" not in sides):
+        raise SystemExit(f"--turns {a.turns}: K of at least 1, for --trainers script alone and two sides, one of "
+                         f"them bare (got --trainers {a.trainers}, sides {','.join(sides)})")
     points = looks(a.repeats, a.max_repeats or a.repeats, len(sides))
     level = look_level(len(points))
     plan = {"device": planned_device(a), "--model": a.model, "--trainers": trainers, "--steps": a.steps,
             "--from": a.first, "--ablate": sorted(a.ablate.split(",")) if a.ablate else None,
             **({"--sides": sides} if a.sides else {}), **({"--node": a.node} if a.node is not None else {}),
+            **({"--turns": a.turns} if a.turns is not None else {}),
             "--repeats/--max-repeats (looks after)": points}
     record = RepeatRecord.open(a.record, "observer_effect", plan, report_only=a.report_only)
     with tempfile.TemporaryDirectory() as tmp:
@@ -325,7 +281,11 @@ def repeat_until_done(a: argparse.Namespace, record: RepeatRecord, trainers: lis
         rep: dict[str, dict[str, float]] = {t: {} for t in trainers}
         split: dict[str, list[list[float]]] = {side: [] for side in sides}
         for t in trainers:
-            for side in sides[i % len(sides):] + sides[:i % len(sides)]:  # each side first in turn
+            order = sides[i % len(sides):] + sides[:i % len(sides)]  # each side first in turn
+            if a.turns:
+                rep[t], split = run_turns(order, t, paths[t], d, a, clocks)
+                continue
+            for side in order:
                 rep[t].update(run_side(side, t, paths[t], d, a))
                 for f in sorted(times.glob("*.json")):  # the script's, just written
                     written = json.loads(f.read_text())
@@ -348,8 +308,9 @@ def report(a: argparse.Namespace, record: RepeatRecord, trainers: list[str], sid
     rates, done = gathered(record, trainers, sides), len(record.repeats)
     split = {side: [x for r in record.data() for x in r["split"][side]] for side in sides}
     off = f"; ablated: {a.ablate}" if a.ablate else ""
+    turns = f", taking turns {a.turns} steps at a time" if a.turns else ""
     print(f"model {a.model}, 1 process, steps {a.steps}, timed after step {a.first}, {done} repeats of at most "
-          f"{points[-1]} (each side first in turn: {', '.join(sides)}; looked at after {points}){off}")
+          f"{points[-1]} (each side first in turn{turns}: {', '.join(sides)}; looked at after {points}){off}")
     if a.record:
         print(f"record {a.record}: {record.provenance()}")
     print(tabulate([[t, side, ", ".join(f"{r:.0f}" for r in rates[t][side]),
