@@ -8,7 +8,9 @@ repeat. The interval *resolves* the question "is there a 2 % effect?" when it do
 interval lies above 0.98), or there is one (it lies below 1). Until then the benchmark adds
 alternating repeats, up to its stated limit (``Ratios.resolved``). It looks only after whole
 rotations of its sides (``looks``), and each look's interval is at ``1 - 0.05 / looks`` (Bonferroni),
-so that stopping at the first resolved look keeps the stated 95 % over the whole run."""
+so that stopping at the first resolved look keeps the stated 95 % over the whole run. An
+unresolved verdict says about how many repeats would resolve it, were the mean and the spread to
+stay as they are (``Ratios.repeats_to_resolve``): what a next sitting would take."""
 
 from __future__ import annotations
 
@@ -76,10 +78,34 @@ class Ratios:
         if math.isnan(lo):
             return "one repeat: no interval"
         if not self.resolved(effect):
-            return f"too wide to tell a {effect:.0%} effect from none"
+            need = self.repeats_to_resolve(effect)
+            return f"too wide to tell a {effect:.0%} effect from none" + (
+                f" (at this mean and spread, about {need} repeats would)" if need else "")
         if lo >= 1 - effect:
             return f"at most a {effect:.0%} cost" if lo < 1 else "no cost"
         return f"a cost of {1 - hi:.1%} or more"
+
+    def repeats_to_resolve(self, effect: float = EFFECT, most: int = 100_000) -> int | None:
+        """The fewest repeats whose interval, at this level and were the mean and the spread to stay
+        as they are, would resolve: its half-width under the mean's distance from the farther of 1
+        and ``1 - effect``. None under 2 repeats, or past ``most``."""
+        n = len(self.values)
+        if n < 2:
+            return None
+        spread, room = statistics.stdev(self.values), max(self.mean - (1 - effect), 1 - self.mean)
+
+        def enough(k: int) -> bool:  # the half-width falls as k grows
+            return t_quantile(0.5 + self.level / 2, k - 1) * spread / math.sqrt(k) < room
+
+        lo, hi = n - 1, n  # not enough at lo (or lo is below n), enough at hi: bisect
+        while not enough(hi):
+            if hi >= most:
+                return None
+            lo, hi = hi, min(2 * hi, most)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if enough(mid) else (mid, hi)
+        return hi
 
     def cell(self) -> str:
         lo, hi = self.interval()

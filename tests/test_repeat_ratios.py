@@ -47,7 +47,7 @@ def test_the_interval_is_students_over_the_repeats() -> None:
 def test_an_interval_resolves_only_when_it_cannot_hold_both_no_effect_and_a_two_percent_one() -> None:
     # the H200's script, two repeats: 0.946 and 0.900: far too wide
     wide = Ratios((0.946, 0.900))
-    assert not wide.resolved() and wide.verdict() == "too wide to tell a 2% effect from none"
+    assert not wide.resolved() and wide.verdict().startswith("too wide to tell a 2% effect from none (at this mean")
     level = Ratios((0.995, 1.004, 0.999, 1.002, 0.998))  # tight around 1: at most a 2 % cost
     assert level.resolved() and level.interval()[0] > 0.98 and level.verdict() == "at most a 2% cost"
     slower = Ratios((0.95, 0.955, 0.948, 0.952))  # tight below 0.98: a cost
@@ -56,6 +56,25 @@ def test_an_interval_resolves_only_when_it_cannot_hold_both_no_effect_and_a_two_
     assert faster.resolved() and faster.verdict() == "no cost"
     one = Ratios((0.99,))
     assert not one.resolved() and one.verdict() == "one repeat: no interval" and one.cell() == "0.990 (1 repeat)"
+
+
+def test_an_unresolved_verdict_says_how_many_repeats_would_resolve_it_at_this_mean_and_spread() -> None:
+    # the bfloat16 script's first 30 repeats on an H200 (their record), at one look of 17
+    r = Ratios((0.982, 1.028, 0.923, 0.965, 1.056, 0.954, 0.977, 0.977, 0.950, 0.940, 0.978, 1.013, 0.976,
+                1.055, 0.947, 1.012, 0.883, 0.988, 1.026, 0.959, 1.068, 1.013, 1.027, 0.988, 0.923, 0.994,
+                1.018, 0.978, 1.048, 1.030), repeat_ratios.look_level(17))
+    need = r.repeats_to_resolve()
+    room = max(r.mean - 0.98, 1 - r.mean)  # the half-width must fall under it
+
+    def half(k: int) -> float:
+        return t.ppf(0.5 + r.level / 2, k - 1) * statistics.stdev(r.values) / k ** 0.5
+
+    assert half(need) < room <= half(need - 1) and 100 < need < 250  # the fewest that would
+    assert r.verdict() == ("too wide to tell a 2% effect from none "
+                           f"(at this mean and spread, about {need} repeats would)")
+    assert Ratios((0.99,)).repeats_to_resolve() is None and r.repeats_to_resolve(most=100) is None
+    resolved = Ratios((0.995, 1.004, 0.999, 1.002, 0.998))
+    assert resolved.repeats_to_resolve() == 5  # it resolves as it is
 
 
 def test_the_intervals_are_looked_at_after_whole_rotations_at_a_level_that_holds_over_the_looks() -> None:
