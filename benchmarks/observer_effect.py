@@ -54,9 +54,10 @@ and the harness over it (what the parts cost; below 1 they slow the trainer). Sc
 then halve the set. ``--sides harness,ablated`` runs those two alone (the parts' effect, without
 the bare side). ``--node N`` runs this process and every one it starts on NUMA node N's CPUs
 (their affinity, inherited): where the script's split shows the sides' steps on different nodes,
-this tells what placement costs from what the harness does. ``--turns K`` (the script, bare
-against one harness side) runs a repeat's two sides at once, taking turns K steps at a time from
-step ``--from`` (``timed_script.Baton``), the window starting once both have reached it: a
+this tells what placement costs from what the harness does. ``--turns K`` (the script, mlx-lm or
+unsloth-zoo, bare against one harness side) runs a repeat's two sides at once, taking turns K
+steps at a time from step ``--from`` (``harness.rank.turns``: the bare side's clock and the
+harness's step report wait for the turn), the window starting once both have reached it: a
 machine whose speed drifts between the sides of a repeat drifts under both alike. Each side's
 rate is its tokens over its own turns (the seconds it waited left out); what a side does in the
 background runs through the other's turns too, at the same rate as through its own.
@@ -118,6 +119,7 @@ TRAINERS = {"mlx_lm": 'trainer = { kind = "mlx_lm" }\n',
             "unsloth_zoo": 'trainer = { kind = "unsloth_zoo" }\n',
             "mlx_vlm": 'trainer = { kind = "mlx_vlm" }\n'}
 VISION = {"mlx_vlm"}  # trainers of a vision-language model: a scenario of their own (its [model] and [data])
+TAKE_TURNS = {"script", "mlx_lm", "unsloth_zoo"}  # trainers whose sides can take turns (``--turns``)
 
 
 def toml(v: Any) -> str:
@@ -200,6 +202,17 @@ def chosen_sides(a: argparse.Namespace) -> list[str]:
     return sides
 
 
+def turns_allowed(a: argparse.Namespace, trainers: list[str], sides: list[str]) -> None:
+    """``--turns K``: for the trainers whose bare side can take turns, two sides, one bare; mlx-lm's
+    bare side sees every tenth step (its reports): ``--from`` and K in tens."""
+    if a.turns < 1 or not set(trainers) <= TAKE_TURNS or len(sides) != 2 or "bare" not in sides:
+        raise SystemExit(f"--turns {a.turns}: K of at least 1, for trainers of {', '.join(sorted(TAKE_TURNS))} and "
+                         f"two sides, one of them bare (got --trainers {','.join(trainers)}, sides {','.join(sides)})")
+    if "mlx_lm" in trainers and (a.turns % 10 or a.first % 10):
+        raise SystemExit(f"--turns {a.turns} --from {a.first}: mlx-lm's bare side sees every tenth step (its "
+                         f"reports), so both must be multiples of 10")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", choices=sorted(MODELS), default="cpu3m")
@@ -238,9 +251,8 @@ def main() -> None:
             raise SystemExit(f"--node {a.node}: {e}") from None
     trainers = a.trainers.split(",")
     sides = chosen_sides(a)
-    if a.turns is not None and (a.turns < 1 or trainers != ["script"] or len(sides) != 2 or "bare" not in sides):
-        raise SystemExit(f"--turns {a.turns}: K of at least 1, for --trainers script alone and two sides, one of "
-                         f"them bare (got --trainers {a.trainers}, sides {','.join(sides)})")
+    if a.turns is not None:
+        turns_allowed(a, trainers, sides)
     points = looks(a.repeats, a.max_repeats or a.repeats, len(sides))
     level = look_level(len(points))
     plan = {"device": planned_device(a), "--model": a.model, "--trainers": trainers, "--steps": a.steps,
@@ -280,10 +292,13 @@ def repeat_until_done(a: argparse.Namespace, record: RepeatRecord, trainers: lis
         i = len(record.repeats)
         rep: dict[str, dict[str, float]] = {t: {} for t in trainers}
         split: dict[str, list[list[float]]] = {side: [] for side in sides}
+        windows: dict[str, dict[str, list[float]]] = {}  # taking turns: each side's window and its waits, s
         for t in trainers:
             order = sides[i % len(sides):] + sides[:i % len(sides)]  # each side first in turn
             if a.turns:
-                rep[t], split = run_turns(order, t, paths[t], d, a, clocks)
+                rep[t], got, windows[t] = run_turns(order, t, paths[t], d, a, clocks)
+                for side in sides:
+                    split[side] += got[side]
                 continue
             for side in order:
                 rep[t].update(run_side(side, t, paths[t], d, a))
@@ -292,7 +307,8 @@ def repeat_until_done(a: argparse.Namespace, record: RepeatRecord, trainers: lis
                     window = written["rows"][a.first - 1][0], written["rows"][-1][0]
                     split[side].append(timed_script.split(written, a.first) + clocks.over(*window))
                     f.unlink()
-        record.add({"rates": rep, "split": split, "numa": timed_script.numa_layout()})
+        record.add({"rates": rep, "split": split, **({"turns": windows} if windows else {}),
+                    "numa": timed_script.numa_layout()})
         rates = gathered(record, trainers, sides)
         print(f"repeat {i + 1}: " + "; ".join(f"{t} {ratios(rates[t], c, level).cell()}" for t in trainers
                                             for c in comparisons(sides)[:1]), file=sys.stderr, flush=True)

@@ -1,11 +1,13 @@
 """Each side of an observer-effect repeat (``observer_effect.py``): run bare or under the harness,
-one after the other or taking turns (``--turns``), and its rate over the timed window."""
+one after the other or at once taking turns (``--turns``: ``harness.rank.turns``), and its rate
+over the timed window."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import select
 import subprocess
 import sys
 import threading
@@ -17,6 +19,7 @@ from bare_trainers import bare_env
 from gpu_clocks import GpuClocks
 
 from harness import ablation
+from harness.rank import turns
 
 OBSERVER = Path(__file__).with_name("observer_effect.py")  # its ``--bare`` runs a bare side
 
@@ -81,43 +84,78 @@ def run_side(side: str, t: str, path: Path, d: Path, a: argparse.Namespace) -> d
     return {side: window_rate(marks_h, a.first)[0], f"{side} reported": reported_rate(marks_h, a.first)}
 
 
-def run_turns(order: list[str], t: str, path: Path, d: Path, a: argparse.Namespace,
-              clocks: GpuClocks) -> tuple[dict[str, float], dict[str, list[list[float]]]]:
-    """Both sides of the script at once, taking turns (``--turns``), ``order[0]`` first: each side's tok/s
-    over its own turns (under the harness, its own figure too) and its split of the step."""
-    env, fds = timed_script.turn_fifos(d, order, a.first, a.turns)
+def turn_fifos(d: Path, sides: list[str], first: int, k: int) -> tuple[dict[str, str], list[int]]:
+    """Each side's ``harness.rank.turns`` setting for a ring of ``sides`` (the first hands on to the
+    second, the last to the first) in directory ``d``, and the FIFOs opened here read-write: the
+    ready one to read, then every side's, kept open so that no turn written is lost before its
+    reader opens it."""
+    paths = {side: d / f"turn-{side}" for side in [*sides, "ready"]}
+    for path in paths.values():
+        path.unlink(missing_ok=True)
+        os.mkfifo(path)
+    for side in sides:
+        (d / f"waits-{side}").unlink(missing_ok=True)
+    env = {side: json.dumps({"first": first, "k": k, "mine": str(paths[side]), "ready": str(paths["ready"]),
+                             "next": str(paths[sides[(i + 1) % len(sides)]]), "log": str(d / f"waits-{side}")})
+           for i, side in enumerate(sides)}
+    return env, [os.open(paths[side], os.O_RDWR) for side in ["ready", *sides]]
+
+
+def start_turns(fds: list[int], sides: int) -> None:
+    """Once every side has said it is ready (``fds[0]``), the first turn to the first side (``fds[1]``)."""
+    got = 0
+    while got < sides:
+        if not select.select([fds[0]], [], [], turns.WAIT_S)[0]:
+            return  # a side stopped before its window: its run reports why
+        got += len(os.read(fds[0], sides - got))
+    os.write(fds[1], b"t")
+
+
+def turn_rate(marks: list[dict[str, Any]], first: int, log: Path) -> tuple[float, float, float]:
+    """Global tokens per second over the window (``window_rate``) less the seconds waited in it; the
+    window's seconds and those waited."""
+    start, end = next(m for m in marks if m["step"] >= first)["time"], marks[-1]["time"]
+    waited = turns.waited_within(log, start, end)
+    return window_tokens(marks, first) / (end - start - waited), end - start, waited
+
+
+def run_turns(order: list[str], t: str, path: Path, d: Path, a: argparse.Namespace, clocks: GpuClocks
+              ) -> tuple[dict[str, float], dict[str, list[list[float]]], dict[str, list[float]]]:
+    """Both sides of trainer ``t`` at once, taking turns (``--turns``), ``order[0]`` first: each side's
+    tok/s over its own turns (under the harness, its own figure too, less its waits), for the
+    script each side's split of the step, and each side's window and the seconds it waited in it."""
+    env, fds = turn_fifos(d, order, a.first, a.turns)
     other = next(side for side in order if side != "bare")
     marks_b, times = d / f"{t}.marks.json", d / "times"
     bare = subprocess.Popen([sys.executable, str(OBSERVER), "--bare", str(path), t, str(marks_b)],
-                            env={**bare_env(), timed_script.TURNS_VAR: env["bare"]}, stdout=subprocess.DEVNULL)
+                            env={**bare_env(), turns.VAR: env["bare"]}, stdout=subprocess.DEVNULL)
 
     def unblock() -> None:  # a bare side that failed hands the harness's side every turn it would wait for
         if bare.wait() != 0:
             os.write(fds[1 + order.index(other)], b"t" * a.steps)
 
-    for job in (lambda: timed_script.start_turns(fds, len(order)), unblock):
+    for job in (lambda: start_turns(fds, len(order)), unblock):
         threading.Thread(target=job, daemon=True).start()
-    os.environ[timed_script.TURNS_VAR] = env[other]  # the harness's rank inherits it
+    os.environ[turns.VAR] = env[other]  # the harness's rank inherits it
     try:
         marks = {other: harness_side(path, t, a.ablate if other == "ablated" else "")}
     except BaseException:
         bare.kill()
         raise
     finally:
-        del os.environ[timed_script.TURNS_VAR]
+        del os.environ[turns.VAR]
     if bare.wait() != 0:
         raise SystemExit(f"{t} bare, taking turns: exit {bare.returncode}")
     for fd in fds:
         os.close(fd)
     marks["bare"] = json.loads(marks_b.read_text())
-    rep: dict[str, float] = {}
-    split: dict[str, list[list[float]]] = {}
-    for f in sorted(times.glob("*.json")):
+    timed = {side: turn_rate(marks[side], a.first, d / f"waits-{side}") for side in order}
+    rep = {side: rate for side, (rate, _, _) in timed.items()}
+    rep[f"{other} reported"] = reported_rate(marks[other], a.first, timed[other][2])
+    split: dict[str, list[list[float]]] = {side: [] for side in order}
+    for f in sorted(times.glob("*.json")):  # the script's, where it ran
         side, written = "bare" if f.name.startswith("bare-") else other, json.loads(f.read_text())
         rows = written["rows"]
-        rep[side] = window_tokens(marks[side], a.first) / timed_script.window_seconds(written, a.first)
-        if side != "bare":
-            rep[f"{side} reported"] = reported_rate(marks[side], a.first, rows[-1][6] - rows[a.first - 1][6])
-        split[side] = [timed_script.split(written, a.first) + clocks.over(rows[a.first - 1][0], rows[-1][0])]
+        split[side].append(timed_script.split(written, a.first) + clocks.over(rows[a.first - 1][0], rows[-1][0]))
         f.unlink()
-    return rep, split
+    return rep, split, {side: [window, waited] for side, (_, window, waited) in timed.items()}

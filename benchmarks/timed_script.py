@@ -8,10 +8,8 @@ reads per call and per collection and one small read of ``/proc`` per step: the 
 The CPU says which NUMA node the step's host work ran on (``placement``): a GPU's step that launches
 many small kernels can run slower from the node away from the GPU.
 
-Where ``TURNS_VAR`` is set (``observer_effect.py --turns K``) the sides of a repeat run at once and
-take turns (``Baton``): from the end of step ``--from``, K steps at a time each, so that a machine
-drifting in speed drifts under both alike. The seconds spent waiting for a turn are noted like the
-calls' and left out of the step."""
+Where the sides of a repeat take turns (``observer_effect.py --turns K``, ``harness.rank.turns``),
+the seconds ``run.step`` spent waiting for a turn are noted apart and left out of the step."""
 
 from __future__ import annotations
 
@@ -19,16 +17,15 @@ import gc
 import importlib.util
 import json
 import os
-import select
 import statistics
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from harness.rank import turns
+
 TIMES_VAR = "OBSERVER_EFFECT_TIMES"
-TURNS_VAR = "OBSERVER_EFFECT_TURNS"
-TURN_WAIT_S = 900.0  # the longest a side waits for its turn before it gives up (the other side stopped)
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "ddp_train.py"
 
 
@@ -90,60 +87,6 @@ def numa_layout() -> str:
     return f"{len(nodes) or 'no'} NUMA nodes; NVIDIA GPUs: {', '.join(gpus) or 'none'}"
 
 
-class Baton:
-    """This process's turns (``TURNS_VAR``, JSON: ``first``, ``k``, FIFOs ``mine``, ``next`` and
-    ``ready``): at the end of step ``first`` it says it is ready and waits for its first turn, then
-    every ``k`` steps it hands the turn on and waits for the next. Every FIFO is opened read-write,
-    so that neither the opening nor a write waits for a reader (one that has finished included)."""
-
-    def __init__(self, value: str):
-        spec = json.loads(value)
-        self.first, self.k = int(spec["first"]), int(spec["k"])
-        self.mine, self.next, self.ready = (os.open(spec[n], os.O_RDWR) for n in ("mine", "next", "ready"))
-        self.holding = False
-
-    def after(self, step: int) -> None:
-        """At the end of ``step``: wait for the first turn at ``first``, hand on and wait every ``k`` after."""
-        if step < self.first or (step - self.first) % self.k:
-            return
-        if step == self.first:
-            os.write(self.ready, b"r")
-        else:
-            self.hand_on()
-        if not select.select([self.mine], [], [], TURN_WAIT_S)[0]:
-            raise SystemExit(f"no turn came in {TURN_WAIT_S:.0f} s: the other side stopped")
-        os.read(self.mine, 1)
-        self.holding = True
-
-    def hand_on(self) -> None:
-        if self.holding:
-            os.write(self.next, b"t")
-            self.holding = False
-
-
-def turn_fifos(d: Path, sides: list[str], first: int, k: int) -> tuple[dict[str, str], list[int]]:
-    """Each side's ``TURNS_VAR`` value for a ring of ``sides`` (the first hands on to the second, the last
-    to the first) in directory ``d``, and the FIFOs opened here read-write: the ready one to read,
-    and every side's, kept open so that no turn written is lost before its reader opens it."""
-    paths = {side: d / f"turn-{side}" for side in [*sides, "ready"]}
-    for path in paths.values():
-        path.unlink(missing_ok=True)
-        os.mkfifo(path)
-    env = {side: json.dumps({"first": first, "k": k, "mine": str(paths[side]), "ready": str(paths["ready"]),
-                             "next": str(paths[sides[(i + 1) % len(sides)]])}) for i, side in enumerate(sides)}
-    return env, [os.open(paths[side], os.O_RDWR) for side in ["ready", *sides]]
-
-
-def start_turns(fds: list[int], sides: int) -> None:
-    """Once every side has said it is ready (``fds[0]``), the first turn to the first side (``fds[1]``)."""
-    got = 0
-    while got < sides:
-        if not select.select([fds[0]], [], [], TURN_WAIT_S)[0]:
-            return  # a side stopped before its window: its run reports why
-        got += len(os.read(fds[0], sides - got))
-    os.write(fds[1], b"t")
-
-
 class TimedSession:
     """The session, its ``probe`` and ``step`` timed; everything else passed through."""
 
@@ -151,7 +94,6 @@ class TimedSession:
         self.session = session
         self.marks: list[list[float]] = []
         self.in_probe = self.in_step = self.in_gc = self.in_wait = 0.0
-        self.baton = Baton(os.environ[TURNS_VAR]) if os.environ.get(TURNS_VAR) else None
         self.full_collections, self.objects = 0, 0
         self._gc_began = 0.0
         gc.callbacks.append(self._collecting)
@@ -177,12 +119,12 @@ class TimedSession:
         self.marks.append([t, self.in_probe, self.in_step, self.in_gc, self.full_collections, cpu, self.in_wait])
         if len(self.marks) == 1:
             self.objects = len(gc.get_objects())
+        baton = turns.baton()  # the session's step waits for the turns (bare and under the harness alike)
+        before = baton.waited if baton else 0.0
         self.session.step(*args, **kwargs)
-        done = time.perf_counter()
-        self.in_step += done - t
-        if self.baton:
-            self.baton.after(len(self.marks))
-            self.in_wait += time.perf_counter() - done
+        waited = baton.waited - before if baton else 0.0
+        self.in_step += time.perf_counter() - t - waited
+        self.in_wait += waited
 
     def finish(self, params: Any) -> None:
         if os.environ.get(TIMES_VAR):
@@ -190,8 +132,6 @@ class TimedSession:
             (Path(os.environ[TIMES_VAR]) / f"{side}-{os.getpid()}.json").write_text(
                 json.dumps({"rows": self.marks, "objects": self.objects}))
         self.session.finish(params)
-        if self.baton:  # the other side's last turn starts after this side has finished
-            self.baton.hand_on()
 
 
 class TimedApi:
@@ -230,11 +170,6 @@ def split(written: dict[str, Any], first: int) -> list[float]:
 def stepped(a: list[float], b: list[float]) -> float:
     """Seconds from row ``a`` to row ``b`` less those spent waiting for a turn (where recorded)."""
     return b[0] - a[0] - (b[6] - a[6] if len(a) > 6 else 0.0)
-
-
-def window_seconds(written: dict[str, Any], first: int) -> float:
-    """The window's seconds (from step ``first`` to the last) less those spent waiting for a turn."""
-    return stepped(written["rows"][first - 1], written["rows"][-1])
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The observer-effect benchmark's sides taking turns (``observer_effect.py --turns``,
-``timed_script.Baton``): the ring of turns, the waits left out of the step, and a run of it."""
+``harness.rank.turns``): the ring of turns, the waits left out of the window and the step, and
+runs of it with real ranks."""
 
 from __future__ import annotations
 
@@ -14,21 +15,24 @@ from pathlib import Path
 
 import pytest
 
+from harness.rank import turns
 from tests.conftest import REPO
 
-_spec = importlib.util.spec_from_file_location("timed_script", REPO / "benchmarks" / "timed_script.py")
-timed_script = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(timed_script)
+sys.path.insert(0, str(REPO / "benchmarks"))  # observer_sides imports its neighbours by name
+_spec = importlib.util.spec_from_file_location("observer_sides", REPO / "benchmarks" / "observer_sides.py")
+observer_sides = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(observer_sides)
+timed_script = sys.modules["timed_script"]
 
 
 def test_two_sides_take_turns_k_steps_at_a_time_from_the_first_step_once_both_are_ready(tmp_path: Path) -> None:
     first, k, steps = 3, 2, 11
-    env, fds = timed_script.turn_fifos(tmp_path, ["a", "b"], first, k)
+    env, fds = observer_sides.turn_fifos(tmp_path, ["a", "b"], first, k)
     stepped: list[tuple[str, int]] = []
     lock = threading.Lock()
 
     def side(name: str, startup_s: float) -> None:
-        baton = timed_script.Baton(env[name])
+        baton = turns.Baton(json.loads(env[name]))
         time.sleep(startup_s)  # b starts late: a's window waits for it
         for step in range(1, steps + 1):
             with lock:
@@ -37,7 +41,7 @@ def test_two_sides_take_turns_k_steps_at_a_time_from_the_first_step_once_both_ar
             baton.after(step)
         baton.hand_on()  # as the session's finish does
 
-    starter = threading.Thread(target=timed_script.start_turns, args=(fds, 2))
+    starter = threading.Thread(target=observer_sides.start_turns, args=(fds, 2))
     threads = [threading.Thread(target=side, args=("a", 0.0)), threading.Thread(target=side, args=("b", 0.3))]
     for th in [starter, *threads]:
         th.start()
@@ -53,12 +57,25 @@ def test_two_sides_take_turns_k_steps_at_a_time_from_the_first_step_once_both_ar
     # the window: a (the first side) k steps, then b k steps, and so on, each side's steps in order
     assert [n for n, _ in window] == (["a"] * k + ["b"] * k) * ((steps - first) // k)
     assert [s for n, s in window if n == "a"] == list(range(first + 1, steps + 1))
+    # each side logged a wait at every turn it waited for: its first, then one every k steps but its last
+    for name in ("a", "b"):
+        waits = turns.waits(tmp_path / f"waits-{name}")
+        assert len(waits) == (steps - first) // k + 1 and all(a <= b for a, b in waits)
+    assert turns.waits(tmp_path / "waits-b")[0][1] - turns.waits(tmp_path / "waits-b")[0][0] < 0.3  # a's first turn
+    assert turns.waits(tmp_path / "waits-a")[0][1] - turns.waits(tmp_path / "waits-a")[0][0] > 0.2  # waited for b
+
+
+def test_only_the_waits_within_a_window_are_left_out_of_it(tmp_path: Path) -> None:
+    log = tmp_path / "waits"
+    log.write_text("10.0 11.0\n12.5 13.0\n20.0 21.0\n")
+    assert turns.waited_within(log, 10.5, 20.5) == pytest.approx(0.5 + 0.5 + 0.5)  # two partly, one whole
+    assert turns.waited_within(tmp_path / "none", 0.0, 100.0) == 0.0  # a side that never waited
 
 
 def test_a_side_whose_turn_never_comes_says_so_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    env, fds = timed_script.turn_fifos(tmp_path, ["a", "b"], 1, 1)
-    monkeypatch.setattr(timed_script, "TURN_WAIT_S", 0.1)
-    baton = timed_script.Baton(env["b"])
+    env, fds = observer_sides.turn_fifos(tmp_path, ["a", "b"], 1, 1)
+    monkeypatch.setattr(turns, "WAIT_S", 0.1)
+    baton = turns.Baton(json.loads(env["b"]))
     with pytest.raises(SystemExit, match=r"^no turn came in 0 s: the other side stopped$"):
         baton.after(1)  # ready, and nobody starts the turns
     for fd in fds:
@@ -69,37 +86,52 @@ def test_the_seconds_waiting_for_a_turn_are_left_out_of_the_step() -> None:
     # rows: time, s in probe, s in step, s in gc, full collections, CPU, s waiting for a turn
     rows = [[0.0, 0, 0, 0, 0, 1, 0.0], [1.0, 0, 0.1, 0, 0, 1, 0.0], [2.5, 0, 0.2, 0, 0, 1, 0.5],
             [3.5, 0, 0.3, 0, 0, 1, 0.5], [5.0, 0, 0.4, 0, 0, 1, 1.0]]
-    written = {"rows": rows, "objects": 10}
-    assert timed_script.window_seconds(written, 2) == pytest.approx(3.0)  # 4 s from step 2 to 5, 1 s of it waiting
-    split = timed_script.split(written, 2)
+    split = timed_script.split({"rows": rows, "objects": 10}, 2)  # 4 s from step 2 to 5, 1 s of it waiting
     assert split[:2] == pytest.approx([0.9, 0.1]) and split[5] == pytest.approx(0.9)  # own: mean and median
-    old = {"rows": [r[:6] for r in rows], "objects": 10}  # rows recorded before turns: nothing waited
-    assert timed_script.window_seconds(old, 2) == pytest.approx(4.0)
+    old = timed_script.split({"rows": [r[:6] for r in rows], "objects": 10}, 2)  # rows before turns: no waits
+    assert old[0] == pytest.approx(4.0 / 3 - 0.1)
+    marks = [{"step": s, "time": 100.0 + s, "tokens": 10 * s} for s in range(1, 6)]
+    log = Path(os.devnull)
+    assert observer_sides.turn_rate(marks, 2, log) == pytest.approx((10.0, 3.0, 0.0))  # 30 tokens in 3 s
 
 
-@pytest.mark.parametrize("args", [["--trainers", "mlx_lm"], ["--turns", "0"],
-                                  ["--ablate", "sampler", "--sides", "harness,ablated"]])
-def test_turns_for_anything_but_the_scripts_two_sides_are_refused_in_one_line(args: list[str]) -> None:
+@pytest.mark.parametrize(("args", "needle"), [
+    (["--trainers", "mlx_vlm"], "for trainers of mlx_lm, script, unsloth_zoo and two sides, one of them bare"),
+    (["--turns", "0"], "K of at least 1"),
+    (["--ablate", "sampler", "--sides", "harness,ablated"], "two sides, one of them bare (got --trainers script, "
+                                                             "sides harness,ablated)"),
+    (["--trainers", "mlx_lm"], "--turns 5 --from 10: mlx-lm's bare side sees every tenth step"),
+])
+def test_turns_the_sides_cannot_take_are_refused_in_one_line(args: list[str], needle: str) -> None:
     cmd = [sys.executable, str(REPO / "benchmarks" / "observer_effect.py"), "--trainers", "script", "--turns", "5"]
     p = subprocess.run([*cmd, *args], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert p.returncode == 1 and p.stderr.count("\n") == 1 and "Traceback" not in p.stderr, p.stderr
-    assert p.stderr.startswith("--turns ") and "for --trainers script alone and two sides, one of them bare" in p.stderr
+    assert p.stderr.startswith("--turns ") and needle in p.stderr, p.stderr
 
 
 @pytest.mark.full  # a benchmark, run small: both sides at once, taking turns
 @pytest.mark.ranks
-def test_the_observer_benchmark_runs_the_scripts_sides_taking_turns(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("trainer", "steps", "first", "k"), [("script", 8, 2, 2), ("unsloth_zoo", 8, 2, 2),
+                                                             ("mlx_lm", 30, 10, 10)])
+def test_the_observer_benchmark_runs_both_sides_taking_turns(tmp_path: Path, trainer: str, steps: int, first: int,
+                                                             k: int) -> None:
     record = tmp_path / "turns.jsonl"
     p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "observer_effect.py"), "--model", "cpu3m",
-                        "--trainers", "script", "--steps", "8", "--from", "2", "--turns", "2", "--repeats", "2",
-                        "--record", str(record)], capture_output=True, text=True, cwd=REPO, timeout=600)
+                        "--trainers", trainer, "--steps", str(steps), "--from", str(first), "--turns", str(k),
+                        "--repeats", "2", "--record", str(record)], capture_output=True, text=True, cwd=REPO,
+                       timeout=900)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     head, *repeats = (json.loads(line) for line in record.read_text().splitlines())
-    assert head["plan"]["--turns"] == 2 and len(repeats) == 2
+    assert head["plan"]["--turns"] == k and len(repeats) == 2
     for r in repeats:
-        rates = r["data"]["rates"]["script"]
+        rates = r["data"]["rates"][trainer]
         assert set(rates) == {"bare", "harness", "harness reported"} and all(v > 0 for v in rates.values())
         # the harness's own figure is its step events' time less its waits: near the rate timed outside
         assert rates["harness reported"] == pytest.approx(rates["harness"], rel=0.1)
-        assert {side: len(rows) for side, rows in r["data"]["split"].items()} == {"bare": 1, "harness": 1}
-    assert "taking turns 2 steps at a time" in p.stdout
+        # each side waited through the other's turns, about half its window, and its rate leaves them out
+        for side, (window, waited) in r["data"]["turns"][trainer].items():
+            assert 0.25 < waited / window < 0.75, (side, window, waited)
+        assert 0.75 < rates["harness"] / rates["bare"] < 1.33
+        assert {side: len(rows) for side, rows in r["data"]["split"].items()} == (
+            {"bare": 1, "harness": 1} if trainer == "script" else {"bare": 0, "harness": 0})
+    assert f"taking turns {k} steps at a time" in p.stdout

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from harness import schema
+from harness.rank import turns
 from harness.rank.context import RankContext, ReportedFailure
 from harness.rank.models import param_count, start_digest, tree_digest
 from harness.scenario import Scenario
@@ -101,6 +102,7 @@ class StepReporter:
         self.frozen_count: int | None = None  # the model's frozen parameters (``saw_model``)
         self.start_dtypes: dict[str, str] | None = None  # each parameter's dtype where training started
         self.setup_casts = 0  # the parameters the trainer's own setup cast after ``start`` (``first_step``)
+        self.turns = turns.baton() if ctx.rank == 0 else None  # a benchmark's turns (``harness.rank.turns``)
 
     @property
     def steps(self) -> int:
@@ -234,6 +236,8 @@ class StepReporter:
         fault = self.ctx.maybe_fault("step", step)  # process-level faults happen inside
         if fault is not None and fault.action == "raise":
             raise RuntimeError(f"injected fault in phase step at step {step}")
+        if self.turns is not None:
+            self.turns.after(step)
 
     def eval(self, step: int, loss: float, tokens: int) -> None:
         """An evaluation after ``step`` optimizer steps: global loss and supervised tokens."""
@@ -264,6 +268,13 @@ class StepReporter:
         """Training ended with ``params``: rank 0 keeps them for the judge; returns the rank's result."""
         if self.finished is not None:
             return self.finished
+        try:
+            return self._finish(params, extra)
+        finally:
+            if self.turns is not None:  # the other side's last turn, once this one has finished
+                self.turns.hand_on()
+
+    def _finish(self, params: Any, extra: dict[str, Any] | None) -> dict[str, Any]:
         if not self.history["losses"]:
             raise ReportedFailure(f"{self.name} {schema.NO_STEPS}")
         runtime = time.perf_counter() - self.t_start

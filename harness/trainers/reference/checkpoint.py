@@ -103,12 +103,13 @@ def write(root: Path, step: int, params: dict[str, Any], optimizer: dict[str, An
 def _write_files(tmp: Path, step: int, params: dict[str, Any], optimizer: dict[str, Any], state: dict[str, Any],
                  between_files: Callable[[str], None] | None) -> dict[str, Any]:
     """Every file of a checkpoint into ``tmp``, the manifest last, all fsynced; the manifest's
-    file list."""
-    import mlx.core as mx
+    file list. The arrays are read through device copies (``host_read``), as every host read of
+    the harness's is, so that a checkpoint leaves the training's own buffers where they were."""
+    from harness.rank.host_read import write_safetensors
 
     tmp.mkdir()
     for name, arrays in ((MODEL, params), (OPTIMIZER, optimizer)):
-        mx.save_safetensors(str(tmp / name), arrays)
+        write_safetensors(tmp / name, arrays)
         if between_files:
             between_files(name)
     (tmp / TRAINER).write_text(json.dumps(state, sort_keys=True))

@@ -1,0 +1,80 @@
+"""Taking turns with another process, for a benchmark alone (``benchmarks/observer_effect.py
+--turns``): two runs of one trainer, one bare and one under the harness, train at once and step in
+turns, so that a machine whose speed wanders falls on both alike. Where ``VAR`` is set (JSON:
+``first``, ``k``, the FIFOs ``mine``, ``next`` and ``ready``, and a ``log`` file), this process's
+baton (``baton``) says it is ready at the end of step ``first`` and waits for its first turn; every
+``k`` steps after, it hands the turn on and waits for the next. Each wait is logged (its start and
+end, ``time.time()``) so that the benchmark leaves it out of the window it times. Every FIFO is
+opened read-write, so that neither the opening nor a write waits for a reader (one that has
+finished included). Unset, nothing here runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import time
+
+VAR = "MLX_DDP_HARNESS_TURNS"
+WAIT_S = 900.0  # the longest a side waits for its turn before it gives up (the other side stopped)
+
+
+class Baton:
+    """One process's turns (module docstring)."""
+
+    def __init__(self, spec: dict[str, str | int]):
+        self.first, self.k = int(spec["first"]), int(spec["k"])
+        self.mine, self.next, self.ready = (os.open(str(spec[n]), os.O_RDWR) for n in ("mine", "next", "ready"))
+        self.log = str(spec["log"])
+        self.holding = False
+        self.waited = 0.0  # seconds spent waiting for turns so far
+
+    def after(self, step: int) -> None:
+        """At the end of ``step``: wait for the first turn at ``first``, hand on and wait every ``k`` after."""
+        if step < self.first or (step - self.first) % self.k:
+            return
+        began = time.time()
+        if step == self.first:
+            os.write(self.ready, b"r")
+        else:
+            self.hand_on()
+        if not select.select([self.mine], [], [], WAIT_S)[0]:
+            raise SystemExit(f"no turn came in {WAIT_S:.0f} s: the other side stopped")
+        os.read(self.mine, 1)
+        self.holding = True
+        ended = time.time()
+        self.waited += ended - began
+        with open(self.log, "a") as f:
+            f.write(f"{began!r} {ended!r}\n")
+
+    def hand_on(self) -> None:
+        """The turn to the next side, where this one holds it (also at the end of training)."""
+        if self.holding:
+            os.write(self.next, b"t")
+            self.holding = False
+
+
+_baton: Baton | None = None
+
+
+def baton() -> Baton | None:
+    """This process's baton where ``VAR`` is set (one a process: whoever reports its steps and
+    whoever times them share it), else None."""
+    global _baton
+    if _baton is None and os.environ.get(VAR):
+        _baton = Baton(json.loads(os.environ[VAR]))
+    return _baton
+
+
+def waits(log: str | os.PathLike[str]) -> list[tuple[float, float]]:
+    """The waits a baton logged (none where it logged nothing)."""
+    try:
+        text = open(log).read()
+    except FileNotFoundError:
+        return []
+    return [(float(a), float(b)) for a, b in (line.split() for line in text.splitlines() if line.strip())]
+
+
+def waited_within(log: str | os.PathLike[str], start: float, end: float) -> float:
+    """Seconds of the logged waits that fall between ``start`` and ``end``."""
+    return sum(max(0.0, min(b, end) - max(a, start)) for a, b in waits(log))
