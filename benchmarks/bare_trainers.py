@@ -14,21 +14,7 @@ from typing import Any
 
 import timed_script
 
-from harness.rank import turns
-
-
-def take_turns(step: int) -> None:
-    """At the end of ``step``: the turns of ``observer_effect.py --turns`` (``harness.rank.turns``), where taken."""
-    baton = turns.baton()
-    if baton is not None:
-        baton.after(int(step))
-
-
-def last_turn() -> None:
-    """Training is over: the other side's last turn (where turns are taken)."""
-    baton = turns.baton()
-    if baton is not None:
-        baton.hand_on()
+from harness.rank import turns  # the turns of ``observer_effect.py --turns``, where taken
 
 
 def report_clock(base: type, marks: list[dict[str, Any]]) -> Any:
@@ -38,7 +24,7 @@ def report_clock(base: type, marks: list[dict[str, Any]]) -> Any:
     class Clock(base):  # type: ignore[misc, valid-type]
         def on_train_loss_report(self, info: dict[str, Any]) -> None:
             marks.append({"step": info["iteration"], "time": time.time(), "tokens": info["trained_tokens"]})
-            take_turns(info["iteration"])
+            turns.after(info["iteration"])
 
     return Clock()
 
@@ -70,7 +56,7 @@ def bare_mlx_lm(path: Path, run: str, out: Path) -> None:
                             steps_per_save=t.steps + 1, max_seq_length=s.data.max_seq_len,
                             adapter_file=str(Path(d) / "adapters.safetensors"))
         train(model, build_optimizer(t), train_set, None, args, training_callback=report_clock(TrainingCallback, marks))
-    last_turn()
+    turns.hand_on()
     out.write_text(json.dumps(marks))
 
 
@@ -132,14 +118,14 @@ def bare_unsloth_zoo(path: Path, run: str, out: Path) -> None:
     def clock(step: int, total: int, loss: float, lr: float, tok_s: float, peak: float, elapsed: float,
               tokens: int, grad_norm: float | None = None) -> None:  # one timestamp per logged step
         marks.append({"step": step, "time": time.time(), "tokens": tokens})
-        take_turns(step)
+        turns.after(step)
 
     with tempfile.TemporaryDirectory() as d:
         trainer = MLXTrainer(model, TokenizerView(rows.tokenizer, s.data.tokenizer), train_set,
                              args=training_config(s, 1, d))
         trainer.add_step_callback(clock)
         trainer.train()
-    last_turn()
+    turns.hand_on()
     out.write_text(json.dumps(marks))
 
 
@@ -180,13 +166,13 @@ class BareSession:
     def step(self, step: int, loss: float, tokens: int, tokens_local: int, lr: Any = None, params: Any = None) -> None:
         self.tokens += int(tokens)
         self.marks.append({"step": int(step), "time": time.time(), "tokens": self.tokens})
-        take_turns(step)
+        turns.after(step)
 
     def saved(self, count: int = 1) -> None:
         pass
 
     def finish(self, params: Any) -> None:
-        last_turn()
+        turns.hand_on()
 
 
 def bare_script(path: Path, run: str, out: Path) -> None:

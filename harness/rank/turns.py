@@ -14,6 +14,7 @@ import json
 import os
 import select
 import time
+from pathlib import Path
 
 VAR = "MLX_DDP_HARNESS_TURNS"
 WAIT_S = 900.0  # the longest a side waits for its turn before it gives up (the other side stopped)
@@ -66,10 +67,22 @@ def baton() -> Baton | None:
     return _baton
 
 
+def after(step: int) -> None:
+    """At the end of ``step``: this process's turns (``Baton.after``), where it takes them."""
+    if baton() is not None:
+        baton().after(int(step))
+
+
+def hand_on() -> None:
+    """Training is over: the other side's last turn, where this process takes turns."""
+    if baton() is not None:
+        baton().hand_on()
+
+
 def waits(log: str | os.PathLike[str]) -> list[tuple[float, float]]:
     """The waits a baton logged (none where it logged nothing)."""
     try:
-        text = open(log).read()
+        text = Path(log).read_text()
     except FileNotFoundError:
         return []
     return [(float(a), float(b)) for a, b in (line.split() for line in text.splitlines() if line.strip())]
