@@ -36,11 +36,11 @@ def window_tokens(marks: list[dict[str, Any]], first: int) -> int:
     return marks[-1]["tokens"] - next(m for m in marks if m["step"] >= first)["tokens"]
 
 
-def reported_rate(marks: list[dict[str, Any]], first: int, waited: float = 0.0) -> float:
+def reported_rate(marks: list[dict[str, Any]], first: int) -> float:
     """What the harness itself reports over the same window: tokens over its steps' ``step_time_s``
-    (the time between steps, less what its step-local probes took), less ``waited`` (turns)."""
+    (the time between steps, less what its step-local probes took and turns waited)."""
     later = [m for m in marks if m["step"] > first]
-    return (later[-1]["tokens"] - marks[first - 1]["tokens"]) / (sum(m["step_time_s"] for m in later) - waited)
+    return (later[-1]["tokens"] - marks[first - 1]["tokens"]) / sum(m["step_time_s"] for m in later)
 
 
 def harnessed(path: Path, run: str) -> list[dict[str, Any]]:
@@ -151,7 +151,7 @@ def run_turns(order: list[str], t: str, path: Path, d: Path, a: argparse.Namespa
     marks["bare"] = json.loads(marks_b.read_text())
     timed = {side: turn_rate(marks[side], a.first, d / f"waits-{side}") for side in order}
     rep = {side: rate for side, (rate, _, _) in timed.items()}
-    rep[f"{other} reported"] = reported_rate(marks[other], a.first, timed[other][2])
+    rep[f"{other} reported"] = reported_rate(marks[other], a.first)
     split: dict[str, list[list[float]]] = {side: [] for side in order}
     for f in sorted(times.glob("*.json")):  # the script's, where it ran
         side, written = "bare" if f.name.startswith("bare-") else other, json.loads(f.read_text())

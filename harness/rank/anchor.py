@@ -13,7 +13,8 @@ the reference trainer's rows and widths; otherwise the anchor still takes its ro
 counts every token as a target and pads to ``max_seq_len``. Benchmarks time it beside the
 reference trainer and mlx-lm's own trainer on the same model, dtype, per-rank batch and world
 size. ``mlx_compile`` in its result says whether MLX compiles in the rank at all (not under
-``MLX_DISABLE_COMPILE``).
+``MLX_DISABLE_COMPILE``). Where a benchmark has it take turns with the reference trainer
+(``harness.rank.turns``), rank 0 waits for its turn between steps, outside their times.
 
 ``allreduce`` (job kind ``grad_allreduce``) times ``nn.average_gradients`` alone on a gradient
 tree of the model's shapes and dtype: the all-reduce a DDP step pays, without the step.
@@ -24,6 +25,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from harness.rank import turns
 from harness.rank.context import RankContext
 
 
@@ -126,18 +128,25 @@ def run(ctx: RankContext) -> dict[str, Any]:
         step = mx.compile(step, inputs=state, outputs=state)
     ctx.phase("train")
     tok_s, times, counts = [], [], []
-    for k in range(1, t.steps + 1):
-        batch, lengths, global_tokens = batches[(k - 1) % len(batches)]
-        t0 = time.perf_counter()
-        loss, tokens = step(batch, lengths)
-        t1 = time.perf_counter()
-        mx.eval(state, loss, tokens)
-        dt = time.perf_counter() - t0
-        times.append(dt)
-        counts.append(global_tokens)
-        tok_s.append(global_tokens / dt)
-        ctx.events.emit("step", step=k, rank=ctx.rank, loss=float(loss.item()), step_time_s=dt,
-                        fetch_s=0.0, build_s=t1 - t0, eval_s=t0 + dt - t1)
+    taking_turns = ctx.rank == 0  # rank 0 takes a benchmark's turns, where it has them
+    try:
+        for k in range(1, t.steps + 1):
+            batch, lengths, global_tokens = batches[(k - 1) % len(batches)]
+            t0 = time.perf_counter()
+            loss, tokens = step(batch, lengths)
+            t1 = time.perf_counter()
+            mx.eval(state, loss, tokens)
+            dt = time.perf_counter() - t0
+            times.append(dt)
+            counts.append(global_tokens)
+            tok_s.append(global_tokens / dt)
+            ctx.events.emit("step", step=k, rank=ctx.rank, loss=float(loss.item()), step_time_s=dt,
+                            fetch_s=0.0, build_s=t1 - t0, eval_s=t0 + dt - t1)
+            if taking_turns:
+                turns.after(k)
+    finally:
+        if taking_turns:
+            turns.hand_on()
     return {"tok_s_global": tok_s, "step_times_s": times, "param_count": param_count(model),
             "tokens_global_per_step": counts, "compile": t.compile != "off",
             "input_widths": [length - 1] * t.steps, "mlx_compile": compile_enabled()}

@@ -94,7 +94,7 @@ class StepReporter:
         self.done = 0  # steps trained before this run: it resumed after them
         self.resume: dict[str, Any] | None = None
         self.probes = Probes(ctx.job.probe)
-        self.probe_s = 0.0  # probe time since the last step, not counted in the step's time
+        self.probe_s = 0.0  # probe (and turn) time since the last step, not counted in the step's time
         self.probe_offered = False  # the trainer called ``probe`` (at any step)
         self.widths: list[int | None] = []  # per step: the widest batch's input width (``width``)
         self.step_width: int | None = None
@@ -236,8 +236,8 @@ class StepReporter:
         fault = self.ctx.maybe_fault("step", step)  # process-level faults happen inside
         if fault is not None and fault.action == "raise":
             raise RuntimeError(f"injected fault in phase step at step {step}")
-        if self.turns is not None:
-            self.turns.after(step)
+        if self.turns is not None:  # a turn waited for is not the next step's time
+            self.probe_s += self.turns.after(step)
 
     def eval(self, step: int, loss: float, tokens: int) -> None:
         """An evaluation after ``step`` optimizer steps: global loss and supervised tokens."""

@@ -30,10 +30,11 @@ class Baton:
         self.holding = False
         self.waited = 0.0  # seconds spent waiting for turns so far
 
-    def after(self, step: int) -> None:
-        """At the end of ``step``: wait for the first turn at ``first``, hand on and wait every ``k`` after."""
+    def after(self, step: int) -> float:
+        """At the end of ``step``: wait for the first turn at ``first``, hand on and wait every ``k``
+        after; the seconds waited."""
         if step < self.first or (step - self.first) % self.k:
-            return
+            return 0.0
         began = time.time()
         if step == self.first:
             os.write(self.ready, b"r")
@@ -47,6 +48,7 @@ class Baton:
         self.waited += ended - began
         with open(self.log, "a") as f:
             f.write(f"{began!r} {ended!r}\n")
+        return ended - began
 
     def hand_on(self) -> None:
         """The turn to the next side, where this one holds it (also at the end of training)."""
@@ -67,10 +69,10 @@ def baton() -> Baton | None:
     return _baton
 
 
-def after(step: int) -> None:
-    """At the end of ``step``: this process's turns (``Baton.after``), where it takes them."""
-    if baton() is not None:
-        baton().after(int(step))
+def after(step: int) -> float:
+    """At the end of ``step``: this process's turns (``Baton.after``), where it takes them; the
+    seconds waited."""
+    return baton().after(int(step)) if baton() is not None else 0.0
 
 
 def hand_on() -> None:
