@@ -55,8 +55,8 @@ then halve the set. ``--sides harness,ablated`` runs those two alone (the parts'
 the bare side). ``--node N`` runs this process and every one it starts on NUMA node N's CPUs
 (their affinity, inherited): where the script's split shows the sides' steps on different nodes,
 this tells what placement costs from what the harness does. ``--turns K`` (the script, mlx-lm or
-unsloth-zoo, bare against one harness side) runs a repeat's two sides at once, taking turns K
-steps at a time from step ``--from`` (``harness.rank.turns``: the bare side's clock and the
+unsloth-zoo; two sides, each in a process of its own) runs a repeat's two sides at once, taking
+turns K steps at a time from step ``--from`` (``harness.rank.turns``: the bare side's clock and the
 harness's step report wait for the turn), the window starting once both have reached it: a
 machine whose speed drifts between the sides of a repeat drifts under both alike. Each side's
 rate is its tokens over its own turns (the seconds it waited left out); what a side does in the
@@ -88,7 +88,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import timed_script  # noqa: E402
 from bare_trainers import BARE  # noqa: E402
 from gpu_clocks import GpuClocks  # noqa: E402
-from observer_sides import run_side, run_turns  # noqa: E402
+from observer_sides import harnessed, run_side, run_turns  # noqa: E402
 from repeat_ratios import EFFECT, Ratios, ended, look_level, looks  # noqa: E402
 from repeat_record import RepeatRecord, add_options, check_options, planned_device, quiet_pipe, time_limit  # noqa: E402
 
@@ -203,12 +203,12 @@ def chosen_sides(a: argparse.Namespace) -> list[str]:
 
 
 def turns_allowed(a: argparse.Namespace, trainers: list[str], sides: list[str]) -> None:
-    """``--turns K``: for the trainers whose bare side can take turns, two sides, one bare; mlx-lm's
-    bare side sees every tenth step (its reports): ``--from`` and K in tens."""
-    if a.turns < 1 or not set(trainers) <= TAKE_TURNS or len(sides) != 2 or "bare" not in sides:
+    """``--turns K``: for the trainers whose bare side can take turns, two sides; mlx-lm's bare side
+    sees every tenth step (its reports): where it is a side, ``--from`` and K in tens."""
+    if a.turns < 1 or not set(trainers) <= TAKE_TURNS or len(sides) != 2:
         raise SystemExit(f"--turns {a.turns}: K of at least 1, for trainers of {', '.join(sorted(TAKE_TURNS))} and "
-                         f"two sides, one of them bare (got --trainers {','.join(trainers)}, sides {','.join(sides)})")
-    if "mlx_lm" in trainers and (a.turns % 10 or a.first % 10):
+                         f"two sides (got --trainers {','.join(trainers)}, sides {','.join(sides)})")
+    if "mlx_lm" in trainers and "bare" in sides and (a.turns % 10 or a.first % 10):
         raise SystemExit(f"--turns {a.turns} --from {a.first}: mlx-lm's bare side sees every tenth step (its "
                          f"reports), so both must be multiples of 10")
 
@@ -229,14 +229,19 @@ def main() -> None:
                    "ablated (default: bare, harness and, with --ablate, ablated); harness,ablated alone measures "
                    "what the parts cost at two thirds of a three-side repeat's time")
     p.add_argument("--node", type=int, metavar="N", help="run every side on NUMA node N's CPUs (Linux)")
-    p.add_argument("--turns", type=int, metavar="K", help="the script's two sides (bare and one under the harness) "
-                   "at once, taking turns K steps at a time from step --from")
+    p.add_argument("--turns", type=int, metavar="K", help="a repeat's two sides at once, taking turns K steps at a "
+                   "time from step --from")
     add_options(p)
     p.add_argument("--bare", nargs=3, metavar=("SCENARIO", "RUN", "OUT"), help=argparse.SUPPRESS)
+    p.add_argument("--harnessed", nargs=3, metavar=("SCENARIO", "RUN", "OUT"), help=argparse.SUPPRESS)
     a = p.parse_args()
-    if a.bare:
+    if a.bare:  # a side of a repeat in a process of its own (observer_sides)
         path, run, out = Path(a.bare[0]), a.bare[1], Path(a.bare[2])
         BARE[run](path, run, out)
+        return
+    if a.harnessed:
+        out = Path(a.harnessed[2])
+        out.write_text(json.dumps(harnessed(Path(a.harnessed[0]), a.harnessed[1])))
         return
     if os.environ.get(ablation.VAR):
         raise SystemExit(f"{ablation.VAR} is set: the harness side would run with parts off; unset it (--ablate "

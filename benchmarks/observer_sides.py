@@ -119,43 +119,58 @@ def turn_rate(marks: list[dict[str, Any]], first: int, log: Path) -> tuple[float
     return window_tokens(marks, first) / (end - start - waited), end - start, waited
 
 
+def side_process(side: str, t: str, path: Path, d: Path, a: argparse.Namespace, baton: str) -> subprocess.Popen:
+    """One side of trainer ``t`` in a process of its own, taking turns (``baton``: its
+    ``harness.rank.turns`` setting): bare, or under the harness (with ``--ablate``'s parts off on
+    the ablated side); its marks in ``d/{t}-{side}.marks.json``, the script's times in
+    ``d/times-{side}``."""
+    (times := d / f"times-{side}").mkdir(exist_ok=True)
+    env = {**(bare_env() if side == "bare" else os.environ), turns.VAR: baton, timed_script.TIMES_VAR: str(times)}
+    if side == "ablated":
+        env[ablation.VAR] = a.ablate
+    how = "--bare" if side == "bare" else "--harnessed"
+    return subprocess.Popen([sys.executable, str(OBSERVER), how, str(path), t, str(d / f"{t}-{side}.marks.json")],
+                            env=env, stdout=subprocess.DEVNULL)
+
+
 def run_turns(order: list[str], t: str, path: Path, d: Path, a: argparse.Namespace, clocks: GpuClocks
               ) -> tuple[dict[str, float], dict[str, list[list[float]]], dict[str, list[float]]]:
-    """Both sides of trainer ``t`` at once, taking turns (``--turns``), ``order[0]`` first: each side's
-    tok/s over its own turns (under the harness, its own figure too, less its waits), for the
-    script each side's split of the step, and each side's window and the seconds it waited in it."""
+    """Both sides of trainer ``t`` at once, each in a process of its own, taking turns (``--turns``),
+    ``order[0]`` first: each side's tok/s over its own turns (under the harness, its own figure
+    too), for the script each side's split of the step, and each side's window and the seconds it
+    waited in it."""
     env, fds = turn_fifos(d, order, a.first, a.turns)
-    other = next(side for side in order if side != "bare")
-    marks_b, times = d / f"{t}.marks.json", d / "times"
-    bare = subprocess.Popen([sys.executable, str(OBSERVER), "--bare", str(path), t, str(marks_b)],
-                            env={**bare_env(), turns.VAR: env["bare"]}, stdout=subprocess.DEVNULL)
+    procs = {side: side_process(side, t, path, d, a, env[side]) for side in order}
 
-    def unblock() -> None:  # a bare side that failed hands the harness's side every turn it would wait for
-        if bare.wait() != 0:
+    def unblock(side: str) -> None:  # a side that failed hands the other every turn it would wait for
+        if procs[side].wait() != 0:
+            other = order[1 - order.index(side)]
             os.write(fds[1 + order.index(other)], b"t" * a.steps)
 
-    for job in (lambda: start_turns(fds, len(order)), unblock):
-        threading.Thread(target=job, daemon=True).start()
-    os.environ[turns.VAR] = env[other]  # the harness's rank inherits it
+    threading.Thread(target=start_turns, args=(fds, len(order)), daemon=True).start()
+    watchers = [threading.Thread(target=unblock, args=(side,), daemon=True) for side in order]
+    for w in watchers:
+        w.start()
     try:
-        marks = {other: harness_side(path, t, a.ablate if other == "ablated" else "")}
+        for w in watchers:
+            w.join()
     except BaseException:
-        bare.kill()
+        for proc in procs.values():
+            proc.kill()
         raise
-    finally:
-        del os.environ[turns.VAR]
-    if bare.wait() != 0:
-        raise SystemExit(f"{t} bare, taking turns: exit {bare.returncode}")
+    failed = [f"{side} exited {procs[side].returncode}" for side in order if procs[side].returncode]
+    if failed:  # the FIFOs stay open: the first turn may still be awaited
+        raise SystemExit(f"{t} taking turns: {', '.join(failed)}")
     for fd in fds:
         os.close(fd)
-    marks["bare"] = json.loads(marks_b.read_text())
+    marks = {side: json.loads((d / f"{t}-{side}.marks.json").read_text()) for side in order}
     timed = {side: turn_rate(marks[side], a.first, d / f"waits-{side}") for side in order}
     rep = {side: rate for side, (rate, _, _) in timed.items()}
-    rep[f"{other} reported"] = reported_rate(marks[other], a.first)
+    rep.update({f"{side} reported": reported_rate(marks[side], a.first) for side in order if side != "bare"})
     split: dict[str, list[list[float]]] = {side: [] for side in order}
-    for f in sorted(times.glob("*.json")):  # the script's, where it ran
-        side, written = "bare" if f.name.startswith("bare-") else other, json.loads(f.read_text())
-        rows = written["rows"]
-        split[side].append(timed_script.split(written, a.first) + clocks.over(rows[a.first - 1][0], rows[-1][0]))
-        f.unlink()
+    for side in order:
+        for f in sorted((d / f"times-{side}").glob("*.json")):  # the script's, where it ran
+            rows = (written := json.loads(f.read_text()))["rows"]
+            split[side].append(timed_script.split(written, a.first) + clocks.over(rows[a.first - 1][0], rows[-1][0]))
+            f.unlink()
     return rep, split, {side: [window, waited] for side, (_, window, waited) in timed.items()}

@@ -96,10 +96,9 @@ def test_the_seconds_waiting_for_a_turn_are_left_out_of_the_step() -> None:
 
 
 @pytest.mark.parametrize(("args", "needle"), [
-    (["--trainers", "mlx_vlm"], "for trainers of mlx_lm, script, unsloth_zoo and two sides, one of them bare"),
+    (["--trainers", "mlx_vlm"], "for trainers of mlx_lm, script, unsloth_zoo and two sides"),
     (["--turns", "0"], "K of at least 1"),
-    (["--ablate", "sampler", "--sides", "harness,ablated"], "two sides, one of them bare (got --trainers script, "
-                                                             "sides harness,ablated)"),
+    (["--ablate", "sampler"], "two sides (got --trainers script, sides bare,harness,ablated)"),
     (["--trainers", "mlx_lm"], "--turns 5 --from 10: mlx-lm's bare side sees every tenth step"),
 ])
 def test_turns_the_sides_cannot_take_are_refused_in_one_line(args: list[str], needle: str) -> None:
@@ -111,27 +110,31 @@ def test_turns_the_sides_cannot_take_are_refused_in_one_line(args: list[str], ne
 
 @pytest.mark.full  # a benchmark, run small: both sides at once, taking turns
 @pytest.mark.ranks
-@pytest.mark.parametrize(("trainer", "steps", "first", "k"), [("script", 8, 2, 2), ("unsloth_zoo", 8, 2, 2),
-                                                             ("mlx_lm", 30, 10, 10)])
+@pytest.mark.parametrize(("trainer", "steps", "first", "k", "sides"), [
+    ("script", 8, 2, 2, ("bare", "harness")), ("unsloth_zoo", 8, 2, 2, ("bare", "harness")),
+    ("mlx_lm", 30, 10, 10, ("bare", "harness")), ("script", 8, 2, 3, ("harness", "ablated"))])
 def test_the_observer_benchmark_runs_both_sides_taking_turns(tmp_path: Path, trainer: str, steps: int, first: int,
-                                                             k: int) -> None:
+                                                             k: int, sides: tuple[str, str]) -> None:
     record = tmp_path / "turns.jsonl"
+    ablated = ["--ablate", "sampler,ledger", "--sides", ",".join(sides)] if "ablated" in sides else []
     p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "observer_effect.py"), "--model", "cpu3m",
                         "--trainers", trainer, "--steps", str(steps), "--from", str(first), "--turns", str(k),
-                        "--repeats", "2", "--record", str(record)], capture_output=True, text=True, cwd=REPO,
-                       timeout=900)
+                        "--repeats", "2", "--record", str(record), *ablated], capture_output=True, text=True,
+                       cwd=REPO, timeout=900)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     head, *repeats = (json.loads(line) for line in record.read_text().splitlines())
     assert head["plan"]["--turns"] == k and len(repeats) == 2
     for r in repeats:
         rates = r["data"]["rates"][trainer]
-        assert set(rates) == {"bare", "harness", "harness reported"} and all(v > 0 for v in rates.values())
+        assert set(rates) == {*sides, *(f"{side} reported" for side in sides if side != "bare")}
+        assert all(v > 0 for v in rates.values())
         # the harness's own figure is its step events' time less its waits: near the rate timed outside
-        assert rates["harness reported"] == pytest.approx(rates["harness"], rel=0.1)
+        for side in (s for s in sides if s != "bare"):
+            assert rates[f"{side} reported"] == pytest.approx(rates[side], rel=0.1)
         # each side waited through the other's turns, about half its window, and its rate leaves them out
         for side, (window, waited) in r["data"]["turns"][trainer].items():
             assert 0.25 < waited / window < 0.75, (side, window, waited)
-        assert 0.75 < rates["harness"] / rates["bare"] < 1.33
-        assert {side: len(rows) for side, rows in r["data"]["split"].items()} == (
-            {"bare": 1, "harness": 1} if trainer == "script" else {"bare": 0, "harness": 0})
+        assert 0.75 < rates[sides[1]] / rates[sides[0]] < 1.33
+        assert {side: len(rows) for side, rows in r["data"]["split"].items()} == dict.fromkeys(
+            sides, 1 if trainer == "script" else 0)
     assert f"taking turns {k} steps at a time" in p.stdout
