@@ -1,5 +1,5 @@
 """Each side of an observer-effect repeat (``observer_effect.py``): run bare or under the harness,
-one after the other or at once taking turns (``--turns``: ``harness.rank.turns``), and its rate
+one after the other or at once taking turns (``--turns``: ``taking_turns``), and its rate
 over the timed window."""
 
 from __future__ import annotations
@@ -7,16 +7,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import select
 import subprocess
 import sys
-import threading
 from pathlib import Path
 from typing import Any
 
 import timed_script
 from bare_trainers import bare_env
 from gpu_clocks import GpuClocks
+from taking_turns import run_at_once
 
 from harness import ablation
 from harness.rank import turns
@@ -84,33 +83,6 @@ def run_side(side: str, t: str, path: Path, d: Path, a: argparse.Namespace) -> d
     return {side: window_rate(marks_h, a.first)[0], f"{side} reported": reported_rate(marks_h, a.first)}
 
 
-def turn_fifos(d: Path, sides: list[str], first: int, k: int) -> tuple[dict[str, str], list[int]]:
-    """Each side's ``harness.rank.turns`` setting for a ring of ``sides`` (the first hands on to the
-    second, the last to the first) in directory ``d``, and the FIFOs opened here read-write: the
-    ready one to read, then every side's, kept open so that no turn written is lost before its
-    reader opens it."""
-    paths = {side: d / f"turn-{side}" for side in [*sides, "ready"]}
-    for path in paths.values():
-        path.unlink(missing_ok=True)
-        os.mkfifo(path)
-    for side in sides:
-        (d / f"waits-{side}").unlink(missing_ok=True)
-    env = {side: json.dumps({"first": first, "k": k, "mine": str(paths[side]), "ready": str(paths["ready"]),
-                             "next": str(paths[sides[(i + 1) % len(sides)]]), "log": str(d / f"waits-{side}")})
-           for i, side in enumerate(sides)}
-    return env, [os.open(paths[side], os.O_RDWR) for side in ["ready", *sides]]
-
-
-def start_turns(fds: list[int], sides: int) -> None:
-    """Once every side has said it is ready (``fds[0]``), the first turn to the first side (``fds[1]``)."""
-    got = 0
-    while got < sides:
-        if not select.select([fds[0]], [], [], turns.WAIT_S)[0]:
-            return  # a side stopped before its window: its run reports why
-        got += len(os.read(fds[0], sides - got))
-    os.write(fds[1], b"t")
-
-
 def turn_rate(marks: list[dict[str, Any]], first: int, log: Path) -> tuple[float, float, float]:
     """Global tokens per second over the window (``window_rate``) less the seconds waited in it; the
     window's seconds and those waited."""
@@ -119,18 +91,16 @@ def turn_rate(marks: list[dict[str, Any]], first: int, log: Path) -> tuple[float
     return window_tokens(marks, first) / (end - start - waited), end - start, waited
 
 
-def side_process(side: str, t: str, path: Path, d: Path, a: argparse.Namespace, baton: str) -> subprocess.Popen:
-    """One side of trainer ``t`` in a process of its own, taking turns (``baton``: its
-    ``harness.rank.turns`` setting): bare, or under the harness (with ``--ablate``'s parts off on
-    the ablated side); its marks in ``d/{t}-{side}.marks.json``, the script's times in
-    ``d/times-{side}``."""
+def side_command(side: str, t: str, path: Path, d: Path, a: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
+    """One side of trainer ``t`` as a process of its own (its argv and environment): bare, or under
+    the harness (with ``--ablate``'s parts off on the ablated side); its marks in
+    ``d/{t}-{side}.marks.json``, the script's times in ``d/times-{side}``."""
     (times := d / f"times-{side}").mkdir(exist_ok=True)
-    env = {**(bare_env() if side == "bare" else os.environ), turns.VAR: baton, timed_script.TIMES_VAR: str(times)}
+    env = {**(bare_env() if side == "bare" else os.environ), timed_script.TIMES_VAR: str(times)}
     if side == "ablated":
         env[ablation.VAR] = a.ablate
     how = "--bare" if side == "bare" else "--harnessed"
-    return subprocess.Popen([sys.executable, str(OBSERVER), how, str(path), t, str(d / f"{t}-{side}.marks.json")],
-                            env=env, stdout=subprocess.DEVNULL)
+    return [sys.executable, str(OBSERVER), how, str(path), t, str(d / f"{t}-{side}.marks.json")], env
 
 
 def run_turns(order: list[str], t: str, path: Path, d: Path, a: argparse.Namespace, clocks: GpuClocks
@@ -139,30 +109,7 @@ def run_turns(order: list[str], t: str, path: Path, d: Path, a: argparse.Namespa
     ``order[0]`` first: each side's tok/s over its own turns (under the harness, its own figure
     too), for the script each side's split of the step, and each side's window and the seconds it
     waited in it."""
-    env, fds = turn_fifos(d, order, a.first, a.turns)
-    procs = {side: side_process(side, t, path, d, a, env[side]) for side in order}
-
-    def unblock(side: str) -> None:  # a side that failed hands the other every turn it would wait for
-        if procs[side].wait() != 0:
-            other = order[1 - order.index(side)]
-            os.write(fds[1 + order.index(other)], b"t" * a.steps)
-
-    threading.Thread(target=start_turns, args=(fds, len(order)), daemon=True).start()
-    watchers = [threading.Thread(target=unblock, args=(side,), daemon=True) for side in order]
-    for w in watchers:
-        w.start()
-    try:
-        for w in watchers:
-            w.join()
-    except BaseException:
-        for proc in procs.values():
-            proc.kill()
-        raise
-    failed = [f"{side} exited {procs[side].returncode}" for side in order if procs[side].returncode]
-    if failed:  # the FIFOs stay open: the first turn may still be awaited
-        raise SystemExit(f"{t} taking turns: {', '.join(failed)}")
-    for fd in fds:
-        os.close(fd)
+    run_at_once({side: side_command(side, t, path, d, a) for side in order}, d, a.first, a.turns, a.steps, t)
     marks = {side: json.loads((d / f"{t}-{side}.marks.json").read_text()) for side in order}
     timed = {side: turn_rate(marks[side], a.first, d / f"waits-{side}") for side in order}
     rep = {side: rate for side, (rate, _, _) in timed.items()}

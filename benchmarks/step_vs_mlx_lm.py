@@ -34,16 +34,23 @@ the reference's tok/s over the bare step's repeat by repeat, their mean with its
 (``repeat_ratios``) and whether it tells a 2 % gap from none; ``--max-repeats`` adds repeats
 until it does. ``--record FILE`` keeps each repeat in FILE as it finishes and continues the
 repeats already there (``repeat_record``): a run's repeats carried over several invocations.
+``--turns K --from F`` (with ``--without-trainer``) runs a repeat's reference and bare step at
+once, each in a process of its own, taking turns K steps at a time after step F
+(``taking_turns``, ``harness.rank.turns``: rank 0 of each waits for its turn between steps,
+outside their times), and takes each one's median over the steps after F: a machine whose speed
+wanders between two runs wanders under both alike.
 
 usage: python benchmarks/step_vs_mlx_lm.py [--model tiny|cpu3m|gpu044b] [--world-sizes 1,2]
                                            [--modes eager,compiled] [--steps N] [--repeats R]
-                                           [--max-repeats M] [--backend ring|nccl] [--without-trainer]
+                                           [--max-repeats M] [--backend ring|nccl]
+                                           [--without-trainer [--turns K --from F]]
                                            [--record FILE [--time-limit S | --report-only]]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -58,8 +65,10 @@ from tabulate import tabulate
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from repeat_ratios import EFFECT, Ratios, ended, look_level, looks  # noqa: E402
 from repeat_record import RepeatRecord, add_options, check_options, planned_device, quiet_pipe, time_limit  # noqa: E402
+from taking_turns import run_at_once  # noqa: E402
 
 from harness.controller.run_job import execute  # noqa: E402
+from harness.rank import turns
 from harness.scenario import load_scenario
 from harness.scenario.job import AnchorJob
 from harness.scenario.plan import job_for
@@ -95,9 +104,10 @@ def scenario_text(model: str, world_sizes: list[int], steps: int) -> str:
             f'learning_rate = 1e-4\n{runs}\n[checks]\nreference = "ws{world_sizes[0]}_eager"\n')
 
 
-def post_step1_median(result: dict[str, Any]) -> float:
+def post_step1_median(result: dict[str, Any], first: int = 1) -> float:
+    """The median tok/s of the steps after step ``first`` (1, or taking turns, ``--from``)."""
     values = result["tok_s_global"]
-    return statistics.median(values[1:] if len(values) > 1 else values)
+    return statistics.median(values[first:] if len(values) > first else values)
 
 
 def widths(result: dict[str, Any]) -> str:
@@ -130,12 +140,13 @@ def compile_disabled(disabled: bool) -> Iterator[None]:
             os.environ["MLX_DISABLE_COMPILE"] = before
 
 
-def launch(spec: Any, job: dict[str, Any], backend: str | None) -> dict[str, Any]:
-    """Rank 0's result of ``job`` on ``spec``'s world size; a failed run ends the benchmark."""
+def launch(spec: Any, job: dict[str, Any], backend: str | None, first: int = 1) -> dict[str, Any]:
+    """Rank 0's result of ``job`` on ``spec``'s world size, with its phases' medians over the steps
+    after step ``first``; a failed run ends the benchmark."""
     out = execute(f"{spec.name}_{job.kind}", job, spec.world_size, backend=backend or spec.backend)
     if not out.ok:
         raise SystemExit(f"{spec.name} ({job.kind}): {out.failure}")
-    steps = [e for e in out.ranks[0].events if e.get("kind") == "step"][1:]
+    steps = [e for e in out.ranks[0].events if e.get("kind") == "step"][first:]
     phases = {k: statistics.median(e[k] for e in steps) for k in PHASES + ("step_time_s",)
               if steps and all(k in e for e in steps)}
     return {**out.result(0), "phase_medians_s": phases}
@@ -156,6 +167,52 @@ def phase_row(spec: Any, mode: str, who: str, result: dict[str, Any]) -> list[An
 def measure(spec: Any, job: dict[str, Any], backend: str | None) -> tuple[float, dict[str, Any]]:
     result = launch(spec, job, backend)
     return post_step1_median(result), result
+
+
+SIDES = ("harness", "step")  # taking turns: the reference trainer and the bare step, each in a process of its own
+
+
+def run_side(s: Any, args: argparse.Namespace) -> None:
+    """``--one-side SIDE RUN OUT``: one side of run RUN's repeat, taking turns (``harness.rank.turns``
+    in the environment), its rank 0 result written to OUT."""
+    side, name, out = args.one_side
+    spec = s.run(name)
+    job = job_for(s, name) if side == "harness" else AnchorJob(s.for_run(spec))
+    with compile_disabled(name.split("_")[1] == "eager"):
+        Path(out).write_text(json.dumps(launch(spec, job, args.backend, args.first)))
+
+
+def both_at_once(spec: Any, args: argparse.Namespace, k: int
+                 ) -> tuple[list[tuple[float, dict[str, Any]] | None], dict[str, float]]:
+    """Repeat ``k`` of run ``spec``: the reference and the bare step at once, taking turns
+    ``--turns`` steps at a time from step ``--from`` (each first in turn); each one's median tok/s
+    after step ``--from`` and its result, in the order of ``bare_ratio``'s three, and the seconds
+    each waited for its turns."""
+    order = list(SIDES[k % 2:] + SIDES[:k % 2])
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp)
+        base = [sys.executable, str(Path(__file__).resolve()), "--model", args.model, "--world-sizes",
+                args.world_sizes, "--steps", str(args.steps), "--without-trainer", "--turns", str(args.turns),
+                "--from", str(args.first),
+                *(["--backend", args.backend] if args.backend else [])]
+        run_at_once({side: ([*base, "--one-side", side, spec.name, str(d / side)], dict(os.environ)) for side in order},
+                    d, args.first, args.turns, args.steps, spec.name)
+        got = {side: json.loads((d / side).read_text()) for side in order}
+        waited = {side: sum(b - a for a, b in turns.waits(d / f"waits-{side}")) for side in order}
+    return [(post_step1_median(got[side], args.first), got[side]) if side else None
+            for side in ("harness", None, "step")], waited
+
+
+def turns_allowed(args: argparse.Namespace) -> None:
+    """``--turns K``: the reference against the bare step alone, from a step before the last."""
+    if args.turns is None:
+        if args.first is not None:
+            raise SystemExit("--from: the step the turns start after, with --turns")
+        return
+    if args.turns < 1 or not args.without_trainer or not 1 <= (args.first or 0) < args.steps:
+        raise SystemExit(f"--turns {args.turns}: K of at least 1, with --without-trainer (the reference and the bare "
+                         f"step take turns) and --from F of 1 to --steps - 1 (got --from {args.first}, --steps "
+                         f"{args.steps})")
 
 
 def kept(values: list[float]) -> int:
@@ -221,6 +278,10 @@ def main() -> None:
     ap.add_argument("--backend", default=None)
     ap.add_argument("--without-trainer", action="store_true",
                     help="leave mlx-lm's trainer out: the reference against the bare step alone")
+    ap.add_argument("--turns", type=int, metavar="K", help="with --without-trainer: the reference and the bare step "
+                    "at once, taking turns K steps at a time from step --from, each timed over the steps after it")
+    ap.add_argument("--from", dest="first", type=int, metavar="F", help="with --turns: the step the turns start after")
+    ap.add_argument("--one-side", nargs=3, metavar=("SIDE", "RUN", "OUT"), help=argparse.SUPPRESS)
     add_options(ap)
     args = ap.parse_args()
     sizes = [int(n) for n in args.world_sizes.split(",")]
@@ -229,10 +290,14 @@ def main() -> None:
     if not modes or set(modes) - set(MODES):
         raise SystemExit(f"--modes: each of {', '.join(MODES)}, got {args.modes!r}")
     args.steps = args.steps or (40 if args.model == "tiny" else 12)
+    turns_allowed(args)
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "step_vs_mlx_lm.toml"
         path.write_text(scenario_text(args.model, sizes, args.steps))
         s = load_scenario(path)
+    if args.one_side:
+        run_side(s, args)
+        return
     _, dtype, seq, per_rank = MODELS[args.model]
     rows, base, step_s, phase_rows, step_rows = [], {}, {}, [], []
     points = looks(args.repeats, args.max_repeats or args.repeats, 1)  # its three runs rotate within a repeat
@@ -240,6 +305,7 @@ def main() -> None:
     plan = {"device": planned_device(args), "--model": args.model, "--world-sizes": sizes, "--modes": modes,
             "--steps": args.steps, "--backend": args.backend,
             **({"--without-trainer": True} if args.without_trainer else {}),
+            **({"--turns": args.turns, "--from": args.first} if args.turns else {}),
             "--repeats/--max-repeats (looks after)": points}
     record = RepeatRecord.open(args.record, "step_vs_mlx_lm", plan, report_only=args.report_only)
     if record.repeats:
@@ -266,13 +332,16 @@ def main() -> None:
                 stopped = True
                 limit.stopped(record, len(got[0]), points[-1])
                 break
-            k, repeat = len(got[0]), [None, None, None]
-            for i in which[k % len(which):] + which[:k % len(which)]:  # each first in turn
-                with compile_disabled(mode == "eager"):
-                    repeat[i] = measure(runs[i][0], runs[i][1], args.backend)
+            k, repeat, waited = len(got[0]), [None, None, None], None
+            if args.turns:
+                repeat, waited = both_at_once(spec, args, k)
+            else:
+                for i in which[k % len(which):] + which[:k % len(which)]:  # each first in turn
+                    with compile_disabled(mode == "eager"):
+                        repeat[i] = measure(runs[i][0], runs[i][1], args.backend)
             for i in which:
                 got[i].append(repeat[i])
-            record.add({"run": spec.name, "got": repeat})
+            record.add({"run": spec.name, "got": repeat, **({"waited_s": waited} if waited else {})})
         if not got[0]:
             continue
         tok_s = [[v for v, _ in g] for g in got]  # mlx-lm's trainer's empty where left out
@@ -319,8 +388,8 @@ def main() -> None:
         print()
         print(tabulate(phase_rows, headers=["World size", "Mode", "Who", "Fetch ms", "Build ms", "Eval ms",
                                             "Step ms"]))
-        print("Rank 0, median after step 1 of the best repeat. Fetch: batch and token-count agreement; build: the "
-              "lazy graph; eval: mx.eval of the step.")
+        print(f"Rank 0, median after step {args.first or 1} of the best repeat. Fetch: batch and token-count "
+              "agreement; build: the lazy graph; eval: mx.eval of the step.")
     reduce_rows = [] if args.time_limit is not None or args.report_only else allreduce_rows(s, step_s, args.backend)
     if reduce_rows:
         print()

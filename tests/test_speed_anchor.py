@@ -117,3 +117,26 @@ def test_the_benchmark_without_the_trainer_runs_two_and_reports_its_record(tmp_p
     again = bench("--report-only")
     assert again.returncode == 0 and again.stdout == p.stdout, again.stderr  # the same report from the record alone
     assert record.read_bytes() == before
+
+
+@pytest.mark.full  # a benchmark, run small: the reference and the bare step at once, taking turns
+def test_the_reference_and_the_bare_step_take_turns_and_time_only_their_own_steps(tmp_path: Path) -> None:
+    record = tmp_path / "turns.jsonl"
+    steps, first, k = 12, 4, 2
+    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "step_vs_mlx_lm.py"), "--model", "tiny", "--steps",
+                        str(steps), "--world-sizes", "1", "--modes", "compiled", "--repeats", "2", "--without-trainer",
+                        "--turns", str(k), "--from", str(first), "--record", str(record)], capture_output=True,
+                       text=True, cwd=REPO, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    head, *repeats = (json.loads(line) for line in record.read_text().splitlines())
+    assert head["plan"]["--turns"] == k and head["plan"]["--from"] == first and len(repeats) == 2
+    for r in repeats:
+        got, waited = r["data"]["got"], r["data"]["waited_s"]
+        assert got[1] is None and set(waited) == {"harness", "step"}
+        for (figure, result), side in ((got[0], "harness"), (got[2], "step")):
+            times = result["step_times_s"]
+            assert len(times) == steps and figure > 0
+            # each waited through the other's turns, and none of that wait is in a step's time
+            assert waited[side] > 0.5 * sum(times[first:]), (side, waited, times)
+            assert max(times[first:]) < 2 * sorted(times[first:])[len(times[first:]) // 2], times  # a wait: 3x
+    assert "median after step 4 of the best repeat" in p.stdout

@@ -23,11 +23,12 @@ _spec = importlib.util.spec_from_file_location("observer_sides", REPO / "benchma
 observer_sides = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(observer_sides)
 timed_script = sys.modules["timed_script"]
+taking_turns = sys.modules["taking_turns"]
 
 
 def test_two_sides_take_turns_k_steps_at_a_time_from_the_first_step_once_both_are_ready(tmp_path: Path) -> None:
     first, k, steps = 3, 2, 11
-    env, fds = observer_sides.turn_fifos(tmp_path, ["a", "b"], first, k)
+    env, fds = taking_turns.turn_fifos(tmp_path, ["a", "b"], first, k)
     stepped: list[tuple[str, int]] = []
     lock = threading.Lock()
 
@@ -41,7 +42,7 @@ def test_two_sides_take_turns_k_steps_at_a_time_from_the_first_step_once_both_ar
             baton.after(step)
         baton.hand_on()  # as the session's finish does
 
-    starter = threading.Thread(target=observer_sides.start_turns, args=(fds, 2))
+    starter = threading.Thread(target=taking_turns.start_turns, args=(fds, 2))
     threads = [threading.Thread(target=side, args=("a", 0.0)), threading.Thread(target=side, args=("b", 0.3))]
     for th in [starter, *threads]:
         th.start()
@@ -73,7 +74,7 @@ def test_only_the_waits_within_a_window_are_left_out_of_it(tmp_path: Path) -> No
 
 
 def test_a_side_whose_turn_never_comes_says_so_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    env, fds = observer_sides.turn_fifos(tmp_path, ["a", "b"], 1, 1)
+    env, fds = taking_turns.turn_fifos(tmp_path, ["a", "b"], 1, 1)
     monkeypatch.setattr(turns, "WAIT_S", 0.1)
     baton = turns.Baton(json.loads(env["b"]))
     with pytest.raises(SystemExit, match=r"^no turn came in 0 s: the other side stopped$"):

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness.rank import step_probe
+from harness.rank import step_probe, turns
 from harness.rank.consensus import Coordinator, RankFailure
 from harness.rank.context import RankContext
 from harness.rank.effects import MainRankEffects
@@ -264,6 +264,10 @@ class Trainer:
             every = spec.checkpoint_every
             if self.checkpointing and (step == self.end_step or (every and step % every == 0)):
                 self._checkpoint(step)
+            if ctx.rank == 0:  # a benchmark's turns, where it sets them (outside the step's time)
+                turns.after(step)
+        if ctx.rank == 0:
+            turns.hand_on()
         runtime = self.train_clock()
 
         agreed = coord.agree()  # a failed last update, or a stop requested after the last step

@@ -1,0 +1,74 @@
+"""Two processes of a benchmark at once, taking turns (``harness.rank.turns``): the ring of FIFOs
+that passes the turn, its start once both are ready, and the two processes run to their end
+(``observer_sides.py``'s sides, ``step_vs_mlx_lm.py``'s reference and bare step)."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import threading
+from pathlib import Path
+
+from harness.rank import turns
+
+
+def turn_fifos(d: Path, sides: list[str], first: int, k: int) -> tuple[dict[str, str], list[int]]:
+    """Each side's ``harness.rank.turns`` setting for a ring of ``sides`` (the first hands on to the
+    second, the last to the first) in directory ``d``, and the FIFOs opened here read-write: the
+    ready one to read, then every side's, kept open so that no turn written is lost before its
+    reader opens it. Each side's waits are logged to ``d/waits-{side}``."""
+    paths = {side: d / f"turn-{side}" for side in [*sides, "ready"]}
+    for path in paths.values():
+        path.unlink(missing_ok=True)
+        os.mkfifo(path)
+    for side in sides:
+        (d / f"waits-{side}").unlink(missing_ok=True)
+    env = {side: json.dumps({"first": first, "k": k, "mine": str(paths[side]), "ready": str(paths["ready"]),
+                             "next": str(paths[sides[(i + 1) % len(sides)]]), "log": str(d / f"waits-{side}")})
+           for i, side in enumerate(sides)}
+    return env, [os.open(paths[side], os.O_RDWR) for side in ["ready", *sides]]
+
+
+def start_turns(fds: list[int], sides: int) -> None:
+    """Once every side has said it is ready (``fds[0]``), the first turn to the first side (``fds[1]``)."""
+    got = 0
+    while got < sides:
+        if not select.select([fds[0]], [], [], turns.WAIT_S)[0]:
+            return  # a side stopped before its window: its run reports why
+        got += len(os.read(fds[0], sides - got))
+    os.write(fds[1], b"t")
+
+
+def run_at_once(sides: dict[str, tuple[list[str], dict[str, str]]], d: Path, first: int, k: int, steps: int,
+                what: str) -> None:
+    """Run each side's command (argv, environment) at once, the first side first, taking turns K
+    steps at a time from step ``first`` of ``steps``, until both have ended. A side that fails
+    hands the other every turn it would wait for; then ``SystemExit`` names ``what`` and each
+    side that failed."""
+    order = list(sides)
+    env, fds = turn_fifos(d, order, first, k)
+    procs = {side: subprocess.Popen(argv, env={**e, turns.VAR: env[side]}, stdout=subprocess.DEVNULL)
+             for side, (argv, e) in sides.items()}
+
+    def unblock(side: str) -> None:
+        if procs[side].wait() != 0:
+            os.write(fds[1 + (1 - order.index(side))], b"t" * steps)
+
+    threading.Thread(target=start_turns, args=(fds, len(order)), daemon=True).start()
+    watchers = [threading.Thread(target=unblock, args=(side,), daemon=True) for side in order]
+    for w in watchers:
+        w.start()
+    try:
+        for w in watchers:
+            w.join()
+    except BaseException:
+        for proc in procs.values():
+            proc.kill()
+        raise
+    failed = [f"{side} exited {procs[side].returncode}" for side in order if procs[side].returncode]
+    if failed:  # the FIFOs stay open: the first turn may still be awaited
+        raise SystemExit(f"{what} taking turns: {', '.join(failed)}")
+    for fd in fds:
+        os.close(fd)
