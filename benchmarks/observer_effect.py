@@ -91,6 +91,7 @@ from gpu_clocks import GpuClocks  # noqa: E402
 from observer_sides import harnessed, run_side, run_turns  # noqa: E402
 from repeat_ratios import EFFECT, Ratios, ended, look_level, looks  # noqa: E402
 from repeat_record import RepeatRecord, add_options, check_options, planned_device, quiet_pipe, time_limit  # noqa: E402
+from taking_turns import unwind_on_sigterm  # noqa: E402
 
 from harness import ablation  # noqa: E402
 
@@ -235,7 +236,9 @@ def main() -> None:
     p.add_argument("--bare", nargs=3, metavar=("SCENARIO", "RUN", "OUT"), help=argparse.SUPPRESS)
     p.add_argument("--harnessed", nargs=3, metavar=("SCENARIO", "RUN", "OUT"), help=argparse.SUPPRESS)
     a = p.parse_args()
-    if a.bare:  # a side of a repeat in a process of its own (observer_sides)
+    if a.bare or a.harnessed:  # a side of a repeat in a process of its own (observer_sides)
+        unwind_on_sigterm()
+    if a.bare:
         path, run, out = Path(a.bare[0]), a.bare[1], Path(a.bare[2])
         BARE[run](path, run, out)
         return

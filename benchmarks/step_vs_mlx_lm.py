@@ -65,7 +65,7 @@ from tabulate import tabulate
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from repeat_ratios import EFFECT, Ratios, ended, look_level, looks  # noqa: E402
 from repeat_record import RepeatRecord, add_options, check_options, planned_device, quiet_pipe, time_limit  # noqa: E402
-from taking_turns import run_at_once  # noqa: E402
+from taking_turns import run_at_once, unwind_on_sigterm  # noqa: E402
 
 from harness.controller.run_job import execute  # noqa: E402
 from harness.rank import turns
@@ -176,6 +176,7 @@ def run_side(s: Any, args: argparse.Namespace) -> None:
     """``--one-side SIDE RUN OUT``: one side of run RUN's repeat, taking turns (``harness.rank.turns``
     in the environment), its rank 0 result written to OUT."""
     side, name, out = args.one_side
+    unwind_on_sigterm()
     spec = s.run(name)
     job = job_for(s, name) if side == "harness" else AnchorJob(s.for_run(spec))
     with compile_disabled(name.split("_")[1] == "eager"):

@@ -7,11 +7,22 @@ from __future__ import annotations
 import json
 import os
 import select
+import signal
 import subprocess
 import threading
 from pathlib import Path
 
 from harness.rank import turns
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def unwind_on_sigterm() -> None:
+    """In a side's process: SIGTERM (``run_at_once`` interrupted) unwinds it, so that the harness's
+    controller there stops its ranks, instead of ending it at once and leaving them."""
+    signal.signal(signal.SIGTERM, _terminated)
 
 
 def turn_fifos(d: Path, sides: list[str], first: int, k: int) -> tuple[dict[str, str], list[int]]:
@@ -63,9 +74,14 @@ def run_at_once(sides: dict[str, tuple[list[str], dict[str, str]]], d: Path, fir
     try:
         for w in watchers:
             w.join()
-    except BaseException:
+    except BaseException:  # interrupted: each side's controller stops its ranks as it ends
         for proc in procs.values():
-            proc.kill()
+            proc.terminate()
+        for proc in procs.values():
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
         raise
     failed = [f"{side} exited {procs[side].returncode}" for side in order if procs[side].returncode]
     if failed:  # the FIFOs stay open: the first turn may still be awaited
