@@ -165,6 +165,16 @@ def parts(value: str) -> str:
     return value
 
 
+def blas_note(device: str | None, off: list[str] | None) -> str | None:
+    """A note where ``off`` turns off a part that gives a CPU's ranks their BLAS: the ablated side
+    then times another BLAS (about 11 times slower on the 2-core VM), not the harness."""
+    blas = sorted({"preload", "env"} & set(off or []))
+    if not blas or not (device or "").startswith("cpu"):
+        return None
+    return (f"note: on a CPU, {' and '.join(blas)} off leaves the ablated side without the BLAS its ranks and the "
+            f"bare side run with: it measures the BLAS, not the harness (screen a CPU without them)")
+
+
 def comparisons(sides: list[str]) -> list[tuple[str, str]]:
     """(numerator, denominator) of each ratio reported, of the sides run: under the harness over bare,
     and with ``--ablate``, the harness with those parts off over bare and all on over them off (the
@@ -268,6 +278,8 @@ def main() -> None:
             **({"--sides": sides} if a.sides else {}), **({"--node": a.node} if a.node is not None else {}),
             **({"--turns": a.turns} if a.turns is not None else {}),
             "--repeats/--max-repeats (looks after)": points}
+    if (note := blas_note(plan["device"], plan["--ablate"])) is not None:
+        print(note, file=sys.stderr, flush=True)
     record = RepeatRecord.open(a.record, "observer_effect", plan, report_only=a.report_only)
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)

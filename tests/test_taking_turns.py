@@ -24,6 +24,9 @@ observer_sides = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(observer_sides)
 timed_script = sys.modules["timed_script"]
 taking_turns = sys.modules["taking_turns"]
+_spec = importlib.util.spec_from_file_location("observer_effect", REPO / "benchmarks" / "observer_effect.py")
+observer_effect = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(observer_effect)
 
 
 def test_two_sides_take_turns_k_steps_at_a_time_from_the_first_step_once_both_are_ready(tmp_path: Path) -> None:
@@ -139,3 +142,11 @@ def test_the_observer_benchmark_runs_both_sides_taking_turns(tmp_path: Path, tra
         assert {side: len(rows) for side, rows in r["data"]["split"].items()} == dict.fromkeys(
             sides, 1 if trainer == "script" else 0)
     assert f"taking turns {k} steps at a time" in p.stdout
+
+
+def test_turning_off_a_cpus_blas_is_noted_as_measuring_the_blas() -> None:
+    note = observer_effect.blas_note("cpu: AMD EPYC", ["env", "preload", "sampler"])
+    assert note.startswith("note: on a CPU, env and preload off") and "measures the BLAS" in note
+    assert observer_effect.blas_note("cpu: AMD EPYC", ["sampler", "ledger"]) is None
+    assert observer_effect.blas_note("cuda: NVIDIA H200", ["env", "preload"]) is None  # no BLAS on a GPU's path
+    assert observer_effect.blas_note(None, ["preload"]) is None  # a report runs nothing
