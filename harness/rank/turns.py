@@ -1,5 +1,5 @@
-"""Taking turns with another process, for a benchmark alone (``benchmarks/observer_effect.py
---turns``): two runs of one trainer, one bare and one under the harness, train at once and step in
+"""Taking turns with another process, for a benchmark alone (``benchmarks/taking_turns.py``: the
+observer effect's two sides, the reference and the bare step): two runs train at once and step in
 turns, so that a machine whose speed wanders falls on both alike. Where ``VAR`` is set (JSON:
 ``first``, ``k``, the FIFOs ``mine``, ``next`` and ``ready``, and a ``log`` file), this process's
 baton (``baton``) says it is ready at the end of step ``first`` and waits for its first turn; every
