@@ -80,7 +80,7 @@ def test_a_planted_hang_is_counted_named_and_relaunched_past(tmp_path: Path,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
     code, doc = _soak(tmp_path, "--streams", "cpu", "--calls", "200", "--watchdog", WATCHDOG_S,
                       "--plant-hang", "1:101")
-    assert code == 1  # a hang was counted
+    assert code == 1, doc["cells"]  # a hang was counted (else the failure says what the launch met)
     (cell,) = doc["cells"]
     assert (cell["calls"], cell["launches"], cell["failures"], cell["stopped"]) == (200, 2, [], None)
     (hang,) = cell["hangs"]
