@@ -29,7 +29,8 @@ def turn_fifos(d: Path, sides: list[str], first: int, k: int) -> tuple[dict[str,
     """Each side's ``harness.rank.turns`` setting for a ring of ``sides`` (the first hands on to the
     second, the last to the first) in directory ``d``, and the FIFOs opened here read-write: the
     ready one to read, then every side's, kept open so that no turn written is lost before its
-    reader opens it. Each side's waits are logged to ``d/waits-{side}``."""
+    reader opens it. Each side's waits are logged to ``d/waits-{side}``; this process owns the turns
+(a side stops waiting once it is gone)."""
     paths = {side: d / f"turn-{side}" for side in [*sides, "ready"]}
     for path in paths.values():
         path.unlink(missing_ok=True)
@@ -37,7 +38,8 @@ def turn_fifos(d: Path, sides: list[str], first: int, k: int) -> tuple[dict[str,
     for side in sides:
         (d / f"waits-{side}").unlink(missing_ok=True)
     env = {side: json.dumps({"first": first, "k": k, "mine": str(paths[side]), "ready": str(paths["ready"]),
-                             "next": str(paths[sides[(i + 1) % len(sides)]]), "log": str(d / f"waits-{side}")})
+                             "next": str(paths[sides[(i + 1) % len(sides)]]), "log": str(d / f"waits-{side}"),
+                             "owner": os.getpid()})
            for i, side in enumerate(sides)}
     return env, [os.open(paths[side], os.O_RDWR) for side in ["ready", *sides]]
 

@@ -86,6 +86,22 @@ def test_a_side_whose_turn_never_comes_says_so_in_one_line(tmp_path: Path, monke
         os.close(fd)
 
 
+def test_a_side_stops_waiting_once_the_benchmark_that_set_the_turns_is_gone(tmp_path: Path) -> None:
+    env, fds = taking_turns.turn_fifos(tmp_path, ["a", "b"], 1, 1)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # reaped: its pid names no process now
+    spec = json.loads(env["b"])
+    assert spec["owner"] == os.getpid() and turns.alive(spec["owner"])  # the benchmark's own pid, alive
+    baton = turns.Baton({**spec, "owner": gone.pid})
+    began = time.monotonic()
+    with pytest.raises(SystemExit, match=rf"^the benchmark that set the turns \(pid {gone.pid}\) is gone: no turn "
+                                         r"will come$"):
+        baton.after(1)  # ready, and nobody will start the turns
+    assert time.monotonic() - began < 3 * turns.OWNER_POLL_S  # not the 900 s a turn is waited for
+    for fd in fds:
+        os.close(fd)
+
+
 def test_the_seconds_waiting_for_a_turn_are_left_out_of_the_step() -> None:
     # rows: time, s in probe, s in step, s in gc, full collections, CPU, s waiting for a turn
     rows = [[0.0, 0, 0, 0, 0, 1, 0.0], [1.0, 0, 0.1, 0, 0, 1, 0.0], [2.5, 0, 0.2, 0, 0, 1, 0.5],

@@ -1,12 +1,14 @@
 """Taking turns with another process, for a benchmark alone (``benchmarks/taking_turns.py``: the
 observer effect's two sides, the reference and the bare step): two runs train at once and step in
 turns, so that a machine whose speed wanders falls on both alike. Where ``VAR`` is set (JSON:
-``first``, ``k``, the FIFOs ``mine``, ``next`` and ``ready``, and a ``log`` file), this process's
+``first``, ``k``, the FIFOs ``mine``, ``next`` and ``ready``, a ``log`` file and, where given, the
+``owner``: the pid of the benchmark that set the turns), this process's
 baton (``baton``) says it is ready at the end of step ``first`` and waits for its first turn; every
 ``k`` steps after, it hands the turn on and waits for the next. Each wait is logged (its start and
 end, ``time.time()``) so that the benchmark leaves it out of the window it times. Every FIFO is
 opened read-write, so that neither the opening nor a write waits for a reader (one that has
-finished included). Unset, nothing here runs."""
+finished included). A wait gives up once the owner is gone (a benchmark killed with SIGKILL
+leaves no one to collect the run), else after ``WAIT_S``. Unset, nothing here runs."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from pathlib import Path
 
 VAR = "MLX_DDP_HARNESS_TURNS"
 WAIT_S = 900.0  # the longest a side waits for its turn before it gives up (the other side stopped)
+OWNER_POLL_S = 1.0  # how often a wait looks whether the benchmark that set the turns is still there
 
 
 class Baton:
@@ -27,6 +30,7 @@ class Baton:
         self.first, self.k = int(spec["first"]), int(spec["k"])
         self.mine, self.next, self.ready = (os.open(str(spec[n]), os.O_RDWR) for n in ("mine", "next", "ready"))
         self.log = str(spec["log"])
+        self.owner = int(spec["owner"]) if spec.get("owner") is not None else None
         self.holding = False
         self.waited = 0.0  # seconds spent waiting for turns so far
 
@@ -40,8 +44,7 @@ class Baton:
             os.write(self.ready, b"r")
         else:
             self.hand_on()
-        if not select.select([self.mine], [], [], WAIT_S)[0]:
-            raise SystemExit(f"no turn came in {WAIT_S:.0f} s: the other side stopped")
+        self._wait(began)
         os.read(self.mine, 1)
         self.holding = True
         ended = time.time()
@@ -50,11 +53,31 @@ class Baton:
             f.write(f"{began!r} {ended!r}\n")
         return ended - began
 
+    def _wait(self, began: float) -> None:
+        """Until this side's turn is there to read; SystemExit in one line where the benchmark that
+        set the turns is gone or no turn came in ``WAIT_S``."""
+        while not select.select([self.mine], [], [], min(OWNER_POLL_S, WAIT_S))[0]:
+            if self.owner is not None and not alive(self.owner):
+                raise SystemExit(f"the benchmark that set the turns (pid {self.owner}) is gone: no turn will come")
+            if time.time() - began >= WAIT_S:
+                raise SystemExit(f"no turn came in {WAIT_S:.0f} s: the other side stopped")
+
     def hand_on(self) -> None:
         """The turn to the next side, where this one holds it (also at the end of training)."""
         if self.holding:
             os.write(self.next, b"t")
             self.holding = False
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (a process of another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 _baton: Baton | None = None

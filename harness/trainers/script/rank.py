@@ -51,8 +51,9 @@ def run(ctx: RankContext) -> dict[str, Any]:
     try:
         runpy.run_path(path, run_name="__main__")
     except SystemExit as e:
-        if e.code not in (None, 0):
-            raise ReportedFailure(f"{label} exited with status {e.code}") from e
+        if e.code not in (None, 0):  # sys.exit("why") exits with status 1 and says why
+            said = f"status {e.code}" if isinstance(e.code, int) else f"status 1: {e.code}"
+            raise ReportedFailure(f"{label} exited with {said}") from e
     except ReportedFailure:
         raise
     except Exception as e:
