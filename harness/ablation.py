@@ -31,6 +31,8 @@ PARTS: dict[str, str] = {
     "ledger": "the ledger's interposition on MLX's collectives",
     "start": "the digest of the parameters training starts from and the copy rank 0 keeps of them (both read "
              "every parameter to the host before the first step)",
+    "cache_clear": "MLX's cache cleared after each of the harness's host reads of parameters (on CUDA; "
+                   "harness.rank.host_read)",
 }
 
 

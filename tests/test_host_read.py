@@ -104,3 +104,15 @@ def test_a_write_that_fails_part_way_leaves_the_old_file_and_no_temporary(tmp_pa
     with pytest.raises(OSError, match="disk full"):
         write_safetensors(path, {"a": mx.zeros((3,)), "b": mx.zeros((2,))})
     assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["p.safetensors"]
+
+
+@pytest.mark.parametrize(("ablate", "cleared"), [("", 1), ("cache_clear", 0), ("sampler", 1)])
+def test_on_cuda_the_reads_clear_mlx_cache_once_unless_the_benchmark_turns_it_off(
+        monkeypatch: pytest.MonkeyPatch, ablate: str, cleared: int) -> None:
+    from harness import ablation
+
+    clears: list[int] = []
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)  # as on CUDA, where read copies move to managed memory
+    monkeypatch.setattr(mx, "clear_cache", lambda: clears.append(1))
+    monkeypatch.setenv(ablation.VAR, ablate)
+    assert len(list(host_bytes(_tree()))) == 12 and len(clears) == cleared

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from harness import ablation
 from harness.dtypes import dtype_name
 
 # MLX dtype name -> (safetensors dtype, unsigned type of the same width that carries its bits)
@@ -50,7 +51,7 @@ def host_bytes(params: Any, widen_bfloat16: bool = False) -> Iterator[tuple[str,
             del copy  # freed before the caller goes on (or stops): the cache clear below sees it
             yield name, p, data
     finally:
-        if mx.cuda.is_available():
+        if mx.cuda.is_available() and ablation.on("cache_clear"):
             mx.clear_cache()
 
 
