@@ -18,6 +18,8 @@ import select
 import time
 from pathlib import Path
 
+import psutil
+
 VAR = "MLX_DDP_HARNESS_TURNS"
 WAIT_S = 900.0  # the longest a side waits for its turn before it gives up (the other side stopped)
 OWNER_POLL_S = 1.0  # how often a wait looks whether the benchmark that set the turns is still there
@@ -57,7 +59,7 @@ class Baton:
         """Until this side's turn is there to read; SystemExit in one line where the benchmark that
         set the turns is gone or no turn came in ``WAIT_S``."""
         while not select.select([self.mine], [], [], min(OWNER_POLL_S, WAIT_S))[0]:
-            if self.owner is not None and not alive(self.owner):
+            if self.owner is not None and not psutil.pid_exists(self.owner):
                 raise SystemExit(f"the benchmark that set the turns (pid {self.owner}) is gone: no turn will come")
             if time.time() - began >= WAIT_S:
                 raise SystemExit(f"no turn came in {WAIT_S:.0f} s: the other side stopped")
@@ -67,17 +69,6 @@ class Baton:
         if self.holding:
             os.write(self.next, b"t")
             self.holding = False
-
-
-def alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (a process of another user's counts)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 _baton: Baton | None = None
