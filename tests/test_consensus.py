@@ -47,7 +47,8 @@ def test_fault_modes_in_trainer_phases(scenario_dir: Path, action: str, phase: s
     assert out.failure.splitlines()[0].startswith(expect), out.failure
     # Failures that reach the consensus end every rank at once; a rank that vanishes with exit 0
     # would leave its peer waiting in a collective: the watchdog stops the run at once.
-    assert out.watch.limit is None or (action == "exit0" and out.watch.limit == "rank_gone")
+    assert out.watch.limit is None or (action == "exit0" and out.watch.limit == "rank_gone"), \
+        (out.watch.limit, out.watch.limit_detail, out.failure)
     assert_clean(out)
 
 
