@@ -30,7 +30,7 @@ def turn_fifos(d: Path, sides: list[str], first: int, k: int) -> tuple[dict[str,
     second, the last to the first) in directory ``d``, and the FIFOs opened here read-write: the
     ready one to read, then every side's, kept open so that no turn written is lost before its
     reader opens it. Each side's waits are logged to ``d/waits-{side}``; this process owns the turns
-(a side stops waiting once it is gone)."""
+    (a side stops waiting once it is gone)."""
     paths = {side: d / f"turn-{side}" for side in [*sides, "ready"]}
     for path in paths.values():
         path.unlink(missing_ok=True)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
+from harness import ablation
 from harness.rank import host_read
 from harness.rank.host_read import host_bytes, write_safetensors
 from harness.rank.models import tree_digest
@@ -109,8 +110,6 @@ def test_a_write_that_fails_part_way_leaves_the_old_file_and_no_temporary(tmp_pa
 @pytest.mark.parametrize(("ablate", "cleared"), [("", 1), ("cache_clear", 0), ("sampler", 1)])
 def test_on_cuda_the_reads_clear_mlx_cache_once_unless_the_benchmark_turns_it_off(
         monkeypatch: pytest.MonkeyPatch, ablate: str, cleared: int) -> None:
-    from harness import ablation
-
     clears: list[int] = []
     monkeypatch.setattr(mx.cuda, "is_available", lambda: True)  # as on CUDA, where read copies move to managed memory
     monkeypatch.setattr(mx, "clear_cache", lambda: clears.append(1))

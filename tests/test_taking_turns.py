@@ -91,7 +91,7 @@ def test_a_side_stops_waiting_once_the_benchmark_that_set_the_turns_is_gone(tmp_
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()  # reaped: its pid names no process now
     spec = json.loads(env["b"])
-    assert spec["owner"] == os.getpid()  # the benchmark's own pid, alive
+    assert spec["owner"] == os.getpid()  # the benchmark's own pid
     baton = turns.Baton({**spec, "owner": gone.pid})
     began = time.monotonic()
     with pytest.raises(SystemExit, match=rf"^the benchmark that set the turns \(pid {gone.pid}\) is gone: no turn "
