@@ -25,7 +25,7 @@ PARTS: dict[str, str] = {
     "faulthandler": "faulthandler and its stack dump on SIGUSR1",
     "device_check": "the check that the device computes right, before training",
     "memory_share": "the memory limits capped at the rank's share (MLX's limit functions and device_info wrapped)",
-    "warm_up": "the device's warm-up (a matmul; on a GPU a compiled gradient in the model's dtype)",
+    "warm_up": "the device's warm-up (a matmul; on Metal also a compiled gradient in the model's dtype)",
     "libraries": "the trainer's libraries imported before training (load_libraries)",
     "sampler": "the memory sampler's thread (sampling every 20 ms; the per-step figures are still read)",
     "ledger": "the ledger's interposition on MLX's collectives",

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.rank.entry import loads_first_step_kernels
 from harness.rank.startup import StartupClock
 from tests.conftest import cli, write_scenario
 
@@ -27,6 +28,14 @@ def test_the_clock_splits_launch_to_training_into_parts() -> None:
     assert list(parts)[:4] == ["spawn", "device", "warm_up", "libraries"] and parts["spawn"] >= 0.5
     assert parts["trainer"] >= 0.02 and parts["model"] >= 0.03 and "train" not in parts and "save" not in parts
     assert abs(f["startup_total_s"] - sum(parts.values())) < 1e-3
+
+
+def test_the_warm_up_loads_a_first_steps_kernels_only_where_the_rss_baseline_is_job_start() -> None:
+    # Metal: the baseline is what the rank held before its job, so it must hold them; CUDA: the
+    # baseline is the end of step 1, which holds them anyway; a CPU has none to load
+    assert loads_first_step_kernels("metal")
+    assert not loads_first_step_kernels("cuda")
+    assert not loads_first_step_kernels("cpu")
 
 
 @pytest.mark.ranks

@@ -22,7 +22,14 @@ from typing import Any
 
 from harness import ablation, schema
 from harness.memory import share as memory_share
-from harness.memory.sampler import MemorySampler, accelerator, device_baseline_kind, peak_rss_bytes
+from harness.memory.sampler import (
+    JOB_START,
+    MemorySampler,
+    accelerator,
+    device_baseline_kind,
+    peak_rss_bytes,
+    rss_baseline_kind,
+)
 from harness.rank import device_check, ring_arrival
 from harness.rank.collective_mutations import CollectiveMutation
 from harness.rank.context import RECORD_DELAY_S, RankContext, ReportedFailure
@@ -42,19 +49,26 @@ def set_precision(job: Job) -> None:
         os.environ["MLX_ENABLE_TF32"] = "0"
 
 
+def loads_first_step_kernels(accelerator_kind: str) -> bool:
+    """Whether the warm-up also loads what a training job's first step would load lazily: only on
+    a GPU whose RSS baseline is taken at job start (Metal). On CUDA the baseline is the end of
+    step 1 (``harness.memory.sampler.rss_baseline_kind``), which holds them anyway: loading them
+    earlier would be work the rank does and a bare process does not, for no figure."""
+    return accelerator_kind != "cpu" and rss_baseline_kind(True, accelerator_kind == "cuda") == JOB_START
+
+
 def warm_up(job: Job) -> None:
     """Bring MLX's device runtime up before the job, so that the rank's RSS baseline holds it.
 
-    Everywhere: the device and its BLAS (a matmul). On a GPU, a training job also loads what
-    its first step would load lazily and keep for the life of the process (on CUDA 0.6 GB
-    and more per rank): the compiler of fused kernels, a compiled gradient in the model's
-    dtype, and for a vision-language model the convolution library. Tiny arrays: milliseconds
-    once loaded."""
+    Everywhere: the device and its BLAS (a matmul). Where ``loads_first_step_kernels``, a
+    training job also loads what its first step would load lazily and keep for the life of the
+    process: the compiler of fused kernels, a compiled gradient in the model's dtype, and for a
+    vision-language model the convolution library. Tiny arrays: milliseconds once loaded."""
     import mlx.core as mx
 
     warm = mx.ones((8, 8))
     mx.eval((warm @ warm).sum())
-    if not isinstance(job, TrainJob) or mx.default_device() != mx.gpu:
+    if not isinstance(job, TrainJob) or not loads_first_step_kernels(accelerator()):
         return
     from harness.scenario.names import VLM_ARCHS
 
