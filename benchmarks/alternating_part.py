@@ -1,5 +1,6 @@
-"""What one part of a rank costs a trainer's step, measured inside one run: the part (the memory
-sampler) runs in the first ``--block`` steps, not in the next ``--block``, and so on
+"""What one part of a rank costs a trainer's step, measured inside one run: the part (``--part``:
+the memory sampler's thread, or the ledger's recording of each collective and compiled call) runs
+in the first ``--block`` steps, not in the next ``--block``, and so on
 (``harness.ablation.alternating``), and the run's own steps say how fast each kind of block went.
 
 Between two runs a GPU's steps can differ by several per cent; within one run they differ far
@@ -13,7 +14,8 @@ Blocks with the part come first in every run, so a steady drift within a run wei
 about a block's share of it. The mean of the ratios with its interval is judged as the other
 benchmarks' are (``repeat_ratios``); ``--record`` and ``--time-limit`` carry it over invocations.
 
-usage: python benchmarks/alternating_part.py [--model cpu3m|gpu044b] [--trainer script|mlx_lm|unsloth_zoo]
+usage: python benchmarks/alternating_part.py [--part sampler|ledger] [--model cpu3m|gpu044b]
+                                             [--trainer script|mlx_lm|unsloth_zoo]
                                              [--steps N] [--from W] [--block K] [--repeats R]
                                              [--max-repeats M] [--record FILE [--time-limit S | --report-only]]
 """
@@ -35,8 +37,6 @@ from repeat_record import RepeatRecord, add_options, check_options, planned_devi
 
 from harness import ablation  # noqa: E402
 
-PART = "sampler"
-
 
 def block_rates(marks: list[dict[str, Any]], first: int, block: int) -> tuple[float, float]:
     """Tok/s of the steps after ``first`` in blocks with the part (steps 1 to ``block``, then every
@@ -56,6 +56,7 @@ def block_rates(marks: list[dict[str, Any]], first: int, block: int) -> tuple[fl
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--part", choices=ablation.ALTERNATING, default="sampler")
     p.add_argument("--model", choices=sorted(MODELS), default="cpu3m")
     p.add_argument("--trainer", choices=sorted(t for t in TRAINERS if t not in VISION), default="script")
     p.add_argument("--steps", type=int, default=40)
@@ -74,7 +75,7 @@ def main() -> None:
                          f"without ({a.block} steps each)")
     points = looks(a.repeats, a.max_repeats or a.repeats, 1)
     level = look_level(len(points))
-    plan = {"device": planned_device(a), "part": PART, "--model": a.model, "--trainer": a.trainer, "--steps": a.steps,
+    plan = {"device": planned_device(a), "part": a.part, "--model": a.model, "--trainer": a.trainer, "--steps": a.steps,
             "--from": a.first, "--block": a.block, "--repeats/--max-repeats (looks after)": points}
     record = RepeatRecord.open(a.record, "alternating_part", plan, report_only=a.report_only)
     limit = time_limit(a)
@@ -92,12 +93,12 @@ def main() -> None:
             if not limit.room():
                 limit.stopped(record, len(record.repeats), points[-1])
                 break
-            with_part, without = block_rates(harness_side(path, a.trainer, f"{PART}/{a.block}"), a.first, a.block)
+            with_part, without = block_rates(harness_side(path, a.trainer, f"{a.part}/{a.block}"), a.first, a.block)
             record.add({"with": with_part, "without": without})
             print(f"run {len(record.repeats)}: {with_part:.0f} / {without:.0f} tok/s, {ratios().cell()}",
                   file=sys.stderr, flush=True)
     r, done = ratios(), len(record.repeats)
-    print(f"{a.trainer} on {a.model}, the {PART} in alternate blocks of {a.block} steps (with it first), steps "
+    print(f"{a.trainer} on {a.model}, the {a.part} in alternate blocks of {a.block} steps (with it first), steps "
           f"{a.first + 1} to {a.steps} timed, {done} runs of at most {points[-1]} (looked at after {points})")
     if a.record:
         print(f"record {a.record}: {record.provenance()}")

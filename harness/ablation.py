@@ -6,9 +6,9 @@ measures can be traced to a part.
 controller's environment, which its ranks inherit. ``run``, ``gate``, ``soak``, ``doctor`` and the
 pytest plugin refuse to start with it set (``refuse``): a part turned off can blind a check (the sampler feeds the
 memory ceilings, the ledger names a hang's collective), so no verdict is ever given without it.
-A rank records what was off in its result (``ablated``). ``sampler/K`` instead runs the memory
-sampler in alternate blocks of K steps (``alternating``; ``benchmarks/alternating_part.py``), recorded
-as ``alternated``.
+A rank records what was off in its result (``ablated``). ``sampler/K`` (or ``ledger/K``) instead
+runs the memory sampler (the ledger's recording) in alternate blocks of K steps (``alternating``;
+``benchmarks/alternating_part.py``), recorded as ``alternated``.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class AblationError(ValueError):
     """``VAR`` names a part that does not exist."""
 
 
-ALTERNATING = ("sampler",)  # the parts that can also run in alternate blocks of steps (``part/K``)
+ALTERNATING = ("sampler", "ledger")  # the parts that can also run in alternate blocks of steps (``part/K``)
 
 
 def _names(environ: dict[str, str] | None) -> frozenset[str]:
@@ -73,8 +73,8 @@ def alternating(environ: dict[str, str] | None = None, strict: bool = False) -> 
         if part in ALTERNATING and block.isdigit() and int(block) >= 1:
             found[part] = int(block)
         elif strict:
-            raise AblationError(f"{VAR}: {name!r}: only {', '.join(ALTERNATING)} alternates, as part/K with K >= 1 "
-                                f"steps")
+            raise AblationError(f"{VAR}: {name!r}: the parts that alternate are {' and '.join(ALTERNATING)}, as "
+                                f"part/K with K >= 1 steps")
     return found
 
 

@@ -137,10 +137,12 @@ def test_an_alternating_sampler_samples_in_its_blocks_with_and_sleeps_in_those_w
     assert sampler.error is None
 
 
-def test_only_the_sampler_alternates_and_a_part_alternating_is_not_off() -> None:
+def test_the_sampler_and_the_ledger_alternate_and_a_part_alternating_is_not_off() -> None:
     env = {ablation.VAR: "sampler/5,ledger"}
     assert ablation.alternating(env) == {"sampler": 5} and ablation.ablated(env, strict=True) == {"ledger"}
-    for bad in ("ledger/5", "sampler/0", "sampler/x"):
-        with pytest.raises(ablation.AblationError, match=f"{bad!r}: only sampler alternates"):
+    assert ablation.alternating({ablation.VAR: "ledger/3"}) == {"ledger": 3}
+    assert ablation.ablated({ablation.VAR: "ledger/3"}, strict=True) == set()
+    for bad in ("start/5", "sampler/0", "sampler/x"):
+        with pytest.raises(ablation.AblationError, match=f"{bad!r}: the parts that alternate are sampler and ledger"):
             ablation.ablated({ablation.VAR: bad}, strict=True)
         assert ablation.alternating({ablation.VAR: bad}) == {}  # a rank ignores what it cannot do

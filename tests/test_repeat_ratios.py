@@ -173,11 +173,17 @@ def test_a_rank_with_every_part_turned_off_trains_and_says_what_was_off(tmp_path
     assert bare.result(0)["digests"]["0"] == START_ABLATED != whole.result(0)["digests"]["0"]  # no host read at start
     steps = [e for e in bare.ranks[0].events if e.get("kind") == "step"]
     assert [e["step"] for e in steps] == [1, 2, 3]  # its steps are still reported: the benchmark times them
-    monkeypatch.setenv(ablation.VAR, "sampler/2")  # the sampler in steps 1-2, not in 3 (alternating_part.py)
+    whole_lines = schema.ledger_path(tmp_path / "whole", 0).read_text().splitlines()
+    whole_steps = {e["step"] for e in map(json.loads, whole_lines)}
+    assert {1, 2, 3} <= whole_steps, whole_steps  # the run's collectives, step by step
+    # the sampler in steps 1-2, not in 3; the ledger records in steps 1 and 3, not in 2 (alternating_part.py)
+    monkeypatch.setenv(ablation.VAR, "sampler/2,ledger/1")
     alternating = execute("alternating", job, 1, keep_to=tmp_path / "alternating")
     assert alternating.ok, alternating.failure
-    assert alternating.result(0)["alternated"] == {"sampler": 2} and "ablated" not in alternating.result(0)
-    assert alternating.result(0)["memory_sampler_error"] is None
+    assert alternating.result(0)["alternated"] == {"sampler": 2, "ledger": 1}
+    assert "ablated" not in alternating.result(0) and alternating.result(0)["memory_sampler_error"] is None
+    lines = map(json.loads, schema.ledger_path(tmp_path / "alternating", 0).read_text().splitlines())
+    assert {e["step"] for e in lines if e["step"] >= 1} == {1, 3} & whole_steps
 
 
 @pytest.mark.full  # a benchmark, run small: both sides, their ratio, and a record continued

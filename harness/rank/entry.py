@@ -230,6 +230,8 @@ def main(argv: list[str]) -> int:
                     **sampler.start_fields())
         if "sampler" in alternated:
             sampler.alternate(alternated["sampler"])
+        if "ledger" in alternated and ledger is not None:
+            ledger.alternate(alternated["ledger"])
         if "sampler" not in off:
             sampler.start()
         ctx = RankContext(run_dir, job, rank, world_size, group, backend, events, list(job.faults), memory=sampler,

@@ -82,6 +82,15 @@ class Ledger:
         self._trace: list[dict[str, Any]] | None = None  # collectives of the trace in progress
         self._compiled: list[str] = []
         self._recent: list[tuple[int, Any, bool]] = []  # (seq, step, compiled) of the last step's compiled calls
+        self.block: int | None = None  # recording only in alternate blocks of this many steps (``alternate``)
+        self.passing = False  # in a block without recording: every wrapper passes its call straight through
+
+    def alternate(self, block: int) -> None:
+        """Record in steps 1 to ``block``, not in the next ``block``, and so on (a benchmark's measure
+        of what recording costs a step, ``harness.ablation.alternating``). In a block without, each
+        wrapper calls MLX at once; the wrappers themselves stay (MLX's compiled functions hold
+        theirs), so what the blocks differ by is the recording, not the interposition's frames."""
+        self.block = block
 
     def record(self, op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """Write the call's line; whether the run's collective mutation acts on it."""
@@ -143,6 +152,8 @@ class Ledger:
         compiled = original(traced, *args, **kwargs)
 
         def call(*a: Any, **kw: Any) -> Any:
+            if self.passing:
+                return compiled(*a, **kw)
             state["calls"] += 1
             state["traced"] = False
             mutated = next((e for e in state["trace"] if e.get("mutation")), None)
@@ -170,6 +181,8 @@ class Ledger:
             self._originals[op] = original
 
             def wrapper(*args: Any, _op: str = op, _original: Any = original, **kwargs: Any) -> Any:
+                if self.passing:
+                    return _original(*args, **kwargs)
                 if self.record(_op, args, kwargs):
                     return self.mutation.all_sum(_original, args, kwargs)
                 return _original(*args, **kwargs)
@@ -208,3 +221,5 @@ class Ledger:
             self.step = max(self.step, 1)
         elif kind == "step" and isinstance(fields.get("step"), int):
             self.step = fields["step"] + 1
+            if self.block is not None:
+                self.passing = ((self.step - 1) // self.block) % 2 == 1
