@@ -7,6 +7,7 @@ records go to ``rank{r}.callbacks.jsonl`` named after the rank that wrote them.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 from harness import schema
@@ -17,6 +18,21 @@ class MainRankEffects:
         self.run_dir, self.rank = run_dir, rank
         self.keep_start = keep_start  # rank 0 keeps the start parameters (the job's ``keep_start``)
         self.counts = {"callbacks": 0, "log_lines": 0, "saves": 0, "checkpoints": 0, "probes": 0}
+        self._files: dict[str, Any] = {}  # the callback file and the log, opened at their first line
+
+    def _append(self, name: str, line: str) -> None:
+        """Appends ``line`` to the run directory's ``name``, flushed at once (line-buffered): a step's
+        lines cost a write each, not an open and a close."""
+        f = self._files.get(name)
+        if f is None:
+            f = self._files[name] = open(Path(self.run_dir) / name, "a", buffering=1)
+        f.write(line)
+
+    def close(self) -> None:
+        """Closes the files the callbacks and the log appended to (training is over)."""
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
 
     @property
     def active(self) -> bool:
@@ -26,8 +42,7 @@ class MainRankEffects:
         """A step or eval callback: appends the record to the rank's callback file."""
         if not self.active:
             return
-        with open(self.run_dir / f"rank{self.rank}.callbacks.jsonl", "a") as f:
-            f.write(json.dumps({"kind": kind, **record}) + "\n")
+        self._append(f"rank{self.rank}.callbacks.jsonl", json.dumps({"kind": kind, **record}) + "\n")
         self.counts["callbacks"] += 1
         self.log(kind, record)
 
@@ -35,8 +50,7 @@ class MainRankEffects:
         if not self.active:
             return
         fields = " ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items())
-        with open(self.run_dir / "train.log", "a") as f:
-            f.write(f"{kind} {fields}\n")
+        self._append("train.log", f"{kind} {fields}\n")
         self.counts["log_lines"] += 1
 
     def checkpoint(self, write: Any) -> Any:

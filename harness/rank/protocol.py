@@ -68,19 +68,26 @@ class Feed:
         self.path, self.rep, self.label = out / FILES["events"], rep, label
         self.offset, self.line = 0, 0
         self.mlx_reported = False  # a step event carried the trainer's MLX peak memory
+        self._f: Any = None  # the events file, once it exists (appended to, never replaced)
 
     def read(self) -> None:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                chunk = f.read()
-        except FileNotFoundError:
-            return
+        if self._f is None:
+            try:
+                self._f = open(self.path, "rb")
+            except FileNotFoundError:
+                return
+        self._f.seek(self.offset)
+        chunk = self._f.read()
         end = chunk.rfind(b"\n") + 1  # complete lines only; the rest is read when it is finished
         self.offset += end
         for raw in chunk[:end].splitlines():
             self.line += 1
             self.take(raw)
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
 
     def take(self, raw: bytes) -> None:
         where = f"{self.label} wrote a malformed event ({FILES['events']} line {self.line})"

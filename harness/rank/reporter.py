@@ -280,6 +280,7 @@ class StepReporter:
         runtime = time.perf_counter() - self.t_start
         self.ctx.phase("save")
         self.effects.save_params(params, count=False)
+        self.effects.close()
         last = self.steps
         every = self.s.train.digest_every
         self.digests = {k: v for k, v in self.digests.items() if k == self.done or (every and k % every == 0)}

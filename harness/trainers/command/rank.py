@@ -109,6 +109,7 @@ def run(ctx: RankContext) -> dict[str, Any]:
         if proc.poll() is None:  # a malformed event, or the rank interrupted: the executable goes too
             proc.kill()
             proc.wait()
+        feed.close()
     _, params = read_outcome(out, rep, label, code)
     finished = rep.finish(params)
     if not feed.mlx_reported:

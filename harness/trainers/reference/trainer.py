@@ -285,6 +285,7 @@ class Trainer:
 
         coord.attempt("save", last, save)
         coord.agree()
+        self.effects.close()
         self.progress.digests[last] = param_digest(self.model)
         return rank_result(self, last, runtime, data_rss, rng_changes(rng_before))
 

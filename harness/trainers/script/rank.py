@@ -62,6 +62,7 @@ def run(ctx: RankContext) -> dict[str, Any]:
         sys.argv, sys.path = argv, syspath
         script_session.activate(None)
     feed.read()
+    feed.close()
     if not (out / FILES["result"]).exists():
         if not rep.steps:
             how = ("it never called harness.api.session(): see docs/scripts.md" if not session.used else
