@@ -312,13 +312,15 @@ def repeat_until_done(a: argparse.Namespace, record: RepeatRecord, trainers: lis
         i = len(record.repeats)
         rep: dict[str, dict[str, float]] = {t: {} for t in trainers}
         split: dict[str, list[list[float]]] = {side: [] for side in sides}
+        own: dict[str, list[float]] = {side: [] for side in sides}  # the script's own seconds a step
         windows: dict[str, dict[str, list[float]]] = {}  # taking turns: each side's window and its waits, s
         for t in trainers:
             order = sides[i % len(sides):] + sides[:i % len(sides)]  # each side first in turn
             if a.turns:
-                rep[t], got, windows[t] = run_turns(order, t, paths[t], d, a, clocks)
+                rep[t], got, steps, windows[t] = run_turns(order, t, paths[t], d, a, clocks)
                 for side in sides:
                     split[side] += got[side]
+                    own[side] += steps[side]
                 continue
             for side in order:
                 rep[t].update(run_side(side, t, paths[t], d, a))
@@ -326,8 +328,10 @@ def repeat_until_done(a: argparse.Namespace, record: RepeatRecord, trainers: lis
                     written = json.loads(f.read_text())
                     window = written["rows"][a.first - 1][0], written["rows"][-1][0]
                     split[side].append(timed_script.split(written, a.first) + clocks.over(*window))
+                    own[side] += timed_script.own_steps(written, a.first)
                     f.unlink()
         record.add({"rates": rep, "split": split, **({"turns": windows} if windows else {}),
+                    **({"own": own} if any(own.values()) else {}),
                     "numa": timed_script.numa_layout()})
         rates = gathered(record, trainers, sides)
         print(f"repeat {i + 1}: " + "; ".join(f"{t} {ratios(rates[t], c, level).cell()}" for t in trainers
@@ -373,6 +377,10 @@ def report(a: argparse.Namespace, record: RepeatRecord, trainers: list[str], sid
                        headers=["side", "the script's own", "inside the session's calls", "in gc", "full gcs",
                                 "objects at step 1", "own, median", "node", "steps there", "GPU SM MHz", "GPU W",
                                 "GPU max C"]))
+        own = {side: [r.get("own", {}).get(side, []) for r in record.data()] for side in sides}
+        table = timed_script.own_table(own, sides, a.turns, level)
+        if table:
+            print(f"\nthe script's own step, per repeat the mean of its steps (the repeats that kept them):\n{table}")
 
 
 SPLIT_FORMS = (lambda v: f"{v * 1e3:.1f}", lambda v: f"{v * 1e3:.3f}", lambda v: f"{v * 1e3:.2f}",

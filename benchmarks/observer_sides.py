@@ -104,20 +104,23 @@ def side_command(side: str, t: str, path: Path, d: Path, a: argparse.Namespace) 
 
 
 def run_turns(order: list[str], t: str, path: Path, d: Path, a: argparse.Namespace, clocks: GpuClocks
-              ) -> tuple[dict[str, float], dict[str, list[list[float]]], dict[str, list[float]]]:
+              ) -> tuple[dict[str, float], dict[str, list[list[float]]], dict[str, list[list[float]]],
+                         dict[str, list[float]]]:
     """Both sides of trainer ``t`` at once, each in a process of its own, taking turns (``--turns``),
     ``order[0]`` first: each side's tok/s over its own turns (under the harness, its own figure
-    too), for the script each side's split of the step, and each side's window and the seconds it
-    waited in it."""
+    too), for the script each side's split of the step and its own seconds a step, and each side's
+    window and the seconds it waited in it."""
     run_at_once({side: side_command(side, t, path, d, a) for side in order}, d, a.first, a.turns, a.steps, t)
     marks = {side: json.loads((d / f"{t}-{side}.marks.json").read_text()) for side in order}
     timed = {side: turn_rate(marks[side], a.first, d / f"waits-{side}") for side in order}
     rep = {side: rate for side, (rate, _, _) in timed.items()}
     rep.update({f"{side} reported": reported_rate(marks[side], a.first) for side in order if side != "bare"})
     split: dict[str, list[list[float]]] = {side: [] for side in order}
+    own: dict[str, list[list[float]]] = {side: [] for side in order}
     for side in order:
         for f in sorted((d / f"times-{side}").glob("*.json")):  # the script's, where it ran
             rows = (written := json.loads(f.read_text()))["rows"]
             split[side].append(timed_script.split(written, a.first) + clocks.over(rows[a.first - 1][0], rows[-1][0]))
+            own[side] += timed_script.own_steps(written, a.first)
             f.unlink()
-    return rep, split, {side: [window, waited] for side, (_, window, waited) in timed.items()}
+    return rep, split, own, {side: [window, waited] for side, (_, window, waited) in timed.items()}

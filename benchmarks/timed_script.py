@@ -161,10 +161,45 @@ def split(written: dict[str, Any], first: int) -> list[float]:
     a, b = rows[first - 1], rows[-1]
     n = len(rows) - first
     calls = (b[1] - a[1] + b[2] - a[2]) / n
-    own = [stepped(x, y) - (y[1] - x[1] + y[2] - x[2]) for x, y in zip(rows[first - 1:-1], rows[first:], strict=True)]
+    own = own_steps(written, first)
     where = list(placement([r[5] for r in rows[first:]])) if len(a) > 5 else []  # each read as its step ended
     return [stepped(a, b) / n - calls, calls, (b[3] - a[3]) / n, (b[4] - a[4]) / n, written["objects"],
             statistics.median(own), *where]
+
+
+def own_steps(written: dict[str, Any], first: int) -> list[float]:
+    """The script's own seconds in each step after ``first`` (the time inside the session's calls
+    and any wait for a turn left out), in step order: a record keeps them, so that a cost can be
+    placed within the window (``own_table``)."""
+    rows = written["rows"][first - 1:]
+    return [stepped(x, y) - (y[1] - x[1] + y[2] - x[2]) for x, y in zip(rows[:-1], rows[1:], strict=True)]
+
+
+def own_table(own: dict[str, list[list[float]]], sides: list[str], turns: int | None, level: float) -> str:
+    """Each side's own step over the last side's (bare, where it is one), the ratio of their mean
+    own step per repeat with its interval (above 1: the first side's own step is longer), and, taking
+    turns, each side's mean own ms by a step's place in its turn (a cost on the first step after the
+    other side's turn is one of coming back, not of the step). ``own``: per side, the repeats' own
+    seconds a step (``own_steps``); repeats without them (older records) are left out."""
+    from repeat_ratios import Ratios
+    from tabulate import tabulate
+
+    base = sides[-1]
+    both = [i for i in range(min(len(own[x]) for x in sides)) if all(own[x][i] for x in sides)]
+    if not both:
+        return ""
+    rows = []
+    for side in sides[:-1]:
+        r = Ratios(tuple(statistics.fmean(own[side][i]) / statistics.fmean(own[base][i]) for i in both), level)
+        lo, hi = r.interval()
+        rows.append([f"{side} / {base}", len(both), f"{r.mean:.4f} [{lo:.4f}, {hi:.4f}]"])
+    lines = [tabulate(rows, headers=["own step", "repeats", "mean [interval]"])]
+    if turns and turns > 1:
+        places = [[side, *(f"{statistics.fmean(v for i in both for v in own[side][i][k::turns]) * 1e3:.2f}"
+                           for k in range(turns))] for side in sides]
+        lines.append(tabulate(places, headers=["side", *(f"own ms, step {k + 1} of a turn" for k in range(turns))],
+                              disable_numparse=True))
+    return "\n\n".join(lines)
 
 
 def stepped(a: list[float], b: list[float]) -> float:

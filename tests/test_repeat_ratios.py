@@ -269,6 +269,22 @@ def test_the_scripts_split_says_which_numa_node_its_steps_ran_on(monkeypatch: py
     assert len(old) == 6 and old[:2] == split[:2]
 
 
+def test_the_scripts_own_steps_are_kept_and_told_apart_by_their_place_in_a_turn() -> None:
+    # rows: time, s in probe, s in step, s in gc, full collections, CPU, s waiting for a turn
+    rows = [[0.0, 0, 0, 0, 0, 1, 0], [1.0, 0, 0.1, 0, 0, 1, 0], [3.0, 0, 0.2, 0, 0, 1, 0.5],
+            [4.0, 0.05, 0.3, 0, 0, 1, 0.5], [6.5, 0.05, 0.4, 0, 0, 1, 1.0]]
+    own = timed_script.own_steps({"rows": rows}, 2)  # steps 3 to 5: less the calls and the waits
+    assert own == pytest.approx([1.4, 0.85, 1.9])
+    harness = [[0.102, 0.100, 0.102, 0.100], [0.104, 0.100, 0.104, 0.100]]
+    bare = [[0.100, 0.100, 0.100, 0.100], [0.100, 0.100, 0.100, 0.100], []]  # a third repeat kept none
+    table = timed_script.own_table({"harness": harness, "bare": bare}, ["harness", "bare"], 2, 0.95)
+    assert re.search(r"harness / bare +2 +1\.0150 \[0\.9515, 1\.0785\]", table), table
+    assert re.search(r"harness +103\.00 +100\.00\n", table + "\n") and "step 2 of a turn" in table
+    assert "of a turn" not in timed_script.own_table({"harness": harness, "bare": bare[:2]}, ["harness", "bare"],
+                                                     None, 0.95)
+    assert timed_script.own_table({"harness": [[]], "bare": [[]]}, ["harness", "bare"], 2, 0.95) == ""
+
+
 def test_a_numa_node_the_machine_lacks_is_refused_in_one_line() -> None:
     p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "observer_effect.py"), "--node", "999"],
                        capture_output=True, text=True, cwd=REPO, timeout=120)

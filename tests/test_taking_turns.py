@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -157,7 +158,14 @@ def test_the_observer_benchmark_runs_both_sides_taking_turns(tmp_path: Path, tra
         assert 0.75 < rates[sides[1]] / rates[sides[0]] < 1.33
         assert {side: len(rows) for side, rows in r["data"]["split"].items()} == dict.fromkeys(
             sides, 1 if trainer == "script" else 0)
+        # the script's own seconds in each step of the window, kept for the report's own-step table
+        assert {side: len(v) for side, v in r["data"].get("own", {}).items()} == (
+            dict.fromkeys(sides, steps - first) if trainer == "script" else {})
+        assert all(0 < v < 60 for v in r["data"].get("own", {}).get(sides[0], []))
     assert f"taking turns {k} steps at a time" in p.stdout
+    if trainer == "script":  # the own step's ratio over the repeats, and its mean by the step's place in a turn
+        assert re.search(rf"{sides[0]} / {sides[1]} +2 +\d\.\d{{4}} \[", p.stdout), p.stdout[-1500:]
+        assert f"own ms, step {k} of a turn" in p.stdout and f"own ms, step {k + 1} of" not in p.stdout
 
 
 def test_turning_off_a_cpus_blas_is_noted_as_measuring_the_blas() -> None:
