@@ -88,7 +88,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import timed_script  # noqa: E402
 from bare_trainers import BARE  # noqa: E402
 from gpu_clocks import GpuClocks  # noqa: E402
-from observer_sides import harnessed, run_side, run_turns  # noqa: E402
+from observer_sides import harnessed, run_side, run_turns, script_times  # noqa: E402
 from repeat_ratios import EFFECT, Ratios, ended, look_level, looks  # noqa: E402
 from repeat_record import RepeatRecord, add_options, check_options, planned_device, quiet_pipe, time_limit  # noqa: E402
 from taking_turns import unwind_on_sigterm  # noqa: E402
@@ -324,12 +324,9 @@ def repeat_until_done(a: argparse.Namespace, record: RepeatRecord, trainers: lis
                 continue
             for side in order:
                 rep[t].update(run_side(side, t, paths[t], d, a))
-                for f in sorted(times.glob("*.json")):  # the script's, just written
-                    written = json.loads(f.read_text())
-                    window = written["rows"][a.first - 1][0], written["rows"][-1][0]
-                    split[side].append(timed_script.split(written, a.first) + clocks.over(*window))
-                    own[side] += timed_script.own_steps(written, a.first)
-                    f.unlink()
+                got, steps = script_times(times, a.first, clocks)  # the script's, just written
+                split[side] += got
+                own[side] += steps
         record.add({"rates": rep, "split": split, **({"turns": windows} if windows else {}),
                     **({"own": own} if any(own.values()) else {}),
                     "numa": timed_script.numa_layout()})

@@ -104,7 +104,7 @@ def side_command(side: str, t: str, path: Path, d: Path, a: argparse.Namespace) 
 
 
 def run_turns(order: list[str], t: str, path: Path, d: Path, a: argparse.Namespace, clocks: GpuClocks
-              ) -> tuple[dict[str, float], dict[str, list[list[float]]], dict[str, list[list[float]]],
+              ) -> tuple[dict[str, float], dict[str, list[list[float]]], dict[str, list[float]],
                          dict[str, list[float]]]:
     """Both sides of trainer ``t`` at once, each in a process of its own, taking turns (``--turns``),
     ``order[0]`` first: each side's tok/s over its own turns (under the harness, its own figure
@@ -115,12 +115,22 @@ def run_turns(order: list[str], t: str, path: Path, d: Path, a: argparse.Namespa
     timed = {side: turn_rate(marks[side], a.first, d / f"waits-{side}") for side in order}
     rep = {side: rate for side, (rate, _, _) in timed.items()}
     rep.update({f"{side} reported": reported_rate(marks[side], a.first) for side in order if side != "bare"})
-    split: dict[str, list[list[float]]] = {side: [] for side in order}
-    own: dict[str, list[list[float]]] = {side: [] for side in order}
+    split: dict[str, list[list[float]]] = {}
+    own: dict[str, list[float]] = {}
     for side in order:
-        for f in sorted((d / f"times-{side}").glob("*.json")):  # the script's, where it ran
-            rows = (written := json.loads(f.read_text()))["rows"]
-            split[side].append(timed_script.split(written, a.first) + clocks.over(rows[a.first - 1][0], rows[-1][0]))
-            own[side] += timed_script.own_steps(written, a.first)
-            f.unlink()
+        split[side], own[side] = script_times(d / f"times-{side}", a.first, clocks)
     return rep, split, own, {side: [window, waited] for side, (_, window, waited) in timed.items()}
+
+
+def script_times(times: Path, first: int, clocks: GpuClocks) -> tuple[list[list[float]], list[float]]:
+    """What the script's timing files in ``times`` hold (none where another trainer ran), each
+    removed once read: its split of the step with the GPU's readings over the window after step
+    ``first`` (``timed_script.split``, ``GpuClocks.over``), and its own seconds a step."""
+    split: list[list[float]] = []
+    own: list[float] = []
+    for f in sorted(times.glob("*.json")):
+        rows = (written := json.loads(f.read_text()))["rows"]
+        split.append(timed_script.split(written, first) + clocks.over(rows[first - 1][0], rows[-1][0]))
+        own += timed_script.own_steps(written, first)
+        f.unlink()
+    return split, own

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import signal
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from harness import schema
 from harness.rank.context import ReportedFailure
@@ -68,7 +68,7 @@ class Feed:
         self.path, self.rep, self.label = out / FILES["events"], rep, label
         self.offset, self.line = 0, 0
         self.mlx_reported = False  # a step event carried the trainer's MLX peak memory
-        self._f: Any = None  # the events file, once it exists (appended to, never replaced)
+        self._f: BinaryIO | None = None  # the events file, once it exists (appended to, never replaced)
 
     def read(self) -> None:
         if self._f is None:
