@@ -32,7 +32,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from observer_effect import MODELS, TRAINERS, VISION, scenario_text  # noqa: E402
 from observer_sides import harness_side  # noqa: E402
-from repeat_ratios import EFFECT, Ratios, ended, look_level, looks  # noqa: E402
+from repeat_ratios import RESOLVED, Ratios, ended, look_level, looks  # noqa: E402
 from repeat_record import RepeatRecord, add_options, check_options, planned_device, quiet_pipe, time_limit  # noqa: E402
 
 from harness import ablation  # noqa: E402
@@ -104,8 +104,7 @@ def main() -> None:
         print(f"record {a.record}: {record.provenance()}")
     print(f"with / without, per run: {', '.join(f'{v:.3f}' for v in r.values)}")
     verdict = r.verdict() if done in points else f"none before a look ({', '.join(map(str, points))})"
-    print(f"mean [95% interval over {len(points)} looks]: {r.cell()}: {verdict} (resolved: the interval does not "
-          f"hold both 1 and {1 - EFFECT:g})")
+    print(f"mean [95% interval over {len(points)} looks]: {r.cell()}: {verdict} (resolved: {RESOLVED})")
 
 
 if __name__ == "__main__":

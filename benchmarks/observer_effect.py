@@ -43,7 +43,7 @@ once per trainer, each side first in turn (bare first in even repeats where ther
 whatever the order costs falls on every side alike. The figure judged is the mean of the
 per-repeat ratios (harness / bare) with its interval (``repeat_ratios``: 95 % over the looks):
 after ``--repeats`` repeats, more are added a rotation of the sides at a time until every interval
-can tell a 2 % effect from none, up to ``--max-repeats`` (both rounded up to whole rotations, so
+lies on one side of a 2 % cost, up to ``--max-repeats`` (both rounded up to whole rotations, so
 every side goes first equally often); each ratio's verdict says whether it could. ``--record FILE``
 keeps each repeat in FILE as it finishes and continues the repeats already there (``repeat_record``):
 one comparison carried over several invocations, judged over all of them.
@@ -89,7 +89,7 @@ import timed_script  # noqa: E402
 from bare_trainers import BARE  # noqa: E402
 from gpu_clocks import GpuClocks  # noqa: E402
 from observer_sides import harnessed, run_side, run_turns, script_times  # noqa: E402
-from repeat_ratios import EFFECT, Ratios, ended, look_level, looks  # noqa: E402
+from repeat_ratios import RESOLVED, Ratios, ended, look_level, looks  # noqa: E402
 from repeat_record import RepeatRecord, add_options, check_options, planned_device, quiet_pipe, time_limit  # noqa: E402
 from taking_turns import unwind_on_sigterm  # noqa: E402
 
@@ -355,7 +355,7 @@ def report(a: argparse.Namespace, record: RepeatRecord, trainers: list[str], sid
                     for t in trainers for side in sides],
                    headers=["trainer", "side", "tok/s per repeat", "the harness's own figure"]))
     print(f"\nratios per repeat, their mean and its interval (Student's t at {level:.4g} per look: 95% over the "
-          f"{len(points)} looks); resolved: the interval does not hold both 1 and {1 - EFFECT:g}")
+          f"{len(points)} looks); resolved: {RESOLVED}")
     rows = []
     for t in trainers:
         for c in comparisons(sides):

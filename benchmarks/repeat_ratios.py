@@ -1,16 +1,17 @@
 """Per-repeat speed ratios a reader can trust: their mean with its 95 % confidence interval
-(Student's t over the repeats), and whether that interval can tell an effect of ``EFFECT`` (2 %)
-from none.
+(Student's t over the repeats), and on which side of a cost of ``EFFECT`` (2 %) it lies.
 
 A benchmark that alternates two sides (bare and under the harness, say) gets one ratio per
-repeat. The interval *resolves* the question "is there a 2 % effect?" when it does not hold both
-1 (no effect) and 1 - ``EFFECT`` (a 2 % slowdown): then either the effect is at most 2 % (the
-interval lies above 0.98), or there is one (it lies below 1). Until then the benchmark adds
-alternating repeats, up to its stated limit (``Ratios.resolved``). It looks only after whole
-rotations of its sides (``looks``), and each look's interval is at ``1 - 0.05 / looks`` (Bonferroni),
-so that stopping at the first resolved look keeps the stated 95 % over the whole run. An
-unresolved verdict says about how many repeats would resolve it, were the mean and the spread to
-stay as they are (``Ratios.repeats_to_resolve``): what a next sitting would take."""
+repeat. The interval *resolves* the question "does it cost more than 2 %?" when it does not hold
+1 - ``EFFECT`` (0.98): then either the cost is at most 2 % (the interval lies above 0.98; it may
+hold 1) or it is more (it lies below 0.98). An interval that holds 0.98 is too wide: it cannot
+tell a 2 % effect from none where it also holds 1, and where it lies below 1 it shows a cost but
+not whether that cost is within 2 %. Until it resolves, the benchmark adds alternating repeats,
+up to its stated limit (``Ratios.resolved``). It looks only after whole rotations of its sides
+(``looks``), and each look's interval is at ``1 - 0.05 / looks`` (Bonferroni), so that the
+intervals hold together at 95 % over the run, whatever look it stops at. An unresolved verdict
+says about how many repeats would resolve it, were the mean and the spread to stay as they are
+(``Ratios.repeats_to_resolve``): what a next sitting would take."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 
 EFFECT = 0.02
 LEVEL = 0.95
+RESOLVED = f"the interval does not hold {1 - EFFECT:g}, the line of a {EFFECT:.0%} cost"  # for a report's legend
 
 
 def t_quantile(p: float, df: int) -> float:
@@ -69,9 +71,9 @@ class Ratios:
         return self.mean - half, self.mean + half
 
     def resolved(self, effect: float = EFFECT) -> bool:
-        """Whether the interval tells an effect of ``effect`` from none (module docstring)."""
+        """Whether the interval lies wholly on one side of a cost of ``effect`` (module docstring)."""
         lo, hi = self.interval()
-        return not math.isnan(lo) and not (lo < 1 - effect and hi > 1)
+        return not math.isnan(lo) and not (lo < 1 - effect <= hi)
 
     def verdict(self, effect: float = EFFECT) -> str:
         lo, hi = self.interval()
@@ -79,20 +81,21 @@ class Ratios:
             return "one repeat: no interval"
         if not self.resolved(effect):
             need = self.repeats_to_resolve(effect)
-            return f"too wide to tell a {effect:.0%} effect from none" + (
-                f" (at this mean and spread, about {need} repeats would)" if need else "")
+            wide = (f"too wide to tell a {effect:.0%} effect from none" if hi > 1 else
+                    f"a cost of {1 - hi:.1%} to {1 - lo:.1%}, not yet told from {effect:.0%}")
+            return wide + (f" (at this mean and spread, about {need} repeats would)" if need else "")
         if lo >= 1 - effect:
             return f"at most a {effect:.0%} cost" if lo < 1 else "no cost"
-        return f"a cost of {1 - hi:.1%} or more"
+        return f"a cost of more than {effect:.0%} ({1 - hi:.1%} or more)"
 
     def repeats_to_resolve(self, effect: float = EFFECT, most: int = 100_000) -> int | None:
         """The fewest repeats whose interval, at this level and were the mean and the spread to stay
-        as they are, would resolve: its half-width under the mean's distance from the farther of 1
-        and ``1 - effect``. None under 2 repeats, or past ``most``."""
+        as they are, would resolve: its half-width under the mean's distance from ``1 - effect``.
+        None under 2 repeats, or past ``most``."""
         n = len(self.values)
         if n < 2:
             return None
-        spread, room = statistics.stdev(self.values), max(self.mean - (1 - effect), 1 - self.mean)
+        spread, room = statistics.stdev(self.values), abs(self.mean - (1 - effect))
 
         def enough(k: int) -> bool:  # the half-width falls as k grows
             return t_quantile(0.5 + self.level / 2, k - 1) * spread / math.sqrt(k) < room

@@ -63,7 +63,7 @@ from typing import Any
 from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from repeat_ratios import EFFECT, Ratios, ended, look_level, looks  # noqa: E402
+from repeat_ratios import RESOLVED, Ratios, ended, look_level, looks  # noqa: E402
 from repeat_record import RepeatRecord, add_options, check_options, planned_device, quiet_pipe, time_limit  # noqa: E402
 from taking_turns import run_at_once, unwind_on_sigterm  # noqa: E402
 
@@ -383,8 +383,8 @@ def main() -> None:
     print(tabulate(step_rows, headers=["World size", "Mode", "Harness / step, per repeat", "Mean [95% interval]",
                                        "Verdict"]))
     print(f"The reference trainer over mlx-lm's bare step, repeat by repeat (Student's t interval of the mean at "
-          f"{level:.4g} a look, 95% over {len(points)} looks; resolved where it does not hold both 1 and "
-          f"{1 - EFFECT:g}, repeats added up to --max-repeats until it is).")
+          f"{level:.4g} a look, 95% over {len(points)} looks; resolved: {RESOLVED}, repeats added up to "
+          f"--max-repeats until it is).")
     if phase_rows:
         print()
         print(tabulate(phase_rows, headers=["World size", "Mode", "Who", "Fetch ms", "Build ms", "Eval ms",
