@@ -40,7 +40,7 @@ once, each in a process of its own, taking turns K steps at a time after step F
 outside their times), and takes each one's median over the steps after F: a machine whose speed
 wanders between two runs wanders under both alike.
 
-usage: python benchmarks/step_vs_mlx_lm.py [--model tiny|cpu3m|gpu044b] [--world-sizes 1,2]
+usage: python benchmarks/step_vs_mlx_lm.py [--model tiny|cpu3m|gpu044b|host28] [--world-sizes 1,2]
                                            [--modes eager,compiled] [--steps N] [--repeats R]
                                            [--max-repeats M] [--backend ring|nccl]
                                            [--without-trainer [--turns K --from F]]
@@ -80,6 +80,10 @@ MODELS: dict[str, tuple[dict[str, Any], str, int, int]] = {
                "num_key_value_heads": 2, "head_dim": 64}, "float32", 256, 8),
     "gpu044b": ({"hidden_size": 1024, "num_hidden_layers": 28, "intermediate_size": 3072, "num_attention_heads": 16,
                  "num_key_value_heads": 8, "head_dim": 128}, "bfloat16", 1024, 8),
+    # gpu044b's 28 layers, narrow and short: a step whose host work (building the graph, which
+    # grows with the layers, not the width) is a large share, measurable on a CPU
+    "host28": ({"hidden_size": 256, "num_hidden_layers": 28, "intermediate_size": 768, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "head_dim": 64}, "bfloat16", 32, 2),
 }
 # Dense bf16/fp16 tensor-core peak FLOP/s by device name (NVIDIA's data sheets, SXM parts).
 PEAKS = {"NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H200": 989e12}

@@ -74,6 +74,30 @@ def test_a_compiled_function_records_its_trace_on_every_call(tmp_path: Path) -> 
     assert mx.compile.__module__ != __name__  # put back
 
 
+def test_a_call_site_is_the_first_frame_outside_mlx_and_the_harness_else_the_harness_frame_nearest_the_call(
+) -> None:
+    import _thread
+    import threading
+
+    from harness.rank import ledger
+
+    here = Path(ledger.__file__).parent / "trainer_like.py"  # a frame the walk takes for the harness's own
+    code = compile("def call():\n    return site()\n\n\ndef deeper():\n    return call()\n\n\n"
+                   "def run(got, done):\n    got.append(deeper())\n    done.set()\n", str(here), "exec")
+    harness_frames: dict = {"site": lambda: ledger.call_site(ledger._mlx_dir())}
+    exec(code, harness_frames)  # noqa: S102 - functions whose frames name a file in the harness
+
+    def mine() -> tuple[str, bool]:
+        return harness_frames["deeper"]()
+
+    line = mine.__code__.co_firstlineno + 1
+    assert mine() == (f"test_ledger.py:{line} in mine", True)  # past two harness frames, to the caller's
+    got: list = []
+    done = threading.Event()
+    _thread.start_new_thread(harness_frames["run"], (got, done))  # a stack of harness frames alone
+    assert done.wait(10) and got == [("trainer_like.py:2 in call", False)]  # the nearest the call
+
+
 def _planted(tmp_path: Path, name: str, old: str, new: str, script: str = SCRIPT):  # noqa: ANN202
     assert old in script
     path = script_scenario(tmp_path, script.replace(old, new, 1), name, world_sizes=(2,),

@@ -52,16 +52,21 @@ def call_site(mlx_dir: tuple[str, ...]) -> tuple[str, bool]:
     """``file:line in function`` of the first caller outside MLX and the harness, else the first
     outside MLX (the harness's own trainers); and whether it is outside the harness."""
     frame = sys._getframe(2)  # noqa: SLF001 - the wrapper's caller
-    first = None
-    while frame is not None:
+    first = None  # the first frame outside MLX, named only once the walk ends (a harness trainer's
+    while frame is not None:  # stack is harness frames to its top: naming each cost ~5 us a frame)
         path = frame.f_code.co_filename
         if not path.startswith(mlx_dir) and path != __file__ and not path.startswith("<frozen"):
-            here = f"{Path(path).name}:{frame.f_lineno} in {frame.f_code.co_name}"
-            first = first or here
             if not path.startswith(HARNESS):
-                return here, True
+                return site_name(frame), True
+            if first is None:
+                first = frame
         frame = frame.f_back
-    return first or "unknown", False
+    return (site_name(first) if first is not None else "unknown"), False
+
+
+def site_name(frame: Any) -> str:
+    """``file:line in function`` of ``frame``."""
+    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
 
 
 def stream_name(stream: Any) -> str | None:
