@@ -4,7 +4,8 @@ A rank never raises on its own between collectives. Each phase (fetching a batch
 step, the optimizer update, eval, a save) runs under ``Coordinator.attempt``, which catches the
 rank's error and keeps it. The next ``agree`` all-sums one small vector: one slot per rank (0,
 or the code of the phase that failed there), one slot per rank for stop requests, then the
-caller's integers. If any rank failed, every rank also exchanges the failure texts and raises:
+caller's integers (a rank without peers reads its own vector: no collective at world size 1).
+If any rank failed, every rank also exchanges the failure texts and raises:
 the failing rank ``RankFailure("rank 1 failed while fetching a batch at step 3: ...")``, its
 peers ``PeerFailure("a peer rank failed: rank 1 failed while ...")``. So no rank is left
 waiting in a collective that a failed peer will never call.
@@ -107,7 +108,7 @@ class Coordinator:
             vec[self.rank] = _CODES[self.pending.phase]
         vec[n + self.rank] = int(self.stop_requested)
         vec[2 * n :] = values
-        total = np.array(mx.distributed.all_sum(mx.array(vec), group=self.group)).tolist()
+        total = (np.array(mx.distributed.all_sum(mx.array(vec), group=self.group)) if n > 1 else vec).tolist()
         self.collectives += 1
         codes, stops = total[:n], total[n : 2 * n]
         failed = [r for r in range(n) if codes[r]]
@@ -165,6 +166,6 @@ class Coordinator:
         buf = np.zeros((self.world_size, TEXT_BYTES), dtype=np.int32)
         raw = text.encode("utf-8")[:TEXT_BYTES]
         buf[self.rank, : len(raw)] = np.frombuffer(raw, dtype=np.uint8)
-        total = np.array(mx.distributed.all_sum(mx.array(buf), group=self.group))
+        total = np.array(mx.distributed.all_sum(mx.array(buf), group=self.group)) if self.world_size > 1 else buf
         self.collectives += 1
         return [bytes(row[row > 0].astype(np.uint8)).decode("utf-8", errors="replace") for row in total]
