@@ -89,7 +89,7 @@ import timed_script  # noqa: E402
 from bare_trainers import BARE  # noqa: E402
 from gpu_clocks import GpuClocks  # noqa: E402
 from observer_sides import harnessed, run_side, run_turns, script_times  # noqa: E402
-from repeat_ratios import RESOLVED, Ratios, ended, look_level, looks  # noqa: E402
+from repeat_ratios import RESOLVED, Ratios, ended, look_level, looks, within_run  # noqa: E402
 from repeat_record import RepeatRecord, add_options, check_options, planned_device, quiet_pipe, time_limit  # noqa: E402
 from taking_turns import unwind_on_sigterm  # noqa: E402
 
@@ -314,10 +314,11 @@ def repeat_until_done(a: argparse.Namespace, record: RepeatRecord, trainers: lis
         split: dict[str, list[list[float]]] = {side: [] for side in sides}
         own: dict[str, list[float]] = {side: [] for side in sides}  # the script's own seconds a step
         windows: dict[str, dict[str, list[float]]] = {}  # taking turns: each side's window and its waits, s
+        halves: dict[str, dict[str, list[float]]] = {}  # taking turns: each side's tok/s in each half of it
         for t in trainers:
             order = sides[i % len(sides):] + sides[:i % len(sides)]  # each side first in turn
             if a.turns:
-                rep[t], got, steps, windows[t] = run_turns(order, t, paths[t], d, a, clocks)
+                rep[t], got, steps, windows[t], halves[t] = run_turns(order, t, paths[t], d, a, clocks)
                 for side in sides:
                     split[side] += got[side]
                     own[side] += steps[side]
@@ -327,7 +328,7 @@ def repeat_until_done(a: argparse.Namespace, record: RepeatRecord, trainers: lis
                 got, steps = script_times(times, a.first, clocks)  # the script's, just written
                 split[side] += got
                 own[side] += steps
-        record.add({"rates": rep, "split": split, **({"turns": windows} if windows else {}),
+        record.add({"rates": rep, "split": split, **({"turns": windows, "halves": halves} if windows else {}),
                     **({"own": own} if any(own.values()) else {}),
                     "numa": timed_script.numa_layout()})
         rates = gathered(record, trainers, sides)
@@ -363,6 +364,12 @@ def report(a: argparse.Namespace, record: RepeatRecord, trainers: list[str], sid
             verdict = r.verdict() if done in points else f"none before a look ({', '.join(map(str, points))})"
             rows.append([t, f"{c[0]} / {c[1]}", ", ".join(f"{v:.3f}" for v in r.values), r.cell(), verdict])
     print(tabulate(rows, headers=["trainer", "ratio", "per repeat", "mean [95% interval]", "verdict"]))
+    for t in trainers:  # the first ratio's noise within a run, from the halves of each repeat's window
+        num, den = comparisons(sides)[0]
+        kept = [r["halves"][t] for r in record.data() if r.get("halves", {}).get(t, {}).get(den)]
+        if len(kept) >= 3 and len(kept) == done:
+            line = within_run([h[num][0] / h[den][0] for h in kept], [h[num][1] / h[den][1] for h in kept])
+            print(f"{t}, {num} / {den}, within a run (its window's halves): {line}")
     if any(split[side] for side in sides if side != "bare"):
         print("\nthe script's step over the same window, per repeat: its own ms (mean; median last), ms inside "
               "run.probe and run.step, ms in the garbage collector and full collections a step (where recorded), "

@@ -91,6 +91,19 @@ def turn_rate(marks: list[dict[str, Any]], first: int, log: Path) -> tuple[float
     return window_tokens(marks, first) / (end - start - waited), end - start, waited
 
 
+def half_rates(marks: list[dict[str, Any]], first: int, log: Path) -> list[float]:
+    """``turn_rate``'s tok/s in each half of the window, split at the mark nearest its middle step
+    (the halves of a repeat differ by the noise within one run; ``repeat_ratios.within_run``); []
+    where the window holds fewer than three marks."""
+    window = [m for m in marks if m["step"] >= first]
+    if len(window) < 3:
+        return []
+    middle = (window[0]["step"] + window[-1]["step"]) / 2
+    mid = min(window[1:-1], key=lambda m: abs(m["step"] - middle))
+    return [(b["tokens"] - a["tokens"]) / (b["time"] - a["time"] - turns.waited_within(log, a["time"], b["time"]))
+            for a, b in ((window[0], mid), (mid, window[-1]))]
+
+
 def side_command(side: str, t: str, path: Path, d: Path, a: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
     """One side of trainer ``t`` as a process of its own (its argv and environment): bare, or under
     the harness (with ``--ablate``'s parts off on the ablated side); its marks in
@@ -105,11 +118,11 @@ def side_command(side: str, t: str, path: Path, d: Path, a: argparse.Namespace) 
 
 def run_turns(order: list[str], t: str, path: Path, d: Path, a: argparse.Namespace, clocks: GpuClocks
               ) -> tuple[dict[str, float], dict[str, list[list[float]]], dict[str, list[float]],
-                         dict[str, list[float]]]:
+                         dict[str, list[float]], dict[str, list[float]]]:
     """Both sides of trainer ``t`` at once, each in a process of its own, taking turns (``--turns``),
     ``order[0]`` first: each side's tok/s over its own turns (under the harness, its own figure
-    too), for the script each side's split of the step and its own seconds a step, and each side's
-    window and the seconds it waited in it."""
+    too), for the script each side's split of the step and its own seconds a step, each side's
+    window and the seconds it waited in it, and its tok/s in each half of the window."""
     run_at_once({side: side_command(side, t, path, d, a) for side in order}, d, a.first, a.turns, a.steps, t)
     marks = {side: json.loads((d / f"{t}-{side}.marks.json").read_text()) for side in order}
     timed = {side: turn_rate(marks[side], a.first, d / f"waits-{side}") for side in order}
@@ -119,7 +132,8 @@ def run_turns(order: list[str], t: str, path: Path, d: Path, a: argparse.Namespa
     own: dict[str, list[float]] = {}
     for side in order:
         split[side], own[side] = script_times(d / f"times-{side}", a.first, clocks)
-    return rep, split, own, {side: [window, waited] for side, (_, window, waited) in timed.items()}
+    halves = {side: half_rates(marks[side], a.first, d / f"waits-{side}") for side in order}
+    return rep, split, own, {side: [window, waited] for side, (_, window, waited) in timed.items()}, halves
 
 
 def script_times(times: Path, first: int, clocks: GpuClocks) -> tuple[list[list[float]], list[float]]:

@@ -51,6 +51,21 @@ def ended(done: int, points: list[int], resolved: Callable[[], bool]) -> bool:
     return done >= points[-1] or (done in points and resolved())
 
 
+def within_run(first: list[float], second: list[float]) -> str:
+    """How much of the repeats' spread is noise within a run, from each repeat's ratio in the two
+    halves of its window (``first``, ``second``): were the halves' noise independent, a whole
+    window's share of it has the standard deviation of their difference over 2; the rest of the
+    spread between repeats is the runs' own (process, placement, the machine's drift). What
+    lengthening the window would buy: the spread with twice the steps, the rest kept."""
+    whole = [(a + b) / 2 for a, b in zip(first, second, strict=True)]
+    spread = statistics.stdev(whole)  # an estimate of the part at most the whole (both are estimates)
+    within = min(statistics.stdev([a - b for a, b in zip(first, second, strict=True)]) / 2, spread)
+    between = math.sqrt(spread**2 - within**2)
+    doubled = math.sqrt(between**2 + within**2 / 2)
+    return (f"spread {spread:.4f}, of it within a run {within:.4f} and between runs {between:.4f}; "
+            f"with twice the steps, about {doubled:.4f} ({len(whole)} repeats' halves)")
+
+
 @dataclass(frozen=True)
 class Ratios:
     """One comparison's per-repeat ratios (numerator side over denominator side), judged at ``level``."""

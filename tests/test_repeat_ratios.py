@@ -405,3 +405,23 @@ def test_a_repeat_names_the_commit_whose_code_it_ran_though_its_git_lags_behind(
     assert f"1 on vm ({first}+dirty: the code of {second}), 1 on vm ({first}+dirty)" in said
     assert repeat_record.code_of(tmp_path) == ran  # notes.txt is no part of it
     assert repeat_record.code_of(tmp_path / "no-such-folder") is None
+
+
+def test_the_halves_of_each_window_tell_noise_within_a_run_from_noise_between_runs() -> None:
+    # runs apart but each run's halves alike: the spread is between runs, and more steps leave it
+    first, second = [0.96, 1.00, 0.98, 1.02, 0.97], [0.961, 0.999, 0.981, 1.019, 0.971]
+    line = repeat_ratios.within_run(first, second)
+    spread = statistics.stdev([(a + b) / 2 for a, b in zip(first, second, strict=True)])
+    within = statistics.stdev([a - b for a, b in zip(first, second, strict=True)]) / 2
+    assert within < spread / 20
+    assert line.startswith(f"spread {spread:.4f}, of it within a run {within:.4f} and between runs ")
+    assert line.endswith(f"with twice the steps, about {(spread**2 - within**2 / 2) ** 0.5:.4f} (5 repeats' halves)")
+    # halves noisier than the runs: all of the spread is within a run (the estimate held to the
+    # whole), and twice the steps would bring it down to about 1 / sqrt(2) of it
+    first, second = [0.98, 1.02, 0.99, 1.01, 0.985, 1.015], [1.02, 0.98, 1.01, 0.99, 1.015, 0.985]
+    first, second = [a + 0.004 * k for k, a in enumerate(first)], [b + 0.004 * k for k, b in enumerate(second)]
+    line = repeat_ratios.within_run(first, second)
+    spread = statistics.stdev([(a + b) / 2 for a, b in zip(first, second, strict=True)])
+    within = statistics.stdev([a - b for a, b in zip(first, second, strict=True)]) / 2
+    assert within > spread and f"of it within a run {spread:.4f} and between runs 0.0000" in line
+    assert line.endswith(f"about {spread / 2 ** 0.5:.4f} (6 repeats' halves)")

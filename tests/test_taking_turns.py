@@ -116,6 +116,16 @@ def test_the_seconds_waiting_for_a_turn_are_left_out_of_the_step() -> None:
     assert observer_sides.turn_rate(marks, 2, log) == pytest.approx((10.0, 3.0, 0.0))  # 30 tokens in 3 s
 
 
+def test_each_half_of_the_window_has_its_rate_with_the_turns_waited_in_it_left_out(tmp_path: Path) -> None:
+    marks = [{"step": s, "time": 100.0 + s + (0.5 if s > 5 else 0.0), "tokens": 10 * s} for s in range(1, 8)]
+    (log := tmp_path / "waits").write_text("105.0 105.5\n")  # the second half waited half a second
+    # the window runs from step 2 to 7, split at step 4 (the mark nearest its middle, 4.5)
+    assert observer_sides.half_rates(marks, 2, log) == pytest.approx([10.0, 10.0])  # 20 in 2 s, 30 in 3.5 - 0.5
+    assert observer_sides.half_rates(marks, 2, Path(os.devnull)) == pytest.approx([10.0, 30 / 3.5])
+    assert observer_sides.half_rates(marks[:3], 1, log) == pytest.approx([10.0, 10.0])
+    assert observer_sides.half_rates(marks, 6, log) == []  # two marks: no halves
+
+
 @pytest.mark.parametrize(("args", "needle"), [
     (["--trainers", "mlx_vlm"], "for trainers of mlx_lm, script, unsloth_zoo and two sides"),
     (["--turns", "0"], "K of at least 1"),
