@@ -364,8 +364,8 @@ def report(a: argparse.Namespace, record: RepeatRecord, trainers: list[str], sid
             verdict = r.verdict() if done in points else f"none before a look ({', '.join(map(str, points))})"
             rows.append([t, f"{c[0]} / {c[1]}", ", ".join(f"{v:.3f}" for v in r.values), r.cell(), verdict])
     print(tabulate(rows, headers=["trainer", "ratio", "per repeat", "mean [95% interval]", "verdict"]))
+    num, den = comparisons(sides)[0]
     for t in trainers:  # the first ratio's noise within a run, from the halves of each repeat's window
-        num, den = comparisons(sides)[0]
         kept = [r["halves"][t] for r in record.data() if r.get("halves", {}).get(t, {}).get(den)]
         if len(kept) >= 3:  # the repeats that kept them (a record begun before 9891928 has older ones)
             line = within_run([h[num][0] / h[den][0] for h in kept], [h[num][1] / h[den][1] for h in kept])

@@ -86,9 +86,14 @@ def run_side(side: str, t: str, path: Path, d: Path, a: argparse.Namespace) -> d
 def turn_rate(marks: list[dict[str, Any]], first: int, log: Path) -> tuple[float, float, float]:
     """Global tokens per second over the window (``window_rate``) less the seconds waited in it; the
     window's seconds and those waited."""
-    start, end = next(m for m in marks if m["step"] >= first)["time"], marks[-1]["time"]
-    waited = turns.waited_within(log, start, end)
-    return window_tokens(marks, first) / (end - start - waited), end - start, waited
+    return span_rate(next(m for m in marks if m["step"] >= first), marks[-1], log)
+
+
+def span_rate(a: dict[str, Any], b: dict[str, Any], log: Path) -> tuple[float, float, float]:
+    """Global tokens per second from mark ``a`` to mark ``b`` less the seconds waited between them
+    (the turns' ``log``); those seconds, and the ones waited."""
+    waited = turns.waited_within(log, a["time"], b["time"])
+    return (b["tokens"] - a["tokens"]) / (b["time"] - a["time"] - waited), b["time"] - a["time"], waited
 
 
 def half_rates(marks: list[dict[str, Any]], first: int, log: Path) -> list[float]:
@@ -100,8 +105,7 @@ def half_rates(marks: list[dict[str, Any]], first: int, log: Path) -> list[float
         return []
     middle = (window[0]["step"] + window[-1]["step"]) / 2
     mid = min(window[1:-1], key=lambda m: abs(m["step"] - middle))
-    return [(b["tokens"] - a["tokens"]) / (b["time"] - a["time"] - turns.waited_within(log, a["time"], b["time"]))
-            for a, b in ((window[0], mid), (mid, window[-1]))]
+    return [span_rate(a, b, log)[0] for a, b in ((window[0], mid), (mid, window[-1]))]
 
 
 def side_command(side: str, t: str, path: Path, d: Path, a: argparse.Namespace) -> tuple[list[str], dict[str, str]]:

@@ -99,8 +99,6 @@ class Coordinator:
 
     def agree(self, values: list[int] | None = None) -> Agreement:
         """All-sum failures, stop requests and ``values``; raise on every rank if any rank failed."""
-        import mlx.core as mx
-
         n = self.world_size
         values = list(values or [])
         vec = np.zeros(2 * n + len(values), dtype=np.int32)
@@ -108,8 +106,7 @@ class Coordinator:
             vec[self.rank] = _CODES[self.pending.phase]
         vec[n + self.rank] = int(self.stop_requested)
         vec[2 * n :] = values
-        total = (np.array(mx.distributed.all_sum(mx.array(vec), group=self.group)) if n > 1 else vec).tolist()
-        self.collectives += 1
+        total = self._summed(vec).tolist()
         codes, stops = total[:n], total[n : 2 * n]
         failed = [r for r in range(n) if codes[r]]
         compile_only = failed and all(_NAMES[codes[r]] == "compile" for r in failed)
@@ -151,21 +148,22 @@ class Coordinator:
 
     def gather(self, values: list[float]) -> list[list[float]]:
         """Every rank's ``values`` (float32, the same length on every rank), on every rank."""
-        import mlx.core as mx
-
         buf = np.zeros((self.world_size, len(values)), dtype=np.float32)
         buf[self.rank] = values
-        total = np.array(mx.distributed.all_sum(mx.array(buf), group=self.group)) if self.world_size > 1 else buf
-        self.collectives += 1
-        return total.tolist()
+        return self._summed(buf).tolist()
 
     def exchange(self, text: str) -> list[str]:
         """Every rank's ``text`` (UTF-8, cut to 512 bytes), on every rank: one all-sum."""
-        import mlx.core as mx
-
         buf = np.zeros((self.world_size, TEXT_BYTES), dtype=np.int32)
         raw = text.encode("utf-8")[:TEXT_BYTES]
         buf[self.rank, : len(raw)] = np.frombuffer(raw, dtype=np.uint8)
-        total = np.array(mx.distributed.all_sum(mx.array(buf), group=self.group)) if self.world_size > 1 else buf
+        return [bytes(row[row > 0].astype(np.uint8)).decode("utf-8", errors="replace") for row in self._summed(buf)]
+
+    def _summed(self, buf: np.ndarray) -> np.ndarray:
+        """``buf`` summed over the ranks (one all-sum, counted); a rank without peers has its own."""
         self.collectives += 1
-        return [bytes(row[row > 0].astype(np.uint8)).decode("utf-8", errors="replace") for row in total]
+        if self.world_size == 1:
+            return buf
+        import mlx.core as mx
+
+        return np.array(mx.distributed.all_sum(mx.array(buf), group=self.group))
