@@ -101,6 +101,10 @@ def compile_modes(runs: dict, checks: dict, out: Path) -> None:
                       "fallback2": "fallback-eager"}
     reason = runs["fallback2"]["compile"]["fallback_reason"]
     assert reason.startswith("rank 1 failed while compiling the local step at step 3: ValueError: [eval]"), reason
+    assert checks[("compile_scope", "fallback1")]["value"] == "fallback-eager"  # one rank: its state undone
+    reason = runs["fallback1"]["compile"]["fallback_reason"]
+    assert reason.startswith("rank 0 failed while compiling the local step at step 3: ValueError: [eval]"), reason
+    assert checks[("loss_parity", "fallback1")]["passed"], checks[("loss_parity", "fallback1")]
     assert checks[("loss_parity", "compiled2")]["value"] == 0.0  # same kernels, same order: same bits
     assert checks[("loss_parity", "fallback2")]["value"] <= 1e-5
     strict = runs["strict_fails"]["failure"]

@@ -53,6 +53,14 @@ def state_slots(tree: Any, out: list[tuple[Any, Any, Any]] | None = None) -> lis
     return out
 
 
+def call_signature(batch: dict[str, Any], scale: Any, fault: str | None, acc: Any) -> tuple:
+    """What decides whether a fused call traces (``mx.compile`` keys its cache on the inputs'
+    shapes and dtypes and on its constants): a call whose signature was built before reuses that
+    trace, so it cannot leave tracers behind."""
+    return (tuple((k, tuple(v.shape), str(v.dtype)) for k, v in sorted(batch.items())),
+            tuple(scale.shape), str(scale.dtype), fault, acc is None)
+
+
 def put_back(slots: list[tuple[Any, Any, Any]]) -> None:
     """Put every leaf of a ``state_slots`` snapshot back where it was taken from."""
     for container, key, value in slots:
@@ -112,7 +120,7 @@ def start_forward(loss_sum: Any) -> None:
 class LocalStep:
     """Runs micro-batches through the model in the scenario's compile mode."""
 
-    def __init__(self, model: Any, optimizer: Any, spec: TrainSpec, semantics: Any):
+    def __init__(self, model: Any, optimizer: Any, spec: TrainSpec, semantics: Any, alone: bool = False):
         import mlx.core as mx
         import mlx.nn as nn
 
@@ -128,6 +136,10 @@ class LocalStep:
         self._full_acc_c = mx.compile(self._full_acc, inputs=state, outputs=state)
         self._update_c = mx.compile(self.update, inputs=state, outputs=state)
         self._before: list[tuple[Any, Any, Any]] | None = None
+        # A rank without peers (``alone``) restores its state only after its own failed trace:
+        # a fused call whose signature was built before needs no snapshot (``full``).
+        self.alone = alone
+        self._built: set[tuple] = set()
         self._norm = norm_function()
 
     @property
@@ -211,15 +223,19 @@ class LocalStep:
 
     def full(self, batch: dict[str, Any], scale: Any, fault: str | None, acc: Any = None) -> tuple[Any, Any]:
         """The fused step (``full-step`` scope), lazy: (token-loss sum, gradient norm); the model
-        and optimizer hold the update until evaluated, or until ``discard``."""
-        self._before = state_slots([self.model.state, self.optimizer.state])
+        and optimizer hold the update until evaluated, or until ``discard``. The state from
+        before it is kept for ``discard`` (a peer's failure, or this call's failed trace), except
+        on a rank without peers whose call reuses a trace: nothing can then ask for it."""
+        signature = call_signature(batch, scale, fault, acc)
+        reused = self.alone and signature in self._built
+        self._before = None if reused else state_slots([self.model.state, self.optimizer.state])
         try:
-            if acc is None:
-                return self._full_c(batch, scale, fault)
-            return self._full_acc_c(batch, scale, fault, acc)
+            out = self._full_c(batch, scale, fault) if acc is None else self._full_acc_c(batch, scale, fault, acc)
         except Exception as compile_error:  # noqa: BLE001 - classified just below
             self.discard()
             raise self._classify(compile_error, (batch, scale, fault)) from compile_error
+        self._built.add(signature)
+        return out
 
     def update(self, grads: Any) -> Any:
         """Clip the (already all-reduced) gradients and apply them (lazily); returns the gradient

@@ -225,7 +225,7 @@ class Trainer:
         self.model, self.config = built
         self.precision = rank_precision(self.s.model.built_dtype)
         self.optimizer = build_optimizer(spec, self.semantics.learning_rate(spec.learning_rate))
-        self.runner = LocalStep(self.model, self.optimizer, spec, self.semantics)
+        self.runner = LocalStep(self.model, self.optimizer, spec, self.semantics, alone=self.N == 1)
         if loaded:
             restored = coord.attempt("resume", done, self._restore, *loaded[:3])
             coord.agree()
