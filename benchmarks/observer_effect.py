@@ -74,6 +74,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -89,7 +90,7 @@ import timed_script  # noqa: E402
 from bare_trainers import BARE  # noqa: E402
 from gpu_clocks import GpuClocks  # noqa: E402
 from observer_sides import harnessed, run_side, run_turns, script_times  # noqa: E402
-from repeat_ratios import RESOLVED, Ratios, ended, look_level, looks, within_run  # noqa: E402
+from repeat_ratios import RESOLVED, Ratios, ended, look_level, looks, split_spread, what_it_takes  # noqa: E402
 from repeat_record import RepeatRecord, add_options, check_options, planned_device, quiet_pipe, time_limit  # noqa: E402
 from taking_turns import unwind_on_sigterm  # noqa: E402
 
@@ -365,11 +366,18 @@ def report(a: argparse.Namespace, record: RepeatRecord, trainers: list[str], sid
             rows.append([t, f"{c[0]} / {c[1]}", ", ".join(f"{v:.3f}" for v in r.values), r.cell(), verdict])
     print(tabulate(rows, headers=["trainer", "ratio", "per repeat", "mean [95% interval]", "verdict"]))
     num, den = comparisons(sides)[0]
+    each = record.seconds_per_repeat()
     for t in trainers:  # the first ratio's noise within a run, from the halves of each repeat's window
         kept = [r["halves"][t] for r in record.data() if r.get("halves", {}).get(t, {}).get(den)]
+        spread = None
         if len(kept) >= 3:  # the repeats that kept them (a record begun before 9891928 has older ones)
-            line = within_run([h[num][0] / h[den][0] for h in kept], [h[num][1] / h[den][1] for h in kept])
-            print(f"{t}, {num} / {den}, within a run (its window's halves): {line}")
+            spread = split_spread([h[num][0] / h[den][0] for h in kept], [h[num][1] / h[den][1] for h in kept])
+            print(f"{t}, {num} / {den}, within a run (its window's halves): {spread.line()}")
+        windows = [max(w[0] for w in r["turns"][t].values()) for r in record.data() if r.get("turns", {}).get(t)]
+        takes = what_it_takes(ratios(rates[t], (num, den), level), points[-1], each, spread,
+                              statistics.median(windows) if windows else None)
+        if takes and done in points:
+            print(f"{t}, {num} / {den}, to resolve at this mean and spread: {takes}")
     if any(split[side] for side in sides if side != "bare"):
         print("\nthe script's step over the same window, per repeat: its own ms (mean; median last), ms inside "
               "run.probe and run.step, ms in the garbage collector and full collections a step (where recorded), "

@@ -51,7 +51,22 @@ def ended(done: int, points: list[int], resolved: Callable[[], bool]) -> bool:
     return done >= points[-1] or (done in points and resolved())
 
 
-def within_run(first: list[float], second: list[float]) -> str:
+@dataclass(frozen=True)
+class Spread:
+    """The repeats' spread of one ratio taken apart (``split_spread``)."""
+
+    whole: float  # the standard deviation of the repeats' ratios
+    within: float  # of it, the noise within a run
+    between: float  # and the runs' own
+    doubled: float  # what twice the steps a repeat would leave, the runs' own kept
+    n: int
+
+    def line(self) -> str:
+        return (f"spread {self.whole:.4f}, of it within a run {self.within:.4f} and between runs {self.between:.4f}; "
+                f"with twice the steps, about {self.doubled:.4f} ({self.n} repeats' halves)")
+
+
+def split_spread(first: list[float], second: list[float]) -> Spread:
     """How much of the repeats' spread is noise within a run, from each repeat's ratio in the two
     halves of its window (``first``, ``second``): were the halves' noise independent, a whole
     window's share of it has the standard deviation of their difference over 2; the rest of the
@@ -61,9 +76,60 @@ def within_run(first: list[float], second: list[float]) -> str:
     spread = statistics.stdev(whole)  # an estimate of the part at most the whole (both are estimates)
     within = min(statistics.stdev([a - b for a, b in zip(first, second, strict=True)]) / 2, spread)
     between = math.sqrt(spread**2 - within**2)
-    doubled = math.sqrt(between**2 + within**2 / 2)
-    return (f"spread {spread:.4f}, of it within a run {within:.4f} and between runs {between:.4f}; "
-            f"with twice the steps, about {doubled:.4f} ({len(whole)} repeats' halves)")
+    return Spread(spread, within, between, math.sqrt(between**2 + within**2 / 2), len(whole))
+
+
+def within_run(first: list[float], second: list[float]) -> str:
+    """``split_spread`` as a report's line."""
+    return split_spread(first, second).line()
+
+
+def repeats_needed(mean: float, spread: float, level: float, effect: float = EFFECT, start: int = 2,
+                   most: int = 100_000) -> int | None:
+    """The fewest repeats (``start`` or more) whose interval at ``level``, were the mean and the
+    spread as given, would resolve: its half-width under the mean's distance from ``1 - effect``.
+    None past ``most``."""
+    room = abs(mean - (1 - effect))
+
+    def enough(k: int) -> bool:  # the half-width falls as k grows
+        return t_quantile(0.5 + level / 2, k - 1) * spread / math.sqrt(k) < room
+
+    lo, hi = start - 1, max(start, 2)  # not enough at lo (or lo is below start), enough at hi: bisect
+    while not enough(hi):
+        if hi >= most:
+            return None
+        lo, hi = hi, min(2 * hi, most)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if enough(mid) else (mid, hi)
+    return hi
+
+
+def what_it_takes(r: Ratios, most: int, seconds: float | None, spread: Spread | None = None,
+                  window_s: float | None = None) -> str | None:
+    """For an unresolved ratio, what resolving it would take at this mean and spread: the repeats,
+    and the minutes at ``seconds`` a repeat (where known); past ``most`` (the record's
+    ``--max-repeats``), a new record. With the spread taken apart and the window's seconds, the
+    same with twice the steps in the window (a new record: the steps are part of its plan), the
+    ratios' spread shrunk in the share ``spread`` gives for it."""
+    need = r.repeats_to_resolve()
+    if r.resolved() or need is None:
+        return None
+
+    def minutes(k: int, each: float | None) -> str:
+        return f", about {k * each / 60:.0f} min at {each:.0f} s a repeat" if each else ""
+
+    more = need - len(r.values)
+    text = (f"about {need} repeats ({more} more{minutes(more, seconds)})" if need <= most else
+            f"about {need} repeats, past this record's {most}: a new record with --max-repeats of {need} or more "
+            f"(more looks, a wider interval at each: a few more repeats){minutes(need, seconds)}")
+    if spread is not None and spread.whole > 0 and window_s and seconds:
+        # the halves' estimate taken as a share: the ratios' own spread, shrunk as the halves say
+        doubled = repeats_needed(r.mean, statistics.stdev(r.values) * spread.doubled / spread.whole, r.level)
+        if doubled is not None:
+            text += (f"; with twice the steps in the window (a new record), about {doubled} repeats"
+                     f"{minutes(doubled, seconds + window_s)}")
+    return text
 
 
 @dataclass(frozen=True)
@@ -105,25 +171,10 @@ class Ratios:
 
     def repeats_to_resolve(self, effect: float = EFFECT, most: int = 100_000) -> int | None:
         """The fewest repeats whose interval, at this level and were the mean and the spread to stay
-        as they are, would resolve: its half-width under the mean's distance from ``1 - effect``.
-        None under 2 repeats, or past ``most``."""
-        n = len(self.values)
-        if n < 2:
+        as they are, would resolve (``repeats_needed``). None under 2 repeats, or past ``most``."""
+        if len(self.values) < 2:
             return None
-        spread, room = statistics.stdev(self.values), abs(self.mean - (1 - effect))
-
-        def enough(k: int) -> bool:  # the half-width falls as k grows
-            return t_quantile(0.5 + self.level / 2, k - 1) * spread / math.sqrt(k) < room
-
-        lo, hi = n - 1, n  # not enough at lo (or lo is below n), enough at hi: bisect
-        while not enough(hi):
-            if hi >= most:
-                return None
-            lo, hi = hi, min(2 * hi, most)
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if enough(mid) else (mid, hi)
-        return hi
+        return repeats_needed(self.mean, statistics.stdev(self.values), self.level, effect, len(self.values), most)
 
     def cell(self) -> str:
         lo, hi = self.interval()

@@ -15,11 +15,13 @@ from different machines with the plan's device pool.
 from __future__ import annotations
 
 import argparse
+import calendar
 import hashlib
 import json
 import os
 import select
 import socket
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -144,6 +146,7 @@ class RepeatRecord:
     where: str = ""
     commit: str | None = None  # of the code this invocation runs, taken when it opens the record
     code: str | None = None  # its code's fingerprint (``code_of``)
+    _mark: float = field(default_factory=time.monotonic)  # when this invocation's last repeat ended (or began)
 
     @classmethod
     def open(cls, path: Path | None, benchmark: str, plan: dict[str, Any], where: str = "",
@@ -186,8 +189,11 @@ class RepeatRecord:
 
     def add(self, data: dict[str, Any]) -> None:
         """One finished repeat's figures, written at once."""
+        now = time.monotonic()
         entry = {"repeat": len(self.repeats) + 1, "where": self.where, "commit": self.commit, "code": self.code,
-                 "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "data": data}
+                 "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "seconds": round(now - self._mark, 1),
+                 "data": data}
+        self._mark = now
         self.repeats.append(entry)
         if self.path is not None:
             self._write(entry)
@@ -204,6 +210,19 @@ class RepeatRecord:
 
     def data(self) -> list[dict[str, Any]]:
         return [r["data"] for r in self.repeats]
+
+    def seconds_per_repeat(self, keep: Callable[[dict[str, Any]], bool] = lambda data: True) -> float | None:
+        """The median seconds a repeat took (of those whose data ``keep`` keeps): as recorded, or
+        for repeats recorded without them, the gaps between consecutive repeats' finishing times
+        (the gaps between invocations are a few and the median passes them over). None without
+        two repeats to go by."""
+        kept = [r for r in self.repeats if keep(r["data"])]
+        recorded = [r["seconds"] for r in kept if "seconds" in r]
+        if recorded:
+            return statistics.median(recorded)
+        stamps = [calendar.timegm(time.strptime(r["at"], "%Y-%m-%dT%H:%M:%SZ")) for r in kept]
+        gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False) if b > a]
+        return statistics.median(gaps) if gaps else None
 
     def provenance(self, root: Path | None = None) -> str:
         """Where and when the repeats ran, e.g. ``12 repeats: 8 on gpu-a (ab12cd3), 4 on gpu-b (ab12cd3)``;

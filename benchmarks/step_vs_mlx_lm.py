@@ -63,7 +63,7 @@ from typing import Any
 from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from repeat_ratios import RESOLVED, Ratios, ended, look_level, looks  # noqa: E402
+from repeat_ratios import RESOLVED, Ratios, ended, look_level, looks, split_spread, what_it_takes  # noqa: E402
 from repeat_record import RepeatRecord, add_options, check_options, planned_device, quiet_pipe, time_limit  # noqa: E402
 from taking_turns import run_at_once, unwind_on_sigterm  # noqa: E402
 
@@ -248,6 +248,27 @@ def bare_ratio(got: list[list[tuple[float, dict[str, Any]]]], level: float) -> R
     return Ratios(tuple(h / b for (h, _), (b, _) in zip(got[0], got[2], strict=True)), level)
 
 
+def window_halves(got: list[list[tuple[float, dict[str, Any]]]], first: int) -> tuple[list[float], list[float]] | None:
+    """Each repeat's reference-over-bare-step ratio of median tok/s in the two halves of its steps
+    after ``first`` (``repeat_ratios.split_spread``); None under 3 repeats or 4 steps a half."""
+    a, b = [], []
+    for (_, mine), (_, bare) in zip(got[0], got[2], strict=True):
+        x, y = mine["tok_s_global"][first:], bare["tok_s_global"][first:]
+        m = min(len(x), len(y)) // 2
+        if m < 4:
+            return None
+        a.append(statistics.median(x[:m]) / statistics.median(y[:m]))
+        b.append(statistics.median(x[m:2 * m]) / statistics.median(y[m:2 * m]))
+    return (a, b) if len(a) >= 3 else None
+
+
+def window_seconds(got: list[list[tuple[float, dict[str, Any]]]], first: int) -> float:
+    """The median seconds of a repeat's steps after ``first``, the reference's and the bare step's
+    together (taking turns, the window's length)."""
+    return statistics.median(sum(mine["step_times_s"][first:]) + sum(bare["step_times_s"][first:])
+                             for (_, mine), (_, bare) in zip(got[0], got[2], strict=True))
+
+
 def finished(got: list[list[tuple[float, dict[str, Any]]]], points: list[int], level: float) -> bool:
     """Whether a run's repeats so far end it: at a look where its interval is resolved, or at the last."""
     return ended(len(got[0]), points, lambda: bare_ratio(got, level).resolved())
@@ -304,7 +325,7 @@ def main() -> None:
         run_side(s, args)
         return
     _, dtype, seq, per_rank = MODELS[args.model]
-    rows, base, step_s, phase_rows, step_rows = [], {}, {}, [], []
+    rows, base, step_s, phase_rows, step_rows, step_notes = [], {}, {}, [], [], []
     points = looks(args.repeats, args.max_repeats or args.repeats, 1)  # its three runs rotate within a repeat
     level = look_level(len(points))
     plan = {"device": planned_device(args), "--model": args.model, "--world-sizes": sizes, "--modes": modes,
@@ -354,6 +375,13 @@ def main() -> None:
         step_rows.append([spec.world_size, mode, ", ".join(f"{v:.3f}" for v in against_step.values),
                           against_step.cell(), against_step.verdict() if len(got[0]) in points
                           else f"none before a look ({', '.join(map(str, points))})"])
+        halves = window_halves(got, args.first or 1)
+        spread = split_spread(*halves) if halves else None
+        each = record.seconds_per_repeat(lambda d, run=spec.name: d["run"] == run)
+        takes = what_it_takes(against_step, points[-1], each, spread, window_seconds(got, args.first or 1))
+        step_notes += [f"{spec.world_size} {mode}, {label}: {text}" for label, text in
+                       (("within a run (the halves of each repeat's steps)", spread and spread.line()),
+                        ("to resolve at this mean and spread", takes)) if text]
         ours, trainer, loop = (g[kept(t)][1] if g else None for g, t in zip(got, tok_s, strict=True))
         if loop["mlx_compile"] != (mode == "compiled"):
             raise SystemExit(f"{spec.name}: MLX compiles {'' if loop['mlx_compile'] else 'not '}in the ranks")
@@ -389,6 +417,7 @@ def main() -> None:
     print(f"The reference trainer over mlx-lm's bare step, repeat by repeat (Student's t interval of the mean at "
           f"{level:.4g} a look, 95% over {len(points)} looks; resolved: {RESOLVED}, repeats added up to "
           f"--max-repeats until it is).")
+    print("\n".join(step_notes))
     if phase_rows:
         print()
         print(tabulate(phase_rows, headers=["World size", "Mode", "Who", "Fetch ms", "Build ms", "Eval ms",

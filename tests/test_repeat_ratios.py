@@ -425,3 +425,64 @@ def test_the_halves_of_each_window_tell_noise_within_a_run_from_noise_between_ru
     within = statistics.stdev([a - b for a, b in zip(first, second, strict=True)]) / 2
     assert within > spread and f"of it within a run {spread:.4f} and between runs 0.0000" in line
     assert line.endswith(f"about {spread / 2 ** 0.5:.4f} (6 repeats' halves)")
+
+
+def test_what_resolving_would_take_is_told_in_repeats_and_minutes_and_past_the_records_limit() -> None:
+    # the reference's compiled step on an H200, its first 19 repeats (at one of 13 looks)
+    r = Ratios((1.006, 0.973, 0.983, 0.978, 1.036, 0.988, 0.976, 0.974, 0.986, 1.019, 0.955, 0.989, 0.980, 0.985,
+                0.992, 0.971, 1.041, 0.996, 0.969), repeat_ratios.look_level(13))
+    need = r.repeats_to_resolve()
+    assert need == repeat_ratios.repeats_needed(r.mean, statistics.stdev(r.values), r.level, start=19)
+    within = repeat_ratios.what_it_takes(r, 100, 32.0)
+    assert within == f"about {need} repeats ({need - 19} more, about {(need - 19) * 32 / 60:.0f} min at 32 s a repeat)"
+    past = repeat_ratios.what_it_takes(r, 24, None)
+    assert past.startswith(f"about {need} repeats, past this record's 24: a new record with --max-repeats of {need} ")
+    assert "min" not in past  # no seconds a repeat known: no minutes
+    # the runs' own spread small: twice the steps a repeat needs fewer repeats, each longer by the window
+    spread = repeat_ratios.split_spread([1.00, 0.95, 1.02, 0.97, 0.99], [0.96, 1.01, 0.98, 1.00, 0.95])
+    doubled = repeat_ratios.repeats_needed(r.mean, statistics.stdev(r.values) * spread.doubled / spread.whole, r.level)
+    assert spread.doubled < spread.whole and doubled is not None
+    both = repeat_ratios.what_it_takes(r, 24, 32.0, spread, 6.0)
+    assert both.endswith(f"; with twice the steps in the window (a new record), about {doubled} repeats, about "
+                         f"{doubled * 38 / 60:.0f} min at 38 s a repeat")
+    assert repeat_ratios.what_it_takes(Ratios((0.995, 1.004, 0.999, 1.002, 0.998)), 24, 32.0) is None  # resolved
+
+
+def test_a_records_seconds_a_repeat_are_its_own_or_else_the_gaps_between_its_repeats(tmp_path: Path) -> None:
+    path, plan = tmp_path / "r.jsonl", {"--steps": 40}
+    rec = repeat_record.RepeatRecord.open(path, "observer_effect", plan)
+    rec.add({"run": "a"})
+    rec.add({"run": "b"})
+    assert all(isinstance(r["seconds"], float) and r["seconds"] >= 0 for r in rec.repeats)
+    assert rec.seconds_per_repeat() == statistics.median(r["seconds"] for r in rec.repeats)
+    assert rec.seconds_per_repeat(lambda d: d["run"] == "b") == rec.repeats[1]["seconds"]
+    # repeats recorded before the seconds were: the median gap between finishing times, a pause
+    # between two invocations passed over
+    old = [{k: v for k, v in r.items() if k != "seconds"} for r in rec.repeats]
+    stamps = ["2026-12-04T15:51:19Z", "2026-12-04T15:51:47Z", "2026-12-04T15:52:19Z", "2026-12-04T16:05:32Z",
+              "2026-12-04T16:06:02Z"]
+    rec.repeats = [{**old[0], "at": at} for at in stamps]
+    assert rec.seconds_per_repeat() == 31.0  # gaps 28, 32, 793, 30
+    rec.repeats = rec.repeats[:1]
+    assert rec.seconds_per_repeat() is None
+
+
+def test_the_step_benchmark_takes_each_repeats_steps_apart_in_halves() -> None:
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        from step_vs_mlx_lm import window_halves, window_seconds
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+
+    def repeat(mine: list[float], bare: list[float]) -> list[tuple[float, dict]]:
+        return [(0.0, {"tok_s_global": [1.0, *mine], "step_times_s": [9.0] + [0.1] * len(mine)}), None,
+                (0.0, {"tok_s_global": [1.0, *bare], "step_times_s": [9.0] + [0.2] * len(bare)})]
+
+    # the reference at the bare step in each repeat's first half, 10 % behind in its second
+    got = [list(g) for g in zip(*(repeat([100.0] * 8 + [90.0] * 8, [100.0] * 16) for _ in range(3)), strict=True)]
+    first, second = window_halves(got, 1)
+    assert first == [1.0] * 3 and second == pytest.approx([0.9] * 3)
+    assert window_seconds(got, 1) == pytest.approx(16 * 0.3)  # step 1 (the compile) left out
+    assert window_halves([g[:2] for g in got], 1) is None  # under 3 repeats
+    short = [list(g) for g in zip(*(repeat([100.0] * 6, [100.0] * 6) for _ in range(3)), strict=True)]
+    assert window_halves(short, 1) is None  # under 4 steps a half
