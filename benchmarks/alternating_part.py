@@ -17,7 +17,8 @@ benchmarks' are (``repeat_ratios``); ``--record`` and ``--time-limit`` carry it 
 usage: python benchmarks/alternating_part.py [--part sampler|ledger] [--model cpu3m|gpu044b]
                                              [--trainer script|mlx_lm|unsloth_zoo]
                                              [--steps N] [--from W] [--block K] [--repeats R]
-                                             [--max-repeats M] [--record FILE [--time-limit S | --report-only]]
+                                             [--max-repeats M] [--look-every K]
+                                             [--record FILE [--time-limit S | --report-only]]
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def main() -> None:
     if a.steps - a.first < 2 * a.block:
         raise SystemExit(f"--steps {a.steps} after --from {a.first} hold less than a block with the part and one "
                          f"without ({a.block} steps each)")
-    points = looks(a.repeats, a.max_repeats or a.repeats, 1)
+    points = looks(a.repeats, a.max_repeats or a.repeats, 1, a.look_every)
     level = look_level(len(points))
     plan = {"device": planned_device(a), "part": a.part, "--model": a.model, "--trainer": a.trainer, "--steps": a.steps,
             "--from": a.first, "--block": a.block, "--repeats/--max-repeats (looks after)": points}

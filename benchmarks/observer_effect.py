@@ -66,7 +66,7 @@ usage: python benchmarks/observer_effect.py [--model cpu3m|gpu044b]
                                             [--trainers mlx_lm,script,unsloth_zoo,mlx_vlm]
                                             [--steps N] [--from W] [--repeats R] [--max-repeats M]
                                             [--ablate all|PART,...] [--sides SIDES] [--node N] [--turns K]
-                                            [--record FILE [--time-limit S | --report-only]]
+                                            [--look-every K] [--record FILE [--time-limit S | --report-only]]
 """
 
 from __future__ import annotations
@@ -272,7 +272,7 @@ def main() -> None:
     sides = chosen_sides(a)
     if a.turns is not None:
         turns_allowed(a, trainers, sides)
-    points = looks(a.repeats, a.max_repeats or a.repeats, len(sides))
+    points = looks(a.repeats, a.max_repeats or a.repeats, len(sides), a.look_every)
     level = look_level(len(points))
     plan = {"device": planned_device(a), "--model": a.model, "--trainers": trainers, "--steps": a.steps,
             "--from": a.first, "--ablate": sorted(a.ablate.split(",")) if a.ablate else None,

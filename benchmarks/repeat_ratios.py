@@ -31,13 +31,18 @@ def t_quantile(p: float, df: int) -> float:
     return float(t.ppf(p, df))
 
 
-def looks(first: int, most: int, unit: int) -> list[int]:
+def looks(first: int, most: int, unit: int, every: int | None = None) -> list[int]:
     """The repeats after which the intervals are looked at: ``first`` to ``most``, each rounded up
-    to whole rotations of ``unit`` sides (every side first equally often), one rotation apart."""
+    to whole rotations of ``unit`` sides (every side first equally often), one rotation apart, or
+    ``every`` repeats apart (rounded up the same way; the last look at ``most``). Fewer looks let
+    each look's interval be narrower (``look_level``): a comparison that needs many repeats
+    resolves in fewer of them when it is not looked at after each."""
     def whole(n: int) -> int:
         return -(-max(n, 1) // unit) * unit
 
-    return list(range(whole(first), whole(max(first, most)) + 1, unit))
+    last = whole(max(first, most))
+    points = list(range(whole(first), last + 1, whole(every) if every else unit))
+    return points if points[-1] == last else [*points, last]
 
 
 def look_level(n_looks: int) -> float:
@@ -122,7 +127,8 @@ def what_it_takes(r: Ratios, most: int, seconds: float | None, spread: Spread | 
     more = need - len(r.values)
     text = (f"about {need} repeats ({more} more{minutes(more, seconds)})" if need <= most else
             f"about {need} repeats, past this record's {most}: a new record with --max-repeats of {need} or more "
-            f"(more looks, a wider interval at each: a few more repeats){minutes(need, seconds)}")
+            f"(looked at after every rotation, a wider interval at each: --look-every keeps the looks few)"
+            f"{minutes(need, seconds)}")
     if spread is not None and spread.whole > 0 and window_s and seconds:
         # the halves' estimate taken as a share: the ratios' own spread, shrunk as the halves say
         doubled = repeats_needed(r.mean, statistics.stdev(r.values) * spread.doubled / spread.whole, r.level)

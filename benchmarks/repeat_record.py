@@ -300,20 +300,25 @@ def _reader_gone() -> bool:
 
 
 def add_options(parser: argparse.ArgumentParser) -> None:
-    """``--record FILE``, ``--time-limit SECONDS`` and ``--report-only``, as every benchmark with repeats
-    takes them."""
+    """``--record FILE``, ``--time-limit SECONDS``, ``--look-every K`` and ``--report-only``, as every
+    benchmark with repeats takes them."""
     parser.add_argument("--record", type=Path, metavar="FILE",
                         help="keep each repeat in FILE as it finishes, and continue the repeats already there (same "
                              "options), judging them all together (repeat_record)")
     parser.add_argument("--time-limit", type=float, metavar="SECONDS",
                         help="with --record: start no repeat that would end past SECONDS from now (judged by the "
                              "longest so far); the same command continues")
+    parser.add_argument("--look-every", type=int, metavar="K",
+                        help="look at the intervals every K repeats from the first look on, not after each rotation "
+                             "of the sides: fewer looks, each one's interval narrower (part of the plan)")
     parser.add_argument("--report-only", action="store_true",
                         help="with --record: report the repeats in FILE and run none, on any machine (the other "
                              "options as the record's)")
 
 
 def check_options(args: argparse.Namespace) -> None:
+    if args.look_every is not None and args.look_every < 1:
+        raise SystemExit(f"--look-every {args.look_every}: a number of repeats, 1 or more")
     if args.time_limit is not None and not args.record:
         raise SystemExit("--time-limit stops before the plan's repeats are done: give --record FILE to keep them")
 

@@ -44,7 +44,7 @@ usage: python benchmarks/step_vs_mlx_lm.py [--model tiny|cpu3m|gpu044b|host28] [
                                            [--modes eager,compiled] [--steps N] [--repeats R]
                                            [--max-repeats M] [--backend ring|nccl]
                                            [--without-trainer [--turns K --from F]]
-                                           [--record FILE [--time-limit S | --report-only]]
+                                           [--look-every K] [--record FILE [--time-limit S | --report-only]]
 """
 
 from __future__ import annotations
@@ -326,7 +326,8 @@ def main() -> None:
         return
     _, dtype, seq, per_rank = MODELS[args.model]
     rows, base, step_s, phase_rows, step_rows, step_notes = [], {}, {}, [], [], []
-    points = looks(args.repeats, args.max_repeats or args.repeats, 1)  # its three runs rotate within a repeat
+    # its three runs rotate within a repeat
+    points = looks(args.repeats, args.max_repeats or args.repeats, 1, args.look_every)
     level = look_level(len(points))
     plan = {"device": planned_device(args), "--model": args.model, "--world-sizes": sizes, "--modes": modes,
             "--steps": args.steps, "--backend": args.backend,

@@ -92,6 +92,15 @@ def test_the_intervals_are_looked_at_after_whole_rotations_at_a_level_that_holds
     assert repeat_ratios.looks(3, 3, 2) == [4]  # two sides: each first twice
     assert repeat_ratios.looks(3, 8, 3) == [3, 6, 9]
     assert repeat_ratios.looks(4, 2, 1) == [4]  # a limit below the first look: the first look
+    assert repeat_ratios.looks(12, 64, 1, 12) == [12, 24, 36, 48, 60, 64]  # --look-every: the last at the limit
+    assert repeat_ratios.looks(16, 32, 2, 5) == [16, 22, 28, 32]  # every 5 rounded up to whole rotations
+    assert repeat_ratios.looks(3, 8, 3, 1) == repeat_ratios.looks(3, 8, 3)  # no fewer than one rotation apart
+    # fewer looks, a narrower interval at each: the reference's compiled step resolves sooner
+    ratios = (1.006, 0.973, 0.983, 0.978, 1.036, 0.988, 0.976, 0.974, 0.986, 1.019, 0.955, 0.989, 0.980, 0.985,
+              0.992, 0.971, 1.041, 0.996, 0.969)
+    every = Ratios(ratios, repeat_ratios.look_level(len(repeat_ratios.looks(12, 64, 1))))
+    few = Ratios(ratios, repeat_ratios.look_level(len(repeat_ratios.looks(12, 64, 1, 12))))
+    assert few.repeats_to_resolve() < every.repeats_to_resolve()
     assert repeat_ratios.look_level(1) == pytest.approx(0.95) and repeat_ratios.look_level(5) == pytest.approx(0.99)
     tighter = Ratios((0.95, 0.97, 0.96, 0.98), repeat_ratios.look_level(5))
     assert tighter.interval()[0] < Ratios(tighter.values).interval()[0]  # wider at each of five looks
@@ -245,6 +254,7 @@ def test_the_observer_benchmark_runs_both_sides_and_continues_its_record(tmp_pat
     (["--time-limit", "60"], "--time-limit stops before the plan's repeats are done: give --record FILE to keep them"),
     (["--report-only"], "--report-only reports a record: --record FILE is not one"),
     (["--report-only", "--record", "no.jsonl"], "--report-only reports a record: no.jsonl is not one"),
+    (["--look-every", "0"], "--look-every 0: a number of repeats, 1 or more"),
 ])
 def test_the_observer_benchmarks_bad_options_are_one_line(args: list[str], line: str) -> None:
     p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "observer_effect.py"), *args], capture_output=True,
