@@ -367,15 +367,17 @@ def report(a: argparse.Namespace, record: RepeatRecord, trainers: list[str], sid
     print(tabulate(rows, headers=["trainer", "ratio", "per repeat", "mean [95% interval]", "verdict"]))
     num, den = comparisons(sides)[0]
     each = record.seconds_per_repeat()
+    # a repeat's windows taking turns, every trainer's (each the longer of its sides'): what twice the steps adds
+    windows = [sum(max(w[0] for w in sides_of.values()) for sides_of in r["turns"].values())
+               for r in record.data() if r.get("turns")]
+    window = statistics.median(windows) if windows else None
     for t in trainers:  # the first ratio's noise within a run, from the halves of each repeat's window
         kept = [r["halves"][t] for r in record.data() if r.get("halves", {}).get(t, {}).get(den)]
         spread = None
         if len(kept) >= 3:  # the repeats that kept them (a record begun before 9891928 has older ones)
             spread = split_spread([h[num][0] / h[den][0] for h in kept], [h[num][1] / h[den][1] for h in kept])
             print(f"{t}, {num} / {den}, within a run (its window's halves): {spread.line()}")
-        windows = [max(w[0] for w in r["turns"][t].values()) for r in record.data() if r.get("turns", {}).get(t)]
-        takes = what_it_takes(ratios(rates[t], (num, den), level), points[-1], each, spread,
-                              statistics.median(windows) if windows else None)
+        takes = what_it_takes(ratios(rates[t], (num, den), level), points, len(sides), each, spread, window)
         if takes and done in points:
             print(f"{t}, {num} / {den}, to resolve at this mean and spread: {takes}")
     if any(split[side] for side in sides if side != "bare"):

@@ -110,31 +110,51 @@ def repeats_needed(mean: float, spread: float, level: float, effect: float = EFF
     return hi
 
 
-def what_it_takes(r: Ratios, most: int, seconds: float | None, spread: Spread | None = None,
+def new_record(mean: float, spread: float, first: int, unit: int) -> tuple[int, int] | None:
+    """A new record's plan that would resolve a ratio of this mean and spread: (its
+    ``--max-repeats``, the look it would stop at), looking every ``first`` repeats from ``first``
+    (``--look-every``), each look at the level its own number of looks sets. None past 100,000."""
+    most = first
+    while most <= 100_000:
+        points = looks(first, most, unit, first)
+        need = repeats_needed(mean, spread, look_level(len(points)))
+        if need is None:
+            return None
+        stop = next((p for p in points if p >= need), None)
+        if stop is not None:
+            return points[-1], stop
+        most = -(-max(need, most + first) // first) * first  # one more look or more: a little stricter at each
+    return None
+
+
+def what_it_takes(r: Ratios, points: list[int], unit: int, seconds: float | None, spread: Spread | None = None,
                   window_s: float | None = None) -> str | None:
-    """For an unresolved ratio, what resolving it would take at this mean and spread: the repeats,
-    and the minutes at ``seconds`` a repeat (where known); past ``most`` (the record's
-    ``--max-repeats``), a new record. With the spread taken apart and the window's seconds, the
-    same with twice the steps in the window (a new record: the steps are part of its plan), the
-    ratios' spread shrunk in the share ``spread`` gives for it."""
-    need = r.repeats_to_resolve()
-    if r.resolved() or need is None:
+    """For an unresolved ratio, what resolving it would take at this mean and spread: the look
+    of this record (looked at after ``points``, ``unit`` sides a rotation) it would stop at, or
+    past its last look, a new record's plan (``new_record``); the minutes at ``seconds`` a repeat
+    where known. With the spread taken apart and the window's seconds, a new record's with twice
+    the steps in the window (the steps are part of a plan), the ratios' spread shrunk in the share
+    ``spread`` gives for it."""
+    if r.resolved() or len(r.values) < 2:
         return None
 
     def minutes(k: int, each: float | None) -> str:
-        return f", about {k * each / 60:.0f} min at {each:.0f} s a repeat" if each else ""
+        return f", about {k * each / 60:.0f} min at {each:.1f} s a repeat" if each else ""
 
-    more = need - len(r.values)
-    text = (f"about {need} repeats ({more} more{minutes(more, seconds)})" if need <= most else
-            f"about {need} repeats, past this record's {most}: a new record with --max-repeats of {need} or more "
-            f"(looked at after every rotation, a wider interval at each: --look-every keeps the looks few)"
-            f"{minutes(need, seconds)}")
+    def plan(at: tuple[int, int] | None, each: float | None) -> str:
+        if at is None:
+            return "more than 100,000 repeats"
+        return (f"a new record with --max-repeats {at[0]} --look-every {points[0]}: about {at[1]} repeats"
+                f"{minutes(at[1], each)}")
+
+    sd, done = statistics.stdev(r.values), len(r.values)
+    need = repeats_needed(r.mean, sd, r.level, start=done)
+    stop = next((p for p in points if need is not None and p >= need), None)
+    text = (f"about {stop} repeats, at that look ({stop - done} more{minutes(stop - done, seconds)})" if stop else
+            f"past this record's {points[-1]}, {plan(new_record(r.mean, sd, points[0], unit), seconds)}")
     if spread is not None and spread.whole > 0 and window_s and seconds:
-        # the halves' estimate taken as a share: the ratios' own spread, shrunk as the halves say
-        doubled = repeats_needed(r.mean, statistics.stdev(r.values) * spread.doubled / spread.whole, r.level)
-        if doubled is not None:
-            text += (f"; with twice the steps in the window (a new record), about {doubled} repeats"
-                     f"{minutes(doubled, seconds + window_s)}")
+        doubled = new_record(r.mean, sd * spread.doubled / spread.whole, points[0], unit)
+        text += f"; with twice the steps in the window, {plan(doubled, seconds + window_s)}"
     return text
 
 

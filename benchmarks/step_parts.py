@@ -11,8 +11,9 @@ and the outputs, then the loss read back), median after 2 untimed steps. Variant
 - ``anchor, batch made after`` and ``anchor, batch made during``: the new batch made after the
   last step's ``mx.eval`` (outside the timed build; its own time printed), or while the last step
   evaluates (``mx.async_eval``, the batch, then ``mx.eval``);
-- ``reference``: the reference trainer's ``LocalStep.full`` (its loss, the token-count scale, the
-  snapshot of the state a peer's failure would restore), a new batch each step;
+- ``reference``: the reference trainer's ``LocalStep.full`` as a rank with peers runs it (its loss,
+  the token-count scale, the snapshot of the state a peer's failure would restore; a rank without
+  peers takes it only where a call traces), a new batch each step;
 - ``reference, no snapshot`` and ``reference, tree_map snapshot`` (how it snapshotted before);
 - ``reference, bf16 logits``: its loss without the float32 cast of the logits;
 - both again with a thread sampling memory every 20 ms, as each rank's ``MemorySampler`` does;

@@ -263,10 +263,10 @@ def window_halves(got: list[list[tuple[float, dict[str, Any]]]], first: int) -> 
 
 
 def window_seconds(got: list[list[tuple[float, dict[str, Any]]]], first: int) -> float:
-    """The median seconds of a repeat's steps after ``first``, the reference's and the bare step's
-    together (taking turns, the window's length)."""
-    return statistics.median(sum(mine["step_times_s"][first:]) + sum(bare["step_times_s"][first:])
-                             for (_, mine), (_, bare) in zip(got[0], got[2], strict=True))
+    """The median seconds of a repeat's steps after ``first``, every run's of it together (taking
+    turns, the window's length)."""
+    return statistics.median(sum(sum(result["step_times_s"][first:]) for _, result in runs)
+                             for runs in zip(*(g for g in got if g), strict=True))
 
 
 def finished(got: list[list[tuple[float, dict[str, Any]]]], points: list[int], level: float) -> bool:
@@ -379,7 +379,8 @@ def main() -> None:
         halves = window_halves(got, args.first or 1)
         spread = split_spread(*halves) if halves else None
         each = record.seconds_per_repeat(lambda d, run=spec.name: d["run"] == run)
-        takes = what_it_takes(against_step, points[-1], each, spread, window_seconds(got, args.first or 1))
+        at_look = len(got[0]) in points
+        takes = at_look and what_it_takes(against_step, points, 1, each, spread, window_seconds(got, args.first or 1))
         step_notes += [f"{spec.world_size} {mode}, {label}: {text}" for label, text in
                        (("within a run (the halves of each repeat's steps)", spread and spread.line()),
                         ("to resolve at this mean and spread", takes)) if text]

@@ -82,3 +82,27 @@ def test_a_failed_trace_at_a_new_shape_is_undone_on_a_rank_without_peers() -> No
     for (k, a), (_, b) in zip(after, before, strict=True):  # the state holds no tracer and no update
         assert mx.array_equal(a, b).item(), k
     assert _train(runner, 4)[0] is False  # the built shape still reuses its trace
+
+
+def test_a_call_at_a_built_shape_that_traces_anew_is_snapshotted_on_a_rank_without_peers() -> None:
+    """The fault and the accumulated gradients are part of what a call traces: a built shape with
+    either new traces again, so it is snapshotted, and a trace that fails there is undone."""
+    from mlx.utils import tree_flatten, tree_map
+
+    from harness.trainers.reference.step import CompileFailed
+
+    runner = _step(alone=True)
+    _train(runner, 4)
+    before = [(k, mx.array(v)) for k, v in tree_flatten(runner.model.state)]
+    with pytest.raises(CompileFailed):  # an injected failure of the trace, at the shape built above
+        runner.full(_batch(4), mx.array(0.5, dtype=mx.float32), "compile_error")
+    for (k, a), (_, b) in zip(tree_flatten(runner.model.state), before, strict=True):
+        assert mx.array_equal(a, b).item(), k
+    acc = tree_map(mx.zeros_like, runner.model.trainable_parameters())
+    flags = []
+    for _ in range(2):  # an accumulating step: a trace of its own, then reused
+        loss, norm = runner.full(_batch(4), mx.array(0.5, dtype=mx.float32), None, acc)
+        flags.append(runner._before is not None)
+        runner.settled()
+        mx.eval(runner.model.state, runner.optimizer.state, loss, norm)
+    assert flags == [True, False]

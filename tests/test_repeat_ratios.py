@@ -438,24 +438,38 @@ def test_the_halves_of_each_window_tell_noise_within_a_run_from_noise_between_ru
 
 
 def test_what_resolving_would_take_is_told_in_repeats_and_minutes_and_past_the_records_limit() -> None:
-    # the reference's compiled step on an H200, its first 19 repeats (at one of 13 looks)
-    r = Ratios((1.006, 0.973, 0.983, 0.978, 1.036, 0.988, 0.976, 0.974, 0.986, 1.019, 0.955, 0.989, 0.980, 0.985,
-                0.992, 0.971, 1.041, 0.996, 0.969), repeat_ratios.look_level(13))
-    need = r.repeats_to_resolve()
-    assert need == repeat_ratios.repeats_needed(r.mean, statistics.stdev(r.values), r.level, start=19)
-    within = repeat_ratios.what_it_takes(r, 100, 32.0)
-    assert within == f"about {need} repeats ({need - 19} more, about {(need - 19) * 32 / 60:.0f} min at 32 s a repeat)"
-    past = repeat_ratios.what_it_takes(r, 24, None)
-    assert past.startswith(f"about {need} repeats, past this record's 24: a new record with --max-repeats of {need} ")
-    assert "min" not in past  # no seconds a repeat known: no minutes
+    # the reference's compiled step on an H200, its first 19 repeats, in a record looked at after
+    # every repeat from 12 to 24 (13 looks)
+    values = (1.006, 0.973, 0.983, 0.978, 1.036, 0.988, 0.976, 0.974, 0.986, 1.019, 0.955, 0.989, 0.980, 0.985,
+              0.992, 0.971, 1.041, 0.996, 0.969)
+    sd, room = statistics.stdev(values), abs(statistics.fmean(values) - 0.98)
+
+    def resolves(k: int, n_looks: int) -> bool:  # at k repeats, in a plan of n_looks looks
+        return t.ppf(0.5 + repeat_ratios.look_level(n_looks) / 2, k - 1) * sd / k ** 0.5 < room
+
+    wide = repeat_ratios.looks(12, 100, 1)  # a record whose limit lies past what it needs
+    r = Ratios(values, repeat_ratios.look_level(len(wide)))
+    stop = next(k for k in wide if resolves(k, len(wide)))
+    assert repeat_ratios.what_it_takes(r, wide, 1, 32.5) == (
+        f"about {stop} repeats, at that look ({stop - 19} more, about {(stop - 19) * 32.5 / 60:.0f} min at 32.5 s a "
+        "repeat)")
+    # past this record's 24: a new record looking every 12 repeats, whose own looks set its level
+    short = repeat_ratios.looks(12, 24, 1)
+    r = Ratios(values, repeat_ratios.look_level(len(short)))
+    most, stop = repeat_ratios.new_record(r.mean, sd, 12, 1)
+    plan = repeat_ratios.looks(12, most, 1, 12)
+    assert stop in plan and resolves(stop, len(plan)) and not any(resolves(k, len(plan)) for k in plan if k < stop)
+    assert 24 < stop <= most < 2 * stop  # fewer than the 53 of looking after every repeat, and a plan no longer
+    assert repeat_ratios.what_it_takes(r, short, 1, None) == (
+        f"past this record's 24, a new record with --max-repeats {most} --look-every 12: about {stop} repeats")
     # the runs' own spread small: twice the steps a repeat needs fewer repeats, each longer by the window
     spread = repeat_ratios.split_spread([1.00, 0.95, 1.02, 0.97, 0.99], [0.96, 1.01, 0.98, 1.00, 0.95])
-    doubled = repeat_ratios.repeats_needed(r.mean, statistics.stdev(r.values) * spread.doubled / spread.whole, r.level)
-    assert spread.doubled < spread.whole and doubled is not None
-    both = repeat_ratios.what_it_takes(r, 24, 32.0, spread, 6.0)
-    assert both.endswith(f"; with twice the steps in the window (a new record), about {doubled} repeats, about "
-                         f"{doubled * 38 / 60:.0f} min at 38 s a repeat")
-    assert repeat_ratios.what_it_takes(Ratios((0.995, 1.004, 0.999, 1.002, 0.998)), 24, 32.0) is None  # resolved
+    most2, stop2 = repeat_ratios.new_record(r.mean, sd * spread.doubled / spread.whole, 12, 1)
+    assert stop2 < stop
+    assert repeat_ratios.what_it_takes(r, short, 1, 32.0, spread, 6.0).endswith(
+        f"; with twice the steps in the window, a new record with --max-repeats {most2} --look-every 12: about "
+        f"{stop2} repeats, about {stop2 * 38 / 60:.0f} min at 38.0 s a repeat")
+    assert repeat_ratios.what_it_takes(Ratios((0.995, 1.004, 0.999, 1.002, 0.998)), short, 1, 32.0) is None
 
 
 def test_a_records_seconds_a_repeat_are_its_own_or_else_the_gaps_between_its_repeats(tmp_path: Path) -> None:
@@ -489,10 +503,15 @@ def test_the_step_benchmark_takes_each_repeats_steps_apart_in_halves() -> None:
                 (0.0, {"tok_s_global": [1.0, *bare], "step_times_s": [9.0] + [0.2] * len(bare)})]
 
     # the reference at the bare step in each repeat's first half, 10 % behind in its second
-    got = [list(g) for g in zip(*(repeat([100.0] * 8 + [90.0] * 8, [100.0] * 16) for _ in range(3)), strict=True)]
+    def repeats(mine: list[float], bare: list[float]) -> list[list]:  # without mlx-lm's trainer: its list empty
+        got = [list(g) for g in zip(*(repeat(mine, bare) for _ in range(3)), strict=True)]
+        return [got[0], [], got[2]]
+
+    got = repeats([100.0] * 8 + [90.0] * 8, [100.0] * 16)
     first, second = window_halves(got, 1)
     assert first == [1.0] * 3 and second == pytest.approx([0.9] * 3)
     assert window_seconds(got, 1) == pytest.approx(16 * 0.3)  # step 1 (the compile) left out
     assert window_halves([g[:2] for g in got], 1) is None  # under 3 repeats
-    short = [list(g) for g in zip(*(repeat([100.0] * 6, [100.0] * 6) for _ in range(3)), strict=True)]
-    assert window_halves(short, 1) is None  # under 4 steps a half
+    with_trainer = [got[0], got[0], got[2]]  # mlx-lm's trainer too: its steps lengthen the window
+    assert window_seconds(with_trainer, 1) == pytest.approx(16 * 0.4)
+    assert window_halves(repeats([100.0] * 6, [100.0] * 6), 1) is None  # under 4 steps a half

@@ -55,7 +55,8 @@ def state_slots(tree: Any, out: list[tuple[Any, Any, Any]] | None = None) -> lis
 
 def call_signature(batch: dict[str, Any], scale: Any, fault: str | None, acc: Any) -> tuple:
     """What decides whether a fused call traces (``mx.compile`` keys its cache on the inputs'
-    shapes and dtypes and on its constants): a call whose signature was built before reuses that
+    shapes and dtypes and on its constants, and on the captured state and the device, which stay
+    as they are from the first step on): a call whose signature was built before reuses that
     trace, so it cannot leave tracers behind."""
     return (tuple((k, tuple(v.shape), str(v.dtype)) for k, v in sorted(batch.items())),
             tuple(scale.shape), str(scale.dtype), fault, acc is None)
@@ -232,6 +233,8 @@ class LocalStep:
         try:
             out = self._full_c(batch, scale, fault) if acc is None else self._full_acc_c(batch, scale, fault, acc)
         except Exception as compile_error:  # noqa: BLE001 - classified just below
+            if reused:  # no state to put back: not re-run eagerly on it, this rank fails
+                raise
             self.discard()
             raise self._classify(compile_error, (batch, scale, fault)) from compile_error
         self._built.add(signature)
