@@ -140,3 +140,18 @@ def test_the_reference_and_the_bare_step_take_turns_and_time_only_their_own_step
             assert waited[side] > 0.5 * sum(times[first:]), (side, waited, times)
             assert max(times[first:]) < 2 * sorted(times[first:])[len(times[first:]) // 2], times  # a wait: 3x
     assert "median after step 4 of the best repeat" in p.stdout
+
+
+def test_the_anchor_hides_torch_as_the_trainers_beside_it_do() -> None:
+    """Importing mlx-lm brings in transformers, and with it torch where installed (some 10 s of a
+    rank's start on a GPU machine that has it): the anchor's rank marks it absent first, as the
+    reference trainer and mlx-lm's adapter do (``TrainerInfo.hides``)."""
+    code = ("import sys\n"
+            "from harness.rank.entry import load_libraries\n"
+            "from harness.scenario import load_scenario\n"
+            "from harness.scenario.job import AnchorJob\n"
+            "load_libraries(AnchorJob(load_scenario(sys.argv[1])))\n"
+            "print([sys.modules.get(name, 'absent') is None for name in ('torch', 'torchvision')])\n")
+    p = subprocess.run([sys.executable, "-c", code, str(REPO / "scenarios" / "text_parity.toml")], capture_output=True,
+                       text=True, cwd=REPO, timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == "[True, True]", p.stdout + p.stderr[-2000:]

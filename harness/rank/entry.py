@@ -36,8 +36,9 @@ from harness.rank.context import RECORD_DELAY_S, RankContext, ReportedFailure
 from harness.rank.ledger import Ledger
 from harness.rank.ledger import enabled as ledger_enabled
 from harness.rank.startup import StartupClock
-from harness.scenario.job import Job, TrainJob, job_from_json
+from harness.scenario.job import AnchorJob, Job, TrainJob, job_from_json
 from harness.scenario.names import COLLECTIVE_MUTATIONS
+from harness.scenario.trainer_info import NO_TORCH
 
 TMPDIR_VAR = "MLX_DDP_HARNESS_TMPDIR"
 
@@ -102,10 +103,14 @@ def load_libraries(job: Job) -> None:
     ``load_libraries(scenario)``), so that the rank's memory baseline holds the libraries (with
     torch installed, transformers imports it, 0.6 GB of RSS per rank that no MLX trainer uses,
     unless the trainer ``hides`` it). A library that fails to import is left to the trainer,
-    which reports it in its own words."""
+    which reports it in its own words. The speed anchor (``AnchorJob``: mlx-lm's step) hides
+    torch as the trainers it is timed beside do: importing mlx-lm otherwise brings it in, some
+    10 s of a rank's start on a machine that has it, before any step."""
     if isinstance(job, TrainJob):
         hide(job.trainer.hides)
         _trainer_hook(job, "load_libraries")
+    elif isinstance(job, AnchorJob):
+        hide(NO_TORCH)
 
 
 def warm_imports(job: Job) -> None:
