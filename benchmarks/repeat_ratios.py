@@ -144,7 +144,8 @@ def what_it_takes(r: Ratios, points: list[int], unit: int, seconds: float | None
     def plan(at: tuple[int, int] | None, each: float | None) -> str:
         if at is None:
             return "more than 100,000 repeats"
-        return (f"a new record with --max-repeats {at[0]} --look-every {points[0]}: about {at[1]} repeats"
+        return (f"a new record with --repeats {points[0]} --max-repeats {at[0]} --look-every {points[0]}: about "
+                f"{at[1]} repeats"
                 f"{minutes(at[1], each)}")
 
     sd, done = statistics.stdev(r.values), len(r.values)

@@ -461,13 +461,15 @@ def test_what_resolving_would_take_is_told_in_repeats_and_minutes_and_past_the_r
     assert stop in plan and resolves(stop, len(plan)) and not any(resolves(k, len(plan)) for k in plan if k < stop)
     assert 24 < stop <= most < 2 * stop  # fewer than the 53 of looking after every repeat, and a plan no longer
     assert repeat_ratios.what_it_takes(r, short, 1, None) == (
-        f"past this record's 24, a new record with --max-repeats {most} --look-every 12: about {stop} repeats")
+        f"past this record's 24, a new record with --repeats 12 --max-repeats {most} --look-every 12: about {stop} "
+        "repeats")
     # the runs' own spread small: twice the steps a repeat needs fewer repeats, each longer by the window
     spread = repeat_ratios.split_spread([1.00, 0.95, 1.02, 0.97, 0.99], [0.96, 1.01, 0.98, 1.00, 0.95])
     most2, stop2 = repeat_ratios.new_record(r.mean, sd * spread.doubled / spread.whole, 12, 1)
     assert stop2 < stop
     assert repeat_ratios.what_it_takes(r, short, 1, 32.0, spread, 6.0).endswith(
-        f"; with twice the steps in the window, a new record with --max-repeats {most2} --look-every 12: about "
+        f"; with twice the steps in the window, a new record with --repeats 12 --max-repeats {most2} --look-every "
+        f"12: about "
         f"{stop2} repeats, about {stop2 * 38 / 60:.0f} min at 38.0 s a repeat")
     assert repeat_ratios.what_it_takes(Ratios((0.995, 1.004, 0.999, 1.002, 0.998)), short, 1, 32.0) is None
 
