@@ -92,7 +92,7 @@ from gpu_clocks import GpuClocks  # noqa: E402
 from observer_sides import harnessed, run_side, run_turns, script_times  # noqa: E402
 from repeat_ratios import RESOLVED, Ratios, ended, look_level, looks, split_spread, what_it_takes  # noqa: E402
 from repeat_record import RepeatRecord, add_options, check_options, planned_device, quiet_pipe, time_limit  # noqa: E402
-from taking_turns import unwind_on_sigterm  # noqa: E402
+from taking_turns import timeline_line, unwind_on_sigterm  # noqa: E402
 
 from harness import ablation  # noqa: E402
 
@@ -316,10 +316,11 @@ def repeat_until_done(a: argparse.Namespace, record: RepeatRecord, trainers: lis
         own: dict[str, list[float]] = {side: [] for side in sides}  # the script's own seconds a step
         windows: dict[str, dict[str, list[float]]] = {}  # taking turns: each side's window and its waits, s
         halves: dict[str, dict[str, list[float]]] = {}  # taking turns: each side's tok/s in each half of it
+        timelines: dict[str, dict[str, Any]] = {}  # taking turns: when the turns began and each side ended
         for t in trainers:
             order = sides[i % len(sides):] + sides[:i % len(sides)]  # each side first in turn
             if a.turns:
-                rep[t], got, steps, windows[t], halves[t] = run_turns(order, t, paths[t], d, a, clocks)
+                rep[t], got, steps, windows[t], halves[t], timelines[t] = run_turns(order, t, paths[t], d, a, clocks)
                 for side in sides:
                     split[side] += got[side]
                     own[side] += steps[side]
@@ -329,7 +330,8 @@ def repeat_until_done(a: argparse.Namespace, record: RepeatRecord, trainers: lis
                 got, steps = script_times(times, a.first, clocks)  # the script's, just written
                 split[side] += got
                 own[side] += steps
-        record.add({"rates": rep, "split": split, **({"turns": windows, "halves": halves} if windows else {}),
+        record.add({"rates": rep, "split": split,
+                    **({"turns": windows, "halves": halves, "timeline": timelines} if windows else {}),
                     **({"own": own} if any(own.values()) else {}),
                     "numa": timed_script.numa_layout()})
         rates = gathered(record, trainers, sides)
@@ -380,6 +382,9 @@ def report(a: argparse.Namespace, record: RepeatRecord, trainers: list[str], sid
         takes = what_it_takes(ratios(rates[t], (num, den), level), points, len(sides), each, spread, window)
         if takes and done in points:
             print(f"{t}, {num} / {den}, to resolve at this mean and spread: {takes}")
+        timelines = [r["timeline"][t] for r in record.data() if t in r.get("timeline", {})]
+        if timelines:  # the repeats that kept them
+            print(f"{t}, {timeline_line(timelines, {s: [x['started_s'][s] for x in timelines] for s in sides})}")
     if any(split[side] for side in sides if side != "bare"):
         print("\nthe script's step over the same window, per repeat: its own ms (mean; median last), ms inside "
               "run.probe and run.step, ms in the garbage collector and full collections a step (where recorded), "

@@ -122,13 +122,16 @@ def side_command(side: str, t: str, path: Path, d: Path, a: argparse.Namespace) 
 
 def run_turns(order: list[str], t: str, path: Path, d: Path, a: argparse.Namespace, clocks: GpuClocks
               ) -> tuple[dict[str, float], dict[str, list[list[float]]], dict[str, list[float]],
-                         dict[str, list[float]], dict[str, list[float]]]:
+                         dict[str, list[float]], dict[str, list[float]], dict[str, Any]]:
     """Both sides of trainer ``t`` at once, each in a process of its own, taking turns (``--turns``),
     ``order[0]`` first: each side's tok/s over its own turns (under the harness, its own figure
     too), for the script each side's split of the step and its own seconds a step, each side's
-    window and the seconds it waited in it, and its tok/s in each half of the window."""
-    run_at_once({side: side_command(side, t, path, d, a) for side in order}, d, a.first, a.turns, a.steps, t)
+    window and the seconds it waited in it, its tok/s in each half of the window, and the
+    repeat's timeline (``run_at_once``'s, with each side's first step done, s from launch)."""
+    timeline = run_at_once({side: side_command(side, t, path, d, a) for side in order}, d, a.first, a.turns,
+                           a.steps, t)
     marks = {side: json.loads((d / f"{t}-{side}.marks.json").read_text()) for side in order}
+    timeline["started_s"] = {side: round(marks[side][0]["time"] - timeline["launched"], 2) for side in order}
     timed = {side: turn_rate(marks[side], a.first, d / f"waits-{side}") for side in order}
     rep = {side: rate for side, (rate, _, _) in timed.items()}
     rep.update({f"{side} reported": reported_rate(marks[side], a.first) for side in order if side != "bare"})
@@ -137,7 +140,8 @@ def run_turns(order: list[str], t: str, path: Path, d: Path, a: argparse.Namespa
     for side in order:
         split[side], own[side] = script_times(d / f"times-{side}", a.first, clocks)
     halves = {side: half_rates(marks[side], a.first, d / f"waits-{side}") for side in order}
-    return rep, split, own, {side: [window, waited] for side, (_, window, waited) in timed.items()}, halves
+    return (rep, split, own, {side: [window, waited] for side, (_, window, waited) in timed.items()}, halves,
+            timeline)
 
 
 def script_times(times: Path, first: int, clocks: GpuClocks) -> tuple[list[list[float]], list[float]]:

@@ -65,7 +65,7 @@ from tabulate import tabulate
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from repeat_ratios import RESOLVED, Ratios, ended, look_level, looks, split_spread, what_it_takes  # noqa: E402
 from repeat_record import RepeatRecord, add_options, check_options, planned_device, quiet_pipe, time_limit  # noqa: E402
-from taking_turns import run_at_once, unwind_on_sigterm  # noqa: E402
+from taking_turns import run_at_once, timeline_line, unwind_on_sigterm  # noqa: E402
 
 from harness.controller.run_job import execute  # noqa: E402
 from harness.rank import turns
@@ -188,11 +188,11 @@ def run_side(s: Any, args: argparse.Namespace) -> None:
 
 
 def both_at_once(spec: Any, args: argparse.Namespace, k: int
-                 ) -> tuple[list[tuple[float, dict[str, Any]] | None], dict[str, float]]:
+                 ) -> tuple[list[tuple[float, dict[str, Any]] | None], dict[str, float], dict[str, Any]]:
     """Repeat ``k`` of run ``spec``: the reference and the bare step at once, taking turns
     ``--turns`` steps at a time from step ``--from`` (each first in turn); each one's median tok/s
-    after step ``--from`` and its result, in the order of ``bare_ratio``'s three, and the seconds
-    each waited for its turns."""
+    after step ``--from`` and its result, in the order of ``bare_ratio``'s three, the seconds
+    each waited for its turns, and the repeat's timeline (``run_at_once``'s)."""
     order = list(SIDES[k % 2:] + SIDES[:k % 2])
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
@@ -200,12 +200,12 @@ def both_at_once(spec: Any, args: argparse.Namespace, k: int
                 args.world_sizes, "--steps", str(args.steps), "--without-trainer", "--turns", str(args.turns),
                 "--from", str(args.first),
                 *(["--backend", args.backend] if args.backend else [])]
-        run_at_once({side: ([*base, "--one-side", side, spec.name, str(d / side)], dict(os.environ)) for side in order},
-                    d, args.first, args.turns, args.steps, spec.name)
+        timeline = run_at_once({side: ([*base, "--one-side", side, spec.name, str(d / side)], dict(os.environ))
+                                for side in order}, d, args.first, args.turns, args.steps, spec.name)
         got = {side: json.loads((d / side).read_text()) for side in order}
         waited = {side: sum(b - a for a, b in turns.waits(d / f"waits-{side}")) for side in order}
     return [(post_step1_median(got[side], args.first), got[side]) if side else None
-            for side in ("harness", None, "step")], waited
+            for side in ("harness", None, "step")], waited, timeline
 
 
 def turns_allowed(args: argparse.Namespace) -> None:
@@ -359,16 +359,17 @@ def main() -> None:
                 stopped = True
                 limit.stopped(record, len(got[0]), points[-1])
                 break
-            k, repeat, waited = len(got[0]), [None, None, None], None
+            k, repeat, waited, timeline = len(got[0]), [None, None, None], None, None
             if args.turns:
-                repeat, waited = both_at_once(spec, args, k)
+                repeat, waited, timeline = both_at_once(spec, args, k)
             else:
                 for i in which[k % len(which):] + which[:k % len(which)]:  # each first in turn
                     with compile_disabled(mode == "eager"):
                         repeat[i] = measure(runs[i][0], runs[i][1], args.backend)
             for i in which:
                 got[i].append(repeat[i])
-            record.add({"run": spec.name, "got": repeat, **({"waited_s": waited} if waited else {})})
+            record.add({"run": spec.name, "got": repeat, **({"waited_s": waited} if waited else {}),
+                        **({"timeline": timeline} if timeline else {})})
         if not got[0]:
             continue
         tok_s = [[v for v, _ in g] for g in got]  # mlx-lm's trainer's empty where left out
@@ -381,9 +382,11 @@ def main() -> None:
         each = record.seconds_per_repeat(lambda d, run=spec.name: d["run"] == run)
         at_look = len(got[0]) in points
         takes = at_look and what_it_takes(against_step, points, 1, each, spread, window_seconds(got, args.first or 1))
+        timelines = [r["timeline"] for r in record.data() if r["run"] == spec.name and "timeline" in r]
         step_notes += [f"{spec.world_size} {mode}, {label}: {text}" for label, text in
                        (("within a run (the halves of each repeat's steps)", spread and spread.line()),
-                        ("to resolve at this mean and spread", takes)) if text]
+                        ("to resolve at this mean and spread", takes),
+                        ("taking turns", timelines and timeline_line(timelines))) if text]
         ours, trainer, loop = (g[kept(t)][1] if g else None for g, t in zip(got, tok_s, strict=True))
         if loop["mlx_compile"] != (mode == "compiled"):
             raise SystemExit(f"{spec.name}: MLX compiles {'' if loop['mlx_compile'] else 'not '}in the ranks")

@@ -8,8 +8,10 @@ import json
 import os
 import select
 import signal
+import statistics
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 from harness.rank import turns
@@ -44,32 +46,41 @@ def turn_fifos(d: Path, sides: list[str], first: int, k: int) -> tuple[dict[str,
     return env, [os.open(paths[side], os.O_RDWR) for side in ["ready", *sides]]
 
 
-def start_turns(fds: list[int], sides: int) -> None:
-    """Once every side has said it is ready (``fds[0]``), the first turn to the first side (``fds[1]``)."""
+def start_turns(fds: list[int], sides: int, began: dict[str, float] | None = None) -> None:
+    """Once every side has said it is ready (``fds[0]``), the first turn to the first side
+    (``fds[1]``), its time kept in ``began["turns"]`` (``time.monotonic``)."""
     got = 0
     while got < sides:
         if not select.select([fds[0]], [], [], turns.WAIT_S)[0]:
             return  # a side stopped before its window: its run reports why
         got += len(os.read(fds[0], sides - got))
+    if began is not None:
+        began["turns"] = time.monotonic()
     os.write(fds[1], b"t")
 
 
 def run_at_once(sides: dict[str, tuple[list[str], dict[str, str]]], d: Path, first: int, k: int, steps: int,
-                what: str) -> None:
+                what: str) -> dict[str, object]:
     """Run each side's command (argv, environment) at once, the first side first, taking turns K
     steps at a time from step ``first`` of ``steps``, until both have ended. A side that fails
     hands the other every turn it would wait for; then ``SystemExit`` names ``what`` and each
-    side that failed."""
+    side that failed. Returns the repeat's timeline: when the sides were launched (``launched``,
+    wall-clock seconds), and the seconds from then until the first turn (``turns_s``: every side
+    started and ran its steps before ``first``; None where none began) and until each side ended
+    (``ended_s``)."""
     order = list(sides)
     env, fds = turn_fifos(d, order, first, k)
+    launched, t0, began, ended = time.time(), time.monotonic(), {}, {}
     procs = {side: subprocess.Popen(argv, env={**e, turns.VAR: env[side]}, stdout=subprocess.DEVNULL)
              for side, (argv, e) in sides.items()}
 
     def unblock(side: str) -> None:
-        if procs[side].wait() != 0:
+        code = procs[side].wait()
+        ended[side] = round(time.monotonic() - t0, 2)
+        if code != 0:
             os.write(fds[1 + (1 - order.index(side))], b"t" * steps)
 
-    threading.Thread(target=start_turns, args=(fds, len(order)), daemon=True).start()
+    threading.Thread(target=start_turns, args=(fds, len(order), began), daemon=True).start()
     watchers = [threading.Thread(target=unblock, args=(side,), daemon=True) for side in order]
     for w in watchers:
         w.start()
@@ -90,3 +101,25 @@ def run_at_once(sides: dict[str, tuple[list[str], dict[str, str]]], d: Path, fir
         raise SystemExit(f"{what} taking turns: {', '.join(failed)}")
     for fd in fds:
         os.close(fd)
+    return {"launched": launched, "turns_s": round(began["turns"] - t0, 2) if "turns" in began else None,
+            "ended_s": {side: ended[side] for side in order}}
+
+
+def timeline_line(timelines: list[dict[str, object]], started: dict[str, list[float]] | None = None) -> str:
+    """The repeats' timelines (``run_at_once``'s) as a report's line, medians over them: a
+    repeat's seconds, the first turn's, each side's end and (where ``started`` has them, per side
+    one a repeat) its first step's. What sets a repeat's length, where start-ups are most of it."""
+    def med(values: list[float]) -> str:
+        return f"{statistics.median(values):.1f}"
+
+    sides = list(timelines[0]["ended_s"])
+    ends = {side: [t["ended_s"][side] for t in timelines] for side in sides}
+    first = [t["turns_s"] for t in timelines if t["turns_s"] is not None]
+    text = f"a repeat's timeline (medians of {len(timelines)}, s from launch): the last side ended at " \
+           f"{med([max(t['ended_s'].values()) for t in timelines])}"
+    if first:
+        text += f", the turns began at {med(first)} (every side started and ran its steps before them)"
+    text += "".join(f"; {side}: " + (f"its first step done at {med(started[side])}, "
+                                       if started and started.get(side) else "") + f"ended at {med(ends[side])}"
+                    for side in sides)
+    return text

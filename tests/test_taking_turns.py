@@ -70,6 +70,27 @@ def test_two_sides_take_turns_k_steps_at_a_time_from_the_first_step_once_both_ar
     assert turns.waits(tmp_path / "waits-a")[0][1] - turns.waits(tmp_path / "waits-a")[0][0] > 0.2  # waited for b
 
 
+def test_a_repeats_timeline_says_when_the_turns_began_and_each_side_ended(tmp_path: Path) -> None:
+    import taking_turns
+
+    def side(startup_s: float) -> tuple[list[str], dict[str, str]]:  # 6 steps, taking turns after step 2
+        code = ("import time\nfrom harness.rank import turns\n"
+                f"time.sleep({startup_s})\n"
+                "for step in range(1, 7):\n    time.sleep(0.01)\n    turns.after(step)\n"
+                "turns.hand_on()\n")
+        return [sys.executable, "-c", code], {**os.environ, "PYTHONPATH": str(REPO)}
+
+    timeline = taking_turns.run_at_once({"a": side(0.0), "b": side(1.0)}, tmp_path, 2, 2, 6, "two sides")
+    assert 1.0 < timeline["turns_s"] < 20  # b's start-up and its first two steps came first
+    assert set(timeline["ended_s"]) == {"a", "b"} and min(timeline["ended_s"].values()) > timeline["turns_s"]
+    assert abs(timeline["launched"] - time.time()) < 60
+    line = taking_turns.timeline_line([timeline, {**timeline, "turns_s": None}], {"a": [0.5, 0.7], "b": [1.5, 1.7]})
+    assert line.startswith(f"a repeat's timeline (medians of 2, s from launch): the last side ended at "
+                           f"{max(timeline['ended_s'].values()):.1f}, the turns began at {timeline['turns_s']:.1f} ")
+    assert line.endswith(f"; a: its first step done at 0.6, ended at {timeline['ended_s']['a']:.1f}; b: its first "
+                         f"step done at 1.6, ended at {timeline['ended_s']['b']:.1f}")
+
+
 def test_only_the_waits_within_a_window_are_left_out_of_it(tmp_path: Path) -> None:
     log = tmp_path / "waits"
     log.write_text("10.0 11.0\n12.5 13.0\n20.0 21.0\n")
@@ -173,6 +194,11 @@ def test_the_observer_benchmark_runs_both_sides_taking_turns(tmp_path: Path, tra
             dict.fromkeys(sides, steps - first) if trainer == "script" else {})
         assert all(0 < v < 60 for v in r["data"].get("own", {}).get(sides[0], []))
     assert f"taking turns {k} steps at a time" in p.stdout
+    for r in repeats:  # when the turns began, and each side's first step and end, s from the launch
+        t = r["data"]["timeline"][trainer]
+        assert 0 < t["turns_s"] < max(t["ended_s"].values()) and set(t["started_s"]) == set(sides)
+        assert all(0 < t["started_s"][side] < t["ended_s"][side] for side in sides)
+    assert f"{trainer}, a repeat's timeline (medians of 2, s from launch): the last side ended at " in p.stdout
     if trainer == "script":  # the own step's ratio over the repeats, and its mean by the step's place in a turn
         assert re.search(rf"{sides[0]} / {sides[1]} +2 +\d\.\d{{4}} \[", p.stdout), p.stdout[-1500:]
         assert f"own ms, step {k} of a turn" in p.stdout and f"own ms, step {k + 1} of" not in p.stdout
