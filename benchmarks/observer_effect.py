@@ -384,7 +384,8 @@ def report(a: argparse.Namespace, record: RepeatRecord, trainers: list[str], sid
             print(f"{t}, {num} / {den}, to resolve at this mean and spread: {takes}")
         timelines = [r["timeline"][t] for r in record.data() if t in r.get("timeline", {})]
         if timelines:  # the repeats that kept them
-            print(f"{t}, {timeline_line(timelines, {s: [x['started_s'][s] for x in timelines] for s in sides})}")
+            marked = {s: (timelines[0]["first_mark"][s][0], [x["first_mark"][s][1] for x in timelines]) for s in sides}
+            print(f"{t}, {timeline_line(timelines, marked)}")
     if any(split[side] for side in sides if side != "bare"):
         print("\nthe script's step over the same window, per repeat: its own ms (mean; median last), ms inside "
               "run.probe and run.step, ms in the garbage collector and full collections a step (where recorded), "

@@ -127,11 +127,13 @@ def run_turns(order: list[str], t: str, path: Path, d: Path, a: argparse.Namespa
     ``order[0]`` first: each side's tok/s over its own turns (under the harness, its own figure
     too), for the script each side's split of the step and its own seconds a step, each side's
     window and the seconds it waited in it, its tok/s in each half of the window, and the
-    repeat's timeline (``run_at_once``'s, with each side's first step done, s from launch)."""
+    repeat's timeline (``run_at_once``'s, with each side's first marked step and when it was done,
+    s from launch)."""
     timeline = run_at_once({side: side_command(side, t, path, d, a) for side in order}, d, a.first, a.turns,
                            a.steps, t)
     marks = {side: json.loads((d / f"{t}-{side}.marks.json").read_text()) for side in order}
-    timeline["started_s"] = {side: round(marks[side][0]["time"] - timeline["launched"], 2) for side in order}
+    timeline["first_mark"] = {side: [marks[side][0]["step"], round(marks[side][0]["time"] - timeline["launched"], 2)]
+                              for side in order}  # step 1, or where a side marks fewer (bare mlx-lm: step 10)
     timed = {side: turn_rate(marks[side], a.first, d / f"waits-{side}") for side in order}
     rep = {side: rate for side, (rate, _, _) in timed.items()}
     rep.update({f"{side} reported": reported_rate(marks[side], a.first) for side in order if side != "bare"})

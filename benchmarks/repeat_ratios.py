@@ -139,7 +139,10 @@ def what_it_takes(r: Ratios, points: list[int], unit: int, seconds: float | None
         return None
 
     def minutes(k: int, each: float | None) -> str:
-        return f", about {k * each / 60:.0f} min at {each:.1f} s a repeat" if each else ""
+        if not each:
+            return ""
+        span = f"about {k * each / 60:.0f} min" if k * each >= 60 else "under a minute"
+        return f", {span} at {each:.1f} s a repeat"
 
     def plan(at: tuple[int, int] | None, each: float | None) -> str:
         if at is None:

@@ -105,10 +105,11 @@ def run_at_once(sides: dict[str, tuple[list[str], dict[str, str]]], d: Path, fir
             "ended_s": {side: ended[side] for side in order}}
 
 
-def timeline_line(timelines: list[dict[str, object]], started: dict[str, list[float]] | None = None) -> str:
+def timeline_line(timelines: list[dict[str, object]], marked: dict[str, tuple[int, list[float]]] | None = None) -> str:
     """The repeats' timelines (``run_at_once``'s) as a report's line, medians over them: a
-    repeat's seconds, the first turn's, each side's end and (where ``started`` has them, per side
-    one a repeat) its first step's. What sets a repeat's length, where start-ups are most of it."""
+    repeat's seconds, the first turn's, each side's end and (where ``marked`` has them: per side
+    its first marked step and when it was done, one a repeat) its first step's. What sets a
+    repeat's length, where start-ups are most of it."""
     def med(values: list[float]) -> str:
         return f"{statistics.median(values):.1f}"
 
@@ -118,8 +119,9 @@ def timeline_line(timelines: list[dict[str, object]], started: dict[str, list[fl
     text = f"a repeat's timeline (medians of {len(timelines)}, s from launch): the last side ended at " \
            f"{med([max(t['ended_s'].values()) for t in timelines])}"
     if first:
-        text += f", the turns began at {med(first)} (every side started and ran its steps before them)"
-    text += "".join(f"; {side}: " + (f"its first step done at {med(started[side])}, "
-                                       if started and started.get(side) else "") + f"ended at {med(ends[side])}"
-                    for side in sides)
+        some = f" in {len(first)} of them" if len(first) < len(timelines) else ""
+        text += f", the turns began at {med(first)}{some} (every side started and ran its steps before them)"
+    for side in sides:
+        step, at = marked[side] if marked and marked.get(side) else (None, [])
+        text += f"; {side}: " + (f"its step {step} done at {med(at)}, " if at else "") + f"ended at {med(ends[side])}"
     return text

@@ -26,7 +26,7 @@ PARTS: dict[str, str] = {
     "device_check": "the check that the device computes right, before training",
     "memory_share": "the memory limits capped at the rank's share (MLX's limit functions and device_info wrapped)",
     "warm_up": "the device's warm-up (a matmul; on Metal also a compiled gradient in the model's dtype)",
-    "libraries": "the trainer's libraries imported before training (load_libraries)",
+    "libraries": "the trainer's libraries imported before training (load_libraries; what it hides stays hidden)",
     "sampler": "the memory sampler's thread (sampling every 20 ms; the per-step figures are still read)",
     "ledger": "the ledger's interposition on MLX's collectives",
     "start": "the digest of the parameters training starts from and the copy rank 0 keeps of them (both read "

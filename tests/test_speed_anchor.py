@@ -139,7 +139,12 @@ def test_the_reference_and_the_bare_step_take_turns_and_time_only_their_own_step
             # each waited through the other's turns, and none of that wait is in a step's time
             assert waited[side] > 0.5 * sum(times[first:]), (side, waited, times)
             assert max(times[first:]) < 2 * sorted(times[first:])[len(times[first:]) // 2], times  # a wait: 3x
+        timeline = r["data"]["timeline"]  # the turns began once both had started; each ended after them
+        assert set(timeline["ended_s"]) == {"harness", "step"} and 0 < timeline["turns_s"]
+        assert min(timeline["ended_s"].values()) > timeline["turns_s"]
     assert "median after step 4 of the best repeat" in p.stdout
+    assert "1 compiled, taking turns: a repeat's timeline (medians of 2, s from launch): the last side ended at " \
+        in p.stdout
 
 
 def test_the_anchor_hides_torch_as_the_trainers_beside_it_do() -> None:

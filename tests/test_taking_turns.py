@@ -84,11 +84,13 @@ def test_a_repeats_timeline_says_when_the_turns_began_and_each_side_ended(tmp_pa
     assert 1.0 < timeline["turns_s"] < 20  # b's start-up and its first two steps came first
     assert set(timeline["ended_s"]) == {"a", "b"} and min(timeline["ended_s"].values()) > timeline["turns_s"]
     assert abs(timeline["launched"] - time.time()) < 60
-    line = taking_turns.timeline_line([timeline, {**timeline, "turns_s": None}], {"a": [0.5, 0.7], "b": [1.5, 1.7]})
+    line = taking_turns.timeline_line([timeline, {**timeline, "turns_s": None}], {"a": (1, [0.5, 0.7]),
+                                                                                   "b": (10, [1.5, 1.7])})
     assert line.startswith(f"a repeat's timeline (medians of 2, s from launch): the last side ended at "
-                           f"{max(timeline['ended_s'].values()):.1f}, the turns began at {timeline['turns_s']:.1f} ")
-    assert line.endswith(f"; a: its first step done at 0.6, ended at {timeline['ended_s']['a']:.1f}; b: its first "
-                         f"step done at 1.6, ended at {timeline['ended_s']['b']:.1f}")
+                           f"{max(timeline['ended_s'].values()):.1f}, the turns began at {timeline['turns_s']:.1f} "
+                           "in 1 of them ")
+    assert line.endswith(f"; a: its step 1 done at 0.6, ended at {timeline['ended_s']['a']:.1f}; b: its step 10 "
+                         f"done at 1.6, ended at {timeline['ended_s']['b']:.1f}")
 
 
 def test_only_the_waits_within_a_window_are_left_out_of_it(tmp_path: Path) -> None:
@@ -196,8 +198,10 @@ def test_the_observer_benchmark_runs_both_sides_taking_turns(tmp_path: Path, tra
     assert f"taking turns {k} steps at a time" in p.stdout
     for r in repeats:  # when the turns began, and each side's first step and end, s from the launch
         t = r["data"]["timeline"][trainer]
-        assert 0 < t["turns_s"] < max(t["ended_s"].values()) and set(t["started_s"]) == set(sides)
-        assert all(0 < t["started_s"][side] < t["ended_s"][side] for side in sides)
+        assert 0 < t["turns_s"] < max(t["ended_s"].values()) and set(t["first_mark"]) == set(sides)
+        # each side's first marked step (step 1, or bare mlx-lm's first report) came before the turns
+        assert all(0 < t["first_mark"][side][1] <= t["turns_s"] + 0.05 for side in sides)
+        assert all(t["first_mark"][side][0] in (1, 10) for side in sides)
     assert f"{trainer}, a repeat's timeline (medians of 2, s from launch): the last side ended at " in p.stdout
     if trainer == "script":  # the own step's ratio over the repeats, and its mean by the step's place in a turn
         assert re.search(rf"{sides[0]} / {sides[1]} +2 +\d\.\d{{4}} \[", p.stdout), p.stdout[-1500:]

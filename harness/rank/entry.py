@@ -39,6 +39,7 @@ from harness.rank.startup import StartupClock
 from harness.scenario.job import AnchorJob, Job, TrainJob, job_from_json
 from harness.scenario.names import COLLECTIVE_MUTATIONS
 from harness.scenario.trainer_info import NO_TORCH
+from harness.scenario.trainers import heavy_libraries
 
 TMPDIR_VAR = "MLX_DDP_HARNESS_TMPDIR"
 
@@ -98,19 +99,24 @@ def hide(names: tuple[str, ...]) -> None:
         sys.modules.setdefault(name, None)
 
 
+def hidden(job: Job) -> tuple[str, ...]:
+    """The installed packages a job's rank marks absent (``hide``): its trainer's ``hides`` (with
+    torch installed, transformers imports it, 0.6 GB of RSS per rank that no MLX trainer uses);
+    for the speed anchor (``AnchorJob``: mlx-lm's step), torch, as the trainers it is timed beside
+    hide it (importing mlx-lm otherwise brings it in, seconds of a rank's start where installed)."""
+    if isinstance(job, TrainJob):
+        return job.trainer.hides
+    return NO_TORCH if isinstance(job, AnchorJob) else ()
+
+
 def load_libraries(job: Job) -> None:
     """Import what a training job's trainer imports on every run (the job's trainer module's
-    ``load_libraries(scenario)``), so that the rank's memory baseline holds the libraries (with
-    torch installed, transformers imports it, 0.6 GB of RSS per rank that no MLX trainer uses,
-    unless the trainer ``hides`` it). A library that fails to import is left to the trainer,
-    which reports it in its own words. The speed anchor (``AnchorJob``: mlx-lm's step) hides
-    torch as the trainers it is timed beside do: importing mlx-lm otherwise brings it in, some
-    10 s of a rank's start on a machine that has it, before any step."""
+    ``load_libraries(scenario)``), so that the rank's memory baseline holds the libraries, its
+    ``hidden`` packages marked absent first. A library that fails to import is left to the
+    trainer, which reports it in its own words."""
+    hide(hidden(job))
     if isinstance(job, TrainJob):
-        hide(job.trainer.hides)
         _trainer_hook(job, "load_libraries")
-    elif isinstance(job, AnchorJob):
-        hide(NO_TORCH)
 
 
 def warm_imports(job: Job) -> None:
@@ -195,7 +201,8 @@ def main(argv: list[str]) -> int:
     try:
         job = job_from_json(schema.read_json(run_dir / schema.JOB_FILE))
         result["job"] = job.kind
-        clock = StartupClock(job.launched_at, job.trainer.heavy if isinstance(job, TrainJob) else ())
+        clock = StartupClock(job.launched_at, job.trainer.heavy if isinstance(job, TrainJob)
+                             else heavy_libraries() if isinstance(job, AnchorJob) else ())
         set_precision(job)
         device_check.set_device(job)  # before the group and warm-up: every array of the rank lives there
         world_size = int(job.world_size or 1)
@@ -224,6 +231,7 @@ def main(argv: list[str]) -> int:
                 warm_up(job)
         clock.done("warm_up")
         startup_s = time.time() - float(job.launched_at or time.time())
+        hide(hidden(job))  # whatever a benchmark turns off: hiding imports nothing
         if "libraries" not in off:
             load_libraries(job)
         clock.done("libraries")
