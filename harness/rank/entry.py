@@ -98,7 +98,7 @@ def hide(names: tuple[str, ...]) -> None:
         sys.modules.setdefault(name, None)
 
 
-ANCHOR_HEAVY = (*NO_TORCH, "transformers", "mlx_lm")  # what the speed anchor's libraries_loaded reports
+ANCHOR_HEAVY = (*NO_TORCH, "transformers")  # what the speed anchor's libraries_loaded reports
 
 
 def hidden(job: Job) -> tuple[str, ...]:
