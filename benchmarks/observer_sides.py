@@ -98,7 +98,7 @@ def span_rate(a: dict[str, Any], b: dict[str, Any], log: Path) -> tuple[float, f
 
 def half_rates(marks: list[dict[str, Any]], first: int, log: Path) -> list[float]:
     """``turn_rate``'s tok/s in each half of the window, split at the mark nearest its middle step
-    (the halves of a repeat differ by the noise within one run; ``repeat_ratios.within_run``); []
+    (the halves of a repeat differ by the noise within one run; ``repeat_ratios.split_spread``); []
     where the window holds fewer than three marks."""
     window = [m for m in marks if m["step"] >= first]
     if len(window) < 3:

@@ -84,11 +84,6 @@ def split_spread(first: list[float], second: list[float]) -> Spread:
     return Spread(spread, within, between, math.sqrt(between**2 + within**2 / 2), len(whole))
 
 
-def within_run(first: list[float], second: list[float]) -> str:
-    """``split_spread`` as a report's line."""
-    return split_spread(first, second).line()
-
-
 def repeats_needed(mean: float, spread: float, level: float, effect: float = EFFECT, start: int = 2,
                    most: int = 100_000) -> int | None:
     """The fewest repeats (``start`` or more) whose interval at ``level``, were the mean and the
@@ -151,8 +146,7 @@ def what_it_takes(r: Ratios, points: list[int], unit: int, seconds: float | None
                 f"{at[1]} repeats"
                 f"{minutes(at[1], each)}")
 
-    sd, done = statistics.stdev(r.values), len(r.values)
-    need = repeats_needed(r.mean, sd, r.level, start=done)
+    sd, done, need = statistics.stdev(r.values), len(r.values), r.repeats_to_resolve()
     stop = next((p for p in points if need is not None and p >= need), None)
     text = (f"about {stop} repeats, at that look ({stop - done} more{minutes(stop - done, seconds)})" if stop else
             f"past this record's {points[-1]}, {plan(new_record(r.mean, sd, points[0], unit), seconds)}")

@@ -374,13 +374,13 @@ def main() -> None:
             continue
         tok_s = [[v for v, _ in g] for g in got]  # mlx-lm's trainer's empty where left out
         against_step = bare_ratio(got, level)
+        at_look = len(got[0]) in points
         step_rows.append([spec.world_size, mode, ", ".join(f"{v:.3f}" for v in against_step.values),
-                          against_step.cell(), against_step.verdict() if len(got[0]) in points
+                          against_step.cell(), against_step.verdict() if at_look
                           else f"none before a look ({', '.join(map(str, points))})"])
         halves = window_halves(got, args.first or 1)
         spread = split_spread(*halves) if halves else None
         each = record.seconds_per_repeat(lambda d, run=spec.name: d["run"] == run)
-        at_look = len(got[0]) in points
         takes = at_look and what_it_takes(against_step, points, 1, each, spread, window_seconds(got, args.first or 1))
         timelines = [r["timeline"] for r in record.data() if r["run"] == spec.name and "timeline" in r]
         step_notes += [f"{spec.world_size} {mode}, {label}: {text}" for label, text in

@@ -420,7 +420,7 @@ def test_a_repeat_names_the_commit_whose_code_it_ran_though_its_git_lags_behind(
 def test_the_halves_of_each_window_tell_noise_within_a_run_from_noise_between_runs() -> None:
     # runs apart but each run's halves alike: the spread is between runs, and more steps leave it
     first, second = [0.96, 1.00, 0.98, 1.02, 0.97], [0.961, 0.999, 0.981, 1.019, 0.971]
-    line = repeat_ratios.within_run(first, second)
+    line = repeat_ratios.split_spread(first, second).line()
     spread = statistics.stdev([(a + b) / 2 for a, b in zip(first, second, strict=True)])
     within = statistics.stdev([a - b for a, b in zip(first, second, strict=True)]) / 2
     assert within < spread / 20
@@ -430,7 +430,7 @@ def test_the_halves_of_each_window_tell_noise_within_a_run_from_noise_between_ru
     # whole), and twice the steps would bring it down to about 1 / sqrt(2) of it
     first, second = [0.98, 1.02, 0.99, 1.01, 0.985, 1.015], [1.02, 0.98, 1.01, 0.99, 1.015, 0.985]
     first, second = [a + 0.004 * k for k, a in enumerate(first)], [b + 0.004 * k for k, b in enumerate(second)]
-    line = repeat_ratios.within_run(first, second)
+    line = repeat_ratios.split_spread(first, second).line()
     spread = statistics.stdev([(a + b) / 2 for a, b in zip(first, second, strict=True)])
     within = statistics.stdev([a - b for a, b in zip(first, second, strict=True)]) / 2
     assert within > spread and f"of it within a run {spread:.4f} and between runs 0.0000" in line

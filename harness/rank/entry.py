@@ -233,9 +233,10 @@ def main(argv: list[str]) -> int:
                 warm_up(job)
         clock.done("warm_up")
         startup_s = time.time() - float(job.launched_at or time.time())
-        hide(hidden(job))  # whatever a benchmark turns off: hiding imports nothing
         if "libraries" not in off:
             load_libraries(job)
+        else:  # turned off by a benchmark: what the trainer hides stays hidden (hiding imports nothing)
+            hide(hidden(job))
         clock.done("libraries")
         rss_runtime = peak_rss_bytes()  # what a rank holds before its job
         device = str(mx.default_device())
