@@ -27,7 +27,7 @@ class Toy(nn.Module):
         return self.out(h)
 
 
-def _step(alone: bool) -> Any:
+def _step(alone: bool, dtype: str = "float32") -> Any:
     from harness.rank.optimizer import build_optimizer
     from harness.scenario import TrainSpec
     from harness.trainers.reference.semantics import Semantics
@@ -36,6 +36,7 @@ def _step(alone: bool) -> Any:
     spec = TrainSpec(steps=4, global_batch=2, learning_rate=1e-2, compile="best_effort")
     model = Toy()
     model.update(nn.utils.tree_map(lambda a: mx.random.normal(a.shape, key=mx.random.key(3)), model.parameters()))
+    model.set_dtype(getattr(mx, dtype))
     return LocalStep(model, build_optimizer(spec), spec, Semantics(1, 1, 0), alone=alone)
 
 
@@ -52,10 +53,11 @@ def _train(runner: Any, width: int) -> Any:
     return snapshot, loss.item()
 
 
-def test_a_rank_without_peers_snapshots_only_a_call_that_traces_and_trains_the_same() -> None:
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_rank_without_peers_snapshots_only_a_call_that_traces_and_trains_the_same(dtype: str) -> None:
     from mlx.utils import tree_flatten
 
-    alone, with_peers = _step(alone=True), _step(alone=False)
+    alone, with_peers = _step(alone=True, dtype=dtype), _step(alone=False, dtype=dtype)
     got = {name: [_train(r, w) for w in (4, 4, 3, 4)] for name, r in (("alone", alone), ("peers", with_peers))}
     # a new input shape traces again: snapshot; a shape built before reuses its trace: none
     assert [s for s, _ in got["alone"]] == [True, False, True, False]
@@ -66,12 +68,13 @@ def test_a_rank_without_peers_snapshots_only_a_call_that_traces_and_trains_the_s
         assert mx.array_equal(a, b).item(), k
 
 
-def test_a_failed_trace_at_a_new_shape_is_undone_on_a_rank_without_peers() -> None:
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_failed_trace_at_a_new_shape_is_undone_on_a_rank_without_peers(dtype: str) -> None:
     from mlx.utils import tree_flatten
 
     from harness.trainers.reference.step import CompileFailed
 
-    runner = _step(alone=True)
+    runner = _step(alone=True, dtype=dtype)
     _train(runner, 4)
     _train(runner, 4)  # its trace reused: no snapshot taken
     before = [(k, mx.array(v)) for k, v in tree_flatten(runner.model.state)]
