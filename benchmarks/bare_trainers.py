@@ -29,9 +29,10 @@ def report_clock(base: type, marks: list[dict[str, Any]]) -> Any:
     return Clock()
 
 
-def bare_mlx_lm(path: Path, run: str, out: Path) -> None:
+def bare_mlx_lm(path: Path, run: str, out: Path, every_step: bool = False) -> None:
     """mlx-lm's ``train`` as a user calls it, on the run's model and rows; the time of each of its
-    reports (every 10 steps, and the last) to ``out``."""
+    reports (every 10 steps, and the last; with ``every_step``, every step, as the harness's adapter
+    has it report) to ``out``."""
     import mlx.core as mx
     import numpy as np
 
@@ -54,7 +55,8 @@ def bare_mlx_lm(path: Path, run: str, out: Path) -> None:
     with tempfile.TemporaryDirectory() as d:
         args = TrainingArgs(batch_size=t.global_batch, iters=t.steps, steps_per_eval=t.steps + 1,
                             steps_per_save=t.steps + 1, max_seq_length=s.data.max_seq_len,
-                            adapter_file=str(Path(d) / "adapters.safetensors"))
+                            adapter_file=str(Path(d) / "adapters.safetensors"),
+                            **({"steps_per_report": 1} if every_step else {}))
         train(model, build_optimizer(t), train_set, None, args, training_callback=report_clock(TrainingCallback, marks))
     turns.hand_on()
     out.write_text(json.dumps(marks))

@@ -48,19 +48,23 @@ every side goes first equally often); each ratio's verdict says whether it could
 keeps each repeat in FILE as it finishes and continues the repeats already there (``repeat_record``):
 one comparison carried over several invocations, judged over all of them.
 
-``--ablate PARTS`` adds a third side: the harness with those parts of what it does to a rank
-turned off (``harness.ablation``; ``all`` for every one), and two more ratios: that side over bare,
-and the harness over it (what the parts cost; below 1 they slow the trainer). Screen with ``all``,
-then halve the set. ``--sides harness,ablated`` runs those two alone (the parts' effect, without
-the bare side). ``--node N`` runs this process and every one it starts on NUMA node N's CPUs
-(their affinity, inherited): where the script's split shows the sides' steps on different nodes,
-this tells what placement costs from what the harness does. ``--turns K`` (the script, mlx-lm or
-unsloth-zoo; two sides, each in a process of its own) runs a repeat's two sides at once, taking
-turns K steps at a time from step ``--from`` (``harness.rank.turns``: the bare side's clock and the
-harness's step report wait for the turn), the window starting once both have reached it: a
-machine whose speed drifts between the sides of a repeat drifts under both alike. Each side's
-rate is its tokens over its own turns (the seconds it waited left out); what a side does in the
-background runs through the other's turns too, at the same rate as through its own.
+``--ablate PARTS`` adds a third side: the harness with those parts of what it does to a rank turned
+off (``harness.ablation``; ``all`` for every one), and two more ratios: that side over bare, and the
+harness over it (what the parts cost; below 1 they slow the trainer). Screen with ``all``, then
+halve the set. ``--sides harness,ablated`` runs those two alone (the parts' effect, without the bare
+side). ``--sides ...,bare_every_step`` (mlx-lm alone) adds mlx-lm bare reporting every step, as its
+adapter under the harness has it report (``steps_per_report`` of one optimizer step, against its
+default 10): ``harness / bare_every_step`` is then what the harness costs apart from that reporting,
+and ``bare_every_step / bare`` what the reporting costs mlx-lm by itself. ``--node N`` runs this
+process and every one it starts on NUMA node N's CPUs (their affinity, inherited): where the
+script's split shows the sides' steps on different nodes, this tells what placement costs from what
+the harness does. ``--turns K`` (the script, mlx-lm or unsloth-zoo; two sides, each in a process of
+its own) runs a repeat's two sides at once, taking turns K steps at a time from step ``--from``
+(``harness.rank.turns``: the bare side's clock and the harness's step report wait for the turn), the
+window starting once both have reached it: a machine whose speed drifts between the sides of a
+repeat drifts under both alike. Each side's rate is its tokens over its own turns (the seconds it
+waited left out); what a side does in the background runs through the other's turns too, at the same
+rate as through its own.
 
 usage: python benchmarks/observer_effect.py [--model cpu3m|gpu044b]
                                             [--trainers mlx_lm,script,unsloth_zoo,mlx_vlm]
@@ -89,7 +93,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import timed_script  # noqa: E402
 from bare_trainers import BARE  # noqa: E402
 from gpu_clocks import GpuClocks  # noqa: E402
-from observer_sides import harnessed, run_side, run_turns, script_times  # noqa: E402
+from observer_sides import BARE_SIDES, EVERY_STEP, harnessed, run_side, run_turns, script_times  # noqa: E402
 from repeat_ratios import RESOLVED, Ratios, ended, look_level, looks, split_spread, what_it_takes  # noqa: E402
 from repeat_record import RepeatRecord, add_options, check_options, planned_device, quiet_pipe, time_limit  # noqa: E402
 from taking_turns import timeline_line, unwind_on_sigterm  # noqa: E402
@@ -179,13 +183,15 @@ def blas_note(device: str | None, off: list[str] | None) -> str | None:
 def comparisons(sides: list[str]) -> list[tuple[str, str]]:
     """(numerator, denominator) of each ratio reported, of the sides run: under the harness over bare,
     and with ``--ablate``, the harness with those parts off over bare and all on over them off (the
-    parts' effect)."""
-    return [c for c in (("harness", "bare"), ("ablated", "bare"), ("harness", "ablated")) if set(c) <= set(sides)]
+    parts' effect); with mlx-lm bare reporting every step, the harness over it and it over bare (what
+    the reporting costs mlx-lm by itself)."""
+    return [c for c in (("harness", "bare"), ("ablated", "bare"), ("harness", "ablated"), ("harness", EVERY_STEP),
+                        (EVERY_STEP, "bare")) if set(c) <= set(sides)]
 
 
 def gathered(record: RepeatRecord, trainers: list[str], sides: list[str]) -> dict[str, dict[str, list[float]]]:
     """Per trainer, each side's tok/s (and the harness's own figure) repeat by repeat."""
-    keys = [k for s in sides for k in (s, f"{s} reported") if k != "bare reported"]
+    keys = [*sides, *(f"{s} reported" for s in sides if s not in BARE_SIDES)]
     return {t: {k: [r["rates"][t][k] for r in record.data()] for k in keys} for t in trainers}
 
 
@@ -204,9 +210,12 @@ def chosen_sides(a: argparse.Namespace) -> list[str]:
     if not a.sides:
         return ["bare", "harness", *(["ablated"] if a.ablate else [])]
     sides = [x.strip() for x in a.sides.split(",") if x.strip()]
-    unknown = [x for x in sides if x not in ("bare", "harness", "ablated")]
+    unknown = [x for x in sides if x not in ("bare", "harness", "ablated", EVERY_STEP)]
     if unknown or len(set(sides)) != len(sides) or len(sides) < 2:
-        raise SystemExit(f"--sides: two or three of bare, harness, ablated, each once; got {a.sides!r}")
+        raise SystemExit(f"--sides: two or three of bare, harness, ablated, {EVERY_STEP}, each once; got {a.sides!r}")
+    if EVERY_STEP in sides and a.trainers != "mlx_lm":
+        raise SystemExit(f"--sides: {EVERY_STEP} is mlx-lm's alone (--trainers mlx_lm): the other text trainers "
+                         f"report every step bare too; got --trainers {a.trainers}")
     if "ablated" in sides and not a.ablate:
         raise SystemExit("--sides: the ablated side needs --ablate PARTS (the parts it turns off)")
     if a.ablate and "ablated" not in sides:
@@ -238,20 +247,22 @@ def main() -> None:
     p.add_argument("--ablate", type=parts, default=None, metavar="PARTS",
                    help="a third side: the harness with these parts off (comma-separated, or all; harness.ablation)")
     p.add_argument("--sides", metavar="SIDES", help="the sides each repeat runs, two or three of bare, harness, "
-                   "ablated (default: bare, harness and, with --ablate, ablated); harness,ablated alone measures "
-                   "what the parts cost at two thirds of a three-side repeat's time")
+                   f"ablated, {EVERY_STEP} (default: bare, harness and, with --ablate, ablated); harness,ablated "
+                   "alone measures what the parts cost at two thirds of a three-side repeat's time; "
+                   f"{EVERY_STEP} (mlx-lm): bare, reporting every step as the harness's adapter has it")
     p.add_argument("--node", type=int, metavar="N", help="run every side on NUMA node N's CPUs (Linux)")
     p.add_argument("--turns", type=int, metavar="K", help="a repeat's two sides at once, taking turns K steps at a "
                    "time from step --from")
     add_options(p)
     p.add_argument("--bare", nargs=3, metavar=("SCENARIO", "RUN", "OUT"), help=argparse.SUPPRESS)
     p.add_argument("--harnessed", nargs=3, metavar=("SCENARIO", "RUN", "OUT"), help=argparse.SUPPRESS)
+    p.add_argument("--every-step", action="store_true", help=argparse.SUPPRESS)  # with --bare: EVERY_STEP's side
     a = p.parse_args()
     if a.bare or a.harnessed:  # a side of a repeat in a process of its own (observer_sides)
         unwind_on_sigterm()
     if a.bare:
         path, run, out = Path(a.bare[0]), a.bare[1], Path(a.bare[2])
-        BARE[run](path, run, out)
+        BARE[run](path, run, out, **({"every_step": True} if a.every_step else {}))
         return
     if a.harnessed:
         out = Path(a.harnessed[2])
@@ -355,7 +366,7 @@ def report(a: argparse.Namespace, record: RepeatRecord, trainers: list[str], sid
     if a.record:
         print(f"record {a.record}: {record.provenance()}")
     print(tabulate([[t, side, ", ".join(f"{r:.0f}" for r in rates[t][side]),
-                     ", ".join(f"{r:.0f}" for r in rates[t][f"{side} reported"]) if side != "bare" else "-"]
+                     ", ".join(f"{r:.0f}" for r in rates[t][f"{side} reported"]) if side not in BARE_SIDES else "-"]
                     for t in trainers for side in sides],
                    headers=["trainer", "side", "tok/s per repeat", "the harness's own figure"]))
     print(f"\nratios per repeat, their mean and its interval (Student's t at {level:.4g} per look: 95% over the "
@@ -386,7 +397,7 @@ def report(a: argparse.Namespace, record: RepeatRecord, trainers: list[str], sid
         if timelines:  # the repeats that kept them
             marked = {s: (timelines[0]["first_mark"][s][0], [x["first_mark"][s][1] for x in timelines]) for s in sides}
             print(f"{t}, {timeline_line(timelines, marked)}")
-    if any(split[side] for side in sides if side != "bare"):
+    if any(split[side] for side in sides if side not in BARE_SIDES):
         print("\nthe script's step over the same window, per repeat: its own ms (mean; median last), ms inside "
               "run.probe and run.step, ms in the garbage collector and full collections a step (where recorded), "
               "objects tracked, the NUMA node most steps ended on and their share (where recorded: "

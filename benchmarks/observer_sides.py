@@ -21,6 +21,10 @@ from harness import ablation
 from harness.rank import turns
 
 OBSERVER = Path(__file__).with_name("observer_effect.py")  # its ``--bare`` runs a bare side
+# mlx-lm bare, reporting every optimizer step as its adapter has it report (its own default: every
+# 10): what that reporting costs mlx-lm by itself, apart from what the harness does
+EVERY_STEP = "bare_every_step"
+BARE_SIDES = ("bare", EVERY_STEP)  # the sides that run a trainer bare: no figure of the harness's own
 
 
 def window_rate(marks: list[dict[str, Any]], first: int) -> tuple[float, int, int]:
@@ -74,13 +78,18 @@ def harness_side(path: Path, run: str, off: str) -> list[dict[str, Any]]:
 
 def run_side(side: str, t: str, path: Path, d: Path, a: argparse.Namespace) -> dict[str, float]:
     """One side's run of trainer ``t``: its tok/s over the window (and under the harness, its own figure)."""
-    if side == "bare":
+    if side in BARE_SIDES:
         marks = d / f"{t}.marks.json"
-        subprocess.run([sys.executable, str(OBSERVER), "--bare", str(path), t, str(marks)], check=True, env=bare_env(),
-                       stdout=subprocess.DEVNULL)
-        return {"bare": window_rate(json.loads(marks.read_text()), a.first)[0]}
+        subprocess.run([sys.executable, str(OBSERVER), "--bare", str(path), t, str(marks), *bare_flags(side)],
+                       check=True, env=bare_env(), stdout=subprocess.DEVNULL)
+        return {side: window_rate(json.loads(marks.read_text()), a.first)[0]}
     marks_h = harness_side(path, t, a.ablate if side == "ablated" else "")
     return {side: window_rate(marks_h, a.first)[0], f"{side} reported": reported_rate(marks_h, a.first)}
+
+
+def bare_flags(side: str) -> list[str]:
+    """What a bare side's process is told beyond its scenario, run and marks file."""
+    return ["--every-step"] if side == EVERY_STEP else []
 
 
 def turn_rate(marks: list[dict[str, Any]], first: int, log: Path) -> tuple[float, float, float]:
@@ -113,11 +122,12 @@ def side_command(side: str, t: str, path: Path, d: Path, a: argparse.Namespace) 
     the harness (with ``--ablate``'s parts off on the ablated side); its marks in
     ``d/{t}-{side}.marks.json``, the script's times in ``d/times-{side}``."""
     (times := d / f"times-{side}").mkdir(exist_ok=True)
-    env = {**(bare_env() if side == "bare" else os.environ), timed_script.TIMES_VAR: str(times)}
+    env = {**(bare_env() if side in BARE_SIDES else os.environ), timed_script.TIMES_VAR: str(times)}
     if side == "ablated":
         env[ablation.VAR] = a.ablate
-    how = "--bare" if side == "bare" else "--harnessed"
-    return [sys.executable, str(OBSERVER), how, str(path), t, str(d / f"{t}-{side}.marks.json")], env
+    how = "--bare" if side in BARE_SIDES else "--harnessed"
+    return [sys.executable, str(OBSERVER), how, str(path), t, str(d / f"{t}-{side}.marks.json"),
+            *bare_flags(side)], env
 
 
 def run_turns(order: list[str], t: str, path: Path, d: Path, a: argparse.Namespace, clocks: GpuClocks
@@ -136,7 +146,7 @@ def run_turns(order: list[str], t: str, path: Path, d: Path, a: argparse.Namespa
                               for side in order}  # step 1, or where a side marks fewer (bare mlx-lm: step 10)
     timed = {side: turn_rate(marks[side], a.first, d / f"waits-{side}") for side in order}
     rep = {side: rate for side, (rate, _, _) in timed.items()}
-    rep.update({f"{side} reported": reported_rate(marks[side], a.first) for side in order if side != "bare"})
+    rep.update({f"{side} reported": reported_rate(marks[side], a.first) for side in order if side not in BARE_SIDES})
     split: dict[str, list[list[float]]] = {}
     own: dict[str, list[float]] = {}
     for side in order:

@@ -166,24 +166,26 @@ def test_turns_the_sides_cannot_take_are_refused_in_one_line(args: list[str], ne
 @pytest.mark.ranks
 @pytest.mark.parametrize(("trainer", "steps", "first", "k", "sides"), [
     ("script", 8, 2, 2, ("bare", "harness")), ("unsloth_zoo", 8, 2, 2, ("bare", "harness")),
-    ("mlx_lm", 30, 10, 10, ("bare", "harness")), ("script", 8, 2, 3, ("harness", "ablated"))])
+    ("mlx_lm", 30, 10, 10, ("bare", "harness")), ("script", 8, 2, 3, ("harness", "ablated")),
+    ("mlx_lm", 30, 10, 10, ("bare_every_step", "harness"))])
 def test_the_observer_benchmark_runs_both_sides_taking_turns(tmp_path: Path, trainer: str, steps: int, first: int,
                                                              k: int, sides: tuple[str, str]) -> None:
     record = tmp_path / "turns.jsonl"
-    ablated = ["--ablate", "sampler,ledger", "--sides", ",".join(sides)] if "ablated" in sides else []
+    chosen = ["--sides", ",".join(sides)] if sides != ("bare", "harness") else []
+    ablated = ["--ablate", "sampler,ledger"] if "ablated" in sides else []
     p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "observer_effect.py"), "--model", "cpu3m",
                         "--trainers", trainer, "--steps", str(steps), "--from", str(first), "--turns", str(k),
-                        "--repeats", "2", "--record", str(record), *ablated], capture_output=True, text=True,
+                        "--repeats", "2", "--record", str(record), *chosen, *ablated], capture_output=True, text=True,
                        cwd=REPO, timeout=900)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     head, *repeats = (json.loads(line) for line in record.read_text().splitlines())
     assert head["plan"]["--turns"] == k and len(repeats) == 2
     for r in repeats:
         rates = r["data"]["rates"][trainer]
-        assert set(rates) == {*sides, *(f"{side} reported" for side in sides if side != "bare")}
+        assert set(rates) == {*sides, *(f"{side} reported" for side in sides if side not in observer_sides.BARE_SIDES)}
         assert all(v > 0 for v in rates.values())
         # the harness's own figure is its step events' time less its waits: near the rate timed outside
-        for side in (s for s in sides if s != "bare"):
+        for side in (s for s in sides if s not in observer_sides.BARE_SIDES):
             assert rates[f"{side} reported"] == pytest.approx(rates[side], rel=0.1)
         # each side waited through the other's turns, about half its window, and its rate leaves them out
         for side, (window, waited) in r["data"]["turns"][trainer].items():
@@ -201,11 +203,24 @@ def test_the_observer_benchmark_runs_both_sides_taking_turns(tmp_path: Path, tra
         assert 0 < t["turns_s"] < max(t["ended_s"].values()) and set(t["first_mark"]) == set(sides)
         # each side's first marked step (step 1, or bare mlx-lm's first report) came before the turns
         assert all(0 < t["first_mark"][side][1] <= t["turns_s"] + 0.05 for side in sides)
-        assert all(t["first_mark"][side][0] in (1, 10) for side in sides)
+        # bare mlx-lm marks its reports: every 10 steps, or every step where it reports each
+        assert {side: t["first_mark"][side][0] for side in sides} == {
+            side: 10 if (trainer, side) == ("mlx_lm", "bare") else 1 for side in sides}
     assert f"{trainer}, a repeat's timeline (medians of 2, s from launch): the last side ended at " in p.stdout
     if trainer == "script":  # the own step's ratio over the repeats, and its mean by the step's place in a turn
         assert re.search(rf"{sides[0]} / {sides[1]} +2 +\d\.\d{{4}} \[", p.stdout), p.stdout[-1500:]
         assert f"own ms, step {k} of a turn" in p.stdout and f"own ms, step {k + 1} of" not in p.stdout
+
+
+def test_mlx_lms_side_reporting_every_step_is_refused_with_another_trainer_in_one_line() -> None:
+    cmd = [sys.executable, str(REPO / "benchmarks" / "observer_effect.py"), "--trainers", "script,mlx_lm",
+           "--sides", "harness,bare_every_step"]
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert p.returncode == 1 and p.stderr.count("\n") == 1 and "Traceback" not in p.stderr, p.stderr
+    assert p.stderr.startswith("--sides: bare_every_step is mlx-lm's alone"), p.stderr
+    # its ratios: the harness apart from mlx-lm's own reporting, and that reporting apart from bare
+    assert observer_effect.comparisons(["harness", "bare_every_step", "bare"]) == [
+        ("harness", "bare"), ("harness", "bare_every_step"), ("bare_every_step", "bare")]
 
 
 def test_turning_off_a_cpus_blas_is_noted_as_measuring_the_blas() -> None:
