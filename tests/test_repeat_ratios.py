@@ -248,7 +248,8 @@ def test_the_observer_benchmark_runs_both_sides_and_continues_its_record(tmp_pat
 
 
 @pytest.mark.parametrize(("args", "line"), [
-    (["--sides", "harness"], "--sides: two or three of bare, harness, ablated, each once; got 'harness'"),
+    (["--sides", "harness"],
+     "--sides: two or three of bare, harness, ablated, bare_every_step, each once; got 'harness'"),
     (["--sides", "harness,ablated"], "--sides: the ablated side needs --ablate PARTS (the parts it turns off)"),
     (["--ablate", "sampler", "--sides", "bare,harness"], "--ablate runs the ablated side: add it to --sides"),
     (["--time-limit", "60"], "--time-limit stops before the plan's repeats are done: give --record FILE to keep them"),
