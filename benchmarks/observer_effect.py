@@ -37,7 +37,8 @@ size (``VLM_MODELS``) on generated captioned images, the other trainers the text
 
 Both sides are timed alike, by the wall clock between the end of optimizer step ``--from`` and
 the end of the last step, on rank 0 (bare: a timestamp taken where mlx-lm and mlx-vlm report,
-every 10 steps, or at every step of the script and unsloth-zoo; under the harness: its ``step``
+every 10 steps, or every step of mlx-lm on its ``bare_every_step`` side and of the script and
+unsloth-zoo; under the harness: its ``step``
 events' times), over the global supervised tokens trained in between. Each repeat runs every side
 once per trainer, each side first in turn (bare first in even repeats where there are two), so
 whatever the order costs falls on every side alike. The figure judged is the mean of the
@@ -205,17 +206,18 @@ def finished(record: RepeatRecord, trainers: list[str], sides: list[str], points
 
 
 def chosen_sides(a: argparse.Namespace) -> list[str]:
-    """The sides each repeat runs: ``--sides`` (two or three of bare, harness, ablated), else bare
+    """The sides each repeat runs: ``--sides`` (two or three of bare, harness, ablated,
+    ``EVERY_STEP``), else bare
     and the harness, and the harness with parts off where ``--ablate`` names them."""
     if not a.sides:
         return ["bare", "harness", *(["ablated"] if a.ablate else [])]
     sides = [x.strip() for x in a.sides.split(",") if x.strip()]
     unknown = [x for x in sides if x not in ("bare", "harness", "ablated", EVERY_STEP)]
-    if unknown or len(set(sides)) != len(sides) or len(sides) < 2:
+    if unknown or len(set(sides)) != len(sides) or not 2 <= len(sides) <= 3:
         raise SystemExit(f"--sides: two or three of bare, harness, ablated, {EVERY_STEP}, each once; got {a.sides!r}")
-    if EVERY_STEP in sides and a.trainers != "mlx_lm":
-        raise SystemExit(f"--sides: {EVERY_STEP} is mlx-lm's alone (--trainers mlx_lm): the other text trainers "
-                         f"report every step bare too; got --trainers {a.trainers}")
+    if EVERY_STEP in sides and [t for t in a.trainers.split(",") if t] != ["mlx_lm"]:
+        raise SystemExit(f"--sides: {EVERY_STEP} is mlx-lm's alone (--trainers mlx_lm): the script and unsloth-zoo "
+                         f"report every step bare too, and mlx-vlm has no such side; got --trainers {a.trainers}")
     if "ablated" in sides and not a.ablate:
         raise SystemExit("--sides: the ablated side needs --ablate PARTS (the parts it turns off)")
     if a.ablate and "ablated" not in sides:

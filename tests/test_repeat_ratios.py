@@ -251,6 +251,9 @@ def test_the_observer_benchmark_runs_both_sides_and_continues_its_record(tmp_pat
     (["--sides", "harness"],
      "--sides: two or three of bare, harness, ablated, bare_every_step, each once; got 'harness'"),
     (["--sides", "harness,ablated"], "--sides: the ablated side needs --ablate PARTS (the parts it turns off)"),
+    (["--trainers", "mlx_lm", "--ablate", "sampler", "--sides", "bare,harness,ablated,bare_every_step"],
+     "--sides: two or three of bare, harness, ablated, bare_every_step, each once; got "
+     "'bare,harness,ablated,bare_every_step'"),
     (["--ablate", "sampler", "--sides", "bare,harness"], "--ablate runs the ablated side: add it to --sides"),
     (["--time-limit", "60"], "--time-limit stops before the plan's repeats are done: give --record FILE to keep them"),
     (["--report-only"], "--report-only reports a record: --record FILE is not one"),

@@ -167,7 +167,7 @@ def test_turns_the_sides_cannot_take_are_refused_in_one_line(args: list[str], ne
 @pytest.mark.parametrize(("trainer", "steps", "first", "k", "sides"), [
     ("script", 8, 2, 2, ("bare", "harness")), ("unsloth_zoo", 8, 2, 2, ("bare", "harness")),
     ("mlx_lm", 30, 10, 10, ("bare", "harness")), ("script", 8, 2, 3, ("harness", "ablated")),
-    ("mlx_lm", 30, 10, 10, ("bare_every_step", "harness"))])
+    ("mlx_lm", 8, 2, 2, ("bare_every_step", "harness"))])  # bare every step: turns of any K
 def test_the_observer_benchmark_runs_both_sides_taking_turns(tmp_path: Path, trainer: str, steps: int, first: int,
                                                              k: int, sides: tuple[str, str]) -> None:
     record = tmp_path / "turns.jsonl"
@@ -213,11 +213,12 @@ def test_the_observer_benchmark_runs_both_sides_taking_turns(tmp_path: Path, tra
 
 
 def test_mlx_lms_side_reporting_every_step_is_refused_with_another_trainer_in_one_line() -> None:
-    cmd = [sys.executable, str(REPO / "benchmarks" / "observer_effect.py"), "--trainers", "script,mlx_lm",
-           "--sides", "harness,bare_every_step"]
-    p = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=120)
-    assert p.returncode == 1 and p.stderr.count("\n") == 1 and "Traceback" not in p.stderr, p.stderr
-    assert p.stderr.startswith("--sides: bare_every_step is mlx-lm's alone"), p.stderr
+    for trainers in ("script,mlx_lm", "mlx_vlm"):
+        cmd = [sys.executable, str(REPO / "benchmarks" / "observer_effect.py"), "--trainers", trainers,
+               "--sides", "harness,bare_every_step"]
+        p = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=120)
+        assert p.returncode == 1 and p.stderr.count("\n") == 1 and "Traceback" not in p.stderr, p.stderr
+        assert p.stderr.startswith("--sides: bare_every_step is mlx-lm's alone"), p.stderr
     # its ratios: the harness apart from mlx-lm's own reporting, and that reporting apart from bare
     assert observer_effect.comparisons(["harness", "bare_every_step", "bare"]) == [
         ("harness", "bare"), ("harness", "bare_every_step"), ("bare_every_step", "bare")]
