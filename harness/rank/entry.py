@@ -101,6 +101,14 @@ def hide(names: tuple[str, ...]) -> None:
 ANCHOR_HEAVY = (*NO_TORCH, "transformers")  # what the speed anchor's libraries_loaded reports
 
 
+def heavy(job: Job) -> tuple[str, ...]:
+    """The libraries whose import costs seconds, which a job's start-up reports as loaded or not:
+    its trainer's ``heavy``; for the speed anchor, mlx-lm's (``ANCHOR_HEAVY``)."""
+    if isinstance(job, TrainJob):
+        return job.trainer.heavy
+    return ANCHOR_HEAVY if isinstance(job, AnchorJob) else ()
+
+
 def hidden(job: Job) -> tuple[str, ...]:
     """The installed packages a job's rank marks absent (``hide``): its trainer's ``hides`` (with
     torch installed, transformers imports it, 0.6 GB of RSS per rank that no MLX trainer uses);
@@ -203,8 +211,7 @@ def main(argv: list[str]) -> int:
     try:
         job = job_from_json(schema.read_json(run_dir / schema.JOB_FILE))
         result["job"] = job.kind
-        clock = StartupClock(job.launched_at, job.trainer.heavy if isinstance(job, TrainJob)
-                             else ANCHOR_HEAVY if isinstance(job, AnchorJob) else ())
+        clock = StartupClock(job.launched_at, heavy(job))
         set_precision(job)
         device_check.set_device(job)  # before the group and warm-up: every array of the rank lives there
         world_size = int(job.world_size or 1)
