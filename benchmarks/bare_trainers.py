@@ -18,7 +18,7 @@ from harness.rank import turns  # the turns of ``observer_effect.py --turns``, w
 
 
 def report_clock(base: type, marks: list[dict[str, Any]]) -> Any:
-    """A callback of ``base`` (mlx-lm's or mlx-vlm's ``TrainingCallback``) that takes one timestamp
+    """A callback of ``base`` (mlx-vlm's ``TrainingCallback``) that takes one timestamp
     per loss report, with the trained tokens it reports, and does nothing else."""
 
     class Clock(base):  # type: ignore[misc, valid-type]
@@ -29,10 +29,62 @@ def report_clock(base: type, marks: list[dict[str, Any]]) -> Any:
     return Clock()
 
 
+class FetchClock:
+    """Bare mlx-lm's clock: the end of each training step, marked where mlx-lm's loop fetches the
+    next batch (after the step's evaluation and any report), so every step is marked whatever its
+    ``steps_per_report``, and the last step at its final report. A step adds a timestamp and the
+    turn it waits for, nothing else: its tokens are counted after training, from each batch's
+    lengths as ``default_loss`` counts them, and checked against mlx-lm's own reports."""
+
+    def __init__(self, steps: int):
+        self.steps = steps
+        self.marks: list[dict[str, Any]] = []
+        self.batches: list[tuple[Any, int]] = []  # each training batch's lengths and width
+        self.reported: dict[int, int] = {}  # mlx-lm's trained tokens at each of its reports
+
+    def iterate_batches(self, **kw: Any) -> Any:
+        from mlx_lm.tuner.trainer import iterate_batches
+
+        for done, (batch, lengths) in enumerate(iterate_batches(**kw)):
+            if done:
+                self.mark(done)
+            self.batches.append((lengths, batch.shape[1]))
+            yield batch, lengths
+
+    def mark(self, step: int) -> None:
+        self.marks.append({"step": step, "time": time.time()})
+        turns.after(step)
+
+    def callback(self, base: type) -> Any:
+        clock = self
+
+        class Reports(base):  # type: ignore[misc, valid-type]
+            def on_train_loss_report(self, info: dict[str, Any]) -> None:
+                clock.reported[int(info["iteration"])] = int(info["trained_tokens"])
+                if info["iteration"] == clock.steps:  # no batch is fetched after the last step
+                    clock.mark(clock.steps)
+
+        return Reports()
+
+    def counted(self) -> list[dict[str, Any]]:
+        """The marks with the global supervised tokens trained by each; SystemExit in one line where
+        a count differs from mlx-lm's report at the same step."""
+        import numpy as np
+
+        from harness.trainers.mlx_lm.rank import supervised_tokens
+
+        total = np.cumsum([supervised_tokens(np.array(lengths), width) for lengths, width in self.batches])
+        for step, tokens in self.reported.items():
+            if int(total[step - 1]) != tokens:
+                raise SystemExit(f"bare mlx-lm: {int(total[step - 1])} supervised tokens counted by step {step}, "
+                                 f"mlx-lm reported {tokens}")
+        return [{**m, "tokens": int(total[m["step"] - 1])} for m in self.marks]
+
+
 def bare_mlx_lm(path: Path, run: str, out: Path, every_step: bool = False) -> None:
-    """mlx-lm's ``train`` as a user calls it, on the run's model and rows; the time of each of its
-    reports (every 10 steps, and the last; with ``every_step``, every step, as the harness's adapter
-    has it report) to ``out``."""
+    """mlx-lm's ``train`` as a user calls it (its reports every 10 steps; with ``every_step``, every
+    step, as the harness's adapter has it report), on the run's model and rows, timed by a
+    ``FetchClock``: the time of each step and the tokens trained by it to ``out``."""
     import mlx.core as mx
     import numpy as np
 
@@ -50,16 +102,17 @@ def bare_mlx_lm(path: Path, run: str, out: Path, every_step: bool = False) -> No
     from mlx_lm.tuner.callbacks import TrainingCallback
     from mlx_lm.tuner.trainer import TrainingArgs, train
 
-    marks: list[dict[str, Any]] = []
     t = s.train
+    clock = FetchClock(t.steps)
     with tempfile.TemporaryDirectory() as d:
         args = TrainingArgs(batch_size=t.global_batch, iters=t.steps, steps_per_eval=t.steps + 1,
                             steps_per_save=t.steps + 1, max_seq_length=s.data.max_seq_len,
                             adapter_file=str(Path(d) / "adapters.safetensors"),
                             **({"steps_per_report": 1} if every_step else {}))
-        train(model, build_optimizer(t), train_set, None, args, training_callback=report_clock(TrainingCallback, marks))
+        train(model, build_optimizer(t), train_set, None, args, iterate_batches=clock.iterate_batches,
+              training_callback=clock.callback(TrainingCallback))
     turns.hand_on()
-    out.write_text(json.dumps(marks))
+    out.write_text(json.dumps(clock.counted()))
 
 
 def bare_mlx_vlm(path: Path, run: str, out: Path) -> None:

@@ -4,7 +4,8 @@ under the harness, on the same model, rows, batch and process count, alternating
 - **mlx-lm**: bare is ``mlx_lm.tuner.trainer.train`` called as a user calls it (its defaults:
   ``steps_per_report`` 10, no callback of the harness), on the model and rows the harness's
   mlx-lm adapter builds for the run (built with the harness's code before training starts, so
-  that both train the same thing); under the harness it is the adapter, which reports every step.
+  that both train the same thing), timed at every step where its loop fetches the next batch
+  (``bare_trainers.FetchClock``); under the harness it is the adapter, which reports every step.
 - **script**: bare is ``examples/ddp_train.py``'s ``main`` in a process of its own, its session
   (``BareSession``) building the same model, rows and optimizer, its ``run.probe`` and
   ``run.finish`` doing nothing and ``run.step`` taking a timestamp; under the harness it is the
@@ -35,19 +36,18 @@ under the harness, on the same model, rows, batch and process count, alternating
 A vision-language trainer (mlx-vlm) gets a scenario of its own: a qwen2_vl of the text model's
 size (``VLM_MODELS``) on generated captioned images, the other trainers the text model.
 
-Both sides are timed alike, by the wall clock between the end of optimizer step ``--from`` and
-the end of the last step, on rank 0 (bare: a timestamp taken where mlx-lm and mlx-vlm report,
-every 10 steps, or every step of mlx-lm on its ``bare_every_step`` side and of the script and
-unsloth-zoo; under the harness: its ``step``
-events' times), over the global supervised tokens trained in between. Each repeat runs every side
-once per trainer, each side first in turn (bare first in even repeats where there are two), so
-whatever the order costs falls on every side alike. The figure judged is the mean of the
-per-repeat ratios (harness / bare) with its interval (``repeat_ratios``: 95 % over the looks):
-after ``--repeats`` repeats, more are added a rotation of the sides at a time until every interval
-lies on one side of a 2 % cost, up to ``--max-repeats`` (both rounded up to whole rotations, so
-every side goes first equally often); each ratio's verdict says whether it could. ``--record FILE``
-keeps each repeat in FILE as it finishes and continues the repeats already there (``repeat_record``):
-one comparison carried over several invocations, judged over all of them.
+Both sides are timed alike, by the wall clock between the end of optimizer step ``--from`` and the
+end of the last step, on rank 0 (bare: a timestamp taken where mlx-vlm reports, every 10 steps,
+where mlx-lm fetches each next batch, and at each step of the script and unsloth-zoo; under the
+harness: its ``step`` events' times), over the global supervised tokens trained in between. Each
+repeat runs every side once per trainer, each side first in turn (bare first in even repeats where
+there are two), so whatever the order costs falls on every side alike. The figure judged is the
+mean of the per-repeat ratios (harness / bare) with its interval (``repeat_ratios``: 95 % over the
+looks): after ``--repeats`` repeats, more are added a rotation of the sides at a time until every
+interval lies on one side of a 2 % cost, up to ``--max-repeats`` (both rounded up to whole
+rotations, so every side goes first equally often); each ratio's verdict says whether it could.
+``--record FILE`` keeps each repeat in FILE as it finishes and continues the repeats already there
+(``repeat_record``): one comparison carried over several invocations, judged over all of them.
 
 ``--ablate PARTS`` adds a third side: the harness with those parts of what it does to a rank turned
 off (``harness.ablation``; ``all`` for every one), and two more ratios: that side over bare, and the
@@ -226,14 +226,10 @@ def chosen_sides(a: argparse.Namespace) -> list[str]:
 
 
 def turns_allowed(a: argparse.Namespace, trainers: list[str], sides: list[str]) -> None:
-    """``--turns K``: for the trainers whose bare side can take turns, two sides; mlx-lm's bare side
-    sees every tenth step (its reports): where it is a side, ``--from`` and K in tens."""
+    """``--turns K``: for the trainers whose bare side can take turns, two sides."""
     if a.turns < 1 or not set(trainers) <= TAKE_TURNS or len(sides) != 2:
         raise SystemExit(f"--turns {a.turns}: K of at least 1, for trainers of {', '.join(sorted(TAKE_TURNS))} and "
                          f"two sides (got --trainers {','.join(trainers)}, sides {','.join(sides)})")
-    if "mlx_lm" in trainers and "bare" in sides and (a.turns % 10 or a.first % 10):
-        raise SystemExit(f"--turns {a.turns} --from {a.first}: mlx-lm's bare side sees every tenth step (its "
-                         f"reports), so both must be multiples of 10")
 
 
 def main() -> None:
