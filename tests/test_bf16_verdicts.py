@@ -134,6 +134,26 @@ def test_lora_adapters_are_compared_by_the_update_they_make() -> None:
         params.PRODUCT_ELEMENTS = old
 
 
+
+def test_a_tensor_is_compared_in_slices_as_over_its_whole(monkeypatch) -> None:
+    from harness.controller import params
+
+    rng = np.random.default_rng(2)
+    ref = {"w": rng.standard_normal((5, 9)).astype(np.float32), "b": rng.standard_normal(4).astype(np.float32),
+           "empty": np.zeros((0, 3), np.float32)}
+    other = {k: (v + 1e-4 * rng.standard_normal(v.shape)).astype(np.float32) for k, v in ref.items()}
+    whole = params.param_delta(other, ref)
+    monkeypatch.setattr(params, "CHUNK", 7)  # slices that end inside a row, the last one short
+    value, biggest, where = params.param_delta(other, ref)
+    d = {k: other[k].astype(np.float64) - ref[k].astype(np.float64) for k in ref}
+    expected = np.sqrt(sum(np.sum(x * x) for x in d.values()) / sum(np.sum(ref[k].astype(np.float64) ** 2)
+                                                                   for k in ref))
+    assert abs(value - expected) < 1e-12 * expected and abs(whole[0] - expected) < 1e-12 * expected
+    assert where == max(("w", "b"), key=lambda k: np.max(np.abs(d[k]))) and biggest == whole[1] == max(
+        float(np.max(np.abs(d[k]))) for k in ("w", "b"))
+    other["w"][4, 8] = np.nan  # in the last, short slice
+    assert np.isnan(params.param_delta(other, ref)[0])
+
 def test_expert_stacked_lora_factors_are_compared_element_by_element() -> None:
     import numpy as np
 

@@ -19,6 +19,7 @@ from typing import Any
 
 LORA = (".lora_a", ".lora_b")
 PRODUCT_ELEMENTS = 1 << 22  # a larger product's distance is taken from r x r traces (no largest element)
+CHUNK = 1 << 20  # the elements of a tensor compared at once
 
 
 def load_stored(path: Path) -> tuple[dict[str, Any] | None, float | None]:
@@ -48,13 +49,28 @@ def _parts(params: dict[str, Any]) -> Iterator[tuple[str, tuple[str, ...]]]:
         yield k, (k,)
 
 
+def _tensor_gaps(x: Any, y: Any) -> tuple[float, float, float]:
+    """``_gaps`` of one tensor, in float64 a slice of ``CHUNK`` elements at a time: the same sums as
+    over whole float64 copies, without making them (a 0.5B-parameter model's would be 4 GB each)."""
+    import numpy as np
+
+    x, y = x.reshape(-1), y.reshape(-1)
+    diff = norm = big = 0.0
+    for i in range(0, x.size, CHUNK):
+        b = y[i:i + CHUNK].astype(np.float64)
+        d = x[i:i + CHUNK].astype(np.float64) - b
+        diff, norm = diff + float(d @ d), norm + float(b @ b)
+        big = max(big, float(np.max(np.abs(d))))  # NaN where d holds one: param_delta stops at its sums
+    return diff, norm, big
+
+
 def _gaps(x: tuple[Any, ...], y: tuple[Any, ...]) -> tuple[float, float, float | None]:
     """||x - y||^2, ||y||^2 and the largest |x - y| element of one part (a factor pair: of its product)."""
     import numpy as np
 
     if len(x) == 1:
-        d = x[0] - y[0]
-        return float(np.sum(d * d)), float(np.sum(y[0] * y[0])), float(np.max(np.abs(d))) if d.size else 0.0
+        return _tensor_gaps(x[0], y[0])
+    x, y = tuple(v.astype(np.float64) for v in x), tuple(v.astype(np.float64) for v in y)
     (a1, b1), (a2, b2) = x, y
     if a1.shape[0] * b1.shape[1] <= PRODUCT_ELEMENTS:
         p, q = a1 @ b1, a2 @ b2
@@ -73,7 +89,6 @@ def param_delta(a: dict[str, Any] | None, b: dict[str, Any] | None) -> tuple[flo
     LoRA layer's adapters as the product of its factors, the module docstring); None where
     either is missing or they differ in names or shapes; NaN and the first part that is not finite
     where one is not."""
-    import numpy as np
 
     if a is None or b is None or a.keys() != b.keys():
         return None
@@ -82,7 +97,7 @@ def param_delta(a: dict[str, Any] | None, b: dict[str, Any] | None) -> tuple[flo
     diff = norm = worst = 0.0
     where = ""
     for label, keys in _parts(b):
-        d, n, big = _gaps(tuple(a[k].astype(np.float64) for k in keys), tuple(b[k].astype(np.float64) for k in keys))
+        d, n, big = _gaps(tuple(a[k] for k in keys), tuple(b[k] for k in keys))
         if not (math.isfinite(d) and math.isfinite(n)):  # a training that diverged: no distance to judge
             return math.nan, math.nan, label
         diff, norm = diff + d, norm + n
