@@ -394,7 +394,8 @@ def report(a: argparse.Namespace, record: RepeatRecord, trainers: list[str], sid
         timelines = [r["timeline"][t] for r in record.data() if t in r.get("timeline", {})]
         if timelines:  # the repeats that kept them
             marked = {s: (timelines[0]["first_mark"][s][0], [x["first_mark"][s][1] for x in timelines]) for s in sides}
-            print(f"{t}, {timeline_line(timelines, marked)}")
+            last = {s: [x["last_mark"][s] for x in timelines if "last_mark" in x] for s in sides}  # newer repeats
+            print(f"{t}, {timeline_line(timelines, marked, last)}")
     if any(split[side] for side in sides if side not in BARE_SIDES):
         print("\nthe script's step over the same window, per repeat: its own ms (mean; median last), ms inside "
               "run.probe and run.step, ms in the garbage collector and full collections a step (where recorded), "

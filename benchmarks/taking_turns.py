@@ -105,11 +105,13 @@ def run_at_once(sides: dict[str, tuple[list[str], dict[str, str]]], d: Path, fir
             "ended_s": {side: ended[side] for side in order}}
 
 
-def timeline_line(timelines: list[dict[str, object]], marked: dict[str, tuple[int, list[float]]] | None = None) -> str:
+def timeline_line(timelines: list[dict[str, object]], marked: dict[str, tuple[int, list[float]]] | None = None,
+                  last: dict[str, list[float]] | None = None) -> str:
     """The repeats' timelines (``run_at_once``'s) as a report's line, medians over them: a
     repeat's seconds, the first turn's, each side's end and (where ``marked`` has them: per side
-    its first marked step and when it was done, one a repeat) its first step's. What sets a
-    repeat's length, where start-ups are most of it."""
+    its first marked step and when it was done, one a repeat) its first step's, and (where
+    ``last`` has them) when its last step was done. What sets a repeat's length: the start-ups,
+    or what a side does after its last step."""
     def med(values: list[float]) -> str:
         return f"{statistics.median(values):.1f}"
 
@@ -123,5 +125,7 @@ def timeline_line(timelines: list[dict[str, object]], marked: dict[str, tuple[in
         text += f", the turns began at {med(first)}{some} (every side started and ran its steps before them)"
     for side in sides:
         step, at = marked[side] if marked and marked.get(side) else (None, [])
-        text += f"; {side}: " + (f"its step {step} done at {med(at)}, " if at else "") + f"ended at {med(ends[side])}"
+        done = f"its last at {med(last[side])}, " if last and last.get(side) else ""
+        text += f"; {side}: " + (f"its step {step} done at {med(at)}, " if at else "") + done + \
+            f"ended at {med(ends[side])}"
     return text

@@ -91,6 +91,9 @@ def test_a_repeats_timeline_says_when_the_turns_began_and_each_side_ended(tmp_pa
                            "in 1 of them ")
     assert line.endswith(f"; a: its step 1 done at 0.6, ended at {timeline['ended_s']['a']:.1f}; b: its step 10 "
                          f"done at 1.6, ended at {timeline['ended_s']['b']:.1f}")
+    line = taking_turns.timeline_line([timeline], {"a": (1, [0.5])}, {"a": [3.25], "b": []})
+    assert line.endswith(f"; a: its step 1 done at 0.5, its last at 3.2, ended at {timeline['ended_s']['a']:.1f}; b: "
+                         f"ended at {timeline['ended_s']['b']:.1f}")
 
 
 def test_only_the_waits_within_a_window_are_left_out_of_it(tmp_path: Path) -> None:
@@ -203,7 +206,10 @@ def test_the_observer_benchmark_runs_both_sides_taking_turns(tmp_path: Path, tra
         # each side's first marked step (step 1: bare mlx-lm marks every step too) came before the turns
         assert all(0 < t["first_mark"][side][1] <= t["turns_s"] + 0.05 for side in sides)
         assert {side: t["first_mark"][side][0] for side in sides} == dict.fromkeys(sides, 1)
+        # each side's last step was done after the turns began and before the side ended
+        assert all(t["turns_s"] < t["last_mark"][side] <= t["ended_s"][side] + 0.05 for side in sides)
     assert f"{trainer}, a repeat's timeline (medians of 2, s from launch): the last side ended at " in p.stdout
+    assert re.search(rf"; {sides[0]}: its step 1 done at [\d.]+, its last at [\d.]+, ended at", p.stdout), p.stdout
     if trainer == "script":  # the own step's ratio over the repeats, and its mean by the step's place in a turn
         assert re.search(rf"{sides[0]} / {sides[1]} +2 +\d\.\d{{4}} \[", p.stdout), p.stdout[-1500:]
         assert f"own ms, step {k} of a turn" in p.stdout and f"own ms, step {k + 1} of" not in p.stdout
