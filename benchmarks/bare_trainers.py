@@ -5,6 +5,7 @@ bare side makes, and where its clock reads: ``observer_effect.py``'s docstring."
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import tempfile
@@ -30,11 +31,13 @@ def report_clock(base: type, marks: list[dict[str, Any]]) -> Any:
 
 
 class FetchClock:
-    """Bare mlx-lm's clock: the end of each training step, marked where mlx-lm's loop fetches the
-    next batch (after the step's evaluation and any report), so every step is marked whatever its
-    ``steps_per_report``, and the last step at its final report. A step adds a timestamp and the
-    turn it waits for, nothing else: its tokens are counted after training, from each batch's
-    lengths as ``default_loss`` counts them, and checked against mlx-lm's own reports."""
+    """Bare mlx-lm's clock: the end of each training step, marked where mlx-lm's loop asks for the
+    next batch (after the step's evaluation and any report) and before that batch is built, as the
+    harness marks a step at its report; so every step is marked whatever its ``steps_per_report``,
+    and the last step at its final report. A step adds a timestamp and the turn it waits for,
+    nothing else: its tokens (one process: the global ones) are counted after training, from each
+    batch's lengths as ``default_loss`` counts them, and checked against mlx-lm's own reports. An
+    evaluation's batches (``loop`` false) pass unmarked."""
 
     def __init__(self, steps: int):
         self.steps = steps
@@ -45,9 +48,14 @@ class FetchClock:
     def iterate_batches(self, **kw: Any) -> Any:
         from mlx_lm.tuner.trainer import iterate_batches
 
-        for done, (batch, lengths) in enumerate(iterate_batches(**kw)):
+        batches = iterate_batches(**kw)
+        if not kw.get("loop"):  # an evaluation's
+            yield from batches
+            return
+        for done in itertools.count():
             if done:
                 self.mark(done)
+            batch, lengths = next(batches)
             self.batches.append((lengths, batch.shape[1]))
             yield batch, lengths
 

@@ -143,7 +143,7 @@ def run_turns(order: list[str], t: str, path: Path, d: Path, a: argparse.Namespa
                            a.steps, t)
     marks = {side: json.loads((d / f"{t}-{side}.marks.json").read_text()) for side in order}
     timeline["first_mark"] = {side: [marks[side][0]["step"], round(marks[side][0]["time"] - timeline["launched"], 2)]
-                              for side in order}  # step 1, or where a side marks fewer (bare mlx-vlm: step 10)
+                              for side in order}  # step 1: every side that takes turns marks each step
     timeline["last_mark"] = {side: round(marks[side][-1]["time"] - timeline["launched"], 2) for side in order}
     timed = {side: turn_rate(marks[side], a.first, d / f"waits-{side}") for side in order}
     rep = {side: rate for side, (rate, _, _) in timed.items()}

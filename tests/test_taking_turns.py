@@ -248,3 +248,30 @@ def test_bare_mlx_lms_clock_counts_each_steps_tokens_and_refuses_a_count_mlx_lm_
     clock.reported = {2: 10, 3: 13}
     with pytest.raises(SystemExit, match="bare mlx-lm: 12 supervised tokens counted by step 3, mlx-lm reported 13"):
         clock.counted()
+
+
+def test_bare_mlx_lms_clock_marks_each_step_once_before_the_next_batch_is_built(monkeypatch) -> None:
+    import bare_trainers
+    import mlx_lm.tuner.trainer as mlx_lm_trainer
+    import numpy as np
+
+    log: list[tuple[str, int]] = []
+
+    def batches(dataset: list[int], loop: bool = False, **_: object):  # mlx-lm's, as its loop draws them
+        for i in dataset:
+            log.append(("built", i))
+            yield np.zeros((1, 3)), np.array([[0, 2]])
+
+    monkeypatch.setattr(mlx_lm_trainer, "iterate_batches", batches)
+    clock = bare_trainers.FetchClock(3)
+    monkeypatch.setattr(clock, "mark", lambda step: log.append(("marked", step)))
+    report = clock.callback(object)
+    for it, _ in zip(range(1, 4), clock.iterate_batches(dataset=[1, 2, 3, 4], loop=True), strict=False):  # train()'s
+        log.append(("trained", it))
+        report.on_train_loss_report({"iteration": it, "trained_tokens": 2 * it})  # every step reported
+    assert log == [("built", 1), ("trained", 1), ("marked", 1), ("built", 2), ("trained", 2), ("marked", 2),
+                   ("built", 3), ("trained", 3), ("marked", 3)]
+    assert len(clock.batches) == 3 and clock.reported == {1: 2, 2: 4, 3: 6}
+    log.clear()  # an evaluation's batches pass unmarked and uncounted
+    assert len(list(clock.iterate_batches(dataset=[1, 2], loop=False))) == 2 and ("marked", 1) not in log
+    assert len(clock.batches) == 3

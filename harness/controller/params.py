@@ -50,8 +50,9 @@ def _parts(params: dict[str, Any]) -> Iterator[tuple[str, tuple[str, ...]]]:
 
 
 def _tensor_gaps(x: Any, y: Any) -> tuple[float, float, float]:
-    """``_gaps`` of one tensor, in float64 a slice of ``CHUNK`` elements at a time: the same sums as
-    over whole float64 copies, without making them (a 0.5B-parameter model's would be 4 GB each)."""
+    """``_gaps`` of one tensor, in float64 a slice of ``CHUNK`` elements at a time: the sums of whole
+    float64 copies (to about 1e-14, summed in another order), without making the copies (a
+    0.5B-parameter model's would be 4 GB each)."""
     import numpy as np
 
     x, y = x.reshape(-1), y.reshape(-1)
@@ -60,7 +61,7 @@ def _tensor_gaps(x: Any, y: Any) -> tuple[float, float, float]:
         b = y[i:i + CHUNK].astype(np.float64)
         d = x[i:i + CHUNK].astype(np.float64) - b
         diff, norm = diff + float(d @ d), norm + float(b @ b)
-        big = max(big, float(np.max(np.abs(d))))  # NaN where d holds one: param_delta stops at its sums
+        big = max(big, float(np.max(np.abs(d))))  # a NaN in d: param_delta stops at the sums, also NaN
     return diff, norm, big
 
 
