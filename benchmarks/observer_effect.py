@@ -4,7 +4,7 @@ under the harness, on the same model, rows, batch and process count, alternating
 - **mlx-lm**: bare is ``mlx_lm.tuner.trainer.train`` called as a user calls it (its defaults:
   ``steps_per_report`` 10, no callback of the harness), on the model and rows the harness's
   mlx-lm adapter builds for the run (built with the harness's code before training starts, so
-  that both train the same thing), timed at every step where its loop fetches the next batch
+  that both train the same thing), timed at every step where its loop asks for the next batch
   (``bare_trainers.FetchClock``); under the harness it is the adapter, which reports every step.
 - **script**: bare is ``examples/ddp_train.py``'s ``main`` in a process of its own, its session
   (``BareSession``) building the same model, rows and optimizer, its ``run.probe`` and
@@ -38,7 +38,7 @@ size (``VLM_MODELS``) on generated captioned images, the other trainers the text
 
 Both sides are timed alike, by the wall clock between the end of optimizer step ``--from`` and the
 end of the last step, on rank 0 (bare: a timestamp taken where mlx-vlm reports, every 10 steps,
-where mlx-lm fetches each next batch, and at each step of the script and unsloth-zoo; under the
+where mlx-lm asks for each next batch, and at each step of the script and unsloth-zoo; under the
 harness: its ``step`` events' times), over the global supervised tokens trained in between. Each
 repeat runs every side once per trainer, each side first in turn (bare first in even repeats where
 there are two), so whatever the order costs falls on every side alike. The figure judged is the
