@@ -134,7 +134,6 @@ def test_lora_adapters_are_compared_by_the_update_they_make() -> None:
         params.PRODUCT_ELEMENTS = old
 
 
-
 def test_a_tensor_is_compared_in_slices_as_over_its_whole(monkeypatch) -> None:
     from harness.controller import params
 
@@ -153,6 +152,7 @@ def test_a_tensor_is_compared_in_slices_as_over_its_whole(monkeypatch) -> None:
         float(np.max(np.abs(d[k]))) for k in ("w", "b"))
     other["w"][4, 8] = np.nan  # in the last, short slice
     assert np.isnan(params.param_delta(other, ref)[0])
+
 
 def test_expert_stacked_lora_factors_are_compared_element_by_element() -> None:
     import numpy as np
