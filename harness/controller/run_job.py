@@ -120,7 +120,7 @@ def execute(
             slots.release()
             if started.lease:
                 started.lease.release()
-        outcome = _summarize(name, run_dir, started, report, feed)
+        outcome = _summarize(name, run_dir, started, report, feed, job)
         outcome.backend_reason, outcome.queued_s = backend_reason, slots.waited_s
         outcome.ring_yield, outcome.warm_start = started.ring_yield, started.warm
         if device is not None:
@@ -192,8 +192,9 @@ def _launch(name: str, job: Job, world_size: int, backend: str | None, run_dir: 
 
 
 def _summarize(name: str, run_dir: Path, started: launcher.Launch, report: WatchReport,
-               feed: ProgressFeed) -> RunOutcome:
-    """What the ranks left in ``run_dir``: their results, the failure named, the final parameters."""
+               feed: ProgressFeed, job: Job) -> RunOutcome:
+    """What the ranks left in ``run_dir``: their results, the failure named, the final parameters
+    (read where a check of the job's plan compares them: ``TrainJob.keep_params``)."""
     world_size = started.world_size
     ranks = collect(run_dir, world_size, report)
     failure = failure_reason(ranks, report)
@@ -209,7 +210,8 @@ def _summarize(name: str, run_dir: Path, started: launcher.Launch, report: Watch
     if failure is not None and told:  # which collective the ranks disagree on, or all wait in
         failure += "\n" + collectives["line"]
     feed.finish("ok" if failure is None else failure.splitlines()[0])
-    params, params_u = load_stored(schema.params_path(run_dir)) if failure is None else (None, None)
+    judged = failure is None and isinstance(job, TrainJob) and job.keep_params
+    params, params_u = load_stored(schema.params_path(run_dir)) if judged else (None, None)
     return RunOutcome(
         name=name,
         world_size=world_size,

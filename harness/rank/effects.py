@@ -14,9 +14,10 @@ from harness import schema
 
 
 class MainRankEffects:
-    def __init__(self, run_dir: Any, rank: int, keep_start: bool = False):
+    def __init__(self, run_dir: Any, rank: int, keep_start: bool = False, keep_params: bool = True):
         self.run_dir, self.rank = run_dir, rank
         self.keep_start = keep_start  # rank 0 keeps the start parameters (the job's ``keep_start``)
+        self.keep_params = keep_params  # rank 0 keeps a copy of the final ones (the job's ``keep_params``)
         self.counts = {"callbacks": 0, "log_lines": 0, "saves": 0, "checkpoints": 0, "probes": 0}
         self._files: dict[str, Any] = {}  # the callback file and the log, opened at their first line
 
@@ -87,11 +88,15 @@ class MainRankEffects:
 
         write_safetensors(final, params)
 
-    def save_params(self, model: Any, count: bool = True) -> None:
-        """Rank 0 writes the final parameters (of a model, or a parameter tree) atomically: a
-        reader never sees a partial file. ``count``: a save of the trainer's (not the harness's
-        own copy for judging an external trainer)."""
-        if not self.active:
-            return
-        self._write(schema.params_path(self.run_dir), model)
-        self.counts["saves"] += int(count)
+    def save_params(self, model: Any) -> None:
+        """Rank 0 writes the final parameters (of a model, or a parameter tree) atomically, a save
+        of the trainer's own (counted): a reader never sees a partial file."""
+        if self.active:
+            self._write(schema.params_path(self.run_dir), model)
+            self.counts["saves"] += 1
+
+    def keep_params_for_judge(self, params: Any) -> None:
+        """Rank 0 writes the harness's own copy of an external trainer's final parameters (not
+        counted as the trainer's save), where the job's checks compare them."""
+        if self.active and self.keep_params:
+            self._write(schema.params_path(self.run_dir), params)

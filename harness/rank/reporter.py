@@ -77,7 +77,7 @@ class StepReporter:
         self.not_applicable = dict(not_applicable or {})
         self.compile_scope = compile_scope
         self.fallback_reason: str | None = None  # why a compiled trainer fell back to eager
-        self.effects = MainRankEffects(ctx.run_dir, ctx.rank, ctx.job.keep_start)
+        self.effects = MainRankEffects(ctx.run_dir, ctx.rank, ctx.job.keep_start, ctx.job.keep_params)
         self.proc = psutil.Process()
         self.history: dict[str, list[Any]] = {k: [] for k in HISTORY}
         self.evals: list[dict[str, Any]] = []
@@ -279,7 +279,7 @@ class StepReporter:
             raise ReportedFailure(f"{self.name} {schema.NO_STEPS}")
         runtime = time.perf_counter() - self.t_start
         self.ctx.phase("save")
-        self.effects.save_params(params, count=False)
+        self.effects.keep_params_for_judge(params)
         self.effects.close()
         last = self.steps
         every = self.s.train.digest_every

@@ -1,0 +1,105 @@
+"""Rank 0 keeps its final parameters (and the reference its start) only where a check of the plan
+reads them (``CheckFamily.reads_params``): the plan's decision, and what real ranks and the
+controller then write and read."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from harness import schema
+from harness.controller import run_job
+from harness.scenario import checks, load_scenario
+from harness.scenario.names import CheckName
+from harness.scenario.plan import job_for, plan_scenario
+from tests.conftest import REPO
+
+
+def kept(path: Path) -> tuple[set[bool], list[str]]:
+    """Whether the plan's runs keep their final parameters, and which keep their start."""
+    plan = plan_scenario(load_scenario(path))
+    return {r.job.keep_params for r in plan.runs}, [r.name for r in plan.runs if r.job.keep_start]
+
+
+def test_only_a_plan_with_a_check_that_reads_final_parameters_keeps_them() -> None:
+    assert kept(REPO / "scenarios" / "text_parity.toml") == ({True}, ["single"])  # param_parity: every run
+    assert kept(REPO / "scenarios" / "resume_parity.toml")[0] == {True}  # resume_param_parity
+    assert kept(REPO / "scenarios" / "guide_throughput.toml") == ({False}, [])  # no run compared
+    assert kept(REPO / "scenarios" / "failure_consensus.toml") == ({False}, [])  # runs that must fail
+
+
+def test_a_check_family_that_does_not_say_what_it_reads_keeps_the_parameters() -> None:
+    path = REPO / "scenarios" / "guide_throughput.toml"
+    family = checks.CheckFamily("peek", ("peek_params",), lambda s, spec: ["peek_params"], "tests.x:judge", "peeks")
+    checks.register(family)
+    try:
+        assert kept(path)[0] == {True}
+    finally:
+        checks.unregister("peek")
+    assert kept(path)[0] == {False}
+    with pytest.raises(ValueError, match="not among its checks"):
+        checks.CheckFamily("bad", ("a",), lambda s, spec: [], "tests.x:judge", "",
+                           reads_params=(CheckName.param_parity,))
+
+
+SCENARIO = """
+[scenario]
+name = "kept"
+seed = 5
+{kind}
+
+[trainer]
+kind = "{trainer}"
+
+[model]
+arch = "qwen3"
+
+[data]
+rows = 21
+max_chars = 60
+
+[train]
+steps = 2
+global_batch = 6
+
+[[runs]]
+name = "single"
+world_size = 1
+
+[[runs]]
+name = "ddp2"
+world_size = 2
+
+[checks]
+reference = "single"
+"""
+
+
+@pytest.mark.ranks
+def test_real_ranks_write_and_the_controller_reads_final_parameters_only_for_a_check(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    left: list[list[str]] = []  # what each run directory held when it was removed
+    remove = shutil.rmtree
+
+    def removing(path: str | os.PathLike[str], *args: object, **kwargs: object) -> None:
+        if Path(path).name.startswith("mlx-ddp-harness-run-"):
+            left.append(sorted(os.listdir(path)))
+        remove(path, *args, **kwargs)
+
+    monkeypatch.setattr(run_job.shutil, "rmtree", removing)
+    final, start = schema.params_path(".").name, schema.start_params_path(".").name
+    # mlx-lm's final parameters are the harness's copy; the reference's are its own save, always written
+    for trainer, kind, keeps in (("mlx_lm", 'kind = "throughput"', False), ("reference", 'kind = "throughput"', False),
+                                 ("mlx_lm", "", True)):
+        path = tmp_path / f"{trainer}{int(keeps)}.toml"
+        path.write_text(textwrap.dedent(SCENARIO).format(kind=kind, trainer=trainer))
+        out = run_job.execute("single", job_for(load_scenario(path), "single"), 1, wall_s=240, no_progress_s=120)
+        assert out.ok, out.failure
+        assert (out.params is not None, out.moved is not None) == (keeps, keeps)
+        assert (final in left[-1], start in left[-1]) == (keeps or trainer == "reference", keeps)
+        if keeps:  # mlx-lm's trained parameters, moved by training from the start rank 0 kept
+            assert out.params and 0 < out.moved < 1
