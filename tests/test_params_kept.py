@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,7 @@ from harness.controller import run_job
 from harness.scenario import checks, load_scenario
 from harness.scenario.names import CheckName
 from harness.scenario.plan import job_for, plan_scenario
-from tests.conftest import REPO
+from tests.conftest import REPO, write_scenario
 
 
 def kept(path: Path) -> tuple[set[bool], list[str]]:
@@ -46,39 +45,6 @@ def test_a_check_family_that_does_not_say_what_it_reads_keeps_the_parameters() -
                            reads_params=(CheckName.param_parity,))
 
 
-SCENARIO = """
-[scenario]
-name = "kept"
-seed = 5
-{kind}
-
-[trainer]
-kind = "{trainer}"
-
-[model]
-arch = "qwen3"
-
-[data]
-rows = 21
-max_chars = 60
-
-[train]
-steps = 2
-global_batch = 6
-
-[[runs]]
-name = "single"
-world_size = 1
-
-[[runs]]
-name = "ddp2"
-world_size = 2
-
-[checks]
-reference = "single"
-"""
-
-
 @pytest.mark.ranks
 def test_real_ranks_write_and_the_controller_reads_final_parameters_only_for_a_check(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -95,8 +61,8 @@ def test_real_ranks_write_and_the_controller_reads_final_parameters_only_for_a_c
     # mlx-lm's final parameters are the harness's copy; the reference's are its own save, always written
     for trainer, kind, keeps in (("mlx_lm", 'kind = "throughput"', False), ("reference", 'kind = "throughput"', False),
                                  ("mlx_lm", "", True)):
-        path = tmp_path / f"{trainer}{int(keeps)}.toml"
-        path.write_text(textwrap.dedent(SCENARIO).format(kind=kind, trainer=trainer))
+        path = write_scenario(tmp_path, f"{trainer}{int(keeps)}", steps=2, extra=f'\n[trainer]\nkind = "{trainer}"\n')
+        path.write_text(path.read_text().replace("seed = 7\n", f"seed = 7\n{kind}\n", 1))
         out = run_job.execute("single", job_for(load_scenario(path), "single"), 1, wall_s=240, no_progress_s=120)
         assert out.ok, out.failure
         assert (out.params is not None, out.moved is not None) == (keeps, keeps)
