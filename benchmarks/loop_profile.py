@@ -29,6 +29,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from observer_effect import MODELS, TAKE_TURNS, scenario_text  # noqa: E402
 
 OBSERVER = Path(__file__).with_name("observer_effect.py")
+RANK = "harness.rank"  # in a rank process's command line
+TRACING = "Ledger.compile.<locals>.traced"  # mx.compile tracing the step through the ledger's wrapper
+WAITS = ("wait (threading.py", "select (selectors.py", "sleep", "_wait_for_tstate_lock")
+LEDGER = Path(__file__).resolve().parents[1] / "harness" / "rank" / "ledger.py"
+# the ledger's lines that call what it wraps (the compiled step, a collective): the trainer's own work
+WRAPPED_CALLS = ("compiled(*a, **kw)", "_original(*args, **kwargs)")
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "ddp_train.py"
 # the frame of each trainer's loop, as py-spy names it: what lies deeper is the loop's time
 LOOPS = {"mlx_lm": "train (mlx_lm/tuner/trainer.py:", "unsloth_zoo": "MLXTrainer._train_inner (unsloth_zoo/",
@@ -48,12 +54,6 @@ def in_loop(frame: str, trainer: str, loop: range | None) -> bool:
     if LOOPS[trainer] not in frame:
         return False
     return loop is None or int(frame.rsplit(":", 1)[1].rstrip(")")) in loop
-RANK = "harness.rank"  # in a rank process's command line
-TRACING = "Ledger.compile.<locals>.traced"  # mx.compile tracing the step through the ledger's wrapper
-WAITS = ("wait (threading.py", "select (selectors.py", "sleep", "_wait_for_tstate_lock")
-LEDGER = Path(__file__).resolve().parents[1] / "harness" / "rank" / "ledger.py"
-# the ledger's lines that call what it wraps (the compiled step, a collective): the trainer's own work
-WRAPPED_CALLS = ("compiled(*a, **kw)", "_original(*args, **kwargs)")
 
 
 def wrapped_lines(path: Path = LEDGER) -> set[str]:
@@ -68,7 +68,7 @@ class LoopShare:
     harness frames by count, those in a call the ledger wraps (the trainer's own work), and the
     samples of the rank's other threads that were not waiting."""
 
-    rank: int = 0
+    samples: int = 0
     loop: int = 0
     wrapped: int = 0
     harness: int = 0
@@ -90,9 +90,9 @@ def read_raw(lines: list[str], trainer: str, wrapped: set[str] | None = None) ->
         if not stack or not count.isdigit():
             continue
         n, frames = int(count), stack.split(";")
-        if not any(RANK in f for f in frames[:2]):
+        if not any(f.startswith("process ") and RANK in f for f in frames):
             continue
-        out.rank += n
+        out.samples += n
         at = next((i for i, f in enumerate(frames) if in_loop(f, trainer, loop)), None)
         if at is None:
             main = any("harness/rank/__main__.py" in f for f in frames)
@@ -101,7 +101,7 @@ def read_raw(lines: list[str], trainer: str, wrapped: set[str] | None = None) ->
                 out.threads_busy += n if not any(w in frames[-1] for w in WAITS) else 0
             continue
         out.loop += n
-        own = [f for f in frames[at + 1:] if "harness/" in f]
+        own = [f for f in frames[at + 1:] if " (harness/" in f]
         if own and any(f"({w})" in own[-1] for w in wrapped):
             out.wrapped += n
         elif own:
@@ -115,7 +115,7 @@ def report(share: LoopShare, trainer: str) -> str:
     if not share.loop:
         return f"no samples in {trainer}'s loop ({LOOPS[trainer]}...): did its rank train?"
     pct = 100 * share.harness / share.loop
-    lines = [f"{trainer}: {share.rank} samples of the rank, {share.loop} in the trainer's loop; in the harness's "
+    lines = [f"{trainer}: {share.samples} samples of the rank, {share.loop} in the trainer's loop; in the harness's "
              f"frames {share.harness} ({pct:.2f} %), {share.tracing} of them while mx.compile traced the step "
              f"(once); {share.wrapped} in the calls the ledger wraps (the step, a collective: the trainer's own "
              f"work); the rank's other threads busy in {share.threads_busy} of their {share.threads}"]

@@ -20,7 +20,6 @@ LOOP = f"{MAIN};train (mlx_lm/tuner/trainer.py:331)"
 SAMPLER = f'process 1:"";{RANK};Thread._bootstrap (threading.py:1002);MemorySampler._run (harness/memory/sampler.py'
 
 
-
 def test_the_rank_samples_in_the_trainers_loop_are_split_into_the_harnesss_and_the_wrapped_calls() -> None:
     wrapped = loop_profile.wrapped_lines()
     call = sorted(wrapped)[0]
@@ -37,7 +36,7 @@ def test_the_rank_samples_in_the_trainers_loop_are_split_into_the_harnesss_and_t
         "a torn line",
     ]
     share = loop_profile.read_raw(lines, "mlx_lm", wrapped)
-    assert (share.rank, share.loop, share.harness, share.tracing, share.wrapped) == (1494, 961, 11, 4, 50)
+    assert (share.samples, share.loop, share.harness, share.tracing, share.wrapped) == (1494, 961, 11, 4, 50)
     assert (share.threads, share.threads_busy) == (503, 3)
     text = loop_profile.report(share, "mlx_lm")
     assert "in the harness's frames 11 (1.14 %), 4 of them while mx.compile traced" in text
@@ -63,4 +62,4 @@ def test_the_scripts_loop_is_its_mains_lines_from_its_steps_to_its_finish() -> N
              f"{main};main (ddp_train.py:{loop.start + 1});Session.step (harness/rank/script_session.py:146) 5",
              f"{main};main (ddp_train.py:{loop.start + 2}) 95"]
     share = loop_profile.read_raw(lines, "script", set())
-    assert (share.rank, share.loop, share.harness) == (130, 100, 5)  # the model built before the loop left out
+    assert (share.samples, share.loop, share.harness) == (130, 100, 5)  # the model built before the loop left out

@@ -15,7 +15,7 @@ from harness.controller import run_job
 from harness.scenario import checks, load_scenario
 from harness.scenario.names import CheckName
 from harness.scenario.plan import job_for, plan_scenario
-from tests.conftest import REPO, write_scenario
+from tests.conftest import REPO, script_scenario, write_scenario
 
 
 def kept(path: Path) -> tuple[set[bool], list[str]]:
@@ -53,7 +53,7 @@ def test_real_ranks_write_and_the_controller_reads_final_parameters_only_for_a_c
 
     def removing(path: str | os.PathLike[str], *args: object, **kwargs: object) -> None:
         if Path(path).name.startswith("mlx-ddp-harness-run-"):
-            left.append(sorted(os.listdir(path)))
+            left.append(sorted(str(f.relative_to(path)) for f in Path(path).rglob("*") if f.is_file()))
         remove(path, *args, **kwargs)
 
     monkeypatch.setattr(run_job.shutil, "rmtree", removing)
@@ -69,3 +69,11 @@ def test_real_ranks_write_and_the_controller_reads_final_parameters_only_for_a_c
         assert (final in left[-1], start in left[-1]) == (keeps or trainer == "reference", keeps)
         if keeps:  # mlx-lm's trained parameters, moved by training from the start rank 0 kept
             assert out.params and 0 < out.moved < 1
+    # a script hands its final parameters to its rank in memory: no file of them, here not even the harness's
+    path = script_scenario(tmp_path, (REPO / "examples" / "ddp_train.py").read_text(), world_sizes=(1, 2))
+    path.write_text(path.read_text().replace("seed = 5\n", 'seed = 5\nkind = "throughput"\n', 1))
+    out = run_job.execute("single", job_for(load_scenario(path), "single"), 1, wall_s=240, no_progress_s=120)
+    assert out.ok, out.failure
+    assert out.params is None and "model.safetensors" in left[-1]  # the script's own save, and no other
+    assert [f for f in left[-1] if f.endswith(".safetensors") and f != "model.safetensors"] == []
+    assert out.ranks[0].result["final_digest"]  # the parameters handed over were digested

@@ -97,9 +97,11 @@ HEAD = "from harness import api\nrun = api.session()\n"
     (HEAD + "import sys\nsys.exit('no data')\n", "trainer script broken.py exited with status 1: no data"),
     (HEAD + "pass\n", "trainer script broken.py reported no steps"),
     (HEAD + "run.step(1, 1.0, 10, 5)\n", "trainer script broken.py never handed over its final parameters"),
+    (HEAD + "run.step(1, 1.0, 10, 5)\nrun.finish({'w': 1.0})\n",
+     "trainer script broken.py raised TypeError: run.finish(params): w is not an MLX array (pass model.parameters())"),
     (HEAD + "import time\nrun.step(1, 1.0, 10, 5)\ntime.sleep(600)\n",
      "trainer script: watchdog: no progress from any rank for 4 s"),
-], ids=["raises", "exits", "exits-saying-why", "reports-nothing", "no-params", "hangs"])
+], ids=["raises", "exits", "exits-saying-why", "reports-nothing", "no-params", "not-params", "hangs"])
 def test_a_broken_script_fails_with_one_line_naming_it(tmp_path: Path, script: str, line: str) -> None:
     hangs = "sleep(600)" in script  # the watchdog's wait only matters where the script hangs
     path = script_scenario(tmp_path, script, name="broken", world_sizes=(2,), no_progress_s=4 if hangs else 60)

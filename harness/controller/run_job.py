@@ -210,8 +210,8 @@ def _summarize(name: str, run_dir: Path, started: launcher.Launch, report: Watch
     if failure is not None and told:  # which collective the ranks disagree on, or all wait in
         failure += "\n" + collectives["line"]
     feed.finish("ok" if failure is None else failure.splitlines()[0])
-    judged = failure is None and isinstance(job, TrainJob) and job.keep_params
-    params, params_u = load_stored(schema.params_path(run_dir)) if judged else (None, None)
+    kept = failure is None and isinstance(job, TrainJob) and job.keep_params
+    params, params_u = load_stored(schema.params_path(run_dir)) if kept else (None, None)
     return RunOutcome(
         name=name,
         world_size=world_size,

@@ -119,9 +119,10 @@ def exit_words(code: int) -> str:
     return f"ended with signal {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
 
 
-def read_outcome(out: Path, rep: Any, label: str, code: int = 0) -> tuple[dict[str, Any], Any]:
-    """The trainer's result and final parameters, after it ended with exit ``code`` and every
-    event was fed; ``ReportedFailure`` naming ``label`` where either is missing or malformed."""
+def read_outcome(out: Path, rep: Any, label: str, code: int = 0, params: Any = None) -> tuple[dict[str, Any], Any]:
+    """The trainer's result and final parameters (``params``, where a script in the rank's process
+    handed them over in memory; else its parameter file), after it ended with exit ``code`` and
+    every event was fed; ``ReportedFailure`` naming ``label`` where either is missing or malformed."""
     path = out / FILES["result"]
     if not path.exists():
         if code != 0:
@@ -142,6 +143,8 @@ def read_outcome(out: Path, rep: Any, label: str, code: int = 0) -> tuple[dict[s
         raise ReportedFailure(f"{label} wrote a result of {result['steps']} steps after reporting {rep.steps}")
     if result.get("saves"):
         rep.saved(result["saves"])
+    if params is not None:
+        return result, params
     params_path = out / FILES["params"]
     if not params_path.exists():
         raise ReportedFailure(f"{label} wrote no {FILES['params']} (its final parameters)")

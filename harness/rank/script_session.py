@@ -22,6 +22,7 @@ class Session:
         self._out, self._pump = writer, pump  # the protocol's writer; ``pump`` reads what it wrote
         self._steps = self._saves = 0
         self.started = False  # the script said what training starts from (``split`` or ``start``)
+        self.final: Any = None  # the final parameters ``finish`` was handed
         self.used = False  # the script asked for its session
         self.model_config: dict[str, Any] | None = None  # the scenario's model's, once ``model`` built it
         self.rank: int = ctx.rank
@@ -155,8 +156,15 @@ class Session:
         self._saves += int(count)
 
     def finish(self, params: Any) -> None:
-        """Training is over; ``params`` are the final parameters."""
-        self._out.params(params)
+        """Training is over; ``params`` are the final parameters, handed to the rank in memory
+        (``final``: the script runs in the rank's process, so it writes no parameter file)."""
+        import mlx.core as mx
+        from mlx.utils import tree_flatten
+
+        stray = next((k for k, v in tree_flatten(params) if not isinstance(v, mx.array)), None)
+        if stray is not None or not tree_flatten(params):
+            raise TypeError(f"run.finish(params): {stray or 'the tree'} is not an MLX array (pass model.parameters())")
+        self.final = params
         self._out.result(status="ok", steps=self._steps, saves=self._saves)
 
 

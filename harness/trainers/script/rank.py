@@ -2,9 +2,10 @@
 
 The script runs as ``__main__`` inside each rank process, with its own directory first on
 ``sys.path`` and ``[trainer].args`` as its command line, and reports through ``harness.api``,
-which writes the rank protocol's records; they are read back as an executable's are. A
-script that raises, exits non-zero, reports no step or never hands over its final parameters
-fails the run with a one-line cause naming the script.
+which writes the rank protocol's records; they are read back as an executable's are, all but its
+final parameters, which it hands over in memory. A script that raises, exits non-zero, reports
+no step or never hands over its final parameters fails the run with a one-line cause naming the
+script.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def run(ctx: RankContext) -> dict[str, Any]:
             raise ReportedFailure(f"{label} {schema.NO_STEPS} ({how})")
         raise ReportedFailure(f"{label} never handed over its final parameters "
                               f"(call harness.api.session().finish(params))")
-    _, params = read_outcome(out, rep, label)
+    _, params = read_outcome(out, rep, label, params=session.final)
     finished = rep.finish(params)
     if not rep.probe_offered:
         finished["not_applicable"].update(dict.fromkeys(STEP_LOCAL, NOT_PROBED))
