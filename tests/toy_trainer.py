@@ -37,12 +37,13 @@ def run(ctx: Any) -> dict[str, Any]:
     out = protocol_dir(ctx.run_dir, ctx.rank)
     out.mkdir(exist_ok=True)
     feed = Feed(out, rep, rep.name)
-    script_session.activate(script_session.Session(ctx, s, rep, Writer(out), feed.read))
+    session = script_session.Session(ctx, s, rep, Writer(out), feed.read)
+    script_session.activate(session)
     rep.start()
     try:
         runpy.run_path(str(EXAMPLE), run_name="__main__")
     finally:
         script_session.activate(None)
     feed.read()
-    _, params = read_outcome(out, rep, rep.name)
+    _, params = read_outcome(out, rep, rep.name, params=session.final)  # the script hands them over in memory
     return rep.finish(params)
