@@ -5,6 +5,7 @@ Real ranks; the client is started here as mlx.launch would start it where a test
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -106,6 +107,20 @@ def test_what_libraries_set_on_import_does_not_split_servers_and_what_changes_an
     for changed in ({"MLX_DISABLE_COMPILE": "1"}, {"PYTHONPATH": "/other"}, {"LD_PRELOAD": ""}, {"HF_HOME": "/h"},
                     {"HF_XET_CACHE": "/x"}):
         assert warm_ranks.key_of(job, {**base, **changed})[0] != key, changed
+    assert warm_ranks.key_of(job, base)[1]["harness"] == warm_ranks.harness_code()
+
+
+def test_a_change_to_the_harnesss_sources_is_another_server(tmp_path: Path) -> None:
+    (tmp_path / "rank").mkdir()
+    (source := tmp_path / "rank" / "entry.py").write_text("x = 1\n")
+    (tmp_path / "notes.txt").write_text("not source\n")
+    before = warm_ranks.harness_code(tmp_path)
+    warm_ranks.harness_code.cache_clear()
+    (tmp_path / "notes.txt").write_text("still not source\n")
+    assert warm_ranks.harness_code(tmp_path) == before
+    warm_ranks.harness_code.cache_clear()
+    os.utime(source, ns=(source.stat().st_atime_ns, source.stat().st_mtime_ns + 1_000_000))
+    assert warm_ranks.harness_code(tmp_path) != before  # edited: the same size, a later time
 
 
 MOMENTS = """

@@ -6,8 +6,10 @@ for an external trainer's libraries), which is most of a short rank on a small m
 start-up figures of such a run do not hold the imports: the test suite uses it, reports do not.
 
 One server per key: the job's trainer, the packages it hides and its model's architecture (what
-a rank imports before its first step), and the environment that can change an import (the
-interpreter, ``LD_PRELOAD``, ``PYTHON*``, ``MLX_*``, BLAS and Hugging Face settings). Every server
+a rank imports before its first step), the environment that can change an import (the
+interpreter, ``LD_PRELOAD``, ``PYTHON*``, ``MLX_*``, BLAS and Hugging Face settings), and the
+harness's own source files (each one's path, size and modification time): a server started
+before the harness changed holds its older modules, and is not forked from again. Every server
 preloads the ring-yield library (``ring_yield``), switched on only in the ranks of a launch that
 yields, so that library is not in the key: a one-process launch and a ring launch that fills the
 cores, otherwise alike, share a server. A launch
@@ -18,6 +20,7 @@ whose server is not up yet starts it and waits for its imports; a launch whose s
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -32,7 +35,8 @@ from harness import schema
 from harness.controller import ring_yield
 
 WARM_VAR = "MLX_DDP_HARNESS_WARM_RANKS"
-CLIENT = Path(__file__).resolve().parents[1] / "rank" / "warm_client.py"
+HARNESS = Path(__file__).resolve().parents[1]
+CLIENT = HARNESS / "rank" / "warm_client.py"
 SERVER_MODULE = "harness.rank.warm"
 KEYED_PREFIXES = ("MLX_", "PYTHON", "LD_", "OPENBLAS_", "OMP_", "HF_", "TRANSFORMERS_", "TOKENIZERS_")
 SERVER_START_S = 30.0  # the longest a launch waits for its server's imports
@@ -62,6 +66,17 @@ def warm_dir() -> Path | None:
     return Path(value)
 
 
+@functools.lru_cache(maxsize=4)
+def harness_code(root: Path = HARNESS) -> str:
+    """What the source files under ``root`` (the harness's) are: a digest of each one's path,
+    size and modification time (read once a process)."""
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*.py")):
+        st = f.stat()
+        h.update(f"{f.relative_to(root)}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()[:16]
+
+
 def key_of(job: dict[str, Any], env: dict[str, str]) -> tuple[str, dict[str, Any]]:
     """The server a rank of ``job`` started with ``env`` forks from: its name, and what it holds."""
     trainer = job.get("trainer") or {}
@@ -71,6 +86,7 @@ def key_of(job: dict[str, Any], env: dict[str, str]) -> tuple[str, dict[str, Any
         "hides": trainer.get("hides"),
         "arch": ((job.get("scenario") or {}).get("model") or {}).get("arch"),
         "python": sys.executable,
+        "harness": harness_code(),
         "env": {k: (ring_yield.without(v) if k == "LD_PRELOAD" else v) for k, v in sorted(env.items())
                 if k.startswith(KEYED_PREFIXES) and not k.startswith(UNKEYED) and k not in SET_BY_IMPORTS},
     }
