@@ -112,8 +112,10 @@ def moved(final: dict[str, Any] | None, start_path: Path) -> float | None:
     part of ``final`` (a LoRA run's final parameters are its adapters alone, compared by their
     products); None where rank 0 left no start (only the run others are compared with does:
     ``keep_start`` in its job)."""
-    start = load_stored(start_path)[0] if final is not None else None
-    if final is None or start is None or not final.keys() <= start.keys():
+    if final is None:
+        return None
+    start = load_stored(start_path)[0]
+    if start is None or not final.keys() <= start.keys():
         return None
     got = param_delta({k: start[k] for k in final}, final)
     return got[0] if got is not None and got[0] > 0 else None

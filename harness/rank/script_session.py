@@ -161,9 +161,11 @@ class Session:
         import mlx.core as mx
         from mlx.utils import tree_flatten
 
-        stray = next((k for k, v in tree_flatten(params) if not isinstance(v, mx.array)), None)
-        if stray is not None or not tree_flatten(params):
-            raise TypeError(f"run.finish(params): {stray or 'the tree'} is not an MLX array (pass model.parameters())")
+        flat = tree_flatten(params)
+        stray = next((k for k, v in flat if not isinstance(v, mx.array)), None)
+        if stray is not None or not flat:
+            what = f"{stray} is not an MLX array" if stray is not None else "holds no MLX arrays"
+            raise TypeError(f"run.finish(params): {what} (pass model.parameters())")
         self.final = params
         self._out.result(status="ok", steps=self._steps, saves=self._saves)
 
