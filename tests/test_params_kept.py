@@ -1,6 +1,7 @@
 """Rank 0 keeps its final parameters (and the reference its start) only where a check of the plan
-reads them (``CheckFamily.reads_params``): the plan's decision, and what real ranks and the
-controller then write and read."""
+reads them (``CheckFamily.reads_params``), and a one-rank run digests its start only where a
+check compares runs' starts (``CheckFamily.compares_starts``): the plan's decisions, and what real
+ranks and the controller then write and read."""
 
 from __future__ import annotations
 
@@ -45,6 +46,30 @@ def test_a_check_family_that_does_not_say_what_it_reads_keeps_the_parameters() -
                            reads_params=(CheckName.param_parity,))
 
 
+def digested(path: Path) -> dict[str, bool]:
+    """Whether each run of the plan digests the parameters it starts from."""
+    return {r.name: r.job.digest_start for r in plan_scenario(load_scenario(path)).runs}
+
+
+def test_a_one_rank_run_digests_its_start_only_where_a_check_compares_starts() -> None:
+    parity = digested(REPO / "scenarios" / "text_parity.toml")
+    assert len(parity) > 2 and set(parity.values()) == {True}  # start_parity: every run, floor runs too
+    assert digested(REPO / "scenarios" / "guide_throughput.toml") == {"single": False, "ddp2": True}  # its replicas
+    path = REPO / "scenarios" / "trainer_throughput.toml"
+    sizes = {r.name: r.spec.world_size for r in plan_scenario(load_scenario(path)).runs}
+    assert digested(path) == {name: n > 1 for name, n in sizes.items()} and 1 in sizes.values()
+    family = checks.CheckFamily("peek", ("peek_start",), lambda s, spec: ["peek_start"], "tests.x:judge", "peeks",
+                                reads_params=())
+    checks.register(family)
+    try:  # a family that does not say which of its checks compare starts: every run digests its own
+        assert set(digested(path).values()) == {True} and kept(path)[0] == {False}
+    finally:
+        checks.unregister("peek")
+    with pytest.raises(ValueError, match="not among its checks"):
+        checks.CheckFamily("bad", ("a",), lambda s, spec: [], "tests.x:judge", "",
+                           compares_starts=(CheckName.start_parity,))
+
+
 @pytest.mark.ranks
 def test_real_ranks_write_and_the_controller_reads_final_parameters_only_for_a_check(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -67,6 +92,7 @@ def test_real_ranks_write_and_the_controller_reads_final_parameters_only_for_a_c
         assert out.ok, out.failure
         assert (out.params is not None, out.moved is not None) == (keeps, keeps)
         assert (final in left[-1], start in left[-1]) == (keeps or trainer == "reference", keeps)
+        assert ("0" in out.ranks[0].result["digests"]) == keeps  # its start digested where start_parity reads it
         if keeps:  # mlx-lm's trained parameters, moved by training from the start rank 0 kept
             assert out.params and 0 < out.moved < 1
     # a script hands its final parameters to its rank in memory: no file of them, here not even the harness's
@@ -76,4 +102,6 @@ def test_real_ranks_write_and_the_controller_reads_final_parameters_only_for_a_c
     assert out.ok, out.failure
     assert out.params is None and "model.safetensors" in left[-1]  # the script's own save, and no other
     assert [f for f in left[-1] if f.endswith(".safetensors") and f != "model.safetensors"] == []
-    assert out.ranks[0].result["final_digest"]  # the parameters handed over were digested
+    result = out.ranks[0].result
+    assert result["final_digest"]  # the parameters handed over were digested
+    assert "0" not in result["digests"] and result["dtype_changes"]["compared"] > 0  # its start: dtypes, no digest

@@ -182,7 +182,7 @@ def test_a_rank_with_every_part_turned_off_trains_and_says_what_was_off(tmp_path
     from harness.scenario import load_scenario
     from harness.scenario.plan import job_for
 
-    job = job_for(load_scenario(write_scenario(tmp_path, "parts", world_sizes=(1,), steps=3)), "single")
+    job = job_for(load_scenario(write_scenario(tmp_path, "parts", steps=3)), "single")  # its start compared
     whole = execute("whole", job, 1, keep_to=tmp_path / "whole")
     monkeypatch.setenv(ablation.VAR, ",".join(ablation.PARTS))
     bare = execute("bare", job, 1, keep_to=tmp_path / "bare")

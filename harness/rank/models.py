@@ -88,11 +88,14 @@ def build_model(spec: ModelSpec, vocab_size: int, seed: int, vision: Any = None)
 START_ABLATED = "not taken: the start part was turned off"  # what a benchmark's rank reports instead
 
 
-def start_digest(params: Any) -> str:
-    """``tree_digest`` of the parameters training starts from (``START_ABLATED`` where a benchmark
-    turned the ``start`` part off: ``harness.ablation``)."""
+def start_digest(params: Any, wanted: bool = True) -> str | None:
+    """``tree_digest`` of the parameters training starts from, where the job ``wanted`` it
+    (``TrainJob.digest_start``; else None, and nothing is read), ``START_ABLATED`` where a
+    benchmark turned the ``start`` part off (``harness.ablation``)."""
     from harness import ablation
 
+    if not wanted:
+        return None
     return tree_digest(params) if ablation.on("start") else START_ABLATED
 
 

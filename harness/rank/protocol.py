@@ -110,9 +110,10 @@ class Feed:
         elif e["kind"] == "start":
             if "dtype" in e:
                 self.rep.saw_dtype(e["dtype"])
-            if "digest" in e:
+            if "digest" in e or "dtypes" in e:
                 saved = self.path.parent / FILES["start_params"]
-                self.rep.starting(digest=e["digest"], saved=saved if saved.exists() else None, dtypes=e.get("dtypes"))
+                self.rep.starting(digest=e.get("digest"), saved=saved if saved.exists() else None,
+                                  dtypes=e.get("dtypes"))
 
 
 def exit_words(code: int) -> str:

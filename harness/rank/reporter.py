@@ -140,8 +140,9 @@ class StepReporter:
     def starting(self, params: Any = None, digest: str | None = None, saved: Any = None,
                  dtypes: dict[str, str] | None = None) -> None:
         """Training starts from ``params`` (or parameters of ``digest``, kept by rank 0 in the
-        file ``saved``): their digest is the replica digest before the first step, compared with
-        every other run's (``start_parity``), and rank 0 keeps them where the job asks
+        file ``saved``): their digest, where the job takes it (``digest_start``), is the replica
+        digest before the first step, compared with every other run's (``start_parity``) and
+        between the run's ranks (``replica_consistency``), and rank 0 keeps them where the job asks
         (``keep_start``), to measure how far training moved them. A later call before the first
         step replaces an earlier one (a script that broadcasts its weights after building them
         reports again); one after it is refused. ``dtypes``: each parameter's dtype there, where
@@ -150,7 +151,12 @@ class StepReporter:
         if self.history["losses"]:
             raise ReportedFailure(f"{self.name} said where training starts after step {self.steps}: run.split and "
                                   f"run.start come before the first step")
-        self.digests[self.done] = digest if digest is not None else start_digest(params)
+        if digest is None and params is not None:
+            digest = start_digest(params, self.ctx.job.digest_start)
+        if digest is not None:
+            self.digests[self.done] = digest
+        else:  # not taken (``TrainJob.digest_start``): an earlier call's is replaced too
+            self.digests.pop(self.done, None)
         from harness.rank.precision import param_dtypes
 
         self.start_dtypes = param_dtypes(params) if params is not None else dtypes

@@ -82,11 +82,12 @@ class Session:
         from harness.rank.precision import coarsest_dtype, param_dtypes
 
         mx.eval(params)  # on every rank alike: weights that are a collective's result must not be computed on one
-        digest = start_digest(params)
+        digest = start_digest(params, self._ctx.job.digest_start)
         if self.rank == 0 and self._ctx.job.keep_start and ablation.on("start"):  # the run the others are compared with
             self._out.params(params, "start_params")
         dtype = {"dtype": d} if (d := coarsest_dtype(params)) else {}
-        self._out.event("start", rank=self.rank, world_size=self.world_size, digest=digest, **dtype,
+        taken = {"digest": digest} if digest is not None else {}
+        self._out.event("start", rank=self.rank, world_size=self.world_size, **taken, **dtype,
                         dtypes=param_dtypes(params))
         self.started = True
         self._pump()

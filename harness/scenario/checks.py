@@ -49,7 +49,11 @@ class CheckFamily:
     what it checks, in one line (``doc``, in docs/checks.md). ``judged_last``: judged after every
     other family (it reads their checks). ``reads_params``: its checks that read the runs' final
     parameters (None, a family that does not say: any of them may), so that a scenario none of
-    whose checks reads them leaves them unsaved (``harness.scenario.plan``)."""
+    whose checks reads them leaves them unsaved (``harness.scenario.plan``). ``compares_starts``:
+    its checks that compare where one run's training starts with where another's does (the replica
+    digest before the first step; None: any of them may), so that a one-rank run whose start no
+    check compares does not digest it (a run of more ranks does: ``replica_consistency`` compares
+    its ranks' starts)."""
 
     name: str
     checks: tuple[str, ...]
@@ -61,10 +65,12 @@ class CheckFamily:
     unmeasured: Mapping[str, str] = field(default_factory=dict)
     judged_last: bool = False
     reads_params: tuple[str, ...] | None = None
+    compares_starts: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "name", str(self.name))  # a CheckName member as a plain name
-        stray = [n for n in (*self.powered, *self.unmeasured, *(self.reads_params or ())) if n not in self.checks]
+        declared = (*self.powered, *self.unmeasured, *(self.reads_params or ()), *(self.compares_starts or ()))
+        stray = [n for n in declared if n not in self.checks]
         if stray or ":" not in self.judge:
             raise ValueError(f"check family {self.name!r}: " + (f"{', '.join(stray)} not among its checks" if stray
                                                                  else f"judge {self.judge!r} is not 'module:function'"))
@@ -74,7 +80,16 @@ class CheckFamily:
 
     def reads_params_in(self, names: tuple[str, ...] | list[str]) -> bool:
         """Whether any of ``names``, checks a run gets of this family, reads final parameters."""
-        return bool(names) and (self.reads_params is None or bool(set(names) & set(self.reads_params)))
+        return _among(names, self.reads_params)
+
+    def compares_starts_in(self, names: tuple[str, ...] | list[str]) -> bool:
+        """Whether any of ``names``, checks a run gets of this family, compares runs' starts."""
+        return _among(names, self.compares_starts)
+
+
+def _among(names: tuple[str, ...] | list[str], declared: tuple[str, ...] | None) -> bool:
+    """Whether any of ``names`` is among ``declared`` (None: a family that does not say, any)."""
+    return bool(names) and (declared is None or bool(set(names) & set(declared)))
 
 
 def evaluates(s: Scenario, spec: RunSpec) -> bool:
@@ -149,42 +164,44 @@ JUDGES = "harness.judge.families"
 BUILTIN = (  # in judging order
     CheckFamily(N.expected_failure, (N.expected_failure,), _expected_failure, f"{JUDGES}:expected_failure",
                 "A run that must fail failed, with the expected error in its message, and left no process behind.",
-                reads_params=()),
+                reads_params=(), compares_starts=()),
     CheckFamily("parity", (N.start_parity, *STEP_LOCAL, N.lr_schedule, N.loss_parity, N.param_parity, N.eval_parity),
                 _parity, f"{JUDGES}:parity",
                 "A compared run matches the reference: the same start, step-local parity at its probe steps, the "
                 "learning-rate schedule, and the loss, final parameters and evals against their floor.",
                 powered=(N.step_loss_parity, N.step_grad_parity, N.loss_parity, N.param_parity, N.eval_parity),
-                needs_reference=True, unmeasured={N.eval_parity: NO_EVALS}, reads_params=(N.param_parity,)),
+                needs_reference=True, unmeasured={N.eval_parity: NO_EVALS}, reads_params=(N.param_parity,),
+                compares_starts=(N.start_parity,)),
     CheckFamily("data_share", (N.data_share_bytes,), _data_share, f"{JUDGES}:data_share",
                 "Each rank of a run of more ranks than the reference holds about its share of the data bytes.",
-                reads_params=()),
+                reads_params=(), compares_starts=()),
     CheckFamily("every_run", EVERY_RUN, _every_run, f"{JUDGES}:every_run",
                 "Every run: its tokens add up, its replicas stay identical, its ranks agree, its side effects "
                 "happen on rank 0 only, training leaves the global RNGs untouched, and every trained parameter keeps "
-                "its dtype.", reads_params=()),
+                "its dtype.", reads_params=(), compares_starts=()),
     CheckFamily("collectives", (N.collective_agreement,), _collectives, f"{JUDGES}:collectives",
                 "Every run of more than one rank: its ranks issued the same collectives (op, shape, dtype, group) "
                 "in the same order, or the first that differs is named with each side's call site and step.",
-                reads_params=()),
+                reads_params=(), compares_starts=()),
     CheckFamily("expectations", (N.compile_scope, N.stop_step), _expectations, f"{JUDGES}:expectations",
                 "Every rank reports what the run expects of it: its compile scope, the step it stopped at.",
-                reads_params=()),
+                reads_params=(), compares_starts=()),
     CheckFamily("resume", (N.resume_step, N.resume_loss_parity, N.resume_param_parity, N.resume_eval_parity,
                            N.resume_accounting), _resume, f"{JUDGES}:resume",
                 "A resumed run restored the expected step and reproduces the run it is compared to: its losses, "
                 "final parameters, evals, tokens and speed.",
                 powered=(N.resume_loss_parity, N.resume_param_parity, N.resume_eval_parity),
-                unmeasured={N.resume_eval_parity: NO_EVALS}, reads_params=(N.resume_param_parity,)),
+                unmeasured={N.resume_eval_parity: NO_EVALS}, reads_params=(N.resume_param_parity,),
+                compares_starts=()),
     CheckFamily("memory", MEMORY, _memory, f"{JUDGES}:memory",
                 "Peak RSS and MLX memory, of the largest rank and summed over ranks, stay under the scenario's "
-                "ceilings.", reads_params=()),
+                "ceilings.", reads_params=(), compares_starts=()),
     CheckFamily(N.wired_share, (N.wired_share,), _wired_share, f"{JUDGES}:wired_share",
-                "No rank holds more than its share of its machine's memory.", reads_params=()),
+                "No rank holds more than its share of its machine's memory.", reads_params=(), compares_starts=()),
     CheckFamily("mutation", (N.mutation_caught,), _mutation, f"{JUDGES}:mutation",
                 "A run with an injected DDP bug has it caught: another of its checks failed by the required margin "
                 "(a straggler: every other check passed and the wait shows; a rank killed: the run names it).",
-                judged_last=True, reads_params=()),
+                judged_last=True, reads_params=(), compares_starts=()),
 )
 
 FAMILIES: dict[str, CheckFamily] = {}  # by name, in judging order: read it through families()

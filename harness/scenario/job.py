@@ -23,8 +23,8 @@ class JobError(ValueError):
 
 
 TRAIN_KEYS = {"run", "trainer", "scenario", "faults", "backend", "stop_after", "mutation", "emulate", "split_rows",
-              "split_sample", "keep_start", "keep_params", "probe", "device", "memory", "checkpoint_dir", "resume",
-              "world_size", "launched_at"}
+              "split_sample", "keep_start", "keep_params", "digest_start", "probe", "device", "memory",
+              "checkpoint_dir", "resume", "world_size", "launched_at"}
 
 
 def _known(d: dict[str, Any], known: set[str], what: str) -> None:
@@ -75,7 +75,9 @@ class TrainJob:
     emulated in one process; ``split_rows`` / ``split_sample``: a split floor run's row chunks
     and draw; ``keep_start``: rank 0 keeps the parameters it starts from (the reference's);
     ``keep_params``: rank 0 keeps its final parameters, and the controller reads them, for a check
-    that compares them (without one, a trainer's own saves are all it writes).
+    that compares them (without one, a trainer's own saves are all it writes); ``digest_start``:
+    each rank digests the parameters training starts from (the replica digest before the first
+    step), for the checks that compare them.
     ``device``: asked, then planned at launch; ``memory``: the budget and expected peak, ranks
     per host added at launch. ``world_size``, ``backend`` and ``launched_at`` are the launch's."""
 
@@ -91,6 +93,7 @@ class TrainJob:
     split_sample: int = 0
     keep_start: bool = False
     keep_params: bool = True
+    digest_start: bool = True
     probe: ProbeJob | None = None
     device: dict[str, Any] = field(default_factory=dict)
     memory: dict[str, Any] = field(default_factory=dict)
@@ -150,6 +153,7 @@ class TrainJob:
             "split_sample": self.split_sample,
             "keep_start": self.keep_start,
             "keep_params": self.keep_params,
+            "digest_start": self.digest_start,
             "probe": None if self.probe is None else {"mode": self.probe.mode, "dir": self.probe.dir,
                                                       "steps": list(self.probe.steps)},
             "device": dict(self.device),
@@ -183,6 +187,7 @@ class TrainJob:
             split_sample=int(d.get("split_sample") or 0),
             keep_start=bool(d.get("keep_start")),
             keep_params=bool(d.get("keep_params", True)),
+            digest_start=bool(d.get("digest_start", True)),
             probe=None if probe is None else ProbeJob(probe["mode"], probe["dir"], tuple(probe["steps"])),
             device=dict(d.get("device") or {}),
             memory=dict(d.get("memory") or {}),

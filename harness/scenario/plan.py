@@ -91,10 +91,13 @@ def plan_scenario(s: Scenario) -> ScenarioPlan:
     each run's checks (``harness.scenario.checks``), effective settings (``RunSettings``), floor
     runs, comparisons, inputs, memory footprint and typed job (``harness.scenario.runs``). Rank 0
     of each run keeps its final parameters for the judge only where a check of the plan reads
-    them (``CheckFamily.reads_params``)."""
+    them (``CheckFamily.reads_params``), and a one-rank run digests its start only where a check
+    of the plan compares runs' starts (``CheckFamily.compares_starts``)."""
     rules = {spec.name: tuple((rule, tuple(names)) for rule, names in run_rules(s, spec)) for spec in s.runs}
-    # a check that reads final parameters compares runs (and their floor runs): all keep them, or none
-    keep_params = any(rule.reads_params_in(names) for given in rules.values() for rule, names in given)
+    given = [(rule, names) for of_run in rules.values() for rule, names in of_run]
+    # such checks compare runs (and their floor runs): all keep what they read, or none
+    keep_params = any(rule.reads_params_in(names) for rule, names in given)
+    starts_compared = any(rule.compares_starts_in(names) for rule, names in given)
     v = RunSettings.of(s)
     floors = floor_runs(v)
     runs = [(spec, None) for spec in launch_order(v)] + [(f.spec(v), f) for f in floors]
@@ -111,7 +114,7 @@ def plan_scenario(s: Scenario) -> ScenarioPlan:
             memory = job_memory(fp)
         except ValueError as e:  # a bad MLX_DDP_HARNESS_MEMORY_BUDGET
             raise ScenarioError(str(e)) from e
-        job = train_job(v, spec, own, memory, floor, keep_params)
+        job = train_job(v, spec, own, memory, floor, keep_params, starts_compared)
         planned.append(PlannedRun(spec, own, trainer_info(own.trainer.kind), floor, rules.get(spec.name, ()),
                                   compared_with, alike, inputs, fp, job))
     return ScenarioPlan(s, tuple(planned))

@@ -260,12 +260,13 @@ def _probe(v: RunSettings, run: RunSpec, floor: FloorRun | None, steps: int, inf
 
 
 def train_job(v: RunSettings, run: RunSpec, eff: Scenario, memory: dict[str, object],
-              floor: FloorRun | None = None, keep_params: bool = True) -> TrainJob:
+              floor: FloorRun | None = None, keep_params: bool = True, starts_compared: bool = True) -> TrainJob:
     """The job every rank of one run reads: ``eff``, the scenario as this run sees it. A rerun
     gets its base run's faults; a twin only its base's stop requests (part of the base's plan: the
     twin must train the steps the base trained), on its one rank; a twin of the reference is
     probed like a compared run. ``memory``: what its job says of memory
-    (``harness.memory.plan.job_memory``). ``keep_params``: whether a check reads final parameters."""
+    (``harness.memory.plan.job_memory``). ``keep_params``: whether a check reads final parameters;
+    ``starts_compared``: whether a check compares runs' starts."""
     base = v.eff[floor.base] if floor is not None else eff
     if floor is not None and floor.kind == "rerun":
         eff = base
@@ -289,6 +290,7 @@ def train_job(v: RunSettings, run: RunSpec, eff: Scenario, memory: dict[str, obj
         # rank 0 keeps the parameters the run starts from: the reference's, to measure how far training moved them
         keep_start=keep_params and floor is None and run.name == v.scenario.checks.reference,
         keep_params=keep_params,
+        digest_start=starts_compared or run.world_size > 1,  # more ranks: replica consistency compares theirs
         probe=probe,
         device={"asked": eff.train.device},  # planned at launch (``harness.controller.run_job``)
         checkpoint_dir=f"{run.name}/checkpoints" if run.writes_checkpoints(eff.train) else None,

@@ -230,7 +230,8 @@ class Trainer:
             restored = coord.attempt("resume", done, self._restore, *loaded[:3])
             coord.agree()
             self.resumed = {**self.resumed, **restored}
-        self.progress.digests[self.progress.start_step - 1] = start_digest(self.model.parameters())
+        if (digest := start_digest(self.model.parameters(), ctx.job.digest_start)) is not None:
+            self.progress.digests[self.progress.start_step - 1] = digest
         self.start_dtypes = param_dtypes(self.model.parameters())
         coord.attempt("save", self.progress.start_step - 1, self.effects.save_start, self.model)  # agreed at step 1
 
