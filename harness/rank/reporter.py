@@ -153,10 +153,8 @@ class StepReporter:
                                   f"run.start come before the first step")
         if digest is None and params is not None:
             digest = start_digest(params, self.ctx.job.digest_start)
-        if digest is not None:
+        if digest is not None:  # None: not taken (``TrainJob.digest_start``), or a start event without one
             self.digests[self.done] = digest
-        else:  # not taken (``TrainJob.digest_start``): an earlier call's is replaced too
-            self.digests.pop(self.done, None)
         from harness.rank.precision import param_dtypes
 
         self.start_dtypes = param_dtypes(params) if params is not None else dtypes
