@@ -1,5 +1,5 @@
 """The harness's host reads through device copies (harness.rank.host_read): exact bits, never the
-trainer's own arrays, the digest as it always was, and a safetensors file any reader reads back."""
+trainer's own arrays, the digest of each array's bits, and a safetensors file any reader reads back."""
 
 from __future__ import annotations
 
@@ -34,13 +34,12 @@ def _bits(a: Any) -> np.ndarray:
     return np.array(a.view(width))
 
 
-def _digest_as_it_was(params: Any) -> str:
-    """The digest before host_read: the arrays read directly."""
+def _digest_of_bits(params: Any) -> str:
+    """Each array's name, dtype, shape and bits, read directly, in name order."""
     h = hashlib.sha256()
     for name, p in sorted(tree_flatten(params)):
-        a = np.array(p.astype(mx.float32)) if p.dtype == mx.bfloat16 else np.array(p)
         h.update(f"{name}:{p.dtype}:{p.shape}".encode())
-        h.update(np.ascontiguousarray(a).tobytes())
+        h.update(np.ascontiguousarray(_bits(p)).tobytes())
     return h.hexdigest()
 
 
@@ -58,11 +57,15 @@ def test_host_bytes_are_each_arrays_bits_in_name_order_read_from_copies(monkeypa
         assert data == np.ascontiguousarray(_bits(p)).tobytes()  # NaN, -0.0, views, empty: bit for bit
 
 
-def test_the_digest_is_as_it_was_and_hashes_bfloat16_as_its_float32_value() -> None:
+def test_the_digest_hashes_each_arrays_own_bits_bfloat16_too() -> None:
     tree = _tree()
-    assert tree_digest(tree) == _digest_as_it_was(tree) and tree_digest({}) == _digest_as_it_was({})
+    assert tree_digest(tree) == _digest_of_bits(tree) and tree_digest({}) == _digest_of_bits({})
     b = {"b": mx.array([1.5, -0.0, float("nan")], dtype=mx.bfloat16)}
     assert tree_digest(b) != tree_digest({"b": b["b"].astype(mx.float32)})  # the dtype is part of it
+    # a bfloat16 array's two bytes a value, not its float32 value's four
+    header = f"b:{b['b'].dtype}:{b['b'].shape}".encode()
+    assert tree_digest(b) == hashlib.sha256(header + np.array(b["b"].view(mx.uint16)).tobytes()).hexdigest()
+    assert tree_digest(b) != hashlib.sha256(header + np.array(b["b"].astype(mx.float32)).tobytes()).hexdigest()
 
 
 def test_a_written_file_is_safetensors_and_loads_back_bit_for_bit(tmp_path: Path) -> None:
@@ -97,7 +100,7 @@ def test_a_write_that_fails_part_way_leaves_the_old_file_and_no_temporary(tmp_pa
     write_safetensors(path, {"a": mx.ones((3,))})
     before = path.read_bytes()
 
-    def failing(params: Any, widen_bfloat16: bool = False) -> Any:
+    def failing(params: Any) -> Any:
         yield "a", None, b"\0" * 12
         raise OSError("disk full")
 

@@ -32,20 +32,17 @@ _TYPES = {
 }
 
 
-def host_bytes(params: Any, widen_bfloat16: bool = False) -> Iterator[tuple[str, Any, bytes]]:
+def host_bytes(params: Any) -> Iterator[tuple[str, Any, bytes]]:
     """``(name, array, bytes)`` for each array of a parameter tree, in name order: its bits in
-    C order, read from a device copy (module docstring). ``widen_bfloat16``: a bfloat16 array's
-    bytes are those of its float32 value."""
+    C order, read from a device copy (module docstring)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
     try:
         for name, p in sorted(tree_flatten(params), key=lambda kv: kv[0]):
-            if widen_bfloat16 and p.dtype == mx.bfloat16:
-                copy = p.astype(mx.float32)
-            else:  # an exact copy: the bits through an integer op (a float op could change a NaN's)
-                bits = getattr(mx, _TYPES[dtype_name(p)][1])
-                copy = mx.bitwise_or(p.view(bits), mx.array(0, dtype=bits))
+            # an exact copy: the bits through an integer op (a float op could change a NaN's)
+            bits = getattr(mx, _TYPES[dtype_name(p)][1])
+            copy = mx.bitwise_or(p.view(bits), mx.array(0, dtype=bits))
             mx.eval(copy)
             data = _bytes_of(copy)
             del copy  # freed before the caller goes on (or stops): the cache clear below sees it

@@ -105,12 +105,13 @@ def param_digest(model: Any) -> str:
 
 
 def tree_digest(params: Any) -> str:
-    """``param_digest`` of a parameter tree (nested dicts and lists of arrays), read through
-    ``host_read`` (bfloat16 arrays hashed as their float32 values)."""
+    """``param_digest`` of a parameter tree (nested dicts and lists of arrays): each array's name,
+    dtype, shape and bits, read through ``host_read`` (a bfloat16 array's own two bytes a value,
+    not a float32 copy's four)."""
     from harness.rank.host_read import host_bytes
 
     h = hashlib.sha256()
-    for name, p, data in host_bytes(params, widen_bfloat16=True):
+    for name, p, data in host_bytes(params):
         h.update(f"{name}:{p.dtype}:{p.shape}".encode())
         h.update(data)
     return h.hexdigest()
