@@ -76,9 +76,10 @@ def test_a_slowdown_planted_among_docs_commits_is_named_and_a_range_before_it_ho
     slow = _commit(repo, "reference: a step that sleeps")
     for n in (3, 4):
         _docs(repo, n)
-    # beside other tests' ranks: a coarse question (not 40 % slower?) that 4 pairs answer
-    # in turns, so that a commit probed again reuses its kept runs
-    coarse = ("--min-pairs", "4", "--pairs", "4", "--detect", "40", "--slowdown-margin", "10", "--in-turns")
+    # beside other tests' ranks: a coarse question (not 40 % slower?) that 4 pairs answer alone, and
+    # up to 8 where those ranks widen the interval (it then says more pairs would decide); in turns,
+    # so that a commit probed again reuses its kept runs
+    coarse = ("--min-pairs", "4", "--pairs", "8", "--detect", "40", "--slowdown-margin", "10", "--in-turns")
     p, record = _bisect(repo, f"{good[:10]}..", *coarse)
     assert p.returncode == EXIT_CHECK_FAILED, p.stdout[-3000:] + p.stderr[-2000:]
     assert f'first bad commit: {slow[:12]} "reference: a step that sleeps"' in p.stdout, p.stdout
@@ -96,8 +97,11 @@ def test_a_slowdown_planted_among_docs_commits_is_named_and_a_range_before_it_ho
     p, record = _bisect(repo, f"{good[:10]}..{before[:10]}", *coarse)
     assert p.returncode == EXIT_PASS, p.stdout[-3000:] + p.stderr[-2000:]
     assert record["answer"]["kind"] == "none" and len(record["probes"]) == 1
-    if before in {x["commit"]["sha"] for x in probes}:  # probed in the first bisection: its own runs are reused
-        assert p.stderr.count(": candidate reused") == 4 and p.stderr.count(": baseline done") == 4, p.stderr
+    first = {x["commit"]["sha"]: x["runs"] // 2 for x in probes}  # each probe's pairs
+    if before in first:  # probed in the first bisection: its own runs are reused, its baseline's run again
+        pairs = record["probes"][0]["runs"] // 2
+        reused = p.stderr.count(": candidate reused")
+        assert reused == min(first[before], pairs) >= 4 and p.stderr.count(": baseline done") == pairs, p.stderr
     assert "no regression in the range" in p.stdout
 
 
