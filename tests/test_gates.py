@@ -290,13 +290,23 @@ def test_gate_and_baseline_commands(tmp_path: Path) -> None:
     assert written.name == "linux-test-cpu-cpu-mlx0.32.4.json" and f"wrote {written}" in made.stdout
     assert json.loads(written.read_text())["tolerances"]["throughput_pct"] == 5.0
 
-    other = _doc([_repeat(500.0), _repeat(510.0)])
+    other = _doc([_repeat(500.0), _repeat(510.0)], env=dict(ENV, git_revision="def5678"))
     other["scenarios"][0]["name"] = "t"
     more = cli("baseline", "update", "--baseline", str(bases), str(_write(tmp_path / "t" / "result.json", other)))
     assert more.returncode == 0, more.stderr  # a new scenario joins; "s", not in these results, is kept
     merged = json.loads(written.read_text())
     assert set(merged["scenarios"]) == {"s", "t"} and merged["scenarios"]["s"]["single"]["median_tok_s"] == 1000.0
     assert merged["tolerances"]["throughput_pct"] == 5.0
+    # each run keeps the revision it was measured at; the file's is the latest update's
+    assert merged["git_revision"] == merged["scenarios"]["t"]["single"]["git_revision"] == "def5678"
+    assert merged["scenarios"]["s"]["single"]["git_revision"] == "abc1234"
+    t_run = _write(tmp_path / "t_run.json", _doc([_repeat(505.0)], env=dict(ENV, git_revision="0ff1ce0")))
+    t_run_doc = json.loads(t_run.read_text())
+    t_run_doc["scenarios"][0]["name"] = "t"
+    t_run.write_text(json.dumps(t_run_doc))
+    rows = cli("gate", "--baseline", str(bases), str(runs), str(t_run))
+    assert rows.returncode == 0, rows.stdout + rows.stderr
+    assert "baseline (harness abc1234)" in rows.stdout and "baseline (harness def5678)" in rows.stdout, rows.stdout
 
     ok = cli("gate", "--baseline", str(bases), str(runs))  # a directory: the platform's file is picked
     assert ok.returncode == 0, ok.stdout + ok.stderr

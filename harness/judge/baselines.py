@@ -156,8 +156,9 @@ def summarize_run(where: str, repeats: list[dict[str, Any]], world_size: int) ->
 
 def collect_repeats(docs: list[tuple[Path, dict[str, Any]]]) -> dict[tuple[str, str], dict[str, Any]]:
     """Runs of the given results by (scenario, run), with all their passing repeats pooled
-    (a result's own ``--repeat`` repeats and the same run in other results alike). Runs expected
-    to fail and noise-floor runs (measurements for the parity checks) are not gated."""
+    (a result's own ``--repeat`` repeats and the same run in other results alike), and the
+    harness revisions those results ran (``revisions``). Runs expected to fail and noise-floor
+    runs (measurements for the parity checks) are not gated."""
     pooled: dict[tuple[str, str], dict[str, Any]] = {}
     for _, doc in docs:
         for s in doc["scenarios"]:
@@ -166,7 +167,10 @@ def collect_repeats(docs: list[tuple[Path, dict[str, Any]]]) -> dict[tuple[str, 
                     continue
                 entry = pooled.setdefault((s["name"], run["name"]), {
                     "world_size": run["world_size"], "model": s.get("model"), "kind": s.get("kind", "parity"),
-                    "repeats": [], "failed": 0})
+                    "repeats": [], "failed": 0, "revisions": []})
+                revision = doc["environment"].get("git_revision")
+                if revision not in entry["revisions"]:
+                    entry["revisions"].append(revision)
                 for rep in run_repeats(run):
                     if rep.get("ok"):
                         entry["repeats"].append(rep)
@@ -196,16 +200,39 @@ def build_baseline(docs: list[tuple[Path, dict[str, Any]]], tolerances: Toleranc
             raise BaselineError(f"{where}: {len(entry['repeats'])} repeat(s); measuring the repeat spread needs "
                                 f"at least {min_repeats} (run with --repeat 3, or give several results)")
         figures = summarize_run(where, entry["repeats"], entry["world_size"])
-        scenarios.setdefault(scenario, {})[run] = {"model": entry["model"], "kind": entry["kind"], **figures}
+        scenarios.setdefault(scenario, {})[run] = {"model": entry["model"], "kind": entry["kind"], **figures,
+                                                   "git_revision": revisions_label(entry["revisions"])}
     return schema.stamp({
         "kind": "baseline",
         "platform": key,
         "environment": first["environment"],
-        "git_revision": first["environment"].get("git_revision"),
+        "git_revision": first["environment"].get("git_revision"),  # the latest results'; each run keeps its own
         "results": len(docs),
         "tolerances": dataclasses.asdict(tolerances),
         "scenarios": scenarios,
     })
+
+
+def revisions_label(revisions: list[str | None]) -> str | None:
+    """The harness revisions a baseline entry's repeats ran, as one label (None: not known)."""
+    known = [r for r in revisions if r]
+    return ", ".join(known) if known else None
+
+
+def merged_baseline(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """``new`` with the scenarios of ``old`` (a baseline of the same platform) it does not cover,
+    each run keeping the revision it was measured at (an entry from before runs kept their own:
+    ``old``'s)."""
+    kept = {name: {run: {"git_revision": old.get("git_revision"), **entry} for run, entry in runs.items()}
+            for name, runs in old["scenarios"].items() if name not in new["scenarios"]}
+    return {**new, "scenarios": {**kept, **new["scenarios"]}}
+
+
+def entry_environment(baseline: dict[str, Any], entry: dict[str, Any]) -> dict[str, Any]:
+    """The environment one run of ``baseline`` was measured in: the file's, at the entry's own
+    revision where it keeps one (a merged baseline's runs come from several)."""
+    env = baseline["environment"]
+    return {**env, "git_revision": entry["git_revision"]} if entry.get("git_revision") else env
 
 
 def read_baseline(path: Path) -> dict[str, Any]:

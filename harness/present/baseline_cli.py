@@ -90,6 +90,7 @@ def cmd_baseline_update(args: argparse.Namespace) -> int:
         Tolerances,
         baseline_target,
         build_baseline,
+        merged_baseline,
         platform_differences,
         platform_key,
         read_baseline,
@@ -105,8 +106,7 @@ def cmd_baseline_update(args: argparse.Namespace) -> int:
     tol = Tolerances(**old["tolerances"]) if old else Tolerances()
     doc = build_baseline(docs, tol.updated(**tolerance_overrides(args)))
     if old and not platform_differences(old["platform"], doc["platform"]):
-        kept = {k: v for k, v in old["scenarios"].items() if k not in doc["scenarios"]}
-        doc["scenarios"] = {**kept, **doc["scenarios"]}
+        doc = merged_baseline(old, doc)
     made = into_dir and not target.is_dir()
     if made:
         target.mkdir()

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import schema
-from harness.judge.baselines import FAST_TOK_S, Tolerances  # noqa: F401 (FAST_TOK_S: read from here too)
+from harness.judge.baselines import FAST_TOK_S, Tolerances, entry_environment  # noqa: F401 (FAST_TOK_S: read from here too)
 from harness.judge.gates import INCONCLUSIVE, Gate, PairedGate  # noqa: F401 (PairedGate: read from here too)
 from harness.present.tables import TOK_S_HEADER, table
 from harness.run.results import EXIT_CHECK_FAILED, EXIT_INCONCLUSIVE, EXIT_PASS
@@ -87,7 +87,8 @@ def regression_rows(compared: list[tuple[str, str, dict[str, Any], dict[str, Any
     for scenario, run, base, now in compared:
         if now["world_size"] != 1:
             continue
-        for (label, repo_rev), figures, where in ((sides[0], base, baseline["environment"]), (sides[1], now, env)):
+        for (label, repo_rev), figures, where in ((sides[0], base, entry_environment(baseline, base)),
+                                                  (sides[1], now, env)):
             rows.append([figures.get("model") or "-", scenario, run, hardware(where),
                          revision_label(label, where, repo_rev), f"{figures['runtime_s']:.3f}s",
                          f"{figures['median_tok_s']:.1f}", _fast(figures), f"{figures['avg_loss']:.6f}",
