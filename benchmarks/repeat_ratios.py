@@ -122,11 +122,27 @@ def new_record(mean: float, spread: float, first: int, unit: int) -> tuple[int, 
     return None
 
 
+def cheapest_record(mean: float, spread: float, first: int, unit: int) -> tuple[int, int, int] | None:
+    """Of new records looking every ``first``, half or a quarter as many repeats (at least 4, whole
+    rotations of ``unit`` sides), the one that would stop soonest at this mean and spread
+    (``new_record``; fewer looks where two stop alike): (its ``--look-every``, its
+    ``--max-repeats``, the look it would stop at). None past 100,000."""
+    plans = []
+    for every in sorted({max(4, unit, -(-(first // k) // unit) * unit) for k in (1, 2, 4)}, reverse=True):
+        at = new_record(mean, spread, every, unit)
+        if at is not None:
+            plans.append((at[1], len(looks(every, at[0], unit, every)), every, at[0]))
+    if not plans:
+        return None
+    stop, _, every, most = min(plans)
+    return every, most, stop
+
+
 def what_it_takes(r: Ratios, points: list[int], unit: int, seconds: float | None, spread: Spread | None = None,
                   window_s: float | None = None) -> str | None:
     """For an unresolved ratio, what resolving it would take at this mean and spread: the look
     of this record (looked at after ``points``, ``unit`` sides a rotation) it would stop at, or
-    past its last look, a new record's plan (``new_record``); the minutes at ``seconds`` a repeat
+    past its last look, a new record's plan (``cheapest_record``); the minutes at ``seconds`` a repeat
     where known. With the spread taken apart and the window's seconds, a new record's with twice
     the steps in the window (the steps are part of a plan), the ratios' spread shrunk in the share
     ``spread`` gives for it."""
@@ -139,19 +155,19 @@ def what_it_takes(r: Ratios, points: list[int], unit: int, seconds: float | None
         span = f"about {k * each / 60:.0f} min" if k * each >= 60 else "under a minute"
         return f", {span} at {each:.1f} s a repeat"
 
-    def plan(at: tuple[int, int] | None, each: float | None) -> str:
+    def plan(at: tuple[int, int, int] | None, each: float | None) -> str:
         if at is None:
             return "more than 100,000 repeats"
-        return (f"a new record with --repeats {points[0]} --max-repeats {at[0]} --look-every {points[0]}: about "
-                f"{at[1]} repeats"
-                f"{minutes(at[1], each)}")
+        every, most, stop = at
+        return (f"a new record with --repeats {every} --max-repeats {most} --look-every {every}: about "
+                f"{stop} repeats{minutes(stop, each)}")
 
     sd, done, need = statistics.stdev(r.values), len(r.values), r.repeats_to_resolve()
     stop = next((p for p in points if need is not None and p >= need), None)
     text = (f"about {stop} repeats, at that look ({stop - done} more{minutes(stop - done, seconds)})" if stop else
-            f"past this record's {points[-1]}, {plan(new_record(r.mean, sd, points[0], unit), seconds)}")
+            f"past this record's {points[-1]}, {plan(cheapest_record(r.mean, sd, points[0], unit), seconds)}")
     if spread is not None and spread.whole > 0 and window_s and seconds:
-        doubled = new_record(r.mean, sd * spread.doubled / spread.whole, points[0], unit)
+        doubled = cheapest_record(r.mean, sd * spread.doubled / spread.whole, points[0], unit)
         text += f"; with twice the steps in the window, {plan(doubled, seconds + window_s)}"
     return text
 

@@ -521,3 +521,20 @@ def test_the_step_benchmark_takes_each_repeats_steps_apart_in_halves() -> None:
     with_trainer = [got[0], got[0], got[2]]  # mlx-lm's trainer too: its steps lengthen the window
     assert window_seconds(with_trainer, 1) == pytest.approx(16 * 0.4)
     assert window_halves(repeats([100.0] * 6, [100.0] * 6), 1) is None  # under 4 steps a half
+
+
+def test_a_new_records_plan_looks_as_often_as_stops_it_soonest() -> None:
+    # a mean of 0.989 and a spread of 0.0085 (unsloth-zoo's on an H200, its window doubled): looking
+    # every 16 repeats stops at 16, every 8 at 8
+    assert repeat_ratios.new_record(0.989, 0.0085, 16, 2) == (16, 16)
+    assert repeat_ratios.new_record(0.989, 0.0085, 8, 2) == (8, 8)
+    assert repeat_ratios.cheapest_record(0.989, 0.0085, 16, 2) == (8, 8, 8)
+    # where looking more often stops no sooner, the fewer looks (each at a wider level)
+    assert repeat_ratios.new_record(0.989, 0.012, 8, 2)[1] == repeat_ratios.new_record(0.989, 0.012, 16, 2)[1] == 16
+    assert repeat_ratios.cheapest_record(0.989, 0.012, 16, 2) == (16, 16, 16)
+    r = Ratios((0.995, 0.965, 0.99, 0.975, 1.002, 0.988), repeat_ratios.look_level(1))
+    sd = statistics.stdev(r.values)
+    every, most, stop = repeat_ratios.cheapest_record(r.mean, sd, 6, 2)  # from the record's first look
+    assert repeat_ratios.what_it_takes(r, [6], 2, 60.0).startswith(
+        f"past this record's 6, a new record with --repeats {every} --max-repeats {most} --look-every {every}: about "
+        f"{stop} repeats")
