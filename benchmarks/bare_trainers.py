@@ -255,6 +255,17 @@ def bare_script(path: Path, run: str, out: Path) -> None:
 BARE = {"mlx_lm": bare_mlx_lm, "script": bare_script, "mlx_vlm": bare_mlx_vlm, "unsloth_zoo": bare_unsloth_zoo}
 
 
+def hide_as_its_rank_does(kind: str) -> None:
+    """Mark absent in this bare process the packages the harness's rank of trainer ``kind`` hides
+    before importing it (``TrainerInfo.hides``: torch for mlx-lm and mlx-vlm, which transformers
+    would import where it is installed), so that both sides import the same libraries; on a GPU
+    machine with torch its import set the bare side's start-up, and so a repeat's length."""
+    from harness.rank.entry import hide
+    from harness.scenario.trainers import trainer_info
+
+    hide(trainer_info(kind).hides)
+
+
 def bare_env() -> dict[str, str]:
     """The BLAS the harness's ranks run with (``launch.blas_preload``), one thread, as they have it."""
     from harness.controller.launch import blas_preload

@@ -92,7 +92,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import timed_script  # noqa: E402
-from bare_trainers import BARE  # noqa: E402
+from bare_trainers import BARE, hide_as_its_rank_does  # noqa: E402
 from gpu_clocks import GpuClocks  # noqa: E402
 from observer_sides import BARE_SIDES, EVERY_STEP, harnessed, run_side, run_turns, script_times  # noqa: E402
 from repeat_ratios import RESOLVED, Ratios, ended, look_level, looks, split_spread, what_it_takes  # noqa: E402
@@ -260,6 +260,7 @@ def main() -> None:
         unwind_on_sigterm()
     if a.bare:
         path, run, out = Path(a.bare[0]), a.bare[1], Path(a.bare[2])
+        hide_as_its_rank_does(run)  # each run is named after its trainer (``TRAINERS``)
         BARE[run](path, run, out, **({"every_step": True} if a.every_step else {}))
         return
     if a.harnessed:

@@ -279,3 +279,19 @@ def test_bare_mlx_lms_clock_marks_each_step_once_before_the_next_batch_is_built(
     log.clear()  # an evaluation's batches pass unmarked and uncounted
     assert len(list(clock.iterate_batches(dataset=[1, 2], loop=False))) == 2 and ("marked", 1) not in log
     assert len(clock.batches) == 3
+
+
+@pytest.mark.parametrize(("trainer", "torch"), [("mlx_lm", "hidden"), ("mlx_vlm", "hidden"), ("script", "absent"),
+                                               ("unsloth_zoo", "absent")])
+def test_a_bare_side_hides_what_its_trainers_rank_hides(tmp_path: Path, trainer: str, torch: str) -> None:
+    # the bare side's process, its trainer replaced by a probe of what it would import torch as
+    script = str(REPO / "benchmarks" / "observer_effect.py")
+    code = (f"import sys; sys.argv = ['observer_effect.py', '--bare', 'x.toml', {trainer!r}, 'out.json']\n"
+            f"import importlib.util as u\n"
+            f"spec = u.spec_from_file_location('observer_effect', {script!r})\n"
+            f"m = u.module_from_spec(spec); spec.loader.exec_module(m)\n"
+            f"m.BARE[{trainer!r}] = lambda *a, **k: print('absent' if 'torch' not in sys.modules else 'hidden' "
+            f"if sys.modules['torch'] is None else 'imported')\n"
+            f"m.main()\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == torch, p.stdout + p.stderr[-2000:]
