@@ -34,7 +34,9 @@ under the harness, on the same model, rows, batch and process count, alternating
   (``trained_tokens``, the sum of what the adapter reports per step).
 
 A vision-language trainer (mlx-vlm) gets a scenario of its own: a qwen2_vl of the text model's
-size (``VLM_MODELS``) on generated captioned images, the other trainers the text model.
+size (``VLM_MODELS``) on generated captioned images, the other trainers the text model. Every bare
+side marks absent what its trainer's rank hides (``bare_trainers.hide_as_its_rank_does``: torch
+for mlx-lm and mlx-vlm), so that both sides import the same libraries.
 
 Both sides are timed alike, by the wall clock between the end of optimizer step ``--from`` and the
 end of the last step, on rank 0 (bare: a timestamp taken where mlx-vlm reports, every 10 steps,
