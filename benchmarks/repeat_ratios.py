@@ -123,12 +123,12 @@ def new_record(mean: float, spread: float, first: int, unit: int) -> tuple[int, 
 
 
 def cheapest_record(mean: float, spread: float, first: int, unit: int) -> tuple[int, int, int] | None:
-    """Of new records looking every ``first``, half or a quarter as many repeats (at least 4, whole
-    rotations of ``unit`` sides), the one that would stop soonest at this mean and spread
+    """Of new records looking every ``first``, half or a quarter as many repeats (at least 4, rounded
+    up to whole rotations of ``unit`` sides), the one that would stop soonest at this mean and spread
     (``new_record``; fewer looks where two stop alike): (its ``--look-every``, its
     ``--max-repeats``, the look it would stop at). None past 100,000."""
     plans = []
-    for every in sorted({max(4, unit, -(-(first // k) // unit) * unit) for k in (1, 2, 4)}, reverse=True):
+    for every in sorted({-(-max(4, first // k) // unit) * unit for k in (1, 2, 4)}, reverse=True):
         at = new_record(mean, spread, every, unit)
         if at is not None:
             plans.append((at[1], len(looks(every, at[0], unit, every)), every, at[0]))

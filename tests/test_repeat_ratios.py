@@ -532,6 +532,8 @@ def test_a_new_records_plan_looks_as_often_as_stops_it_soonest() -> None:
     # where looking more often stops no sooner, the fewer looks (each at a wider level)
     assert repeat_ratios.new_record(0.989, 0.012, 8, 2)[1] == repeat_ratios.new_record(0.989, 0.012, 16, 2)[1] == 16
     assert repeat_ratios.cheapest_record(0.989, 0.012, 16, 2) == (16, 16, 16)
+    # three sides a rotation: every plan looks after whole rotations, at least 4 repeats apart
+    assert all(repeat_ratios.cheapest_record(0.99, 0.01, first, 3)[0] in (6, 9, 12) for first in (3, 6, 12))
     r = Ratios((0.995, 0.965, 0.99, 0.975, 1.002, 0.988), repeat_ratios.look_level(1))
     sd = statistics.stdev(r.values)
     every, most, stop = repeat_ratios.cheapest_record(r.mean, sd, 6, 2)  # from the record's first look
