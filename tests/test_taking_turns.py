@@ -196,7 +196,9 @@ def test_the_observer_benchmark_runs_both_sides_taking_turns(tmp_path: Path, tra
         low, high = ((n * k) / (steps - first + n * k) for n in (turns - 1, turns))
         for side, (window, waited) in r["data"]["turns"][trainer].items():
             assert 0.5 * low < waited / window < 1.5 * high, (side, window, waited, low, high)
-        assert 0.75 < rates[sides[1]] / rates[sides[0]] < 1.33
+        # the sides train alike: a side off by a factor (its tokens counted twice, another window) lies
+        # outside; a turn of 2 steps that other tests' ranks slow moved a side by up to 45 % in --all
+        assert 0.55 < rates[sides[1]] / rates[sides[0]] < 1.8
         assert {side: len(rows) for side, rows in r["data"]["split"].items()} == dict.fromkeys(
             sides, 1 if trainer == "script" else 0)
         # the script's own seconds in each step of the window, kept for the report's own-step table
