@@ -161,10 +161,11 @@ def _mutation(s: Scenario, spec: RunSpec) -> list[str]:
 
 
 JUDGES = "harness.judge.families"
+READS_NEITHER = {"reads_params": (), "compares_starts": ()}  # a family that reads no parameters, compares no starts
 BUILTIN = (  # in judging order
     CheckFamily(N.expected_failure, (N.expected_failure,), _expected_failure, f"{JUDGES}:expected_failure",
                 "A run that must fail failed, with the expected error in its message, and left no process behind.",
-                reads_params=(), compares_starts=()),
+                **READS_NEITHER),
     CheckFamily("parity", (N.start_parity, *STEP_LOCAL, N.lr_schedule, N.loss_parity, N.param_parity, N.eval_parity),
                 _parity, f"{JUDGES}:parity",
                 "A compared run matches the reference: the same start, step-local parity at its probe steps, the "
@@ -174,18 +175,18 @@ BUILTIN = (  # in judging order
                 compares_starts=(N.start_parity,)),
     CheckFamily("data_share", (N.data_share_bytes,), _data_share, f"{JUDGES}:data_share",
                 "Each rank of a run of more ranks than the reference holds about its share of the data bytes.",
-                reads_params=(), compares_starts=()),
+                **READS_NEITHER),
     CheckFamily("every_run", EVERY_RUN, _every_run, f"{JUDGES}:every_run",
                 "Every run: its tokens add up, its replicas stay identical, its ranks agree, its side effects "
                 "happen on rank 0 only, training leaves the global RNGs untouched, and every trained parameter keeps "
-                "its dtype.", reads_params=(), compares_starts=()),
+                "its dtype.", **READS_NEITHER),
     CheckFamily("collectives", (N.collective_agreement,), _collectives, f"{JUDGES}:collectives",
                 "Every run of more than one rank: its ranks issued the same collectives (op, shape, dtype, group) "
                 "in the same order, or the first that differs is named with each side's call site and step.",
-                reads_params=(), compares_starts=()),
+                **READS_NEITHER),
     CheckFamily("expectations", (N.compile_scope, N.stop_step), _expectations, f"{JUDGES}:expectations",
                 "Every rank reports what the run expects of it: its compile scope, the step it stopped at.",
-                reads_params=(), compares_starts=()),
+                **READS_NEITHER),
     CheckFamily("resume", (N.resume_step, N.resume_loss_parity, N.resume_param_parity, N.resume_eval_parity,
                            N.resume_accounting), _resume, f"{JUDGES}:resume",
                 "A resumed run restored the expected step and reproduces the run it is compared to: its losses, "
@@ -195,13 +196,13 @@ BUILTIN = (  # in judging order
                 compares_starts=()),
     CheckFamily("memory", MEMORY, _memory, f"{JUDGES}:memory",
                 "Peak RSS and MLX memory, of the largest rank and summed over ranks, stay under the scenario's "
-                "ceilings.", reads_params=(), compares_starts=()),
+                "ceilings.", **READS_NEITHER),
     CheckFamily(N.wired_share, (N.wired_share,), _wired_share, f"{JUDGES}:wired_share",
-                "No rank holds more than its share of its machine's memory.", reads_params=(), compares_starts=()),
+                "No rank holds more than its share of its machine's memory.", **READS_NEITHER),
     CheckFamily("mutation", (N.mutation_caught,), _mutation, f"{JUDGES}:mutation",
                 "A run with an injected DDP bug has it caught: another of its checks failed by the required margin "
                 "(a straggler: every other check passed and the wait shows; a rank killed: the run names it).",
-                judged_last=True, reads_params=(), compares_starts=()),
+                judged_last=True, **READS_NEITHER),
 )
 
 FAMILIES: dict[str, CheckFamily] = {}  # by name, in judging order: read it through families()
