@@ -268,3 +268,20 @@ def test_a_run_on_the_slow_bundled_blas_says_so_first_with_the_fix(tmp_path: Pat
 
     if not blas_info()["slow"]:  # OpenBLAS is here: nothing to say
         assert not any(ln.startswith("note: ranks will use") for ln in quiet.stderr.splitlines())
+
+
+def test_a_fault_in_the_harness_exits_5_with_its_traceback_never_1(monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """An exception no command expects (a bug, such as an overflow in a statistic) exits 5 with its
+    traceback and one line saying it is the harness's fault: exit 1 means a check failed."""
+    from harness.present import cli as cli_module
+    from harness.run.results import EXIT_INTERNAL
+
+    def broken(args: object) -> int:
+        raise OverflowError("math range error")
+
+    monkeypatch.setattr(cli_module, "cmd_list", broken)
+    assert cli_module.main(["list"]) == EXIT_INTERNAL == 5
+    err = capsys.readouterr().err
+    assert "Traceback" in err and err.rstrip().splitlines()[-1] == (
+        "internal error: OverflowError: math range error (a fault in mlx-ddp-harness, not a verdict)")

@@ -170,6 +170,9 @@ def sequential_look(base_speed: list[float], cand_speed: list[float], design: Se
             decided, early = "pass", True
         elif n >= design.max_pairs:  # out of pairs with neither rejected: neither pass nor alarm
             decided = "inconclusive"
-    return SequentialVerdict(n, math.exp(mean) - 1, math.exp(mean - half) - 1, math.exp(mean + half) - 1, p_alarm,
+    # one degree of freedom (2 pairs) at a small alpha puts the interval's top past a float's range
+    # (t = 637 at 0.001): pairs 3x apart overflow math.exp; infinite, it reads "over +1000%"
+    high = math.exp(mean + half) - 1 if mean + half < 700 else math.inf
+    return SequentialVerdict(n, math.exp(mean) - 1, math.exp(mean - half) - 1, high, p_alarm,
                              p_pass, max(0.0, detectable), decided, design, early,
                              tuple(c / b for b, c in zip(base_speed, cand_speed, strict=True)))

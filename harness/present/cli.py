@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import tempfile
+import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,7 +23,7 @@ from harness.present import soak_cli, starter
 from harness.present.baseline_cli import add_parsers
 from harness.present.live import MODES, PLAIN_EVERY_S, PlainProgress, progress_display
 from harness.run.pipeline import available, prepare, run_repeats
-from harness.run.results import EXIT_BAD_INPUT, EXIT_INFRA, load_results
+from harness.run.results import EXIT_BAD_INPUT, EXIT_INFRA, EXIT_INTERNAL, load_results
 from harness.scenario import Scenario, ScenarioError, discover, load_scenario, with_device
 from harness.scenario.availability import runnable
 from harness.scenario.names import DEVICES
@@ -263,7 +264,8 @@ EXIT_CODES = """exit codes of run:
      what training moved); its line says why and what would give it power
 report exits 0; gate 1 on a regression, 4 when inconclusive (no gate failed, but a paired speed
 test reached --pairs undecided: neither pass nor fail, rerun with more pairs); doctor 1 when an
-essential check fails; any command exits 2 on bad input.
+essential check fails; any command exits 2 on bad input and 5 on a fault in the harness itself
+(its traceback on stderr: a bug to report, never a verdict).
 every command and option: docs/commands.md"""
 
 
@@ -346,3 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # the reader of our output went away (``report DIR | head``): not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
         return 0
+    except Exception as e:  # a bug here must not exit 1, which reads as "a check failed"
+        traceback.print_exc()
+        print(f"internal error: {type(e).__name__}: {e} (a fault in mlx-ddp-harness, not a verdict)", file=sys.stderr)
+        return EXIT_INTERNAL
