@@ -318,6 +318,10 @@ def test_a_planned_check_the_results_cannot_measure_is_na_saying_why() -> None:
     assert got["token_accounting"].applicable
 
 
-def test_a_one_rank_run_is_one_rank_in_details() -> None:
-    detail = replica_consistency(_run("single", 1, [1.0], ["a"])).detail
-    assert detail.startswith("1 rank at steps") and "1 ranks" not in detail
+def test_checks_that_compare_ranks_are_not_applicable_at_one_rank() -> None:
+    """At one rank replica_consistency and ranks_agree have nothing to compare: n/a, never a pass
+    that could not have failed; at two ranks they are judged."""
+    for check in (replica_consistency, ranks_agree):
+        one, two = check(_run("single", 1, [1.0], ["a"])), check(_run("ddp2", 2, [1.0], ["a", "a"]))
+        assert one.result == "n/a" and one.detail == "not applicable: one rank, no other to compare it with"
+        assert two.applicable and two.result == "pass" and two.detail.startswith("2 ranks")

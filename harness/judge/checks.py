@@ -190,8 +190,13 @@ def ranks(n: int) -> str:
     return f"{n} rank" if n == 1 else f"{n} ranks"
 
 
+ONE_RANK = "not applicable: one rank, no other to compare it with"
+
+
 def replica_consistency(run: RunOutcome) -> Check:
-    """Every rank's parameter digest is identical at every step that recorded one."""
+    """Every rank's parameter digest is identical at every step that recorded one (n/a at one rank)."""
+    if run.world_size == 1:
+        return Check(CheckName.replica_consistency, run.name, True, None, None, ONE_RANK, applicable=False)
     per_rank = [o.result["digests"] if o.result else {} for o in run.ranks]
     steps = sorted(set().union(*per_rank), key=int)
     bad = [s for s in steps if len({d.get(s) for d in per_rank}) != 1]
@@ -227,7 +232,10 @@ AGREED_FIELDS = ("steps", "losses", "stop", "evals", "compile", "tokens_global")
 
 def ranks_agree(run: RunOutcome) -> Check:
     """Every rank reports the same steps, losses, stop, eval metrics (bitwise) and compile state;
-    figures a trainer reports on rank 0 only (sent to the others after training) are not compared."""
+    figures a trainer reports on rank 0 only (sent to the others after training) are not compared
+    (n/a at one rank)."""
+    if run.world_size == 1:
+        return Check(CheckName.ranks_agree, run.name, True, None, None, ONE_RANK, applicable=False)
     results = [o.result or {} for o in run.ranks]
     sent = (results[0].get("from_rank0") or {}) if results else {}
     fields = [k for k in AGREED_FIELDS if k not in sent.get("fields", ())]
