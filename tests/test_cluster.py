@@ -331,8 +331,8 @@ def test_a_slow_or_lossy_link_costs_throughput_but_not_correctness(sim: SimHosts
     finally:
         sim.set_link()
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
-    assert set(verdicts(tmp_path / "out" / "result.json").values()) == {"pass"}
     runs = runs_of(tmp_path / "out" / "result.json")
+    assert all_pass(verdicts(tmp_path / "out" / "result.json"), runs)
     assert set(runs) == {"single", "ddp2", "twin2"}, sorted(runs)
     ddp2 = runs["ddp2"]
     if ring_yield.library() is not None:  # ``on`` reaches a host that holds one rank: only ``on`` makes it yield

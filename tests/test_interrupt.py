@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 from tests.conftest import REPO, write_scenario
+from tests.test_launch import gone
 
 HANG = '\n[[faults]]\nrank = 1\nstep = 3\naction = "hang"\nruns = ["ddp2"]\n'
 
@@ -71,8 +72,7 @@ def test_an_interrupted_run_keeps_its_partial_logs_marked_and_leaves_nothing(tmp
     assert {"rank0.stdout", "rank0.stderr", "rank1.stdout", "rank1.stderr", "rank1.events.jsonl"} <= \
         {f.name for f in kept.iterdir()}
     assert not run_dir.exists() and not list(tmp.glob("mlx-ddp-harness-*"))  # no temporary directory left
-    assert ranks and not [pid for pid in ranks if psutil.pid_exists(pid)
-                          and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    assert ranks and not [pid for pid in ranks if not gone(pid)]
 
 
 def _text(path: Path) -> str:
@@ -149,5 +149,4 @@ def test_ctrl_c_while_floor_runs_go_side_by_side_stops_them_all(tmp_path: Path) 
             assert ends and ends[0] < sent + 1.0, (name, ends, sent)
     assert marked, names
     assert not list(tmp.glob("mlx-ddp-harness-*"))  # no run directory, no workspace left
-    assert ranks and not [pid for pid in ranks if psutil.pid_exists(pid)
-                          and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    assert ranks and not [pid for pid in ranks if not gone(pid)]
