@@ -226,10 +226,26 @@ def test_a_rank_scaled_output_gradient_rounds_where_the_ranks_scale_is_not() -> 
 def test_more_steps_are_not_offered_where_the_loss_levelled_off() -> None:
     from harness.judge.power import remedy
 
-    levelled = remedy([5.5, 5.3, 5.2, 5.2, 5.15, 5.12, 5.1, 5.1])  # moved 0.35 by step 5, 0.4 in all
-    assert levelled.startswith("float32 would give it power; more steps would not") and "0.35" in levelled
-    falling = remedy([5.0, 4.6, 4.2, 3.8, 3.4, 3.0, 2.6, 2.2])
-    assert falling.startswith("more steps or a larger learning rate")
+    levelled = [5.5, 5.3, 5.2, 5.2, 5.15, 5.12, 5.1, 5.1]  # moved 0.35 by step 5, 0.4 in all
+    said = remedy(levelled, "bfloat16")
+    assert said.startswith("float32 would give it power; more steps would not") and "0.35" in said
+    falling = [5.0, 4.6, 4.2, 3.8, 3.4, 3.0, 2.6, 2.2]
+    assert remedy(falling, "bfloat16") == ("more steps or a larger learning rate (training moving further), or "
+                                           "float32, would give it power")
+
+
+def test_a_run_at_float32_is_not_offered_float32() -> None:
+    """At float32 the remedy offers no wider dtype (TF32 matmuls: float32 without them)."""
+    from harness.judge.power import remedy
+
+    levelled, falling = [5.5, 5.3, 5.2, 5.2, 5.15, 5.12, 5.1, 5.1], [5.0, 4.6, 4.2, 3.8, 3.4, 3.0, 2.6, 2.2]
+    said = remedy(levelled, "float32")
+    assert said.startswith("training that moves further than rounding grows would give it power") and \
+        "float32" not in said.split(";")[0], said
+    assert remedy(falling, "float32") == ("more steps or a larger learning rate (training moving further) would "
+                                          "give it power")
+    tf32 = remedy(levelled, "float32, TF32 matmuls")
+    assert tf32.startswith("float32 without TF32 matmuls (MLX_ENABLE_TF32=0) would give it power"), tf32
 
 
 def test_a_floor_that_diverged_where_the_run_did_not_is_named_and_judges_nothing() -> None:

@@ -80,17 +80,33 @@ POWER_FRACTION = 0.5  # a trajectory check has power where its limit is at most 
 LEVELLED = 1.25  # a loss that moved less than this times its first half's move over all its steps has levelled off
 
 
-def remedy(losses: list[float]) -> str:
-    """What would give a check without power power, from how the reference's ``losses`` moved:
-    where they levelled off in the second half of the steps, more steps would move them little
-    further while rounding keeps growing, so only float32 is named."""
+def wider(precision: str) -> str | None:
+    """The precision that would round less than ``precision`` (a ``precision_label``): float32 for a
+    narrower dtype, float32 without TF32 for TF32 matmuls; None at plain float32 or an unknown one."""
+    if "TF32" in precision:
+        return "float32 without TF32 matmuls (MLX_ENABLE_TF32=0)"
+    if precision.split(" ")[0] in ("bfloat16", "float16"):
+        return "float32"
+    return None
+
+
+def remedy(losses: list[float], precision: str) -> str:
+    """What would give a check without power power, from how the reference's ``losses`` moved and
+    the ``precision`` it computed at: where they levelled off in the second half of the steps, more
+    steps would move them little further while rounding keeps growing, so they are not offered;
+    a wider precision is offered only where there is one."""
     half = len(losses) // 2
     early = max((abs(x - losses[0]) for x in losses[: half + 1]), default=0.0)
     whole = max((abs(x - losses[0]) for x in losses), default=0.0)
+    better = wider(precision)
     if half >= 2 and early > 0 and whole < LEVELLED * early:
-        return (f"float32 would give it power; more steps would not: the loss levelled off (it moved {early:.3g} in "
-                f"the first {half} steps and {whole:.3g} in all {len(losses)}) while rounding keeps growing")
-    return "more steps or a larger learning rate (training moving further), or float32, would give it power"
+        what = (f"{better} would give it power" if better else
+                "training that moves further than rounding grows would give it power (a trained model's weights, "
+                "real data)")
+        return (f"{what}; more steps would not: the loss levelled off (it moved {early:.3g} in the first {half} "
+                f"steps and {whole:.3g} in all {len(losses)}) while rounding keeps growing")
+    return f"more steps or a larger learning rate (training moving further){f', or {better},' if better else ''} " \
+           "would give it power"
 
 
 def _lacks_power(c: Check, base: str, signal: float, what: str, precision: str, losses: list[float]) -> str:
@@ -103,7 +119,7 @@ def _lacks_power(c: Check, base: str, signal: float, what: str, precision: str, 
         cause = (f"its limit, {c.limit:.3g}, set by the absolute floor (the rounding of one value at {precision}), is "
                  f"more than half of what {what} ({signal:.3g})")
     return (f"{cause}: rounding at {precision} grew over these steps about as far as training moved, so a defect "
-            f"of that size could not be told from it; {remedy(losses)}")
+            f"of that size could not be told from it; {remedy(losses, precision)}")
 
 
 def judge_power(checks: list[Check], run: RunOutcome, base: RunOutcome, start: Check) -> list[Check]:
