@@ -246,6 +246,8 @@ def test_a_run_at_float32_is_not_offered_float32() -> None:
                                           "give it power")
     tf32 = remedy(levelled, "float32, TF32 matmuls")
     assert tf32.startswith("float32 without TF32 matmuls (MLX_ENABLE_TF32=0) would give it power"), tf32
+    for mixed in ("float32 / bfloat16", "bfloat16 / float32", "bfloat16, TF32 matmuls / float32, TF32 matmuls"):
+        assert remedy(levelled, mixed).startswith("float32 would give it power"), mixed
 
 
 def test_a_floor_that_diverged_where_the_run_did_not_is_named_and_judges_nothing() -> None:

@@ -288,3 +288,19 @@ def test_a_fault_in_the_harness_exits_5_with_its_traceback_never_1(monkeypatch: 
     err = capsys.readouterr().err
     assert "Traceback" in err and err.rstrip().splitlines()[-1] == (
         "internal error: OverflowError: math range error (a fault in mlx-ddp-harness, not a verdict)")
+
+
+def test_a_gate_side_whose_run_faulted_exits_5_and_one_that_failed_exits_2(monkeypatch: pytest.MonkeyPatch,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """A side's run that exited 5 (a fault in the harness) is passed on as 5; any other side that
+    gave no result is the one-line error of bad input (2)."""
+    from harness.present import cli as cli_module
+    from harness.run.pairs import SideError
+
+    for internal, code in ((True, 5), (False, 2)):
+        def side(args: object, internal: bool = internal) -> int:
+            raise SideError("candidate", "the candidate side's run exited 5: see its log", internal=internal)
+
+        monkeypatch.setattr(cli_module, "cmd_list", side)
+        assert cli_module.main(["list"]) == code
+        assert capsys.readouterr().err == "error: the candidate side's run exited 5: see its log\n"

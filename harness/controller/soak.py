@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.controller.outcome import RunOutcome
+from harness.controller.ports import PortError
 from harness.controller.run_job import LaunchError, execute
 from harness.scenario.job import SoakJob, SoakStop
 
@@ -166,7 +167,7 @@ def run_cell(cell: Cell, spec: SoakSpec, keep: Path | None = None,
         try:
             outcome = execute(f"soak-{cell.name}-{out.launches}", job, cell.ranks, backend=cell.backend,
                               wall_s=_wall(left, spec.watchdog_s), no_progress_s=spec.watchdog_s, keep_to=files)
-        except LaunchError as e:
+        except (LaunchError, PortError) as e:
             out.stopped = f"could not launch: {e}"
             break
         before, out.calls = out.calls, completed_calls(outcome, out.calls)

@@ -1,7 +1,8 @@
 """Checks: each turns collected runs into a pass/fail with its measured value and its limit.
 
 Every check here can fail: it compares figures the ranks measured against a limit from the
-scenario, and a run that is missing its figures fails the check rather than skipping it.
+scenario, and a run that is missing its figures fails the check rather than skipping it. One
+that has nothing to compare on a run (the ranks of a one-rank run) says so: n/a, never a pass.
 """
 
 from __future__ import annotations

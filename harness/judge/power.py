@@ -81,12 +81,14 @@ LEVELLED = 1.25  # a loss that moved less than this times its first half's move 
 
 
 def wider(precision: str) -> str | None:
-    """The precision that would round less than ``precision`` (a ``precision_label``): float32 for a
-    narrower dtype, float32 without TF32 for TF32 matmuls; None at plain float32 or an unknown one."""
-    if "TF32" in precision:
-        return "float32 without TF32 matmuls (MLX_ENABLE_TF32=0)"
-    if precision.split(" ")[0] in ("bfloat16", "float16"):
+    """The precision that would round less than ``precision`` (a ``precision_label``, runs that
+    differ joined by " / "): float32 where any computed narrower, float32 without TF32 for TF32
+    matmuls; None at plain float32 or an unknown one."""
+    labels = precision.split(" / ")
+    if any(label.split(" ")[0].rstrip(",") in ("bfloat16", "float16") for label in labels):
         return "float32"
+    if any("TF32" in label for label in labels):
+        return "float32 without TF32 matmuls (MLX_ENABLE_TF32=0)"
     return None
 
 

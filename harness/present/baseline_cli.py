@@ -5,7 +5,7 @@ file, a result from another platform than the baseline without ``--force``, noth
 ``--against`` outside a git repository or with an unknown revision), 4 inconclusive (no gate
 failed, but a paired speed test of ``--against`` or ``--env`` reached ``--pairs`` undecided).
 ``--bisect``: 1 a first bad commit (or a range) found, 0 none in the range, 4 undecided
-(``harness.present.bisect_cli``).
+(``harness.present.bisect_cli``). 5: a fault in the harness, here or in a side's run.
 """
 
 from __future__ import annotations

@@ -341,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except (ScenarioError, BaselineError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return EXIT_INTERNAL if getattr(e, "internal", False) else EXIT_BAD_INPUT  # a gate side's run faulted
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.run.results import load_results
+from harness.run.results import EXIT_INTERNAL, load_results
 from harness.scenario import ScenarioError
 from harness.scenario.trainers import versioned_packages
 
@@ -28,11 +28,12 @@ RUN_OK = (0, 1, 4)  # a run whose checks fail, or had no power, still measured i
 
 
 class SideError(ScenarioError):
-    """A side's run that did not give a result to read; ``label`` names the side."""
+    """A side's run that did not give a result to read; ``label`` names the side, ``internal`` says
+    its run exited on a fault in the harness (``EXIT_INTERNAL``), which the gate passes on."""
 
-    def __init__(self, label: str, message: str):
+    def __init__(self, label: str, message: str, internal: bool = False):
         super().__init__(message)
-        self.label = label
+        self.label, self.internal = label, internal
 
 
 def git(args: list[str], cwd: Path) -> str:
@@ -132,7 +133,8 @@ class Side:
                 raise
             if proc.returncode not in self.accept or not (out / "result.json").is_file():
                 raise SideError(self.label, f"the {self.label} side's run exited {proc.returncode}: "
-                                            f"{_why(out.with_suffix('.log'), out)}")
+                                            f"{_why(out.with_suffix('.log'), out)}",
+                                internal=proc.returncode == EXIT_INTERNAL)
             kept = self._kept()
             if kept is not None and store:
                 kept.parent.mkdir(parents=True, exist_ok=True)

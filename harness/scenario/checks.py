@@ -177,9 +177,9 @@ BUILTIN = (  # in judging order
                 "Each rank of a run of more ranks than the reference holds about its share of the data bytes.",
                 **READS_NEITHER),
     CheckFamily("every_run", EVERY_RUN, _every_run, f"{JUDGES}:every_run",
-                "Every run: its tokens add up, its replicas stay identical, its ranks agree, its side effects "
-                "happen on rank 0 only, training leaves the global RNGs untouched, and every trained parameter keeps "
-                "its dtype.", **READS_NEITHER),
+                "Every run: its tokens add up, its replicas stay identical and its ranks agree (at more than one "
+                "rank), its side effects happen on rank 0 only, training leaves the global RNGs untouched, and every "
+                "trained parameter keeps its dtype.", **READS_NEITHER),
     CheckFamily("collectives", (N.collective_agreement,), _collectives, f"{JUDGES}:collectives",
                 "Every run of more than one rank: its ranks issued the same collectives (op, shape, dtype, group) "
                 "in the same order, or the first that differs is named with each side's call site and step.",
