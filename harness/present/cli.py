@@ -328,12 +328,12 @@ LAUNCHING = ("run", "gate", "soak", "doctor")  # commands that start ranks
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _terminated)
     if hasattr(signal, "SIGUSR1") and sys.__stderr__ is not None:  # ``kill -USR1 PID``: where the controller is
         with contextlib.suppress(OSError, ValueError, RuntimeError):
             faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
     try:
+        args = parser().parse_args(argv)  # argparse's own errors exit 2 (SystemExit); a fault here is 5
         if args.command in LAUNCHING:
             refused = ablation.refuse(f"mlx-ddp-harness {args.command}")
             if refused:
