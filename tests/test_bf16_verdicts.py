@@ -227,27 +227,34 @@ def test_more_steps_are_not_offered_where_the_loss_levelled_off() -> None:
     from harness.judge.power import remedy
 
     levelled = [5.5, 5.3, 5.2, 5.2, 5.15, 5.12, 5.1, 5.1]  # moved 0.35 by step 5, 0.4 in all
-    said = remedy(levelled, "bfloat16")
+    said = remedy(levelled, "float32")
     assert said.startswith("float32 would give it power; more steps would not") and "0.35" in said
     falling = [5.0, 4.6, 4.2, 3.8, 3.4, 3.0, 2.6, 2.2]
-    assert remedy(falling, "bfloat16") == ("more steps or a larger learning rate (training moving further), or "
-                                           "float32, would give it power")
+    assert remedy(falling, "float32") == ("more steps or a larger learning rate (training moving further), or "
+                                          "float32, would give it power")
 
 
 def test_a_run_at_float32_is_not_offered_float32() -> None:
-    """At float32 the remedy offers no wider dtype (TF32 matmuls: float32 without them)."""
-    from harness.judge.power import remedy
+    """At float32 the remedy offers no wider dtype (TF32 matmuls: float32 without them); runs of
+    several precisions are offered what the narrowest of them lacks."""
+    from harness.judge.power import remedy, wider
+
+    def at(dtype: str, tf32: bool = False) -> RunOutcome:
+        run = outcome("ddp2", [5.0, 4.5])
+        run.ranks[0].result["precision"] = {**PRECISION, "dtype": dtype, "tf32": tf32}
+        return run
 
     levelled, falling = [5.5, 5.3, 5.2, 5.2, 5.15, 5.12, 5.1, 5.1], [5.0, 4.6, 4.2, 3.8, 3.4, 3.0, 2.6, 2.2]
-    said = remedy(levelled, "float32")
+    said = remedy(levelled, wider(at("float32"), at("float32")))
     assert said.startswith("training that moves further than rounding grows would give it power") and \
         "float32" not in said.split(";")[0], said
-    assert remedy(falling, "float32") == ("more steps or a larger learning rate (training moving further) would "
-                                          "give it power")
-    tf32 = remedy(levelled, "float32, TF32 matmuls")
+    assert remedy(falling, wider(at("float32"))) == ("more steps or a larger learning rate (training moving further) "
+                                                     "would give it power")
+    tf32 = remedy(levelled, wider(at("float32", tf32=True), at("float32")))
     assert tf32.startswith("float32 without TF32 matmuls (MLX_ENABLE_TF32=0) would give it power"), tf32
-    for mixed in ("float32 / bfloat16", "bfloat16 / float32", "bfloat16, TF32 matmuls / float32, TF32 matmuls"):
-        assert remedy(levelled, mixed).startswith("float32 would give it power"), mixed
+    for mixed in ((at("float32"), at("bfloat16")), (at("bfloat16"), at("float32")),
+                  (at("bfloat16"), at("float32", tf32=True))):
+        assert remedy(levelled, wider(*mixed)).startswith("float32 would give it power"), mixed
 
 
 def test_a_floor_that_diverged_where_the_run_did_not_is_named_and_judges_nothing() -> None:

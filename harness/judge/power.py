@@ -21,7 +21,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from harness.controller.outcome import RunOutcome
-from harness.judge.checks import Check, precision_label
+from harness.dtypes import UNIT_ROUNDOFF
+from harness.judge.checks import Check, computed_at, precision_label
 from harness.scenario.checks import CheckName
 from harness.scenario.names import DEFECTS_DESCRIBED
 
@@ -80,27 +81,26 @@ POWER_FRACTION = 0.5  # a trajectory check has power where its limit is at most 
 LEVELLED = 1.25  # a loss that moved less than this times its first half's move over all its steps has levelled off
 
 
-def wider(precision: str) -> str | None:
-    """The precision that would round less than ``precision`` (a ``precision_label``, runs that
-    differ joined by " / "): float32 where any computed narrower, float32 without TF32 for TF32
-    matmuls; None at plain float32 or an unknown one."""
-    labels = precision.split(" / ")
-    if any(label.split(" ")[0].rstrip(",") in ("bfloat16", "float16") for label in labels):
+def wider(*runs: RunOutcome) -> str | None:
+    """The precision that would round less than what the ranks of ``runs`` computed at
+    (``computed_at``): float32 where any computed in a narrower dtype, float32 without TF32 where
+    any had TF32 matmuls; None at plain float32 or where unknown."""
+    seen = [computed_at(o.result or {}) for run in runs for o in run.ranks]
+    if any(UNIT_ROUNDOFF.get(p.get("dtype"), 0.0) > UNIT_ROUNDOFF["float32"] for p in seen):
         return "float32"
-    if any("TF32" in label for label in labels):
+    if any(p.get("tf32") for p in seen):
         return "float32 without TF32 matmuls (MLX_ENABLE_TF32=0)"
     return None
 
 
-def remedy(losses: list[float], precision: str) -> str:
-    """What would give a check without power power, from how the reference's ``losses`` moved and
-    the ``precision`` it computed at: where they levelled off in the second half of the steps, more
-    steps would move them little further while rounding keeps growing, so they are not offered;
-    a wider precision is offered only where there is one."""
+def remedy(losses: list[float], better: str | None) -> str:
+    """What would give a check without power power, from how the reference's ``losses`` moved:
+    where they levelled off in the second half of the steps, more steps would move them little
+    further while rounding keeps growing, so they are not offered; ``better``, the precision that
+    would round less (``wider``), where there is one."""
     half = len(losses) // 2
     early = max((abs(x - losses[0]) for x in losses[: half + 1]), default=0.0)
     whole = max((abs(x - losses[0]) for x in losses), default=0.0)
-    better = wider(precision)
     if half >= 2 and early > 0 and whole < LEVELLED * early:
         what = (f"{better} would give it power" if better else
                 "training that moves further than rounding grows would give it power (a trained model's weights, "
@@ -111,8 +111,9 @@ def remedy(losses: list[float], precision: str) -> str:
            "would give it power"
 
 
-def _lacks_power(c: Check, base: str, signal: float, what: str, precision: str, losses: list[float]) -> str:
-    """Why ``c``, whose limit is more than ``POWER_FRACTION`` of ``signal``, cannot decide, and what would let it."""
+def _lacks_power(c: Check, base: str, signal: float, what: str, precision: str, hint: str) -> str:
+    """Why ``c``, whose limit is more than ``POWER_FRACTION`` of ``signal``, cannot decide, and what would let
+    it (``hint``: ``remedy``'s)."""
     from_noise = c.limit * c.noise / c.floor if c.floor and c.noise is not None else 0.0
     if from_noise > POWER_FRACTION * signal:
         cause = (f"the floor runs (the same mathematics in another rounding) drifted from {base} so far that the limit "
@@ -121,7 +122,7 @@ def _lacks_power(c: Check, base: str, signal: float, what: str, precision: str, 
         cause = (f"its limit, {c.limit:.3g}, set by the absolute floor (the rounding of one value at {precision}), is "
                  f"more than half of what {what} ({signal:.3g})")
     return (f"{cause}: rounding at {precision} grew over these steps about as far as training moved, so a defect "
-            f"of that size could not be told from it; {remedy(losses, precision)}")
+            f"of that size could not be told from it; {hint}")
 
 
 def judge_power(checks: list[Check], run: RunOutcome, base: RunOutcome, start: Check) -> list[Check]:
@@ -134,7 +135,7 @@ def judge_power(checks: list[Check], run: RunOutcome, base: RunOutcome, start: C
     signals[evals] = (loss_signal(base, len(base.result().get("losses") or [])), signals[loss][1])
     if base.moved is None:  # where the start is unknown: a relative L2 of 1 admits parameters of zero
         signals[param] = (1.0, f"{base.name}'s own norm (relative L2 1: the limit admits zero parameters)")
-    precision = precision_label(run, base)
+    precision, hint = precision_label(run, base), remedy(list(base.result().get("losses") or []), wider(run, base))
     for c in checks:
         if c.name not in TRAJECTORIES or not c.passed:
             continue
@@ -146,7 +147,7 @@ def judge_power(checks: list[Check], run: RunOutcome, base: RunOutcome, start: C
             continue
         if not signal or not isinstance(c.limit, int | float) or c.limit <= POWER_FRACTION * signal:
             continue
-        why = _lacks_power(c, base.name, signal, what, precision, list(base.result().get("losses") or []))
+        why = _lacks_power(c, base.name, signal, what, precision, hint)
         c.no_power = True
         if start.applicable:
             c.inconclusive, c.detail = True, f"{NO_POWER}: {why}; {c.detail}"
