@@ -3,8 +3,9 @@
 too), and the samples of its rank read back. It reports the share of the trainer's loop spent in
 the harness's own frames (its callbacks, its batch wrapper, the ledger's interposition: each
 sample where a frame of ``harness/`` lies deeper than the loop's), the part of that spent while
-``mx.compile`` traced the step (once, not per step), the harness frames that took most, and how
-often the rank's other threads (the memory sampler's) were doing anything at all. What a GPU's
+``mx.compile`` traced the step (once, not per step), the harness frames that took most (and,
+out of tracing, the deepest frame each such sample was in), and how often the rank's other
+threads (the memory sampler's) were doing anything at all. What a GPU's
 step loses to host work the harness adds shows here as it would on any device: the loop waits in
 the trainer's evaluation either way.
 
@@ -74,6 +75,7 @@ class LoopShare:
     harness: int = 0
     tracing: int = 0
     frames: Counter[str] = field(default_factory=Counter)
+    deepest: Counter[str] = field(default_factory=Counter)  # out of tracing: the frame each sample was in
     threads_busy: int = 0
     threads: int = 0
 
@@ -108,6 +110,8 @@ def read_raw(lines: list[str], trainer: str, wrapped: set[str] | None = None) ->
             out.harness += n
             out.tracing += n if any(TRACING in f for f in frames) else 0
             out.frames[own[0]] += n
+            if not any(TRACING in f for f in frames):
+                out.deepest[frames[-1]] += n
     return out
 
 
@@ -120,6 +124,9 @@ def report(share: LoopShare, trainer: str) -> str:
              f"(once); {share.wrapped} in the calls the ledger wraps (the step, a collective: the trainer's own "
              f"work); the rank's other threads busy in {share.threads_busy} of their {share.threads}"]
     lines += [f"  {n:6d}  {frame}" for frame, n in share.frames.most_common(5)]
+    if share.deepest:
+        lines.append("the deepest frames of those out of tracing (where the time went inside them):")
+        lines += [f"  {n:6d}  {frame}" for frame, n in share.deepest.most_common(5)]
     return "\n".join(lines)
 
 

@@ -41,6 +41,8 @@ def test_the_rank_samples_in_the_trainers_loop_are_split_into_the_harnesss_and_t
     text = loop_profile.report(share, "mlx_lm")
     assert "in the harness's frames 11 (1.14 %), 4 of them while mx.compile traced" in text
     assert "Report.on_train_loss_report" in text.splitlines()[1]
+    assert share.deepest == {"dumps (json/__init__.py:231)": 7}  # the traced step's samples left out
+    assert text.splitlines()[-1].endswith("7  dumps (json/__init__.py:231)")
     assert "did its rank train?" in loop_profile.report(loop_profile.read_raw(lines[-3:], "mlx_lm", wrapped), "mlx_lm")
 
 
