@@ -66,8 +66,9 @@ def wrapped_lines(path: Path = LEDGER) -> set[str]:
 @dataclass
 class LoopShare:
     """A rank's samples: in the trainer's loop, those in harness frames (and while tracing), the
-    harness frames by count, those in a call the ledger wraps (the trainer's own work), and the
-    samples of the rank's other threads that were not waiting."""
+    harness frames by count (and, out of tracing, the deepest frame of each such sample), those
+    in a call the ledger wraps (the trainer's own work), and the samples of the rank's other
+    threads that were not waiting."""
 
     samples: int = 0
     loop: int = 0
