@@ -1,5 +1,5 @@
 import sys
 
-from harness.present.cli import main
+from harness.present.command import main
 
 sys.exit(main())

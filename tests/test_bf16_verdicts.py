@@ -10,10 +10,11 @@ from __future__ import annotations
 import numpy as np
 
 from harness.controller.outcome import RankOutcome, RunOutcome, WatchReport
+from harness.exit_codes import EXIT_CHECK_FAILED, EXIT_INCONCLUSIVE, EXIT_PASS
 from harness.judge.checks import Check
 from harness.judge.power import judge_power
 from harness.present.report import summary_lines
-from harness.run.results import EXIT_CHECK_FAILED, EXIT_INCONCLUSIVE, EXIT_PASS, exit_code
+from harness.run.results import exit_code
 
 PRECISION = {"dtype": "bfloat16", "label": "bfloat16", "u_in": 2.0**-8, "u_dtype": 2.0**-8}
 

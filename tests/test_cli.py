@@ -277,8 +277,8 @@ def test_a_fault_in_the_harness_exits_5_with_its_traceback_never_1(monkeypatch: 
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
     """An exception no command expects (a bug, such as an overflow in a statistic) exits 5 with its
     traceback and one line saying it is the harness's fault: exit 1 means a check failed."""
+    from harness.exit_codes import EXIT_INTERNAL
     from harness.present import cli as cli_module
-    from harness.run.results import EXIT_INTERNAL
 
     def broken(args: object) -> int:
         raise OverflowError("math range error")
@@ -288,6 +288,23 @@ def test_a_fault_in_the_harness_exits_5_with_its_traceback_never_1(monkeypatch: 
     err = capsys.readouterr().err
     assert "Traceback" in err and err.rstrip().splitlines()[-1] == (
         "internal error: OverflowError: math range error (a fault in mlx-ddp-harness, not a verdict)")
+
+
+def test_a_fault_while_loading_the_command_line_exits_5_too(tmp_path: Path) -> None:
+    """A dependency that breaks on import (here a psutil that raises) is a fault in the harness
+    too, under ``python -m harness`` and the installed command alike: 5, never 1."""
+    (tmp_path / "psutil.py").write_text('raise RuntimeError("psutil broken on purpose")\n')
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), str(REPO), os.environ.get("PYTHONPATH")]))}
+    script = shutil.which("mlx-ddp-harness", path=str(Path(sys.executable).parent))
+    commands = [[sys.executable, "-m", "harness", "list"], *([[script, "list"]] if script else [])]
+    for command in commands:
+        p = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=120,
+                           env={**os.environ, **env})
+        assert p.returncode == 5, (command, p.stderr[-2000:])
+        assert "Traceback" in p.stderr and p.stderr.rstrip().splitlines()[-1] == (
+            "internal error while loading the command line: RuntimeError: psutil broken on purpose "
+            "(a fault in mlx-ddp-harness, not a verdict)")
+    assert cli("list").returncode == 0  # the same command with psutil as installed
 
 
 def test_a_gate_side_whose_run_faulted_exits_5_and_one_that_failed_exits_2(monkeypatch: pytest.MonkeyPatch,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.run.results import EXIT_INCONCLUSIVE, EXIT_PASS
+from harness.exit_codes import EXIT_INCONCLUSIVE, EXIT_PASS
 from tests.conftest import REPO
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.run.results import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, EXIT_PASS
+from harness.exit_codes import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, EXIT_PASS
 from tests.conftest import REPO, write_scenario
 
 NO_ALLREDUCE = ("        return nn.average_gradients(grads, group=self.group)\n",

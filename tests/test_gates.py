@@ -161,8 +161,8 @@ def test_the_baseline_table_says_what_one_run_against_it_could_detect() -> None:
 def test_an_undecided_paired_gate_makes_the_gate_inconclusive_never_passed_or_failed() -> None:
     """A paired speed gate out of pairs, the other gates passing: INCONCLUSIVE and exit 4, in the
     text, the record and the regression table; a failing gate still makes it FAILED (exit 1)."""
+    from harness.exit_codes import EXIT_CHECK_FAILED, EXIT_INCONCLUSIVE, EXIT_PASS
     from harness.present.gate_report import PairedGate, exit_code, gate_record, gate_text, verdict
-    from harness.run.results import EXIT_CHECK_FAILED, EXIT_INCONCLUSIVE, EXIT_PASS
 
     base = _fast_baseline(1000.0, 1050.0, 950.0)
     docs = [(Path("r.json"), _doc([{**r, "median_tok_s": r["fastest_tok_s"] - 100} for r in _fast(990.0, 1010.0)]))]

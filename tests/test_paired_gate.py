@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 from scipy.stats import norm
 
+from harness.exit_codes import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, EXIT_INCONCLUSIVE, EXIT_INFRA, EXIT_PASS
 from harness.judge.paired import SequentialDesign, pocock_level, sequential_look
 from harness.present.paired_gates import PairMode, pair_mode
-from harness.run.results import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, EXIT_INCONCLUSIVE, EXIT_INFRA, EXIT_PASS
 from tests.conftest import REPO, cli, write_scenario
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.run.results import EXIT_BAD_INPUT, EXIT_CHECK_FAILED
+from harness.exit_codes import EXIT_BAD_INPUT, EXIT_CHECK_FAILED
 from tests.conftest import EXAMPLE, script_scenario
 
 GOOD_BODY = "def average_gradients(nn, grads, group):\n    return nn.average_gradients(grads, group=group)\n"

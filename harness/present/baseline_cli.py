@@ -14,7 +14,8 @@ import argparse
 import re
 from pathlib import Path
 
-from harness.run.results import EXIT_PASS, load_results
+from harness.exit_codes import EXIT_PASS
+from harness.run.results import load_results
 from harness.scenario import ScenarioError
 
 TOLERANCE_FLAGS = (

@@ -11,8 +11,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from harness.exit_codes import EXIT_CHECK_FAILED, EXIT_INCONCLUSIVE, EXIT_PASS
 from harness.judge.bisection import Answer, Bisection, Commit
-from harness.run.results import EXIT_CHECK_FAILED, EXIT_INCONCLUSIVE, EXIT_PASS
 from harness.scenario import ScenarioError
 
 EXIT = {"found": EXIT_CHECK_FAILED, "range": EXIT_CHECK_FAILED, "none": EXIT_PASS, "undecided": EXIT_INCONCLUSIVE}

@@ -12,18 +12,18 @@ import os
 import signal
 import sys
 import tempfile
-import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from harness import ablation
+from harness.exit_codes import EXIT_BAD_INPUT, EXIT_INFRA, EXIT_INTERNAL, internal_fault
 from harness.judge.baselines import BaselineError
 from harness.memory.plan import BUDGET_VAR, parse_size
 from harness.present import soak_cli, starter
 from harness.present.baseline_cli import add_parsers
 from harness.present.live import MODES, PLAIN_EVERY_S, PlainProgress, progress_display
 from harness.run.pipeline import available, prepare, run_repeats
-from harness.run.results import EXIT_BAD_INPUT, EXIT_INFRA, EXIT_INTERNAL, load_results
+from harness.run.results import load_results
 from harness.scenario import Scenario, ScenarioError, discover, load_scenario, with_device
 from harness.scenario.availability import runnable
 from harness.scenario.names import DEVICES
@@ -349,6 +349,4 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
         return 0
     except Exception as e:  # a bug here must not exit 1, which reads as "a check failed"
-        traceback.print_exc()
-        print(f"internal error: {type(e).__name__}: {e} (a fault in mlx-ddp-harness, not a verdict)", file=sys.stderr)
-        return EXIT_INTERNAL
+        return internal_fault(e)

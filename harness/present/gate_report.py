@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from harness import schema
+from harness.exit_codes import EXIT_CHECK_FAILED, EXIT_INCONCLUSIVE, EXIT_PASS
 from harness.judge.baselines import FAST_TOK_S, Tolerances, entry_environment  # noqa: F401 (FAST_TOK_S: read from here too)
 from harness.judge.gates import INCONCLUSIVE, Gate, PairedGate  # noqa: F401 (PairedGate: read from here too)
 from harness.present.tables import TOK_S_HEADER, table
-from harness.run.results import EXIT_CHECK_FAILED, EXIT_INCONCLUSIVE, EXIT_PASS
 
 REGRESSION_HEADERS = ["Model / seq", "Scenario", "Run", "Hardware", "Revision", "Runtime", TOK_S_HEADER,
                       f"Gated speed: {FAST_TOK_S}", "Avg loss", "Final loss"]  # TOK_S_HEADER: the run tables'

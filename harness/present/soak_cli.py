@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from harness.controller.soak import STREAMS, Cell, CellResult, SoakSpec, run_cell
+from harness.exit_codes import EXIT_CHECK_FAILED, EXIT_INFRA, EXIT_PASS
 from harness.judge.rates import Rate, quantile
-from harness.run.results import EXIT_CHECK_FAILED, EXIT_INFRA, EXIT_PASS
 from harness.scenario import ModelSpec, ScenarioError
 from harness.scenario.job import SoakJob, SoakStop
 from harness.scenario.names import BACKENDS

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.run.results import EXIT_INTERNAL, load_results
+from harness.exit_codes import EXIT_INTERNAL
+from harness.run.results import load_results
 from harness.scenario import ScenarioError
 from harness.scenario.trainers import versioned_packages
 

@@ -9,15 +9,12 @@ from typing import Any
 
 from harness import schema
 from harness.controller.outcome import RunOutcome
+from harness.exit_codes import EXIT_CHECK_FAILED, EXIT_INCONCLUSIVE, EXIT_INFRA, EXIT_PASS
 from harness.judge.checks import Check, median_after_first
 from harness.run.mutation_summary import mutation_summary
 from harness.scenario import ScenarioError, TrainerSpec
 from harness.scenario.plan import PlannedRun, ScenarioPlan
 from harness.scenario.trainers import TrainerInfo
-
-EXIT_PASS, EXIT_CHECK_FAILED, EXIT_BAD_INPUT, EXIT_INFRA = 0, 1, 2, 3
-EXIT_INCONCLUSIVE = 4  # run: no check failed, one could not decide; gate: a paired speed test ran out of pairs
-EXIT_INTERNAL = 5  # any command: a fault in the harness itself (its traceback on stderr), never a verdict
 
 
 def per_rank_batch(global_batch: int, world_size: int) -> str:
