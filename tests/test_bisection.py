@@ -92,6 +92,21 @@ def test_a_check_that_passed_at_the_baseline_and_fails_at_the_candidate_fails_it
     assert g.result == "INCONCLUSIVE" and not g.passed and "(1 of 2 runs)" in g.detail
 
 
+def test_a_check_that_passed_at_the_baseline_and_is_not_judged_at_the_candidate_is_inconclusive() -> None:
+    """A check that stops deciding (n/a, or INCONCLUSIVE without power) cannot be said to hold: its
+    gate neither passes nor fails, naming it; a check that fails besides still fails the gate."""
+    base = [_doc([("loss_parity", "ddp2", "pass"), ("param_parity", "ddp2", "pass")])] * 2
+    for result in ("n/a", "INCONCLUSIVE"):
+        cand = [_doc([("loss_parity", "ddp2", "pass"), ("param_parity", "ddp2", result)])] * 2
+        cand[0][1]["scenarios"][0]["checks"][1]["detail"] = "no probe step ran"
+        (g,) = check_gates(base, cand)
+        assert g.result == "INCONCLUSIVE" and not g.passed and g.current == "0 of 2 fail, 1 not judged"
+        assert g.detail == f"param_parity: passed at the baseline, {result} here (2 of 2 runs): no probe step ran"
+    both = [_doc([("loss_parity", "ddp2", "FAIL"), ("param_parity", "ddp2", "n/a")])] * 2
+    (g,) = check_gates(base, both)
+    assert g.result == "FAIL" and "loss_parity: 0.5 against limit 0.1" in g.detail and "param_parity" in g.detail
+
+
 def _judged(*gates) -> object:  # noqa: ANN002
     from harness.run.pairs import PairedJudgement
 

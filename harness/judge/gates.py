@@ -46,6 +46,7 @@ class Gate:
 
 
 INCONCLUSIVE = "INCONCLUSIVE"
+UNJUDGED = ("n/a", INCONCLUSIVE)  # a check's results that decide neither way (``Check.result``)
 
 
 @dataclass
@@ -78,8 +79,10 @@ def _figure(x: Any) -> str:
 def check_gates(base_docs: list[tuple[Path, dict[str, Any]]],
                 cand_docs: list[tuple[Path, dict[str, Any]]]) -> list[PairedGate]:
     """Per run both sides ran, its checks' verdicts: FAIL where a check that passed in every run
-    of the baseline fails in every run of the candidate, INCONCLUSIVE where it fails in some of
-    them only; checks that did not pass at the baseline are not gated."""
+    of the baseline fails in every run of the candidate; INCONCLUSIVE where it fails in some of
+    them only, or where the candidate did not judge it (n/a or INCONCLUSIVE there: a check that
+    stops deciding cannot be said to hold). Checks that did not pass at the baseline, or that the
+    candidate's plan does not hold, are not gated."""
     base, cand = _check_results(base_docs), _check_results(cand_docs)
     gates = []
     for key in sorted(set(base) & set(cand)):
@@ -89,13 +92,18 @@ def check_gates(base_docs: list[tuple[Path, dict[str, Any]]],
         failing = {n: [c for c in cand[key][n] if c["result"] == "FAIL"] for n in held}
         flipped = [n for n in held if failing[n] and len(failing[n]) == len(cand[key][n])]
         mixed = [n for n in held if failing[n] and n not in flipped]
+        unjudged = {n: [c for c in cand[key][n] if c["result"] in UNJUDGED] for n in held if not failing[n]}
+        unjudged = {n: cs for n, cs in unjudged.items() if cs}
         said = [f"{n}: {_figure(failing[n][0].get('value'))} against limit {_figure(failing[n][0].get('limit'))}"
                 + (f" ({len(failing[n])} of {len(cand[key][n])} runs)" if n in mixed else "")
                 for n in flipped + mixed]
-        gates.append(PairedGate(*key, "checks", not (flipped or mixed),
-                                f"{len(flipped) + len(mixed)} of {len(held)} fail", f"{len(held)} pass",
+        said += [f"{n}: passed at the baseline, {cs[0]['result']} here ({len(cs)} of {len(cand[key][n])} runs)"
+                 + (f": {cs[0]['detail']}" if cs[0].get("detail") else "") for n, cs in unjudged.items()]
+        gates.append(PairedGate(*key, "checks", not (flipped or mixed or unjudged),
+                                f"{len(flipped) + len(mixed)} of {len(held)} fail"
+                                + (f", {len(unjudged)} not judged" if unjudged else ""), f"{len(held)} pass",
                                 "every check that passes at the baseline passes",
-                                "; ".join(said), inconclusive=bool(mixed) and not flipped))
+                                "; ".join(said), inconclusive=bool(mixed or unjudged) and not flipped))
     return gates
 
 
