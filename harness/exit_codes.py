@@ -7,7 +7,7 @@ import sys
 import traceback
 
 EXIT_PASS, EXIT_CHECK_FAILED, EXIT_BAD_INPUT, EXIT_INFRA = 0, 1, 2, 3
-EXIT_INCONCLUSIVE = 4  # run: no check failed, one could not decide; gate: a paired speed test ran out of pairs
+EXIT_INCONCLUSIVE = 4  # run: no check failed, one could not decide; gate: none failed, one could not decide
 EXIT_INTERNAL = 5  # any command: a fault in the harness itself (its traceback on stderr), never a verdict
 
 

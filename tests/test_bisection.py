@@ -93,18 +93,50 @@ def test_a_check_that_passed_at_the_baseline_and_fails_at_the_candidate_fails_it
 
 
 def test_a_check_that_passed_at_the_baseline_and_is_not_judged_at_the_candidate_is_inconclusive() -> None:
-    """A check that stops deciding (n/a, or INCONCLUSIVE without power) cannot be said to hold: its
-    gate neither passes nor fails, naming it; a check that fails besides still fails the gate."""
-    base = [_doc([("loss_parity", "ddp2", "pass"), ("param_parity", "ddp2", "pass")])] * 2
-    for result in ("n/a", "INCONCLUSIVE"):
-        cand = [_doc([("loss_parity", "ddp2", "pass"), ("param_parity", "ddp2", result)])] * 2
-        cand[0][1]["scenarios"][0]["checks"][1]["detail"] = "no probe step ran"
+    """A check that stops deciding (n/a, INCONCLUSIVE without power, an expected failure's result)
+    cannot be said to hold: its gate neither passes nor fails, naming it with each result seen and
+    the first reason given; a check that fails besides still fails the gate."""
+    from harness.present.gate_report import CHECKS_UNDECIDED, CHECKS_UNJUDGED, undecided_advice
+
+    base = [_doc([("loss_parity", "ddp2", "pass"), ("param_parity", "ddp2", "pass")]) for _ in range(2)]
+    for first, second in (("n/a", "n/a"), ("INCONCLUSIVE", "INCONCLUSIVE"), ("n/a", "INCONCLUSIVE"),
+                          ("inconclusive", "inconclusive")):
+        cand = [_doc([("loss_parity", "ddp2", "pass"), ("param_parity", "ddp2", r)]) for r in (first, second)]
+        cand[1][1]["scenarios"][0]["checks"][1]["detail"] = "no probe step ran"  # the second run's reason only
         (g,) = check_gates(base, cand)
         assert g.result == "INCONCLUSIVE" and not g.passed and g.current == "0 of 2 fail, 1 not judged"
-        assert g.detail == f"param_parity: passed at the baseline, {result} here (2 of 2 runs): no probe step ran"
-    both = [_doc([("loss_parity", "ddp2", "FAIL"), ("param_parity", "ddp2", "n/a")])] * 2
+        results = "/".join(sorted({first, second}))
+        assert g.detail == f"param_parity: passed at the baseline, {results} here (2 of 2 runs): no probe step ran"
+        assert (g.unjudged, g.flaky) == (("param_parity",), ())
+        assert undecided_advice([g]) == [CHECKS_UNJUDGED]
+    some = [_doc([("loss_parity", "ddp2", "pass"), ("param_parity", "ddp2", r)]) for r in ("n/a", "pass")]
+    (g,) = check_gates(base, some)
+    assert g.result == "INCONCLUSIVE" and g.detail == "param_parity: passed at the baseline, n/a here (1 of 2 runs)"
+    flaky = [_doc([("loss_parity", "ddp2", r), ("param_parity", "ddp2", "n/a")]) for r in ("FAIL", "pass")]
+    (g,) = check_gates(base, flaky)
+    assert (g.result, g.flaky, g.unjudged) == ("INCONCLUSIVE", ("loss_parity",), ("param_parity",))
+    assert undecided_advice([g]) == [CHECKS_UNDECIDED, CHECKS_UNJUDGED]
+    both = [_doc([("loss_parity", "ddp2", "FAIL"), ("param_parity", "ddp2", "n/a")]) for _ in range(2)]
     (g,) = check_gates(base, both)
     assert g.result == "FAIL" and "loss_parity: 0.5 against limit 0.1" in g.detail and "param_parity" in g.detail
+
+
+def test_a_check_a_commit_does_not_judge_decides_nothing_in_a_bisection_and_is_named() -> None:
+    """The same at every later commit, an unjudged check would leave the rest of the range
+    undecided: its probe is decided by the other gates and names it; a flaky check still leaves
+    the probe undecided."""
+    from harness.judge.gates import Gate
+    from harness.run.bisect import decide
+
+    base = [_doc([("loss_parity", "ddp2", "pass"), ("param_parity", "ddp2", "pass")]) for _ in range(2)]
+    unjudged = check_gates(base, [_doc([("loss_parity", "ddp2", "pass"), ("param_parity", "ddp2", "n/a")])] * 2)
+    loss = Gate("s", "ddp2", "loss", True, "2.31", "2.31", "within the baseline's spread")
+    assert decide(_judged(*unjudged, loss), ("checks",))[0] == UNDECIDED  # the loss was not asked: nothing decides
+    outcome, metric, why = decide(_judged(*unjudged, loss), ("checks", "loss"))
+    assert (outcome, metric) == (GOOD, "every gate") and "not judged at this commit, s/ddp2: param_parity" in why
+    flaky = check_gates(base, [_doc([("loss_parity", "ddp2", r), ("param_parity", "ddp2", "n/a")])
+                               for r in ("FAIL", "pass")])
+    assert decide(_judged(*flaky), ("checks",))[0] == UNDECIDED
 
 
 def _judged(*gates) -> object:  # noqa: ANN002

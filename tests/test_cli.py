@@ -307,6 +307,25 @@ def test_a_fault_while_loading_the_command_line_exits_5_too(tmp_path: Path) -> N
     assert cli("list").returncode == 0  # the same command with psutil as installed
 
 
+def test_the_command_line_is_loaded_under_the_guard_by_both_entry_points(monkeypatch: pytest.MonkeyPatch,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """The installed command and ``python -m harness`` both enter through ``harness.present.command``,
+    which turns a command line that cannot be imported into exit 5."""
+    import tomllib
+
+    import harness.present
+    from harness.present import command
+
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts == {"mlx-ddp-harness": "harness.present.command:main"}
+    assert "from harness.present.command import main" in (REPO / "harness" / "__main__.py").read_text()
+    monkeypatch.delattr(harness.present, "cli", raising=False)
+    monkeypatch.setitem(sys.modules, "harness.present.cli", None)  # importing it raises ModuleNotFoundError
+    assert command.main(["list"]) == 5
+    assert capsys.readouterr().err.rstrip().splitlines()[-1].startswith(
+        "internal error while loading the command line: ModuleNotFoundError: import of harness.present.cli halted")
+
+
 def test_a_gate_side_whose_run_faulted_exits_5_and_one_that_failed_exits_2(monkeypatch: pytest.MonkeyPatch,
                                                                          capsys: pytest.CaptureFixture[str]) -> None:
     """A side's run that exited 5 (a fault in the harness) is passed on as 5; any other side that

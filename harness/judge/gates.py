@@ -46,16 +46,18 @@ class Gate:
 
 
 INCONCLUSIVE = "INCONCLUSIVE"
-UNJUDGED = ("n/a", INCONCLUSIVE)  # a check's results that decide neither way (``Check.result``)
 
 
 @dataclass
 class PairedGate(Gate):
     """A gate of two sides run pair by pair; ``inconclusive``: it could not decide (a paired speed
-    test out of pairs with neither hypothesis rejected, a check that failed in some of the
-    candidate's runs only), so it neither passed nor failed."""
+    test out of pairs with neither hypothesis rejected; checks that failed in some of the
+    candidate's runs only, ``flaky``, or that it did not judge, ``unjudged``), so it neither
+    passed nor failed."""
 
     inconclusive: bool = False
+    flaky: tuple[str, ...] = ()  # checks that failed in some of the candidate's runs only
+    unjudged: tuple[str, ...] = ()  # checks that passed at the baseline and that the candidate did not judge
 
     @property
     def result(self) -> str:
@@ -80,9 +82,9 @@ def check_gates(base_docs: list[tuple[Path, dict[str, Any]]],
                 cand_docs: list[tuple[Path, dict[str, Any]]]) -> list[PairedGate]:
     """Per run both sides ran, its checks' verdicts: FAIL where a check that passed in every run
     of the baseline fails in every run of the candidate; INCONCLUSIVE where it fails in some of
-    them only, or where the candidate did not judge it (n/a or INCONCLUSIVE there: a check that
-    stops deciding cannot be said to hold). Checks that did not pass at the baseline, or that the
-    candidate's plan does not hold, are not gated."""
+    them only, or where the candidate did not judge it in a run (n/a, INCONCLUSIVE, or an
+    expected failure's result there: a check that stops deciding cannot be said to hold). Checks
+    that did not pass at the baseline, or that the candidate's plan does not hold, are not gated."""
     base, cand = _check_results(base_docs), _check_results(cand_docs)
     gates = []
     for key in sorted(set(base) & set(cand)):
@@ -92,19 +94,28 @@ def check_gates(base_docs: list[tuple[Path, dict[str, Any]]],
         failing = {n: [c for c in cand[key][n] if c["result"] == "FAIL"] for n in held}
         flipped = [n for n in held if failing[n] and len(failing[n]) == len(cand[key][n])]
         mixed = [n for n in held if failing[n] and n not in flipped]
-        unjudged = {n: [c for c in cand[key][n] if c["result"] in UNJUDGED] for n in held if not failing[n]}
-        unjudged = {n: cs for n, cs in unjudged.items() if cs}
+        unjudged = {n: [c for c in cand[key][n] if c["result"] not in ("pass", "FAIL")] for n in held}
+        unjudged = {n: cs for n, cs in unjudged.items() if cs and not failing[n]}
         said = [f"{n}: {_figure(failing[n][0].get('value'))} against limit {_figure(failing[n][0].get('limit'))}"
                 + (f" ({len(failing[n])} of {len(cand[key][n])} runs)" if n in mixed else "")
                 for n in flipped + mixed]
-        said += [f"{n}: passed at the baseline, {cs[0]['result']} here ({len(cs)} of {len(cand[key][n])} runs)"
-                 + (f": {cs[0]['detail']}" if cs[0].get("detail") else "") for n, cs in unjudged.items()]
+        said += [_unjudged(n, cs, len(cand[key][n])) for n, cs in unjudged.items()]
         gates.append(PairedGate(*key, "checks", not (flipped or mixed or unjudged),
                                 f"{len(flipped) + len(mixed)} of {len(held)} fail"
                                 + (f", {len(unjudged)} not judged" if unjudged else ""), f"{len(held)} pass",
                                 "every check that passes at the baseline passes",
-                                "; ".join(said), inconclusive=bool(mixed or unjudged) and not flipped))
+                                "; ".join(said), inconclusive=bool(mixed or unjudged) and not flipped,
+                                flaky=tuple(mixed), unjudged=tuple(unjudged)))
     return gates
+
+
+def _unjudged(name: str, checks: list[dict[str, Any]], runs: int) -> str:
+    """A check that passed at the baseline as the candidate left it: its results there (n/a,
+    INCONCLUSIVE, an expected failure's), in how many runs, and the first reason given."""
+    results = "/".join(sorted({c["result"] for c in checks}))
+    why = next((c["detail"] for c in checks if c.get("detail")), "")
+    said = f"{name}: passed at the baseline, {results} here ({len(checks)} of {runs} runs)"
+    return f"{said}: {why}" if why else said
 
 
 def check_platform(baseline: dict[str, Any], base_file: Path, doc: dict[str, Any], result_file: Path,

@@ -3,7 +3,8 @@ the gates, and the baseline's entries; and the one record every gate writes (``e
 
 A gate's verdict is PASSED, FAILED (a gate failed) or INCONCLUSIVE (none failed, but a paired
 speed test ran out of pairs with neither hypothesis rejected, or a check failed in some of the
-candidate's runs only: ``harness.judge.gates.PairedGate``), each with its exit code."""
+candidate's runs only or was not judged there: ``harness.judge.gates.PairedGate``), each with its
+exit code."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import Any
 from harness import schema
 from harness.exit_codes import EXIT_CHECK_FAILED, EXIT_INCONCLUSIVE, EXIT_PASS
 from harness.judge.baselines import FAST_TOK_S, Tolerances, entry_environment  # noqa: F401 (FAST_TOK_S: read from here too)
-from harness.judge.gates import INCONCLUSIVE, Gate, PairedGate  # noqa: F401 (PairedGate: read from here too)
+from harness.judge.gates import INCONCLUSIVE, Gate, PairedGate
 from harness.present.tables import TOK_S_HEADER, table
 
 REGRESSION_HEADERS = ["Model / seq", "Scenario", "Run", "Hardware", "Revision", "Runtime", TOK_S_HEADER,
@@ -107,12 +108,19 @@ SPEED_UNDECIDED = ("INCONCLUSIVE is neither a pass nor a failure: the pairs allo
 CHECKS_UNDECIDED = ("INCONCLUSIVE checks failed in some of the candidate's runs and passed in others: a flaky "
                     "check or a defect that shows only at times; neither a pass nor a failure (more pairs will not "
                     "settle it: run the scenario with --repeat to see how often it fails)")
+CHECKS_UNJUDGED = ("INCONCLUSIVE checks passed at the baseline and the candidate did not judge them (n/a, or "
+                   "without the power to see a defect: each one's detail says why): whether they still hold is not "
+                   "known; neither a pass nor a failure, and more pairs or repeats will not settle it: find what "
+                   "stopped them deciding (what the trainer no longer reports, the scenario, the precision)")
 
 
 def undecided_advice(gates: list[Gate]) -> list[str]:
     """What to do about each kind of gate that could not decide."""
-    kinds = {g.metric == "checks" for g in gates if g.result == INCONCLUSIVE}
-    return [text for checks, text in ((False, SPEED_UNDECIDED), (True, CHECKS_UNDECIDED)) if checks in kinds]
+    open_ = [g for g in gates if isinstance(g, PairedGate) and g.inconclusive]
+    kinds = {"speed" for g in open_ if g.metric != "checks"}
+    kinds |= {"flaky" for g in open_ if g.flaky} | {"unjudged" for g in open_ if g.unjudged}
+    return [text for kind, text in (("speed", SPEED_UNDECIDED), ("flaky", CHECKS_UNDECIDED),
+                                    ("unjudged", CHECKS_UNJUDGED)) if kind in kinds]
 
 
 def gate_text(gates: list[Gate], notes: list[str], compared: list, baseline: dict[str, Any],

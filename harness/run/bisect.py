@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.judge.bisection import BAD, GOOD, UNDECIDED, UNTESTABLE, Bisection, Budget, Commit, Probe
+from harness.judge.gates import PairedGate
 from harness.run.pairs import (
     PairedJudgement,
     PairedRuns,
@@ -79,9 +80,14 @@ def decide(judged: PairedJudgement, metrics: tuple[str, ...] = tuple(METRICS)) -
     """A probe's outcome from its gates of ``metrics`` (and a run that failed, whatever they are):
     bad where one failed (the first, by metric: a run that failed, a check, the loss, memory,
     then speed), undecided where one could not decide or none was judged, else good; with the
-    deciding gate's metric and figure."""
+    deciding gate's metric and figure. Checks the commit does not judge (``PairedGate.unjudged``)
+    decide nothing: the same at every later commit, they would leave the rest of the range
+    undecided; a good probe names them."""
     order = ["run", *(m for name in METRICS if name in metrics for m in METRICS[name])]
-    ranked = sorted((g for g in judged.gates if g.metric in order), key=lambda g: order.index(g.metric))
+    unjudged = [g for g in judged.gates if g.metric == "checks" and "checks" in metrics and isinstance(g, PairedGate)
+                and g.inconclusive and g.unjudged and not g.flaky]
+    ranked = sorted((g for g in judged.gates if g.metric in order and g not in unjudged),
+                    key=lambda g: order.index(g.metric))
     for outcome, result in ((BAD, "FAIL"), (UNDECIDED, "INCONCLUSIVE")):
         g = next((g for g in ranked if g.result == result), None)
         if g is not None:
@@ -90,9 +96,11 @@ def decide(judged: PairedJudgement, metrics: tuple[str, ...] = tuple(METRICS)) -
     if not ranked:
         return UNDECIDED, "no gate", f"none of {', '.join(metrics)} could be judged on both sides"
     speed = next((g for g in ranked if g.metric == "throughput (paired)"), None)
+    aside = "".join(f"; not judged at this commit, {g.scenario}/{g.run}: {g.detail}" for g in unjudged)
     if speed is None:
-        return GOOD, "every gate", f"{len(ranked)} gates pass"
-    return GOOD, f"{speed.metric} {speed.scenario}/{speed.run}", f"{speed.current} vs {speed.baseline}; {speed.detail}"
+        return GOOD, "every gate", f"{len(ranked)} gates pass{aside}"
+    return (GOOD, f"{speed.metric} {speed.scenario}/{speed.run}",
+            f"{speed.current} vs {speed.baseline}; {speed.detail}{aside}")
 
 
 @dataclass(frozen=True)
