@@ -193,7 +193,7 @@ def test_an_undecided_paired_gate_makes_the_gate_inconclusive_never_passed_or_fa
     assert "PASSED" not in text and "FAILED" not in text and "rerun with a larger --pairs" in text
     assert "flaky check" not in text  # the advice fits what could not decide
     flaky = PairedGate("s", "single", "checks", False, "1 of 3 fail", "3 pass", "every check that passes",
-                       "loss_parity: 0.2 against limit 0.1 (1 of 2 runs)", inconclusive=True)
+                       "loss_parity: 0.2 against limit 0.1 (1 of 2 runs)", inconclusive=True, flaky=("loss_parity",))
     flaky_text = gate_text([*others, flaky], notes, compared, base, ENV, "HEAD (abc1234)")
     assert "flaky check" in flaky_text and "--pairs" not in flaky_text
     assert "INCONCLUSIVE s/single throughput (paired): 990.0 fastest-tenth tok/s vs baseline" in text
