@@ -109,9 +109,10 @@ def read_raw(lines: list[str], trainer: str, wrapped: set[str] | None = None) ->
             out.wrapped += n
         elif own:
             out.harness += n
-            out.tracing += n if any(TRACING in f for f in frames) else 0
             out.frames[own[0]] += n
-            if not any(TRACING in f for f in frames):
+            if any(TRACING in f for f in frames):
+                out.tracing += n
+            else:
                 out.deepest[frames[-1]] += n
     return out
 

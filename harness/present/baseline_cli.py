@@ -3,7 +3,8 @@
 Exit codes of ``gate``: 0 every gate passed, 1 a gate failed, 2 bad input (a missing or damaged
 file, a result from another platform than the baseline without ``--force``, nothing to compare,
 ``--against`` outside a git repository or with an unknown revision), 4 inconclusive (no gate
-failed, but a paired speed test of ``--against`` or ``--env`` reached ``--pairs`` undecided).
+failed, but a paired speed test of ``--against`` or ``--env`` reached ``--pairs`` undecided, or a
+check failed in some of the candidate's runs only or was not judged there).
 ``--bisect``: 1 a first bad commit (or a range) found, 0 none in the range, 4 undecided
 (``harness.present.bisect_cli``). 5: a fault in the harness, here or in a side's run.
 """

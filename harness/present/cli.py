@@ -263,7 +263,8 @@ EXIT_CODES = """exit codes of run:
   4  inconclusive: no check failed, but a parity check had no power (its limit more than half of
      what training moved); its line says why and what would give it power
 report exits 0; gate 1 on a regression, 4 when inconclusive (no gate failed, but a paired speed
-test reached --pairs undecided: neither pass nor fail, rerun with more pairs); doctor 1 when an
+test reached --pairs undecided, rerun with more pairs; or a check failed in some of the candidate's
+runs only, or was not judged there: its line says which); doctor 1 when an
 essential check fails; any command exits 2 on bad input and 5 on a fault in the harness itself
 (its traceback on stderr: a bug to report, never a verdict).
 every command and option: docs/commands.md"""

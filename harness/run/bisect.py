@@ -84,8 +84,8 @@ def decide(judged: PairedJudgement, metrics: tuple[str, ...] = tuple(METRICS)) -
     decide nothing: the same at every later commit, they would leave the rest of the range
     undecided; a good probe names them."""
     order = ["run", *(m for name in METRICS if name in metrics for m in METRICS[name])]
-    unjudged = [g for g in judged.gates if g.metric == "checks" and "checks" in metrics and isinstance(g, PairedGate)
-                and g.inconclusive and g.unjudged and not g.flaky]
+    unjudged = [g for g in judged.gates if isinstance(g, PairedGate) and g.metric == "checks" and g.metric in order
+                and g.inconclusive and not g.flaky]  # inconclusive only for what it did not judge
     ranked = sorted((g for g in judged.gates if g.metric in order and g not in unjudged),
                     key=lambda g: order.index(g.metric))
     for outcome, result in ((BAD, "FAIL"), (UNDECIDED, "INCONCLUSIVE")):
